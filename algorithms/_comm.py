@@ -1,0 +1,206 @@
+"""The collective primitives colltune uses, wrapped to count this rank's traffic.
+
+Only primitives that both gloo and NCCL implement are used: ``all_reduce``,
+``all_gather_into_tensor`` (``all_gather_single`` where torch has it),
+``all_to_all_single`` and ``batch_isend_irecv``.
+
+Traffic is counted at each call, from the sizes passed to it, under the
+textbook schedule of the primitive (the backends do not report what they put
+on the wire):
+
+==================  ==============================  ====================
+primitive           bytes this rank sends           messages
+==================  ==============================  ====================
+all_reduce (ring)   ``2 L (P-1) / P``               ``2 (P-1)``
+all_gather (ring)   ``(P-1) L`` for an input of L   ``P-1``
+all_to_all          the bytes of the splits bound   one per non-empty
+                    for other ranks                 split to another rank
+send                ``L``                           1
+==================  ==============================  ====================
+
+Counting adds a few integer operations per call and nothing when no
+:class:`Traffic` is attached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Traffic", "Comm"]
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages one rank sent during one call, in total and per primitive.
+
+    Attributes:
+        bytes_sent: bytes this rank put on the wire.
+        messages: point-to-point messages this rank sent.
+        meta_bytes: the part of ``bytes_sent`` that was control data
+            (metadata records, counts, sizes, boundaries, threshold histograms).
+        by_primitive: ``{primitive: {"calls": c, "bytes": b, "messages": m}}``.
+    """
+
+    bytes_sent: int = 0
+    messages: int = 0
+    meta_bytes: int = 0
+    by_primitive: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, primitive: str, nbytes: int, messages: int, meta: bool = False) -> None:
+        """Record one call of ``primitive`` that sent ``nbytes`` in ``messages`` messages.
+
+        ``meta`` marks control traffic (counts, sizes, thresholds, boundaries)
+        as opposed to the entries themselves; it is included in ``bytes_sent``
+        and also summed in ``meta_bytes``.
+        """
+        self.bytes_sent += nbytes
+        self.messages += messages
+        if meta:
+            self.meta_bytes += nbytes
+        slot = self.by_primitive.setdefault(primitive, {"calls": 0, "bytes": 0, "messages": 0})
+        slot["calls"] += 1
+        slot["bytes"] += nbytes
+        slot["messages"] += messages
+
+    def as_dict(self) -> dict[str, object]:
+        """Return a JSON-ready copy."""
+        return {
+            "bytes_sent": self.bytes_sent,
+            "messages": self.messages,
+            "meta_bytes": self.meta_bytes,
+            "by_primitive": {k: dict(v) for k, v in self.by_primitive.items()},
+        }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """One rank's view of a process group, with traffic counting.
+
+    Args:
+        group: the process group, or ``None`` for the default group.
+        device: where tensors handed to the backend live (CUDA for NCCL).
+        traffic: where to count; a fresh :class:`Traffic` if omitted.
+    """
+
+    __slots__ = ("group", "rank", "world_size", "device", "traffic", "_meta")
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, traffic: Traffic | None = None) -> None:
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        else:
+            self.rank, self.world_size = 0, 1
+        self.device = device
+        self.traffic = traffic if traffic is not None else Traffic()
+        self._meta = False
+
+    @contextlib.contextmanager
+    def meta(self) -> Iterator[None]:
+        """Count the traffic of the calls inside as control data (see :class:`Traffic`)."""
+        prev, self._meta = self._meta, True
+        try:
+            yield
+        finally:
+            self._meta = prev
+
+    def _count(self, primitive: str, nbytes: int, messages: int) -> None:
+        self.traffic.add(primitive, nbytes, messages, self._meta)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``t`` in place across the group (``op``: ``sum`` or ``max``) and return it."""
+        p = self.world_size
+        if p == 1:
+            return t
+        self._count("all_reduce", 2 * _nbytes(t) * (p - 1) // p, 2 * (p - 1))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Return the concatenation along dimension 0 of ``t`` from every rank, in rank order."""
+        p = self.world_size
+        if p == 1:
+            return t
+        t = t.contiguous()
+        out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        self._count("all_gather", (p - 1) * _nbytes(t), p - 1)
+        _all_gather_single(out, t, group=self.group)
+        return out
+
+    def all_to_all(self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+        """Send ``send_counts[j]`` rows of ``t`` to rank ``j``; return the rows received, in rank order."""
+        p = self.world_size
+        out = torch.empty((int(sum(recv_counts)),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        if p == 1:
+            out.copy_(t)
+            return out
+        row = _nbytes(t[:1]) if t.shape[0] else t.element_size() * int(torch.Size(t.shape[1:]).numel())
+        others = [c for j, c in enumerate(send_counts) if j != self.rank]
+        self._count("all_to_all", row * int(sum(others)), sum(1 for c in others if c))
+        dist.all_to_all_single(
+            out, t.contiguous(), [int(c) for c in recv_counts], [int(c) for c in send_counts], group=self.group
+        )
+        return out
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> list:
+        """Post point-to-point sends and receives together; return the works to wait on.
+
+        Peers are ranks of this group. Empty tensors are skipped on both sides,
+        so both sides must agree on which messages are empty.
+        """
+        ops = []
+        for t, peer in sends:
+            if t.numel():
+                self._count("send", _nbytes(t), 1)
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), self._global(peer), self.group))
+        for t, peer in recvs:
+            if t.numel():
+                ops.append(dist.P2POp(dist.irecv, t, self._global(peer), self.group))
+        if not ops:
+            return []
+        return dist.batch_isend_irecv(ops)
+
+    def all_gather_v(self, t: torch.Tensor, counts: Sequence[int], mode: str = "auto") -> list[torch.Tensor]:
+        """Gather a different number of rows from every rank; return one tensor per rank, in rank order.
+
+        Args:
+            t: this rank's rows; ``t.shape[0]`` must equal ``counts[rank]``.
+            counts: the row count of every rank (known to all ranks).
+            mode: ``pad`` (pad to the largest count, one ``all_gather``),
+                ``alltoall`` (``all_to_all_single`` with splits, no padding on
+                the wire) or ``auto`` (``pad`` unless padding would add more
+                than a quarter to the bytes moved).
+        """
+        p = self.world_size
+        if p == 1:
+            return [t]
+        kmax = max(counts)
+        tail = tuple(t.shape[1:])
+        if kmax == 0:
+            return [t.new_empty((0,) + tail) for _ in range(p)]
+        if mode == "auto":
+            mode = "pad" if kmax * p * 4 <= 5 * sum(counts) else "alltoall"
+        if mode == "pad":
+            padded = t.new_zeros((kmax,) + tail)
+            padded[: t.shape[0]] = t
+            out = self.all_gather(padded).view((p, kmax) + tail)
+            return [out[j, : counts[j]] for j in range(p)]
+        out = self.all_to_all(t.repeat((p,) + (1,) * len(tail)), [t.shape[0]] * p, list(counts))
+        return list(torch.split(out, [int(c) for c in counts]))
+
+    def _global(self, peer: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return peer
+        return dist.get_global_rank(self.group, peer)

@@ -1,0 +1,168 @@
+"""COO helpers shared by every algorithm: dtypes, coalescing, packing, merging.
+
+A sparse tensor here is COO over the first dimension: 1-D ``indices`` and
+``values`` of shape ``[k, *row_shape]``, flattened internally to ``[k, r]``
+with ``r`` the number of elements per row.
+
+Determinism is the point of this module. Every cross-rank reduction goes
+through :func:`merge_sources`, which adds the sources in a fixed order with
+unique indices inside each source, so the same inputs give the same bits on
+every rank and on every backend (no atomics race, no arrival-order sums).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "VALUE_DTYPES",
+    "INDEX_DTYPES",
+    "accum_dtype",
+    "wire_index_dtype",
+    "coalesce",
+    "pack",
+    "reinterpret",
+    "entry_bytes",
+    "unpack",
+    "merge_sources",
+    "dtype_code",
+]
+
+#: Value dtypes colltune reduces. fp16 and bf16 are accumulated in fp32.
+VALUE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+#: Index dtypes accepted on input. Output indices are always int64.
+INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.int32: 5,
+    torch.int64: 6,
+}
+
+_INT32_MAX = 2**31 - 1
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Return a small integer naming ``dtype``, for metadata records (0 if unknown)."""
+    return _DTYPE_CODES.get(dtype, 0)
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Return the dtype sums are accumulated in (fp32 for fp16 and bf16)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def wire_index_dtype(size: int) -> torch.dtype:
+    """Return the narrowest index dtype that holds every row index below ``size``."""
+    return torch.int32 if size <= _INT32_MAX else torch.int64
+
+
+def coalesce(indices: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort ``indices``, sum the rows of duplicates, and return int64 indices with values in ``acc``.
+
+    Args:
+        indices: 1-D integer tensor, any order, duplicates allowed.
+        values: ``[k, r]`` tensor, one row per index.
+        acc: the accumulation dtype of the result.
+
+    Returns:
+        ``(idx, vals)`` with ``idx`` int64, sorted and unique, and ``vals`` of
+        shape ``[len(idx), r]`` and dtype ``acc``.
+    """
+    idx = indices.to(torch.int64)
+    vals = values.to(acc)
+    if idx.numel() == 0:
+        return idx, vals
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        idx, order = torch.sort(idx, stable=True)
+        vals = vals.index_select(0, order)
+        uniq, inverse = torch.unique_consecutive(idx, return_inverse=True)
+        if uniq.numel() != idx.numel():
+            out = torch.zeros((uniq.numel(), vals.shape[1]), dtype=acc, device=vals.device)
+            out.index_add_(0, inverse, vals)
+            idx, vals = uniq, out
+    return idx, vals
+
+
+def pack(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype) -> torch.Tensor:
+    """Pack entries into one ``uint8`` tensor of shape ``[k, entry_bytes]``.
+
+    Each row holds one index (``index_dtype``) followed by its value row
+    (``value_dtype``), so a single collective moves indices and values
+    together and any split along dimension 0 is a split between entries.
+    """
+    k = idx.numel()
+    ib = idx.to(index_dtype).contiguous().view(torch.uint8).view(k, -1)
+    vb = vals.to(value_dtype).contiguous().view(torch.uint8).view(k, -1)
+    return torch.cat((ib, vb), dim=1)
+
+
+def entry_bytes(row_numel: int, index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
+    """Return the packed size of one entry in bytes."""
+    return index_dtype.itemsize + row_numel * value_dtype.itemsize
+
+
+def reinterpret(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """View the bytes of ``buf`` (``uint8``) as ``dtype``, copying only when alignment requires it."""
+    buf = buf.contiguous()
+    if buf.storage_offset() % dtype.itemsize:
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+def unpack(
+    buf: torch.Tensor, row_numel: int, index_dtype: torch.dtype, value_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Invert :func:`pack`: return int64 indices and ``[k, row_numel]`` values in ``value_dtype``."""
+    k = buf.shape[0]
+    isz = index_dtype.itemsize
+    idx = reinterpret(buf[:, :isz], index_dtype).view(k).to(torch.int64)
+    vals = reinterpret(buf[:, isz:], value_dtype).view(k, row_numel)
+    return idx, vals
+
+
+def merge_sources(
+    sources: list[tuple[torch.Tensor, torch.Tensor]], size: int, row_numel: int, acc: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum coalesced sources into one coalesced result, adding in list order.
+
+    Every source must have sorted unique int64 indices. The union of indices
+    is returned (an index whose sum cancels to zero is kept), and each output
+    row is ``((0 + v_0) + v_1) + ...`` over the sources that hold it, in list
+    order, whatever the path taken, so every rank that merges the same list
+    gets the same bits.
+
+    Two paths: a dense scratch of ``size`` rows when the sources are dense
+    enough that ``O(size)`` work is cheaper than sorting, else a sort of the
+    concatenated indices.
+    """
+    sources = [(i, v) for i, v in sources if i.numel() > 0]
+    if not sources:
+        return (
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty((0, row_numel), dtype=acc, device=device),
+        )
+    if len(sources) == 1:
+        i, v = sources[0]
+        return i, torch.zeros((), dtype=acc, device=device) + v.to(acc)
+    total = sum(i.numel() for i, _ in sources)
+    if size <= 4 * total:
+        present = torch.zeros(size, dtype=torch.bool, device=device)
+        scratch = torch.zeros((size, row_numel), dtype=acc, device=device)
+        for i, v in sources:
+            present[i] = True
+            scratch.index_add_(0, i, v.to(acc))
+        union = present.nonzero().view(-1)
+        return union, scratch.index_select(0, union)
+    cat = torch.cat([i for i, _ in sources])
+    union, inverse = torch.unique(cat, sorted=True, return_inverse=True)
+    out = torch.zeros((union.numel(), row_numel), dtype=acc, device=device)
+    offset = 0
+    for i, v in sources:
+        n = i.numel()
+        out.index_add_(0, inverse[offset : offset + n], v.to(acc))
+        offset += n
+    return union, out

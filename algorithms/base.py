@@ -1,0 +1,190 @@
+"""The contract every algorithm implements, and the records that cross it.
+
+Life of one exact sparse allreduce (``sparse_allreduce``):
+
+1. The front door validates the arguments and coalesces the local input
+   (:func:`algorithms._sparse.coalesce`).
+2. It exchanges one small metadata record per rank
+   (:func:`algorithms._meta.exchange`), so every rank learns every rank's
+   entry count and that all ranks agree on size, dtype, op and algorithm.
+3. It calls :meth:`Algorithm.sparse_allreduce` with a :class:`SparseInput`
+   that holds the coalesced local entries and those global counts.
+4. The algorithm returns the coalesced *sum* in the accumulation dtype; the
+   front door applies ``avg`` and casts back to the input dtype.
+
+Life of one top-k allreduce (``topk_allreduce``): the front door forms
+``acc = residual + tensor``, calls :meth:`Algorithm.topk_allreduce`, which
+returns the global result and which local entries were delivered, then sets
+``residual = acc`` with the delivered entries zeroed (error feedback).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from algorithms._comm import Comm, Traffic
+from algorithms._sparse import accum_dtype, wire_index_dtype
+from algorithms.errors import ColltuneTypeError, ColltuneValueError
+
+__all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Algorithm"]
+
+Op = Literal["sum", "avg"]
+
+
+@dataclass(frozen=True)
+class SparseInput:
+    """One rank's coalesced input plus what every rank shares about the call.
+
+    Attributes:
+        indices: int64, sorted, unique.
+        values: ``[k, r]`` in the accumulation dtype.
+        size: number of dense rows ``n``.
+        row_shape: shape of one row (``()`` for scalars).
+        dtype: the caller's value dtype (the result is cast back to it).
+        counts: entries per rank after coalescing, for every rank, in rank order.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    size: int
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    counts: tuple[int, ...]
+
+    @property
+    def row_numel(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        return accum_dtype(self.dtype)
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        """The dtype indices travel in: int32 whenever ``size`` allows."""
+        return wire_index_dtype(self.size)
+
+    @property
+    def k_max(self) -> int:
+        return max(self.counts) if self.counts else 0
+
+    @property
+    def k_sum(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass
+class SparseResult:
+    """The reduced sparse tensor, identical on every rank.
+
+    Attributes:
+        indices: int64 row indices, sorted and unique: the union of the
+            indices of all ranks.
+        values: ``[len(indices), *row_shape]`` in the caller's dtype.
+        size: number of dense rows.
+        algorithm: name of the algorithm that ran.
+        traffic: bytes and messages this rank sent during the call.
+        decision: why the algorithm was chosen (filled by the selector), or ``None``.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    size: int
+    algorithm: str
+    traffic: Traffic = field(default_factory=Traffic)
+    decision: Any = None
+
+    def to_dense(self) -> torch.Tensor:
+        """Return the result as a dense tensor of shape ``[size, *row_shape]``."""
+        out = torch.zeros((self.size,) + tuple(self.values.shape[1:]), dtype=self.values.dtype, device=self.values.device)
+        if self.indices.numel():
+            out.index_copy_(0, self.indices, self.values)
+        return out
+
+    def to_sparse_coo(self) -> torch.Tensor:
+        """Return the result as a coalesced ``torch.sparse_coo_tensor``."""
+        shape = (self.size,) + tuple(self.values.shape[1:])
+        return torch.sparse_coo_tensor(self.indices.view(1, -1), self.values, shape, is_coalesced=True)
+
+
+@dataclass
+class TopkOutput:
+    """What an algorithm returns from one top-k call (sums, before ``avg``).
+
+    Attributes:
+        indices: flat int64 indices of the reduced entries, sorted, unique;
+            ``None`` when the result is dense (no compression).
+        values: the summed values at ``indices`` (or the whole dense sum).
+        sent: flat local indices whose accumulated values were delivered;
+            ``None`` means all of them (dense).
+        local_count: entries this rank selected locally.
+        global_count: entries kept globally.
+    """
+
+    indices: torch.Tensor | None
+    values: torch.Tensor
+    sent: torch.Tensor | None
+    local_count: int
+    global_count: int
+
+
+class Algorithm(abc.ABC):
+    """A way to sum sparse data across the ranks of a group.
+
+    Subclasses set :attr:`name` and :attr:`knobs` and implement both calls.
+    Instances hold no per-call state: thresholds and residuals live in
+    :class:`algorithms.state.TopkState`, boundary caches in
+    :class:`algorithms.state.BoundaryState`.
+
+    Every method is called collectively: all ranks of ``comm`` call it with
+    the same algorithm, the same shared fields and in the same order, which
+    the front door has checked before.
+    """
+
+    #: The registry name.
+    name: ClassVar[str]
+    #: Tunable knobs and their defaults. Unknown knobs are rejected.
+    knobs: ClassVar[dict[str, Any]] = {}
+
+    def check_knobs(self, knobs: dict[str, Any] | None) -> dict[str, Any]:
+        """Return the defaults updated with ``knobs``, rejecting unknown names and wrong types."""
+        merged = dict(self.knobs)
+        for key, value in (knobs or {}).items():
+            if key not in self.knobs:
+                allowed = ", ".join(sorted(self.knobs)) or "none"
+                raise ColltuneValueError(
+                    f"knob {key!r} is not a knob of algorithm {self.name!r}; allowed knobs: {allowed}. "
+                    "Remove it or set it for the algorithm it belongs to."
+                )
+            default = self.knobs[key]
+            if isinstance(default, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(default, float):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, type(default)) and not isinstance(value, bool)
+            if not ok:
+                raise ColltuneTypeError(
+                    f"knob {self.name}.{key} must be of type {type(default).__name__}, but got {value!r}."
+                )
+            merged[key] = value
+        return merged
+
+    @abc.abstractmethod
+    def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the coalesced sum over ranks: int64 indices (the union) and ``[u, r]`` values in the accumulation dtype.
+
+        The result must be bitwise identical on every rank.
+        """
+
+    @abc.abstractmethod
+    def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
+        """Select entries of the flat accumulated tensor ``acc`` and sum the selection over ranks.
+
+        ``state`` is the caller's :class:`~algorithms.state.TopkState`; the
+        algorithm may update its thresholds and boundaries but not its residual.
+        """

@@ -1,0 +1,48 @@
+"""The exception classes of colltune.
+
+Every error colltune raises on purpose derives from :class:`ColltuneError`, so
+``except ColltuneError`` catches all of them. The concrete classes also derive
+from the matching builtin (``ValueError``, ``TypeError``, ``RuntimeError``) so
+that code written against plain Python conventions keeps working.
+
+Messages follow one rule: name the argument, say what was expected, what came
+instead, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ColltuneError",
+    "ColltuneValueError",
+    "ColltuneTypeError",
+    "RankMismatchError",
+    "RemoteInputError",
+]
+
+
+class ColltuneError(Exception):
+    """Root of all colltune errors."""
+
+
+class ColltuneValueError(ColltuneError, ValueError):
+    """An argument has the right type but a wrong value."""
+
+
+class ColltuneTypeError(ColltuneError, TypeError):
+    """An argument has the wrong type or dtype."""
+
+
+class RankMismatchError(ColltuneError, RuntimeError):
+    """Ranks of one group called the same collective with arguments that disagree.
+
+    Raised on every rank of the group, never on one alone, so no rank is left
+    waiting in a collective the others have abandoned.
+    """
+
+
+class RemoteInputError(ColltuneError, ValueError):
+    """Another rank of the group rejected its own input, so this call was abandoned.
+
+    The rank whose input was bad raises the specific error; the other ranks
+    raise this one, naming that rank, instead of hanging.
+    """

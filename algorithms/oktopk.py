@@ -1,0 +1,352 @@
+"""Ok-Topk (Li and Hoefler, PPoPP'22): split and reduce by balanced regions, then allgather.
+
+Exact mode (``sparse_allreduce``):
+
+1. **Boundaries.** The rows are cut into ``P`` regions that balance the
+   ranks' entries, not the coordinates (:class:`~algorithms.state.BoundaryState`,
+   refreshed every ``boundary_refresh`` calls per group and size).
+2. **Split and reduce.** Counts go first (an ``all_to_all`` of ``P``
+   integers), then each rank sends its entries for region ``j`` to rank
+   ``j``: at step ``i`` rank ``r`` sends to ``(r+i) % P`` and receives from
+   ``(r-i) % P``, ``peers_in_flight`` steps posted at once, so no rank
+   receives from many at once. The owner sums what it received, in rank order.
+3. **Allgatherv.** Owners' reduced sizes are all-gathered (``P`` integers),
+   then every region travels to every rank in one gather. A region whose
+   reduced entries would cost more sparse than dense (SparCML's rule,
+   scaled by ``dense_fallback_ratio``) travels dense, as its rows plus a
+   presence bitmap.
+
+Top-k mode (``topk_allreduce``, Ok-Topk's Algorithm 1 with Algorithm 2's error
+feedback done by the caller):
+
+1. Local selection by a threshold: exact (a top-k) every ``local_refresh``
+   calls; in between the previous threshold is reused, and nudged by
+   ``nudge`` while the count is outside the band, with an exact recompute if
+   nudging does not bring it back.
+2. Split and reduce of the selected entries, as above.
+3. Global selection: owners keep reduced entries at or above the global
+   threshold: exact every ``global_refresh`` calls (a radix select over all
+   owners' magnitudes, four ``all_reduce`` calls of 256 counts, no entries
+   moved), reused and nudged in between.
+4. Balance: the kept entries, in index order, are re-cut into ``P`` equal
+   blocks and moved point to point, then all-gathered without padding waste.
+
+Every rank ends with the same bits: each region is reduced once, by its
+owner, and then copied to everyone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from algorithms._comm import Comm
+from algorithms._sparse import entry_bytes, merge_sources, pack, reinterpret, unpack, wire_index_dtype
+from algorithms.base import Algorithm, SparseInput, TopkOutput
+from algorithms.state import BoundaryState
+
+__all__ = ["OkTopk", "split_reduce", "radix_kth_largest"]
+
+_exact_boundaries: dict[tuple[int, int, int], BoundaryState] = {}
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _slices(idx: torch.Tensor, cuts: list[int]) -> list[int]:
+    """Return offsets so that entries ``[off[j], off[j+1])`` of sorted ``idx`` fall in region ``j``."""
+    bounds = torch.tensor(cuts, dtype=torch.int64, device=idx.device)
+    return torch.searchsorted(idx, bounds).tolist()
+
+
+def split_reduce(
+    comm: Comm,
+    idx: torch.Tensor,
+    vals: torch.Tensor,
+    cuts: list[int],
+    size: int,
+    wire_dtype: torch.dtype,
+    acc: torch.dtype,
+    peers_in_flight: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send each entry to the owner of its region; return this rank's reduced region.
+
+    Args:
+        idx: sorted unique int64 indices of this rank.
+        vals: ``[k, r]`` values.
+        cuts: ``P + 1`` region boundaries.
+        wire_dtype: the dtype values travel in.
+        acc: the dtype the owner sums in.
+        peers_in_flight: rotated steps posted at once.
+
+    Returns:
+        The owner's coalesced region: sorted int64 indices and ``[u, r]``
+        values in ``acc``, summed over source ranks in rank order.
+    """
+    p, me = comm.world_size, comm.rank
+    r = vals.shape[1]
+    index_dtype = wire_index_dtype(size)
+    off = _slices(idx, cuts)
+    send_counts = [off[j + 1] - off[j] for j in range(p)]
+    with comm.meta():
+        recv_counts = comm.all_to_all(torch.tensor(send_counts, dtype=torch.int64, device=comm.device), [1] * p, [1] * p)
+    recv_counts_l = recv_counts.tolist()
+    buf = pack(idx, vals, index_dtype, wire_dtype)
+    ebytes = buf.shape[1] if buf.dim() == 2 else entry_bytes(r, index_dtype, wire_dtype)
+    received: dict[int, torch.Tensor] = {me: buf[off[me] : off[me + 1]]}
+    steps = list(range(1, p))
+    for start in range(0, len(steps), peers_in_flight):
+        sends, recvs, batch = [], [], []
+        for i in steps[start : start + peers_in_flight]:
+            dst, src = (me + i) % p, (me - i) % p
+            sends.append((buf[off[dst] : off[dst + 1]], dst))
+            t = torch.empty((recv_counts_l[src], ebytes), dtype=torch.uint8, device=comm.device)
+            recvs.append((t, src))
+            batch.append((src, t))
+        for work in comm.exchange(sends, recvs):
+            work.wait()
+        for src, t in batch:
+            received[src] = t
+    sources = [unpack(received[j], r, index_dtype, wire_dtype) for j in range(p)]
+    return merge_sources(sources, size, r, acc, comm.device)
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    pad = (-mask.numel()) % 8
+    m = torch.cat((mask, mask.new_zeros(pad))) if pad else mask
+    return (m.view(-1, 8).to(torch.uint8) * _BITS.to(m.device)).sum(1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    bits = (packed.view(-1, 1) & _BITS.to(packed.device)) != 0
+    return bits.view(-1)[:n]
+
+
+def _gather_regions(
+    comm: Comm,
+    ridx: torch.Tensor,
+    rvals: torch.Tensor,
+    cuts: list[int],
+    size: int,
+    wire_dtype: torch.dtype,
+    dense_ratio: float,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather every owner's reduced region, each sparse or dense by SparCML's rule."""
+    p, me = comm.world_size, comm.rank
+    r = rvals.shape[1]
+    index_dtype = wire_index_dtype(size)
+    with comm.meta():
+        sizes = comm.all_gather(torch.tensor([ridx.numel()], dtype=torch.int64, device=comm.device)).tolist()
+    ebytes = entry_bytes(r, index_dtype, wire_dtype)
+    rowbytes = r * wire_dtype.itemsize
+    lengths = [cuts[j + 1] - cuts[j] for j in range(p)]
+    dense = [sizes[j] * ebytes >= dense_ratio * (lengths[j] * rowbytes + (lengths[j] + 7) // 8) for j in range(p)]
+    nbytes = [
+        lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
+    ]
+    if dense[me]:
+        block = torch.zeros((lengths[me], r), dtype=wire_dtype, device=comm.device)
+        present = torch.zeros(lengths[me], dtype=torch.bool, device=comm.device)
+        local = ridx - cuts[me]
+        block.index_copy_(0, local, rvals.to(wire_dtype))
+        present[local] = True
+        blob = torch.cat((block.view(torch.uint8).view(-1), _pack_bits(present)))
+    else:
+        blob = pack(ridx, rvals, index_dtype, wire_dtype).view(-1)
+    pieces = comm.all_gather_v(blob, nbytes, mode)
+    out_idx, out_vals = [], []
+    for j, piece in enumerate(pieces):
+        if sizes[j] == 0:
+            continue
+        if dense[j]:
+            nb = lengths[j] * rowbytes
+            rows = reinterpret(piece[:nb], wire_dtype).view(lengths[j], r)
+            local = _unpack_bits(piece[nb:], lengths[j]).nonzero().view(-1)
+            out_idx.append(local + cuts[j])
+            out_vals.append(rows.index_select(0, local))
+        else:
+            i, v = unpack(piece.view(sizes[j], ebytes), r, index_dtype, wire_dtype)
+            out_idx.append(i)
+            out_vals.append(v)
+    if not out_idx:
+        return (
+            torch.empty(0, dtype=torch.int64, device=comm.device),
+            torch.empty((0, r), dtype=wire_dtype, device=comm.device),
+        )
+    return torch.cat(out_idx), torch.cat(out_vals)
+
+
+def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm) -> float:
+    """Return the exact ``k``-th largest of the union of every rank's non-negative ``mags``.
+
+    A most-significant-digit radix select over the float32 bit patterns
+    (which order like the values when non-negative): four rounds, each an
+    ``all_reduce`` of a 256-bin histogram. Returns 0.0 when fewer than ``k``
+    values exist in total.
+    """
+    bits = mags.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    prefix, remaining = 0, k
+    for shift in (24, 16, 8, 0):
+        if shift < 24:
+            bits = bits[(bits >> (shift + 8)) == (prefix >> (shift + 8))]
+        hist = torch.bincount((bits >> shift) & 255, minlength=256).to(comm.device)
+        with comm.meta():
+            comm.all_reduce(hist)
+        counts = hist.flip(0).cumsum(0).tolist()  # counts[i]: values with digit >= 255 - i
+        if shift == 24 and counts[-1] < k:
+            return 0.0
+        pos = next(i for i, c in enumerate(counts) if c >= remaining)
+        digit = 255 - pos
+        remaining -= counts[pos - 1] if pos > 0 else 0
+        prefix |= digit << shift
+    return torch.tensor([prefix], dtype=torch.int32).view(torch.float32).item()
+
+
+def _select(mag: torch.Tensor, threshold: float) -> torch.Tensor:
+    return mag >= threshold if threshold > 0 else mag > 0
+
+
+class OkTopk(Algorithm):
+    """Split and reduce over balanced regions, then all-gather the reduced regions."""
+
+    name = "oktopk"
+    knobs: dict[str, Any] = {
+        "boundary_refresh": 64,
+        "peers_in_flight": 4,
+        "dense_fallback_ratio": 1.0,
+        "gather_mode": "auto",
+        "balance": True,
+    }
+
+    def check_knobs(self, knobs: dict[str, Any] | None) -> dict[str, Any]:
+        from algorithms.errors import ColltuneValueError
+
+        merged = super().check_knobs(knobs)
+        for key in ("boundary_refresh", "peers_in_flight"):
+            if merged[key] < 1:
+                raise ColltuneValueError(f"knob oktopk.{key} must be >= 1, but got {merged[key]}.")
+        if merged["dense_fallback_ratio"] <= 0:
+            raise ColltuneValueError(
+                f"knob oktopk.dense_fallback_ratio must be > 0, but got {merged['dense_fallback_ratio']}."
+            )
+        if merged["gather_mode"] not in ("auto", "pad", "alltoall"):
+            raise ColltuneValueError(
+                f"knob oktopk.gather_mode must be one of auto, pad, alltoall, but got {merged['gather_mode']!r}."
+            )
+        return merged
+
+    def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(comm.group), comm.world_size, inp.size)
+        bstate = _exact_boundaries.get(key)
+        if bstate is None or bstate.refresh != knobs["boundary_refresh"]:
+            bstate = _exact_boundaries[key] = BoundaryState(knobs["boundary_refresh"])
+        idx = inp.indices.to(comm.device)
+        with comm.meta():
+            cuts = bstate.get(idx, inp.size, comm)
+        ridx, rvals = split_reduce(
+            comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"]
+        )
+        gidx, gvals = _gather_regions(
+            comm, ridx, rvals, cuts, inp.size, inp.dtype, knobs["dense_fallback_ratio"], knobs["gather_mode"]
+        )
+        return gidx, gvals.to(inp.acc_dtype)
+
+    def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
+        n = acc.numel()
+        k = state.k_for(n)
+        lo, hi = state.band_for(k)
+        mag = acc.abs()
+
+        # 1. Local selection by threshold.
+        th = state.local_threshold
+        exact = th is None or state.step % state.local_refresh == 0
+        if not exact:
+            for _ in range(4):
+                count = int(_select(mag, th).sum())
+                if lo <= count <= hi:
+                    break
+                th = th * (1 + state.nudge) if count > hi else th * (1 - state.nudge)
+            else:
+                exact = True
+        if exact:
+            th = float(torch.topk(mag, k, sorted=False).values.min())
+        lidx = _select(mag, th).nonzero().view(-1)
+        lvals = acc.index_select(0, lidx).view(-1, 1)
+        state.local_threshold = th
+
+        # 2. Split and reduce the selected entries.
+        with comm.meta():
+            cuts = state.boundaries.get(lidx, n, comm)
+        ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight)
+
+        # 3. Global selection.
+        rmag = rvals.view(-1).abs()
+        gth = state.global_threshold
+        if gth is None or state.global_exact_due or state.step % state.global_refresh == 0:
+            gth = radix_kth_largest(rmag, k, comm)
+            state.global_exact_due = False
+        keep = _select(rmag, gth)
+        kidx, kvals = ridx[keep], rvals[keep]
+
+        # 4. Balance, then all-gather.
+        gidx, gvals, total = self._balanced_gather(comm, kidx, kvals, n, acc.dtype, knobs["balance"])
+        # Nudge the reused global threshold back toward the band; far outside
+        # it, a nudge would take many calls, so the next call is exact.
+        if total > hi:
+            gth *= 1 + state.nudge
+            state.global_exact_due = 2 * total > 3 * hi
+        elif total < lo:
+            gth *= 1 - state.nudge
+            state.global_exact_due = 4 * total < 3 * lo
+        state.global_threshold = gth
+        state.last_local_count, state.last_global_count = lidx.numel(), total
+
+        # Which of this rank's entries were delivered: those whose index survived globally.
+        pos = torch.searchsorted(gidx, lidx).clamp(max=max(gidx.numel() - 1, 0))
+        hit = gidx[pos] == lidx if gidx.numel() else torch.zeros_like(lidx, dtype=torch.bool)
+        return TopkOutput(
+            indices=gidx, values=gvals.view(-1), sent=lidx[hit], local_count=lidx.numel(), global_count=total
+        )
+
+    @staticmethod
+    def _balanced_gather(
+        comm: Comm, kidx: torch.Tensor, kvals: torch.Tensor, n: int, dtype: torch.dtype, balance: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        p, me = comm.world_size, comm.rank
+        index_dtype = wire_index_dtype(n)
+        with comm.meta():
+            sizes = comm.all_gather(torch.tensor([kidx.numel()], dtype=torch.int64, device=comm.device)).tolist()
+        total = sum(sizes)
+        buf = pack(kidx, kvals, index_dtype, dtype)
+        ebytes = entry_bytes(1, index_dtype, dtype)
+        if balance and p > 1 and total:
+            # Re-cut the concatenation (in index order) into P equal blocks.
+            block = -(-total // p)
+            starts = [sum(sizes[:j]) for j in range(p)]
+
+            def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
+                lo_, hi_ = max(a0, b0), min(a1, b1)
+                return lo_, max(lo_, hi_)
+
+            mine0, mine1 = starts[me], starts[me] + sizes[me]
+            my_block = (min(me * block, total), min((me + 1) * block, total))
+            sends, recvs, parts = [], [], {}
+            for j in range(p):
+                s0, s1 = overlap(mine0, mine1, min(j * block, total), min((j + 1) * block, total))
+                r0, r1 = overlap(starts[j], starts[j] + sizes[j], *my_block)
+                if j == me:
+                    parts[j] = buf[s0 - mine0 : s1 - mine0]
+                    continue
+                sends.append((buf[s0 - mine0 : s1 - mine0], j))
+                t = torch.empty((r1 - r0, ebytes), dtype=torch.uint8, device=comm.device)
+                recvs.append((t, j))
+                parts[j] = t
+            for work in comm.exchange(sends, recvs):
+                work.wait()
+            buf = torch.cat([parts[j] for j in range(p)])
+            sizes = [min((j + 1) * block, total) - min(j * block, total) for j in range(p)]
+        pieces = comm.all_gather_v(buf, sizes, "pad" if balance else "auto")
+        sources = [unpack(piece, 1, index_dtype, dtype) for piece in pieces]
+        if not sources or total == 0:
+            return torch.empty(0, dtype=torch.int64, device=comm.device), kvals.new_empty((0, 1)), 0
+        return torch.cat([s[0] for s in sources]), torch.cat([s[1] for s in sources]), total

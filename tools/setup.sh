@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install colltune and its dependencies into the current Python.
+#
+# An installed torch (CPU or CUDA) is kept. Without one, the pinned CPU build
+# torch==2.13.0 is installed first, so that resolving the other dependencies
+# never pulls a multi-GB CUDA build onto a CPU-only machine.
+#
+# Usage: bash tools/setup.sh [--test]     (--test adds pytest and hypothesis)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    echo "setup: no torch found; installing the pinned CPU build torch==2.13.0"
+    "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+extra=""
+if [[ "${1:-}" == "--test" ]]; then extra="[test]"; fi
+"$PY" -m pip install --quiet -e ".${extra}"
+"$PY" -c "import torch, algorithms, tuner; print(f'setup: colltune ready (torch {torch.__version__})')"
