@@ -106,8 +106,13 @@ def split_reduce(
             work.wait()
         for src, t in batch:
             received[src] = t
+    # Merge in region-relative coordinates, so a dense scratch (when the
+    # region is dense enough for one) is sized to the region, not the tensor.
+    base = cuts[me]
     sources = [unpack(received[j], r, index_dtype, wire_dtype) for j in range(p)]
-    return merge_sources(sources, size, r, acc, comm.device)
+    sources = [(i - base, v) for i, v in sources]
+    ridx, rvals = merge_sources(sources, cuts[me + 1] - base, r, acc, comm.device)
+    return ridx + base, rvals
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
