@@ -71,6 +71,11 @@ class Traffic:
         slot["bytes"] += nbytes
         slot["messages"] += messages
 
+    def reclassify(self, nbytes: int) -> None:
+        """Move ``nbytes`` already counted as control data to payload (an eager slot that carried entries)."""
+        moved = min(nbytes, self.meta_bytes)
+        self.meta_bytes -= moved
+
     def as_dict(self) -> dict[str, object]:
         """Return a JSON-ready copy."""
         return {

@@ -10,18 +10,28 @@ never leaves one rank waiting in a collective the others skipped.
 Local validation errors ride along too: a rank whose input is invalid still
 joins the exchange with its error code set, then raises its own error, while
 the others raise :class:`~algorithms.errors.RemoteInputError` naming it.
+
+The record ends with an *eager slot* of :func:`eager_capacity` bytes (at most
+4 KiB, shrinking as ``64 KiB / P`` so the record stays small on large
+groups). A sparse call may put its first entries there; when every rank's
+entries fit, ``allgather`` needs no second collective, which is what decides
+its speed on tiny inputs, where latency is everything. The slot has the same
+size in every call, whatever the algorithm, so ranks that disagree still
+exchange records of equal size and learn of the disagreement instead of
+hanging.
 """
 
 from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
 from algorithms._comm import Comm
 from algorithms.errors import ColltuneTypeError, RankMismatchError, RemoteInputError
 
-__all__ = ["FIELDS", "SHARED_FIELDS", "name_code", "exchange"]
+__all__ = ["FIELDS", "SHARED_FIELDS", "name_code", "exchange", "eager_capacity"]
 
 _MAGIC = 0x636F6C6C  # "coll"
 _VERSION = 1
@@ -65,14 +75,28 @@ def _say(fieldname: str, value: int) -> str:
     return str(value)
 
 
-def exchange(comm: Comm, record: dict[str, int], local_error: BaseException | None) -> list[dict[str, int]]:
-    """All-gather ``record`` and check that every rank agrees; return every rank's record.
+def eager_capacity(world_size: int) -> int:
+    """Return the size in bytes of the eager slot of the record for a group of ``world_size``."""
+    return min(4096, (65536 // max(world_size, 1)) // 8 * 8)
+
+
+def exchange(
+    comm: Comm, record: dict[str, int], local_error: BaseException | None, slot: torch.Tensor | None = None
+) -> tuple[list[dict[str, int]], list[torch.Tensor] | None]:
+    """All-gather ``record`` and check that every rank agrees; return every rank's record and eager slot.
 
     Args:
         comm: the group.
         record: this rank's values for the fields in :data:`FIELDS` except
             ``magic``, ``version`` and ``error`` (missing ones count as unknown).
         local_error: the validation error of this rank, or ``None``.
+        slot: up to :func:`eager_capacity` bytes (``uint8``) to deliver to
+            every rank with the record, or ``None``.
+
+    Returns:
+        ``(records, slots)``: every rank's record, and every rank's slot
+        (``eager_capacity`` bytes each; ``None`` on a single rank, where
+        nothing is exchanged).
 
     Raises:
         The rank's own ``local_error``; :class:`RemoteInputError` if another
@@ -83,11 +107,21 @@ def exchange(comm: Comm, record: dict[str, int], local_error: BaseException | No
     if comm.world_size == 1:
         if local_error is not None:
             raise local_error
-        return [full]
-    row = torch.tensor([int(full.get(f, -1)) for f in FIELDS], dtype=torch.int64, device=comm.device)
+        return [full], None
+    cap = eager_capacity(comm.world_size)
+    hbytes = 8 * len(FIELDS)
+    # Built on the host in one buffer (one small copy to the device): on tiny
+    # inputs the call's time is its number of operations.
+    host = np.zeros(hbytes + cap, dtype=np.uint8)
+    host[:hbytes] = np.array([int(full.get(f, -1)) for f in FIELDS], dtype=np.int64).view(np.uint8)
+    if slot is not None and slot.numel():
+        host[hbytes : hbytes + slot.numel()] = slot.cpu().numpy()
+    row = torch.from_numpy(host).to(comm.device)
     with comm.meta():
-        table = comm.all_gather(row).view(comm.world_size, len(FIELDS)).tolist()
-    records = [dict(zip(FIELDS, r)) for r in table]
+        table = comm.all_gather(row).view(comm.world_size, row.numel())
+    head = np.ascontiguousarray(table[:, :hbytes].cpu().numpy()).view(np.int64).tolist()
+    slots = list(table[:, hbytes:])
+    records = [dict(zip(FIELDS, r)) for r in head]
     for rank, rec in enumerate(records):
         if rec["magic"] != _MAGIC or rec["version"] != _VERSION:
             raise RankMismatchError(
@@ -113,7 +147,7 @@ def exchange(comm: Comm, record: dict[str, int], local_error: BaseException | No
                 "row_numel": "pass values with the same row shape on every rank",
             }.get(f, "pass the same value on every rank")
             raise RankMismatchError(f"ranks disagree on {f!r} ({per_rank}); {hint}.")
-    return records
+    return records, slots
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -95,8 +95,8 @@ def pack(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_
     together and any split along dimension 0 is a split between entries.
     """
     k = idx.numel()
-    ib = idx.to(index_dtype).contiguous().view(torch.uint8).view(k, -1)
-    vb = vals.to(value_dtype).contiguous().view(torch.uint8).view(k, -1)
+    ib = idx.to(index_dtype).contiguous().view(torch.uint8).view(k, index_dtype.itemsize)
+    vb = vals.to(value_dtype).contiguous().view(torch.uint8).view(k, vals.shape[1] * value_dtype.itemsize)
     return torch.cat((ib, vb), dim=1)
 
 
@@ -106,11 +106,11 @@ def entry_bytes(row_numel: int, index_dtype: torch.dtype, value_dtype: torch.dty
 
 
 def reinterpret(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """View the bytes of ``buf`` (``uint8``) as ``dtype``, copying only when alignment requires it."""
-    buf = buf.contiguous()
-    if buf.storage_offset() % dtype.itemsize:
-        buf = buf.clone()
-    return buf.view(dtype)
+    """View the bytes of ``buf`` (``uint8``), flattened, as ``dtype``, copying only when layout requires it."""
+    flat = buf.reshape(-1)
+    if flat.storage_offset() % dtype.itemsize:
+        flat = flat.clone()
+    return flat.view(dtype)
 
 
 def unpack(
@@ -149,19 +149,29 @@ def merge_sources(
         i, v = sources[0]
         return i, torch.zeros((), dtype=acc, device=device) + v.to(acc)
     total = sum(i.numel() for i, _ in sources)
-    if size <= 4 * total:
+    if size <= 6 * total:
         present = torch.zeros(size, dtype=torch.bool, device=device)
         scratch = torch.zeros((size, row_numel), dtype=acc, device=device)
-        for i, v in sources:
-            present[i] = True
-            scratch.index_add_(0, i, v.to(acc))
+        if device.type == "cpu":
+            cat = torch.cat([i for i, _ in sources])
+            present[cat] = True
+            scratch.index_add_(0, cat, torch.cat([v for _, v in sources]).to(acc))
+        else:
+            for i, v in sources:
+                present[i] = True
+                scratch.index_add_(0, i, v.to(acc))
         union = present.nonzero().view(-1)
         return union, scratch.index_select(0, union)
     cat = torch.cat([i for i, _ in sources])
     union, inverse = torch.unique(cat, sorted=True, return_inverse=True)
     out = torch.zeros((union.numel(), row_numel), dtype=acc, device=device)
+    if device.type == "cpu":
+        # The CPU kernel adds in the order of the index list, so one call over
+        # the rank-ordered concatenation is the same sum as a loop over sources.
+        out.index_add_(0, inverse, torch.cat([v for _, v in sources]).to(acc))
+        return union, out
     offset = 0
-    for i, v in sources:
+    for i, v in sources:  # on GPUs index_add_ races between duplicates: one source at a time
         n = i.numel()
         out.index_add_(0, inverse[offset : offset + n], v.to(acc))
         offset += n

@@ -7,6 +7,10 @@ collective moves both. Unequal counts are either padded to the largest
 (``all_gather``) or sent exactly (``all_to_all_single`` with splits); the
 ``mode`` knob chooses, ``auto`` pads unless padding adds more than a quarter.
 
+Small inputs travel in the eager slot of the metadata record
+(:func:`algorithms._meta.eager_capacity` bytes per rank): when every rank's
+entries fit, the whole allreduce is a single collective.
+
 In top-k mode this is TopkA: each rank sends its exact local top-k.
 """
 
@@ -17,11 +21,12 @@ from typing import Any
 import torch
 
 from algorithms._comm import Comm
-from algorithms._sparse import accum_dtype, merge_sources, pack, unpack, wire_index_dtype
+from algorithms._meta import eager_capacity
+from algorithms._sparse import accum_dtype, entry_bytes, merge_sources, pack, unpack, wire_index_dtype
 from algorithms.base import Algorithm, SparseInput, TopkOutput
 from algorithms.errors import ColltuneValueError
 
-__all__ = ["Allgather", "gather_merge"]
+__all__ = ["Allgather", "gather_merge", "eager_slot"]
 
 _MODES = ("auto", "pad", "alltoall")
 
@@ -44,6 +49,16 @@ def gather_merge(
     return merge_sources(sources, size, r, accum_dtype(wire_dtype), comm.device)
 
 
+def _eager_entries(world_size: int, row_numel: int, size: int, dtype: torch.dtype) -> int:
+    return eager_capacity(world_size) // entry_bytes(row_numel, wire_index_dtype(size), dtype)
+
+
+def eager_slot(idx: torch.Tensor, vals: torch.Tensor, size: int, dtype: torch.dtype, world_size: int) -> torch.Tensor:
+    """Pack the first entries that fit in the metadata record's eager slot, as flat ``uint8``."""
+    m = min(idx.numel(), _eager_entries(world_size, vals.shape[1], size, dtype))
+    return pack(idx[:m], vals[:m], wire_index_dtype(size), dtype).view(-1)
+
+
 class Allgather(Algorithm):
     """Gather every rank's packed entries, then merge them in rank order."""
 
@@ -59,7 +74,29 @@ class Allgather(Algorithm):
         return merged
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        return gather_merge(comm, inp.indices, inp.values, list(inp.counts), inp.size, inp.dtype, knobs["mode"])
+        counts = list(inp.counts)
+        if inp.eager is None or comm.world_size == 1:
+            return gather_merge(comm, inp.indices, inp.values, counts, inp.size, inp.dtype, knobs["mode"])
+        # The first entries of every rank already arrived in the eager slots;
+        # gather only what did not fit, then merge in rank order as usual.
+        r, me = inp.row_numel, comm.rank
+        index_dtype = inp.index_dtype
+        e = entry_bytes(r, index_dtype, inp.dtype)
+        m = _eager_entries(comm.world_size, r, inp.size, inp.dtype)
+        head = [min(c, m) for c in counts]
+        rest = [c - h for c, h in zip(counts, head)]
+        comm.traffic.reclassify((comm.world_size - 1) * head[me] * e)
+        # Unpack every slot in one go, then keep each rank's first head[p] entries.
+        block = torch.stack(inp.eager)[:, : m * e].reshape(len(counts) * m, e)
+        idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
+        idx_all, vals_all = idx_all.view(len(counts), m), vals_all.view(len(counts), m, r)
+        sources = [(idx_all[p, :h], vals_all[p, :h]) for p, h in enumerate(head)]
+        if any(rest):
+            buf = pack(inp.indices[head[me] :].to(comm.device), inp.values[head[me] :].to(comm.device), index_dtype, inp.dtype)
+            pieces = comm.all_gather_v(buf, rest, knobs["mode"])
+            tails = [unpack(piece, r, index_dtype, inp.dtype) for piece in pieces]
+            sources = [(torch.cat((i0, i1)), torch.cat((v0, v1))) for (i0, v0), (i1, v1) in zip(sources, tails)]
+        return merge_sources(sources, inp.size, r, accum_dtype(inp.dtype), comm.device)
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         n = acc.numel()

@@ -34,6 +34,7 @@ import algorithms
 from algorithms import _meta
 from algorithms._comm import Comm, Traffic
 from algorithms._sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
+from algorithms.allgather import eager_slot
 from algorithms.base import SparseInput, SparseResult
 from algorithms.errors import ColltuneTypeError, ColltuneValueError
 from algorithms.state import TopkState
@@ -207,7 +208,8 @@ def _validate_sparse(
     if n < 1:
         raise ColltuneValueError(f"size must be >= 1, but got {n}.")
     if indices.numel():
-        lo, hi = int(indices.min()), int(indices.max())
+        lo, hi = torch.aminmax(indices)
+        lo, hi = int(lo), int(hi)
         if lo < 0:
             raise ColltuneValueError(
                 f"indices must be in [0, size) = [0, {n}), but got a negative index {lo}; "
@@ -314,11 +316,15 @@ def _sparse_allreduce(
             policy=0,
             count=idx.numel(),
         )
+        # Small inputs ride in the metadata record: allgather then needs no second collective.
+        slot = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype, comm.world_size) if (
+            algorithm in ("auto", "allgather") and comm.world_size > 1
+        ) else None
     except (TypeError, ValueError) as exc:
-        error = exc
-    records = _meta.exchange(comm, record, error)
+        error, slot = exc, None
+    records, slots = _meta.exchange(comm, record, error, slot)
     counts = tuple(rec["count"] for rec in records)
-    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts)
+    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, slots if slot is not None else None)
     reason = "requested"
     if algorithm == "auto":
         algorithm, reason = _auto_sparse(inp, comm.world_size)
