@@ -31,7 +31,7 @@ import torch
 from algorithms._comm import Comm
 from algorithms.errors import ColltuneTypeError, RankMismatchError, RemoteInputError
 
-__all__ = ["FIELDS", "SHARED_FIELDS", "name_code", "exchange", "eager_capacity"]
+__all__ = ["FIELDS", "SHARED_FIELDS", "name_code", "shape_fields", "exchange", "eager_capacity"]
 
 _MAGIC = 0x636F6C6C  # "coll"
 _VERSION = 1
@@ -50,7 +50,13 @@ FIELDS: tuple[str, ...] = (
     "policy",
     "count",
     "error",
+    "shape_ndim",
+    "shape_0",
+    "shape_1",
+    "shape_2",
+    "shape_3",
 )
+_SHAPE_DIMS = 4
 #: Fields every rank must agree on, with how to say them in an error.
 SHARED_FIELDS: tuple[str, ...] = ("kind", "size", "row_numel", "row_shape", "dtype", "op", "algorithm", "policy")
 
@@ -65,6 +71,21 @@ def name_code(name: str | None) -> int:
     code = zlib.crc32(name.encode())
     _names[code] = name
     return code
+
+
+def shape_fields(shape: tuple[int, ...]) -> dict[str, int]:
+    """Return the record fields that carry ``shape`` readably (its hash rides in ``row_shape``)."""
+    fields = {"row_shape": name_code(str(tuple(shape))), "shape_ndim": len(shape)}
+    for d in range(min(len(shape), _SHAPE_DIMS)):
+        fields[f"shape_{d}"] = int(shape[d])
+    return fields
+
+
+def _say_shape(rec: dict[str, int]) -> str:
+    ndim = rec.get("shape_ndim", -1)
+    if 0 <= ndim <= _SHAPE_DIMS:
+        return str(tuple(rec[f"shape_{d}"] for d in range(ndim)))
+    return "unknown" if ndim < 0 else f"a {ndim}-d shape"
 
 
 def _say(fieldname: str, value: int) -> str:
@@ -140,7 +161,10 @@ def exchange(
     for f in SHARED_FIELDS:
         values = [rec[f] for rec in records]
         if len(set(values)) > 1:
-            per_rank = ", ".join(f"rank {r}: {_say(f, v)}" for r, v in enumerate(values))
+            if f == "row_shape":
+                per_rank = ", ".join(f"rank {r}: {_say_shape(rec)}" for r, rec in enumerate(records))
+            else:
+                per_rank = ", ".join(f"rank {r}: {_say(f, v)}" for r, v in enumerate(values))
             hint = {
                 "policy": "load the same policy file and profile on every rank",
                 "row_shape": "pass values with the same row shape on every rank",

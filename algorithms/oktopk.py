@@ -27,7 +27,10 @@ feedback done by the caller):
 3. Global selection: owners keep reduced entries at or above the global
    threshold: exact every ``global_refresh`` calls (a radix select over all
    owners' magnitudes, four ``all_reduce`` calls of 256 counts, no entries
-   moved), reused and nudged in between.
+   moved), reused in between. The kept counts are all-gathered before any
+   entry moves, and a reused threshold whose total leaves the band is
+   replaced by the exact one on the same call, so the gathered volume stays
+   inside the band (and within Eq. 3's bound).
 4. Balance: the kept entries, in index order, are re-cut into ``P`` equal
    blocks and moved point to point, then all-gathered without padding waste.
 
@@ -284,25 +287,27 @@ class OkTopk(Algorithm):
             cuts = state.boundaries.get(lidx, n, comm)
         ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight)
 
-        # 3. Global selection.
+        # 3. Global selection. The kept counts are exchanged before any entry
+        # moves; a reused threshold whose count leaves the band is replaced by
+        # the exact one on this very call, so the gather never exceeds the band.
         rmag = rvals.view(-1).abs()
         gth = state.global_threshold
-        if gth is None or state.global_exact_due or state.step % state.global_refresh == 0:
+        exact = gth is None or state.global_exact_due or state.step % state.global_refresh == 0
+        if exact:
             gth = radix_kth_largest(rmag, k, comm)
-            state.global_exact_due = False
         keep = _select(rmag, gth)
+        sizes = self._sizes(comm, int(keep.sum()))
+        total = sum(sizes)
+        if not exact and not lo <= total <= hi:
+            gth = radix_kth_largest(rmag, k, comm)
+            keep = _select(rmag, gth)
+            sizes = self._sizes(comm, int(keep.sum()))
+            total = sum(sizes)
+        state.global_exact_due = False
         kidx, kvals = ridx[keep], rvals[keep]
 
         # 4. Balance, then all-gather.
-        gidx, gvals, total = self._balanced_gather(comm, kidx, kvals, n, acc.dtype, knobs["balance"])
-        # Nudge the reused global threshold back toward the band; far outside
-        # it, a nudge would take many calls, so the next call is exact.
-        if total > hi:
-            gth *= 1 + state.nudge
-            state.global_exact_due = 2 * total > 3 * hi
-        elif total < lo:
-            gth *= 1 - state.nudge
-            state.global_exact_due = 4 * total < 3 * lo
+        gidx, gvals = self._balanced_gather(comm, kidx, kvals, sizes, n, acc.dtype, knobs["balance"])
         state.global_threshold = gth
         state.last_local_count, state.last_global_count = lidx.numel(), total
 
@@ -314,13 +319,16 @@ class OkTopk(Algorithm):
         )
 
     @staticmethod
+    def _sizes(comm: Comm, count: int) -> list[int]:
+        with comm.meta():
+            return comm.all_gather(torch.tensor([count], dtype=torch.int64, device=comm.device)).tolist()
+
+    @staticmethod
     def _balanced_gather(
-        comm: Comm, kidx: torch.Tensor, kvals: torch.Tensor, n: int, dtype: torch.dtype, balance: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        comm: Comm, kidx: torch.Tensor, kvals: torch.Tensor, sizes: list[int], n: int, dtype: torch.dtype, balance: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         p, me = comm.world_size, comm.rank
         index_dtype = wire_index_dtype(n)
-        with comm.meta():
-            sizes = comm.all_gather(torch.tensor([kidx.numel()], dtype=torch.int64, device=comm.device)).tolist()
         total = sum(sizes)
         buf = pack(kidx, kvals, index_dtype, dtype)
         ebytes = entry_bytes(1, index_dtype, dtype)
@@ -353,5 +361,5 @@ class OkTopk(Algorithm):
         pieces = comm.all_gather_v(buf, sizes, "pad" if balance else "auto")
         sources = [unpack(piece, 1, index_dtype, dtype) for piece in pieces]
         if not sources or total == 0:
-            return torch.empty(0, dtype=torch.int64, device=comm.device), kvals.new_empty((0, 1)), 0
-        return torch.cat([s[0] for s in sources]), torch.cat([s[1] for s in sources]), total
+            return torch.empty(0, dtype=torch.int64, device=comm.device), kvals.new_empty((0, 1))
+        return torch.cat([s[0] for s in sources]), torch.cat([s[1] for s in sources])

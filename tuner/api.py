@@ -48,6 +48,13 @@ OPS: tuple[str, ...] = ("sum", "avg")
 
 _KIND_SPARSE, _KIND_TOPK = "sparse", "topk"
 
+# Register every name a metadata record may carry, so that a rank can name
+# what another rank sent in an error message, even values it never used.
+for _name in (_KIND_SPARSE, _KIND_TOPK, "auto", *OPS, *algorithms.names()):
+    _meta.name_code(_name)
+for _dtype in VALUE_DTYPES:
+    _meta.name_code(str(_dtype).replace("torch.", ""))
+
 
 # --------------------------------------------------------------------------- async
 
@@ -309,7 +316,7 @@ def _sparse_allreduce(
         record.update(
             size=n,
             row_numel=vals.shape[1],
-            row_shape=_meta.name_code(str(row_shape)),
+            **_meta.shape_fields(row_shape),
             dtype=_meta.name_code(_dtype_name(values.dtype)),
             op=_meta.name_code(op),
             algorithm=_meta.name_code(algorithm),
@@ -462,7 +469,7 @@ def _topk_allreduce(
         record.update(
             size=numel,
             row_numel=k,  # k must agree too: it is part of the shared call
-            row_shape=_meta.name_code(str(tuple(tensor.shape))),
+            **_meta.shape_fields(tuple(tensor.shape)),
             dtype=_meta.name_code(_dtype_name(tensor.dtype)),
             op=_meta.name_code(op),
             algorithm=_meta.name_code(algorithm),

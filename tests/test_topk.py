@@ -1,0 +1,327 @@
+"""Top-k mode (``topk_allreduce``): selection counts, error feedback, agreement across ranks, traffic.
+
+Every rank runs a sequence of calls on deterministic random tensors (with
+abrupt changes of scale, so reused thresholds have to adapt) and returns, per
+call, what it delivered and what it got; the parent checks:
+
+* error feedback, per rank: ``new residual + acc restricted to sent_indices
+  == old residual + tensor`` (checked bitwise in the rank);
+* the result is the sum over ranks of ``acc[sent_indices]`` (divided by P
+  for ``avg``), against a float64 reference, and bitwise identical on every rank;
+* ``local_count`` is within the band ``[floor(2k/3), ceil(5k/4)]`` for
+  ``oktopk`` and exactly k for ``allgather``;
+* ``dense`` sends everything: the plain allreduce of acc, residual zero;
+* Ok-Topk's traffic stays within the paper's Eq. 3 bound at P = 4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness import pool
+from sparse_cases import DTYPES, RTOL, raw
+
+STEPS = 40  # more than the default refresh period (32): crosses a refresh
+
+
+def topk_cfg(**kw) -> dict:
+    c = {
+        "seed": 0,
+        "shape": (64, 64),
+        "k": 40,
+        "density": None,
+        "algorithm": "oktopk",
+        "op": "avg",
+        "dtype": "float32",
+        "steps": STEPS,
+        "state_kw": {},
+        "small": True,  # return dense results (only for small tensors)
+        "correlated": False,
+    }
+    c.update(kw)
+    return c
+
+
+def _scale(step: int) -> float:
+    # Abrupt changes of magnitude every 7 calls: x1, x4, x0.25, ...
+    return (1.0, 4.0, 0.25)[(step // 7) % 3]
+
+
+def make_tensor(c: dict, rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s tensor at call ``step``.
+
+    Default: independent each call, with abrupt changes of scale (stresses the
+    reused thresholds). ``correlated``: a fixed per-rank gradient plus 10 % noise,
+    the slowly changing gradients Ok-Topk's threshold reuse assumes.
+    """
+    g = torch.Generator().manual_seed(c["seed"] * 1_000_003 + rank * 10_007 + step)
+    noise = torch.randn(c["shape"], generator=g, dtype=torch.float64)
+    if c.get("correlated"):
+        base = torch.randn(c["shape"], generator=torch.Generator().manual_seed(c["seed"] * 1_000_003 + rank * 10_007 - 1), dtype=torch.float64)
+        return (base + 0.1 * noise).to(DTYPES[c["dtype"]])
+    return (noise * _scale(step)).to(DTYPES[c["dtype"]])
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# ------------------------------------------------------------------ rank function
+
+
+def _run_topk(rank, world_size, c):
+    import tuner
+
+    state = tuner.TopkState(k=c["k"], density=c["density"], **c["state_kw"])
+    steps = []
+    for step in range(c["steps"]):
+        t = make_tensor(c, rank, step)
+        old = None if state.residual is None else state.residual.clone()
+        acc = t.reshape(-1).to(_acc_dtype(t.dtype))
+        acc = acc + old if old is not None else acc.clone()
+        res = tuner.topk_allreduce(t, state, op=c["op"], algorithm=c["algorithm"])
+        new = state.residual
+        sent = res.sent_indices
+        mask = torch.zeros(acc.numel(), dtype=torch.bool)
+        if sent is None:
+            mask[:] = True
+        else:
+            mask[sent] = True
+        # Error feedback: new residual + acc[sent] == old residual + tensor (= acc), i.e.
+        # zero where sent, unchanged acc elsewhere.
+        inv_sent = bool((new[mask] == 0).all())
+        inv_rest = raw(new[~mask]) == raw(acc[~mask])
+        rec = {
+            "algorithm": getattr(res, "algorithm", c["algorithm"]),
+            "k": state.k_for(acc.numel()),
+            "local_count": int(res.local_count),
+            "global_count": int(getattr(res, "global_count", -1)),
+            "sent": None if sent is None else sent.clone(),
+            "sent_unique": None if sent is None else int(sent.unique().numel()) == int(sent.numel()),
+            "acc_sent": acc.clone() if sent is None else acc[sent].clone(),
+            "indices": None if res.indices is None else res.indices.clone(),
+            "values": res.values.clone(),
+            "dense": res.to_dense().clone() if c["small"] else None,
+            "dense_shape": tuple(res.to_dense().shape) if c["small"] else None,
+            "bytes": res.traffic.bytes_sent,
+            "meta_bytes": getattr(res.traffic, "meta_bytes", None),
+            "inv_sent_zero": inv_sent,
+            "inv_rest_equal": inv_rest,
+            "residual_zero": bool((new == 0).all()),
+            "residual_dtype": new.dtype,
+            "step_attr": state.step,
+        }
+        steps.append(rec)
+    return steps
+
+
+# ------------------------------------------------------------------ checks
+
+
+def check_topk(c: dict, world_size: int, per_rank: list) -> None:
+    dtype = DTYPES[c["dtype"]]
+    numel = math.prod(c["shape"])
+    for step in range(c["steps"]):
+        recs = [per_rank[r][step] for r in range(world_size)]
+        first = recs[0]
+        alg = first["algorithm"]
+        k = first["k"]
+        where = f"{c['algorithm']}->{alg} P={world_size} step {step}"
+        # Reference: the sum over ranks of what each rank delivered.
+        ref = torch.zeros(numel, dtype=torch.float64)
+        mag = torch.zeros(numel, dtype=torch.float64)
+        for rec in recs:
+            if rec["sent"] is None:
+                ref += rec["acc_sent"].to(torch.float64)
+                mag += rec["acc_sent"].to(torch.float64).abs()
+            else:
+                ref.index_add_(0, rec["sent"], rec["acc_sent"].to(torch.float64))
+                mag.index_add_(0, rec["sent"], rec["acc_sent"].to(torch.float64).abs())
+        if c["op"] == "avg":
+            ref /= world_size
+            mag /= world_size
+        for r, rec in enumerate(recs):
+            w = f"{where} rank {r}"
+            assert rec["inv_sent_zero"], f"{w}: the residual is not zero at sent_indices"
+            assert rec["inv_rest_equal"], f"{w}: the residual changed outside sent_indices (error feedback broken)"
+            assert rec["step_attr"] == step + 1
+            assert rec["algorithm"] == alg, f"{w}: ranks ran different algorithms"
+            # Bitwise identical results.
+            assert (rec["indices"] is None) == (first["indices"] is None)
+            if rec["indices"] is not None:
+                assert raw(rec["indices"]) == raw(first["indices"]), f"{w}: indices differ from rank 0's"
+            assert raw(rec["values"]) == raw(first["values"]), f"{w}: values differ from rank 0's bitwise"
+            assert rec["values"].dtype == dtype, f"{w}: values dtype {rec['values'].dtype}"
+            if rec["dense"] is not None:
+                assert rec["dense_shape"] == tuple(c["shape"]), f"{w}: to_dense() shape {rec['dense_shape']}"
+                assert raw(rec["dense"]) == raw(first["dense"])
+            # Selection counts.
+            if alg == "oktopk":
+                lo, hi = math.floor(2 * k / 3), math.ceil(5 * k / 4)
+                assert lo <= rec["local_count"] <= hi, f"{w}: local_count {rec['local_count']} outside [{lo}, {hi}] (k={k})"
+            elif alg == "allgather":
+                assert rec["local_count"] == k, f"{w}: allgather selected {rec['local_count']} != k={k}"
+                assert rec["sent"] is not None and rec["sent"].numel() == k, f"{w}: TopkA delivers all k selected"
+            elif alg == "dense":
+                assert rec["residual_zero"], f"{w}: dense must leave a zero residual"
+            if rec["sent"] is not None:
+                assert rec["sent_unique"], f"{w}: sent_indices has duplicates"
+                assert rec["sent"].numel() <= rec["local_count"], f"{w}: sent more than selected"
+                if rec["sent"].numel():
+                    assert int(rec["sent"].min()) >= 0 and int(rec["sent"].max()) < numel
+                assert rec["indices"] is not None
+                assert bool(torch.isin(rec["sent"], rec["indices"]).all()), f"{w}: a sent index is missing from the result"
+            if rec["indices"] is not None:
+                idx = rec["indices"]
+                assert idx.dtype == torch.int64
+                assert bool((idx[1:] > idx[:-1]).all()), f"{w}: result indices not sorted unique"
+                assert rec["values"].numel() == idx.numel()
+                if rec["global_count"] >= 0:
+                    assert rec["global_count"] == idx.numel(), f"{w}: global_count {rec['global_count']} != {idx.numel()}"
+            # Traffic.
+            if world_size == 1:
+                assert rec["bytes"] == 0, f"{w}: a single rank sent {rec['bytes']} bytes"
+            else:
+                assert rec["bytes"] > 0, f"{w}: no traffic counted"
+        # The result is the (averaged) sum of the delivered accumulations.
+        got = torch.zeros(numel, dtype=torch.float64)
+        if first["indices"] is None:
+            got[:] = first["values"].reshape(-1).to(torch.float64)
+        else:
+            got[first["indices"]] = first["values"].reshape(-1).to(torch.float64)
+        err = (got - ref).abs()
+        allowed = RTOL[dtype] * mag + 1e-300
+        if bool((err > allowed).any()):
+            i = int((err - allowed).argmax())
+            raise AssertionError(
+                f"{where}: result != sum over ranks of acc[sent_indices]{' / P' if c['op'] == 'avg' else ''}: "
+                f"at flat index {i} got {got[i].item()!r}, expected {ref[i].item()!r} "
+                f"({int((err > allowed).sum())} elements off)"
+            )
+
+
+# ------------------------------------------------------------------ tests
+
+
+ALGS = ["oktopk", "allgather", "dense", "auto"]
+
+
+@pytest.mark.parametrize("algorithm", ALGS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_topk_over_many_calls(world_size, algorithm):
+    c = topk_cfg(seed=world_size, algorithm=algorithm)
+    per_rank = pool(world_size).run(_run_topk, c, timeout=120)
+    check_topk(c, world_size, per_rank)
+
+
+@pytest.mark.parametrize("algorithm", ["oktopk", "allgather", "dense"])
+def test_topk_sum_op_and_short_refresh_periods(algorithm):
+    # Refreshes every few calls: local and global thresholds and region boundaries all recomputed many times.
+    c = topk_cfg(
+        seed=11,
+        algorithm=algorithm,
+        op="sum",
+        shape=(3000,),
+        k=None,
+        density=0.02,
+        state_kw={"local_refresh": 5, "global_refresh": 3, "boundary_refresh": 7},
+    )
+    per_rank = pool(3).run(_run_topk, c, timeout=120)
+    check_topk(c, 3, per_rank)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("algorithm", ["oktopk", "allgather", "dense"])
+def test_topk_dtypes(dtype, algorithm):
+    c = topk_cfg(seed=21, algorithm=algorithm, dtype=dtype, steps=12, shape=(40, 25), k=30)
+    per_rank = pool(2).run(_run_topk, c, timeout=120)
+    check_topk(c, 2, per_rank)
+    for step in per_rank[0]:
+        assert step["residual_dtype"] == _acc_dtype(DTYPES[dtype]) or step["residual_dtype"] == DTYPES[dtype]
+
+
+def test_topk_selects_more_than_a_quarter():
+    # k close to numel: every algorithm must still deliver correct sums.
+    for algorithm in ("oktopk", "allgather", "auto"):
+        c = topk_cfg(seed=31, algorithm=algorithm, shape=(200,), k=120, steps=6)
+        per_rank = pool(2).run(_run_topk, c, timeout=120)
+        check_topk(c, 2, per_rank)
+
+
+#: Metadata allowance for one Ok-Topk top-k call at P = 4, in bytes, explicitly:
+#:   the call's metadata record: all_gather of 17 int64 plus the eager slot
+#:   (4096 B at P = 4, unused in top-k mode): (P-1) * (136 + 4096)           =  12696
+#:   count/size exchanges (a few all_to_all / all_gather of P int64)        <=   1024
+#:   region boundaries (all_reduce of P float64: 2 * 32 * (P-1)/P)           =     48
+#:   an exact global threshold: radix select, 4 all_reduce of 256 int64
+#:   (each 2 * 2048 * (P-1)/P = 3072 B)                                       =  12288
+#: total 26056, rounded up to 26 KiB = 6656 words of 4 bytes: O(P), independent
+#: of k. With k = 5000 the data bound is 6k(P-1)/P = 22500 words.
+EQ3_META_ALLOWANCE_BYTES = 26624
+
+
+@pytest.mark.parametrize("correlated", [True, False], ids=["slowly_changing", "independent"])
+def test_oktopk_traffic_within_eq3_bound_at_p4(correlated):
+    p, k, steps = 4, 5_000, 24
+    c = topk_cfg(
+        seed=41,
+        algorithm="oktopk",
+        shape=(500_000,),
+        k=k,
+        steps=steps,
+        small=False,
+        op="avg",
+        correlated=correlated,
+        # Shorter refresh periods than the defaults, so 24 calls cross every kind of refresh.
+        state_kw={"local_refresh": 10, "global_refresh": 10, "boundary_refresh": 10},
+    )
+    per_rank = pool(p).run(_run_topk, c, timeout=300)
+    check_topk(c, p, per_rank)
+    # Words: one int32 index (size < 2**31) or one float32 value, 4 bytes each.
+    word = 4
+    bound_words = 6 * k * (p - 1) / p
+    lower_words = 2 * k * (p - 1) / p
+    for r in range(p):
+        for step, rec in enumerate(per_rank[r]):
+            data_words = (rec["bytes"] - EQ3_META_ALLOWANCE_BYTES) / word
+            assert data_words <= bound_words, (
+                f"rank {r} step {step}: {rec['bytes']} bytes sent = {rec['bytes'] / word:.0f} words; minus the "
+                f"{EQ3_META_ALLOWANCE_BYTES} B metadata allowance that is {data_words:.0f} words > 6k(P-1)/P = {bound_words:.0f} "
+                f"(local_count {rec['local_count']}, global_count {rec['global_count']}, k {k})"
+            )
+            if rec["meta_bytes"] is not None:
+                # The implementation's own split into data and metadata must agree with the bound too.
+                assert rec["meta_bytes"] <= EQ3_META_ALLOWANCE_BYTES, f"rank {r} step {step}: metadata {rec['meta_bytes']} B"
+                assert (rec["bytes"] - rec["meta_bytes"]) / word <= bound_words
+    # And it does move the selection: at least the paper's lower bound on average.
+    mean_bytes = sum(rec["bytes"] for r in range(p) for rec in per_rank[r]) / (p * steps)
+    assert mean_bytes / word >= 0.5 * lower_words, mean_bytes
+
+
+def _run_state_roundtrip(rank, world_size, c):
+    import tuner
+
+    a = tuner.TopkState(k=c["k"])
+    b = None
+    outs_a, outs_b = [], []
+    for step in range(c["steps"]):
+        t = make_tensor(c, rank, step)
+        if step == c["steps"] // 2:
+            b = tuner.TopkState(k=1)
+            b.load_state_dict(a.state_dict())
+        ra = tuner.topk_allreduce(t, a, op="avg", algorithm=c["algorithm"])
+        outs_a.append(raw(ra.values))
+        if b is not None:
+            rb = tuner.topk_allreduce(t, b, op="avg", algorithm=c["algorithm"])
+            outs_b.append(raw(rb.values))
+    return outs_a[c["steps"] // 2 :], outs_b
+
+
+@pytest.mark.parametrize("algorithm", ["oktopk", "allgather"])
+def test_state_dict_roundtrip_resumes_identically(algorithm):
+    c = topk_cfg(seed=51, algorithm=algorithm, steps=20, shape=(2000,), k=30)
+    for r, (a, b) in enumerate(pool(2).run(_run_state_roundtrip, c)):
+        assert a == b, f"rank {r}: a state restored from state_dict() diverged from the original"
