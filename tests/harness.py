@@ -15,7 +15,9 @@ Three entry points, from the simplest to the fastest:
     Ranks that stay up between calls, so that a test (or a hypothesis example)
     costs a round trip instead of a launch. ``pool(P).run(fn, *args)`` behaves
     like ``run_ranks`` and returns the same list. When a call fails or hangs,
-    its ranks are killed and the next call starts fresh ones.
+    its ranks are killed and the next call starts fresh ones. Pool ranks keep
+    module state (caches, registries) from earlier calls: a test whose outcome
+    could depend on what ran before belongs in ``run_ranks`` / ``run_cases``.
 
 Rank functions must be module-level (they are pickled by reference) and return
 something ``torch.save`` accepts. Each rank runs with one intra-op thread on

@@ -110,7 +110,7 @@ def make_input(c: dict, rank: int, world_size: int) -> tuple[torch.Tensor, torch
         vals = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
     idx = idx.to(idtype)
     if c.get("noncontig"):
-        idx = torch.stack((idx, idx)).t()[:, 0]
+        idx = torch.stack((idx, idx), dim=1)[:, 0]
         vals = torch.stack((vals, vals), dim=-1)[..., 1]
         assert (idx.numel() <= 1 or not idx.is_contiguous()) and (vals.numel() <= 1 or not vals.is_contiguous())
     return idx, vals

@@ -376,8 +376,8 @@ class Rule:
 
     index: int
     name: str | None
-    line: int
-    use: str
+    line: int = field(compare=False)
+    use: str = AUTO
     tensor: tuple[str, ...] | None = None
     numel: Range | None = None
     density: Range | None = None
@@ -644,25 +644,26 @@ class _Parser:
             return node.value
         return self.loader.construct_object(node, deep=True)
 
-    def mapping(self, node: Node, key: str, allowed: tuple[str, ...], what: str = "a mapping") -> Iterator[tuple[str, Node, Node]]:
-        """Yield ``(key, key_node, value_node)`` after checking keys are known and unique."""
+    def mapping(
+        self, node: Node, key: str, what: str, allowed: tuple[str, ...] | None = None
+    ) -> Iterator[tuple[str, Node, Node]]:
+        """Yield ``(key, key_node, value_node)``; keys must be unique strings, and in ``allowed`` if given."""
         if not isinstance(node, MappingNode):
             raise self.fail(node, key, f"expected {what}, got {_describe(node)}")
         try:
             self.loader.flatten_mapping(node)  # resolves << merge keys
         except yaml.MarkedYAMLError as e:
             raise self.fail(node, key, f"bad merge key: {e.problem}") from None
+        hint = None if allowed is None else "allowed keys: " + ", ".join(allowed)
         seen: dict[str, Node] = {}
         for knode, vnode in node.value:
             if not isinstance(knode, ScalarNode) or knode.tag != _T + "str":
-                raise self.fail(knode, key, f"keys must be strings, got {_describe(knode)}",
-                                "allowed keys: " + ", ".join(allowed))
+                raise self.fail(knode, key, f"keys must be strings, got {_describe(knode)}", hint)
             k = knode.value
-            if k not in allowed:
-                raise self.fail(knode, key, f"unknown key {k!r}", "allowed keys: " + ", ".join(allowed))
+            if allowed is not None and k not in allowed:
+                raise self.fail(knode, key, f"unknown key {k!r}", hint)
             if k in seen:
-                raise self.fail(knode, key, f"duplicate key {k!r} (first at line {_line(seen[k])})",
-                                "give each key once")
+                raise self.fail(knode, key, f"duplicate key {k!r} (first at line {_line(seen[k])})", "give each key once")
             seen[k] = knode
             yield k, knode, vnode
 
@@ -702,23 +703,28 @@ class _Parser:
 
     def parse(self) -> Policy:
         try:
+            return self._parse()
+        finally:
+            self.loader.dispose()
+
+    def _parse(self) -> Policy:
+        try:
             root = self.loader.get_single_node()
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             problem = e.problem or e.context or "invalid YAML"
-            if e.context and e.problem and e.context_mark is not None:
-                problem += f" ({e.context} at line {e.context_mark.line + 1})"
+            if e.context and e.problem:
+                at = "" if e.context_mark is None else f" (line {e.context_mark.line + 1})"
+                problem = f"{e.context}{at}: {e.problem}"
             raise PolicyError(f"YAML syntax error: {problem}", self.source,
                               None if mark is None else mark.line + 1) from None
         except yaml.YAMLError as e:
             raise PolicyError(f"YAML syntax error: {e}", self.source) from None
-        finally:
-            self.loader.dispose()
         if root is None:
             raise PolicyError("the policy is empty", self.source, 1, None,
                               "a policy needs at least 'version: 1'")
         self.check_tags(root)
-        items = {k: (kn, vn) for k, kn, vn in self.mapping(root, "", _TOP_KEYS, "a mapping of policy keys")}
+        items = {k: (kn, vn) for k, kn, vn in self.mapping(root, "", "a mapping of policy keys", _TOP_KEYS)}
         if "version" not in items:
             raise self.fail(root, None, "missing required key 'version'", "add 'version: 1' at the top")
         vnode = items["version"][1]
@@ -770,20 +776,22 @@ class _Parser:
     def check_tags(self, root: Node) -> None:
         """Reject any tag beyond plain data (``!!python/...``, custom ``!tags``)."""
         seen: set[int] = set()
-        stack = [root]
+        stack: list[tuple[Node, str]] = [(root, "")]
         while stack:
-            node = stack.pop()
+            node, path = stack.pop()
             if id(node) in seen:
                 continue
             seen.add(id(node))
             if node.tag not in _ALLOWED_TAGS:
-                raise self.fail(node, None, f"unsupported YAML tag {node.tag!r}",
+                tag = node.tag.replace(_T, "!!", 1) if node.tag.startswith(_T) else node.tag
+                raise self.fail(node, path, f"unsupported YAML tag {tag!r}",
                                 "policies are plain data: strings, numbers, booleans, null, lists and mappings")
             if isinstance(node, SequenceNode):
-                stack.extend(node.value)
+                stack.extend((v, f"{path}[{j}]") for j, v in enumerate(node.value))
             elif isinstance(node, MappingNode):
                 for k, v in node.value:
-                    stack.extend((k, v))
+                    name = k.value if isinstance(k, ScalarNode) else "?"
+                    stack.extend(((k, path), (v, f"{path}.{name}" if path else name)))
 
     def knobs(self, node: Node, key: str, use: str | None) -> dict[str, dict[str, Any]]:
         """Parse ``{algorithm: {knob: value}}``; with ``use`` set, only that algorithm's knobs."""
@@ -791,7 +799,7 @@ class _Parser:
             return {}
         out: dict[str, dict[str, Any]] = {}
         algos = self.algorithms
-        for algo, knode, vnode in self.mapping_any(node, key, "a mapping of algorithm names to knobs"):
+        for algo, knode, vnode in self.mapping(node, key, "a mapping of algorithm names to knobs"):
             if algo not in algos:
                 raise self.fail(knode, key, f"unknown algorithm {algo!r}", "allowed: " + ", ".join(algos))
             if use is not None and use != AUTO and algo != use:
@@ -800,31 +808,13 @@ class _Parser:
             out[algo] = self.knob_values(vnode, f"{key}.{algo}", algo)
         return out
 
-    def mapping_any(self, node: Node, key: str, what: str) -> Iterator[tuple[str, Node, Node]]:
-        """Like :meth:`mapping` but any string key passes (checked by the caller)."""
-        if not isinstance(node, MappingNode):
-            raise self.fail(node, key, f"expected {what}, got {_describe(node)}")
-        try:
-            self.loader.flatten_mapping(node)
-        except yaml.MarkedYAMLError as e:
-            raise self.fail(node, key, f"bad merge key: {e.problem}") from None
-        seen: dict[str, Node] = {}
-        for knode, vnode in node.value:
-            if not isinstance(knode, ScalarNode) or knode.tag != _T + "str":
-                raise self.fail(knode, key, f"keys must be strings, got {_describe(knode)}")
-            if knode.value in seen:
-                raise self.fail(knode, key, f"duplicate key {knode.value!r} (first at line {_line(seen[knode.value])})",
-                                "give each key once")
-            seen[knode.value] = knode
-            yield knode.value, knode, vnode
-
     def knob_values(self, node: Node, key: str, algo: str) -> dict[str, Any]:
         specs = KNOBS.get(algo, {})
         if self.is_null(node):
             return {}
         allowed = "allowed knobs: " + (", ".join(specs) if specs else f"none ({algo} has no knobs)")
         out: dict[str, Any] = {}
-        for name, knode, vnode in self.mapping_any(node, key, "a mapping of knob names to values"):
+        for name, knode, vnode in self.mapping(node, key, "a mapping of knob names to values"):
             if name not in specs:
                 raise self.fail(knode, key, f"unknown knob {name!r} for {algo!r}", allowed)
             out[name] = self.knob_value(specs[name], vnode, f"{key}.{name}")
@@ -833,21 +823,21 @@ class _Parser:
     def knob_value(self, spec: KnobSpec, node: Node, key: str) -> Any:
         allowed = "allowed: " + spec.describe()
         if spec.kind == "choice":
-            value = self.string(node, key, allowed)
-            if value not in spec.choices:
-                raise self.fail(node, key, f"unknown value {value!r}", allowed)
-            return value
+            choice = self.string(node, key, allowed)
+            if choice not in spec.choices:
+                raise self.fail(node, key, f"unknown value {choice!r}", allowed)
+            return choice
         try:
-            value = self.number(node, key, integer=spec.kind == "int", expected=spec.describe())
+            number = self.number(node, key, integer=spec.kind == "int", expected=spec.describe())
         except PolicyError as e:
             raise PolicyError(e.problem, e.source, e.line, e.key, allowed) from None
-        if spec.minimum is not None and (value <= spec.minimum if spec.exclusive else value < spec.minimum):
+        if spec.minimum is not None and (number <= spec.minimum if spec.exclusive else number < spec.minimum):
             raise self.fail(node, key, f"value {node.value} is out of range", allowed)
-        return value
+        return number
 
     def rule(self, node: Node, i: int, default: str, global_knobs: _FrozenDict) -> Rule:
         key = f"rules[{i}]"
-        items = {k: (kn, vn) for k, kn, vn in self.mapping(node, key, _RULE_KEYS, "a rule (a mapping)")}
+        items = {k: (kn, vn) for k, kn, vn in self.mapping(node, key, "a rule (a mapping)", _RULE_KEYS)}
         if "use" not in items and "knobs" not in items:
             raise self.fail(node, key, "the rule sets neither 'use' nor 'knobs'",
                             "add 'use: <algorithm|auto>' or 'knobs: {...}'")
@@ -875,7 +865,7 @@ class _Parser:
 
     def when(self, node: Node, key: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for k, _knode, vnode in self.mapping(node, key, _WHEN_KEYS):
+        for k, _knode, vnode in self.mapping(node, key, "a mapping of conditions", _WHEN_KEYS):
             path = f"{key}.{k}"
             if k == "tensor":
                 out[k] = self.globs(vnode, path)

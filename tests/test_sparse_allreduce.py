@@ -1,0 +1,291 @@
+"""Exact sparse allreduce: every algorithm against a float64 dense reference, on gloo ranks.
+
+Each test sends one case to a pool of ranks (tests/harness.py) that stays up
+between tests; every rank builds its own input from the case (and the parent
+builds the reference from the same case), calls ``tuner.sparse_allreduce``
+and returns the result; the parent checks it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import pool
+from sparse_cases import ALGORITHMS, DTYPES, assert_close_to_reference, case, make_input, overlap, raw, reference
+
+FAST_SIZES = [1, 2, 3, 4]
+ALL_SIZES = FAST_SIZES + [pytest.param(8, marks=pytest.mark.slow)]
+
+
+# ------------------------------------------------------------------ scenarios (a case per world size)
+
+
+def _grow(p, base, step=3, empty=()):
+    return [0 if r in empty else base + step * r for r in range(p)]
+
+
+SCENARIOS = {
+    "random_dups_int64": lambda p: case(seed=1, size=50, counts=_grow(p, 40)),
+    "random_int32": lambda p: case(seed=2, size=60, counts=_grow(p, 30, 5), index_dtype="int32"),
+    "empty_rank0": lambda p: case(seed=3, size=40, counts=_grow(p, 20, empty=(0,))),
+    "empty_last_rank": lambda p: case(seed=4, size=40, counts=_grow(p, 20, empty=(p - 1,))),
+    "all_empty": lambda p: case(seed=5, size=40, counts=[0] * p),
+    "identical_sets": lambda p: case(seed=6, size=100, counts=[30] * p, pattern="identical"),
+    "disjoint_sets": lambda p: case(seed=7, size=400, counts=[25] * p, pattern="disjoint"),
+    "embedding_rows": lambda p: case(seed=8, size=40, counts=_grow(p, 15, 2), row_shape=(3, 2)),
+    "float64": lambda p: case(seed=9, size=50, counts=_grow(p, 35), dtype="float64"),
+    "float16": lambda p: case(seed=10, size=50, counts=_grow(p, 35), dtype="float16"),
+    "bfloat16": lambda p: case(seed=11, size=50, counts=_grow(p, 35), dtype="bfloat16"),
+    "float16_rows_int32": lambda p: case(
+        seed=12, size=30, counts=_grow(p, 20), dtype="float16", row_shape=(4,), index_dtype="int32"
+    ),
+    "avg_float32": lambda p: case(seed=13, size=50, counts=_grow(p, 30), op="avg"),
+    "avg_bfloat16_rows": lambda p: case(seed=14, size=30, counts=_grow(p, 20), op="avg", dtype="bfloat16", row_shape=(2,)),
+    "avg_float64_identical": lambda p: case(seed=15, size=64, counts=[20] * p, op="avg", dtype="float64", pattern="identical"),
+    "cancel_to_zero_kept": lambda p: case(seed=16, size=30, counts=[12] * p, pattern="cancel"),
+    "large_size_sparse": lambda p: case(seed=17, size=200_000, counts=_grow(p, 300, 50)),
+    "tiny_size_many_dups": lambda p: case(seed=18, size=16, counts=[100] * p),
+    "size_one": lambda p: case(seed=19, size=1, counts=[3] * p),
+    "one_entry_per_rank_float64": lambda p: case(seed=21, size=10, counts=[1] * p, dtype="float64"),
+    "one_entry_float64_rows": lambda p: case(seed=22, size=10, counts=[1] * p, dtype="float64", row_shape=(3,)),
+    "one_entry_per_rank_float16": lambda p: case(seed=23, size=10, counts=[1] * p, dtype="float16"),
+    "noncontiguous_inputs": lambda p: case(seed=20, size=50, counts=_grow(p, 20), row_shape=(2,), noncontig=True),
+}
+
+
+# ------------------------------------------------------------------ rank functions
+
+
+def _result_record(res, small: bool) -> dict:
+    return {
+        "indices": res.indices.clone(),
+        "values": res.values.clone(),
+        "size": res.size,
+        "algorithm": res.algorithm,
+        "bytes_sent": res.traffic.bytes_sent,
+        "messages": res.traffic.messages,
+        "dense": res.to_dense() if small else None,
+    }
+
+
+def _run_sparse(rank, world_size, c, algorithm, repeat=1):
+    import tuner
+
+    idx, vals = make_input(c, rank, world_size)
+    idx_before, vals_before = raw(idx), raw(vals)
+    out = []
+    for _ in range(repeat):
+        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+        out.append(_result_record(res, small=c["size"] <= 5000))
+    return {"results": out, "inputs_unchanged": raw(idx) == idx_before and raw(vals) == vals_before}
+
+
+def _run_sparse_subgroups(rank, world_size, c, algorithm, groups):
+    import tuner
+
+    handles = [dist.new_group(g) for g in groups]  # every rank creates every group, in the same order
+    idx, vals = make_input(c, rank, world_size)
+    out = {}
+    for gi, (members, g) in enumerate(zip(groups, handles)):
+        if rank in members:
+            res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], group=g, algorithm=algorithm)
+            out[gi] = _result_record(res, small=True)
+    return out
+
+
+def _run_async(rank, world_size, c, algorithm):
+    import tuner
+
+    idx, vals = make_input(c, rank, world_size)
+    h1 = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, async_op=True)
+    h2 = tuner.sparse_allreduce(idx, vals * 2, c["size"], op=c["op"], algorithm=algorithm, async_op=True)
+    completed_type = type(h1.is_completed()).__name__
+    r2 = h2.wait()
+    r1 = h1.wait()
+    fut = h1.get_future()
+    fut_res = fut.wait()
+    assert h1.is_completed() and h2.is_completed()
+    sync = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+    return {
+        "completed_type": completed_type,
+        "first": _result_record(r1, small=True),
+        "second": _result_record(r2, small=True),
+        "future": _result_record(fut_res, small=True),
+        "sync": _result_record(sync, small=True),
+    }
+
+
+# ------------------------------------------------------------------ checks
+
+
+def check_results(c: dict, world_size: int, records: list[dict], algorithm: str, ranks=None, check_traffic=True):
+    """Check per-rank result records of one call against the reference and across ranks."""
+    import algorithms
+
+    ref = reference(c, world_size, ranks)
+    dtype = DTYPES[c["dtype"]]
+    row_shape = tuple(c["row_shape"])
+    ranks = list(range(world_size)) if ranks is None else ranks
+    first = records[0]
+    for r, rec in zip(ranks, records):
+        where = f"{algorithm} at P={world_size}, rank {r}"
+        idx, vals = rec["indices"], rec["values"]
+        assert idx.dtype == torch.int64 and idx.dim() == 1, f"{where}: indices {idx.dtype} {tuple(idx.shape)}"
+        assert torch.equal(idx, ref["union"]), (
+            f"{where}: result indices are not the union of the inputs' indices: "
+            f"got {idx.tolist()[:20]}... ({idx.numel()}), expected {ref['union'].tolist()[:20]}... ({ref['union'].numel()})"
+        )
+        assert vals.dtype == dtype, f"{where}: values dtype {vals.dtype}, expected {dtype}"
+        assert tuple(vals.shape) == (idx.numel(),) + row_shape, f"{where}: values shape {tuple(vals.shape)}"
+        assert rec["size"] == c["size"]
+        if algorithm == "auto":
+            assert rec["algorithm"] in algorithms.names(), f"{where}: res.algorithm={rec['algorithm']!r}"
+        else:
+            assert rec["algorithm"] == algorithm, f"{where}: res.algorithm={rec['algorithm']!r}"
+        assert_close_to_reference(vals, idx, ref, dtype, where)
+        if rec["dense"] is not None:
+            d = rec["dense"]
+            assert tuple(d.shape) == (c["size"],) + row_shape and d.dtype == dtype, f"{where}: to_dense {d.shape} {d.dtype}"
+            expect = torch.zeros_like(d)
+            if idx.numel():
+                expect[idx] = vals
+            assert raw(d) == raw(expect), f"{where}: to_dense() does not match indices/values"
+        # Bitwise identical on every rank.
+        assert rec["algorithm"] == first["algorithm"], f"{where}: ranks ran different algorithms"
+        assert raw(idx) == raw(first["indices"]), f"{where}: indices differ from rank {ranks[0]}'s bitwise"
+        assert raw(vals) == raw(first["values"]), f"{where}: values differ from rank {ranks[0]}'s bitwise"
+        if check_traffic:
+            has_data = ref["union"].numel() > 0
+            if len(ranks) == 1:
+                assert rec["bytes_sent"] == 0, f"{where}: a single rank sent {rec['bytes_sent']} bytes"
+            elif has_data:
+                assert rec["bytes_sent"] > 0, f"{where}: no traffic counted for a call that moved data"
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("world_size", ALL_SIZES)
+def test_matches_dense_reference(world_size, scenario, algorithm):
+    c = SCENARIOS[scenario](world_size)
+    out = pool(world_size).run(_run_sparse, c, algorithm)
+    for r, o in enumerate(out):
+        assert o["inputs_unchanged"], f"rank {r}: sparse_allreduce modified its inputs"
+    check_results(c, world_size, [o["results"][0] for o in out], algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_repeated_calls_give_the_same_bits(world_size, algorithm):
+    # Cached state (Ok-Topk's region boundaries, the selector) must not change the bits.
+    c = case(seed=30, size=500, counts=_grow(world_size, 120, 40))
+    out = pool(world_size).run(_run_sparse, c, algorithm, 4)
+    for o in out:
+        for rec in o["results"][1:]:
+            assert raw(rec["indices"]) == raw(o["results"][0]["indices"])
+            assert raw(rec["values"]) == raw(o["results"][0]["values"])
+    check_results(c, world_size, [o["results"][-1] for o in out], algorithm)
+
+
+def test_scenarios_have_the_overlap_they_claim():
+    assert overlap(SCENARIOS["identical_sets"](4), 4) == 1.0
+    assert overlap(SCENARIOS["disjoint_sets"](4), 4) == 0.0
+    idx, _ = make_input(SCENARIOS["random_dups_int64"](2), 1, 2)
+    assert idx.unique().numel() < idx.numel(), "the random scenario should contain duplicates"
+    assert not bool((idx[1:] >= idx[:-1]).all()), "the random scenario should be unsorted"
+    assert make_input(SCENARIOS["random_int32"](2), 0, 2)[0].dtype == torch.int32
+
+
+def test_single_rank_without_a_process_group():
+    """World size 1 works in a process that never initialized torch.distributed."""
+    import tuner
+
+    assert not (dist.is_available() and dist.is_initialized())
+    for name in ("random_dups_int64", "embedding_rows", "bfloat16", "avg_float32", "all_empty"):
+        c = SCENARIOS[name](1)
+        idx, vals = make_input(c, 0, 1)
+        for algorithm in ALGORITHMS:
+            res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+            rec = _result_record(res, small=True)
+            check_results(c, 1, [rec], algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_non_default_subgroups(algorithm):
+    groups = [[1, 3], [0, 2, 3], [2]]
+    c = case(seed=40, size=80, counts=_grow(4, 25, 5), row_shape=(2,))
+    out = pool(4).run(_run_sparse_subgroups, c, algorithm, groups)
+    for gi, members in enumerate(groups):
+        records = [out[r][gi] for r in members]
+        check_results(c, 4, records, algorithm, ranks=members)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_async_op(world_size, algorithm):
+    c = case(seed=50, size=60, counts=_grow(world_size, 30), op="avg")
+    out = pool(world_size).run(_run_async, c, algorithm)
+    for r, o in enumerate(out):
+        assert o["completed_type"] == "bool"
+        for key in ("first", "future", "sync"):
+            assert raw(o[key]["indices"]) == raw(o["sync"]["indices"]), f"rank {r}: {key} indices differ"
+            assert raw(o[key]["values"]) == raw(o["sync"]["values"]), f"rank {r}: {key} values differ"
+    check_results(c, world_size, [o["first"] for o in out], algorithm)
+    # The second call (values doubled) completed correctly even though it was waited on first.
+    for o in out:
+        assert torch.equal(o["second"]["indices"], o["first"]["indices"])
+        assert torch.allclose(o["second"]["values"], 2 * o["first"]["values"], rtol=1e-6, atol=0)
+
+
+def test_oktopk_sends_well_below_allgather_at_full_overlap():
+    """P=4, identical index sets: Ok-Topk's split-reduce + allgatherv sends about (k + u)(P-1)/P
+    entries per rank, allgather (P-1) k: with u = k that is half."""
+    p = 4
+    c = case(seed=60, size=1_000_000, counts=[4000] * p, pattern="identical")
+    got = {}
+    for algorithm in ("allgather", "oktopk"):
+        out = pool(p).run(_run_sparse, c, algorithm)
+        recs = [o["results"][0] for o in out]
+        check_results(c, p, recs, algorithm)
+        got[algorithm] = [rec["bytes_sent"] for rec in recs]
+    entry = 4 + 4  # int32 index on the wire (size < 2**31) + one float32 value
+    k = 4000
+    assert max(got["oktopk"]) < 0.75 * min(got["allgather"]), got
+    # Both near their model: allgather (P-1) k entries, oktopk 2 k (P-1)/P entries (+ metadata, balance slack).
+    assert min(got["allgather"]) >= (p - 1) * k * entry, got
+    assert max(got["oktopk"]) <= 1.25 * 2 * k * (p - 1) / p * entry + 4096, got
+
+
+def _run_huge_size(rank, world_size, size, algorithm):
+    import tuner
+
+    g = torch.Generator().manual_seed(70 + rank)
+    idx = torch.randint(0, size, (60,), generator=g)
+    idx[:6] = torch.arange(6) * (size // 6)  # shared by every rank
+    idx[6] = size - 1
+    vals = torch.randn(60, 2, generator=g)
+    res = tuner.sparse_allreduce(idx, vals, size, algorithm=algorithm)
+    return {"idx": idx, "vals": vals, "res": _result_record(res, small=False)}
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "oktopk", "auto"])
+def test_size_beyond_int32_uses_wide_indices(algorithm):
+    """Rows past 2**31 (int64 indices on the wire); the dense path would need the whole size, so it is left out."""
+    p, size = 3, 2**40 + 3
+    out = pool(p).run(_run_huge_size, size, algorithm)
+    all_idx = torch.cat([o["idx"] for o in out])
+    all_vals = torch.cat([o["vals"] for o in out]).to(torch.float64)
+    union, inverse = torch.unique(all_idx, return_inverse=True)
+    ref = torch.zeros((union.numel(), 2), dtype=torch.float64).index_add_(0, inverse, all_vals)
+    mag = torch.zeros_like(ref).index_add_(0, inverse, all_vals.abs())
+    for r, o in enumerate(out):
+        rec = o["res"]
+        assert torch.equal(rec["indices"], union), f"rank {r}: indices"
+        assert rec["algorithm"] != "dense" or algorithm == "dense", "auto must not densify 2**40 rows"
+        err = (rec["values"].to(torch.float64) - ref).abs()
+        assert bool((err <= 2e-6 * mag + 1e-300).all()), f"rank {r}: max error {err.max().item()}"
+        assert raw(rec["values"]) == raw(out[0]["res"]["values"])

@@ -1,0 +1,1070 @@
+"""Predict the time of each sparse allreduce algorithm: an analytic prior and a learned model.
+
+Two models, both pure (NumPy and scikit-learn; no process group):
+
+* :class:`AnalyticModel` counts the messages and bytes of each algorithm's
+  schedule and prices every primitive call with the alpha-beta constants of a
+  profile (``launch + steps * alpha + bytes * beta``). :meth:`AnalyticModel.terms`
+  breaks a prediction into named terms, so the selector can say which one decided.
+* :class:`LearnedCostModel` is a scikit-learn estimator fitted on measured
+  profiles. It first recalibrates the alpha-beta constants on the measurements
+  (a non-negative least-squares fit of relative error, with one constant
+  overhead per algorithm), then learns, per algorithm, a regressor of the
+  remaining log-time error from :data:`FEATURE_NAMES`. Fitted parameters are
+  plain numbers (:meth:`LearnedCostModel.to_dict`), never pickled; trees are
+  exported node by node and evaluated by a small NumPy routine, so a model
+  loaded from a profile predicts exactly what the fitted one did, and loading
+  costs no refit.
+
+Schedules priced by :class:`AnalyticModel` (``P`` ranks, ``n`` rows, ``e``
+bytes per packed entry, ``K = k_sum``, ``k = K / P``, ``u`` the union size),
+as the algorithms in ``algorithms/`` run them with their default knobs::
+
+    every algorithm   metadata all_gather of ``metadata_bytes`` per rank
+    dense             all_reduce of n rows in the accumulation dtype (fp32
+                      for fp16/bf16), all_reduce of an n-byte uint8 mask
+                      (MAX), local densify and extract (memory traffic)
+    allgather         gather of k_max packed entries per rank: one all_gather
+                      padded to k_max (P k_max entries in all) while padding
+                      adds at most a quarter (4 P k_max <= 5 K), else an
+                      all_to_all of each rank's entries to every peer; then a
+                      local merge of K entries: a dense scratch when
+                      n <= 4 K, else a sort (~K log2 K)
+    oktopk            boundary all_reduce of P float64 every
+                      ``boundary_period`` calls (amortized), all_to_all of P
+                      int64 counts, P-1 rotated point-to-point messages of
+                      k/P entries (``peers_in_flight`` per call), local reduce
+                      of the region, sizes all_gather (one int64 per rank),
+                      all_gather of the reduced union in P blocks of ceil(u/P)
+                      entries, a region travelling dense (its n/P rows plus
+                      an n/P-bit bitmap) once its sparse bytes reach
+                      ``dense_fallback_ratio`` times those dense bytes
+                      (SparCML's rule); local unpack
+
+Primitives are priced under ring schedules: ``all_reduce`` of L bytes takes
+``2(P-1)`` steps sending ``2 L (P-1)/P`` bytes, ``all_gather`` of L bytes per
+rank ``P-1`` steps sending ``(P-1) L``, ``all_to_all`` ``P-1`` messages, one
+per peer, and the rotated point-to-point exchange ``P-1`` messages in
+``ceil((P-1) / peers_in_flight)`` calls. With ``P = 1`` no primitive is called. Local work is priced by the
+``local`` primitive: ``alpha`` per kernel, ``beta`` per byte of memory traffic.
+
+Example:
+    >>> from tuner.features import Features
+    >>> f = Features.build(numel=1 << 20, row_numel=1, dtype="float32",
+    ...                    k_per_rank=[1000] * 8, union=7000.0)
+    >>> model = AnalyticModel(DEFAULT_PRIMITIVES)
+    >>> min(model.predict(f), key=model.predict(f).get)
+    'allgather'
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
+
+import numpy as np
+from sklearn.base import BaseEstimator, clone
+
+from algorithms.errors import ColltuneTypeError, ColltuneValueError
+from tuner.features import Features
+from tuner.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_PRIMITIVES",
+    "FEATURE_NAMES",
+    "PARAM_NAMES",
+    "Step",
+    "AnalyticModel",
+    "LearnedCostModel",
+    "feature_vector",
+    "default_group",
+    "cross_validate",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The algorithms priced, in tie-breaking order (the first wins a tie).
+ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+
+#: Representative constants for GPUs on an InfiniBand network, used when no
+#: profile is given; the same numbers as ``profiles/analytic-nccl.yaml``,
+#: whose ``meta.notes`` say where each comes from.
+DEFAULT_PRIMITIVES: dict[str, Primitive] = {
+    "all_reduce": Primitive(alpha_us=14.0, beta_us_per_byte=2.2e-05, launch_us=8.4),
+    "all_gather": Primitive(alpha_us=14.0, beta_us_per_byte=2.2e-05, launch_us=8.4),
+    "all_to_all": Primitive(alpha_us=14.0, beta_us_per_byte=2.2e-05, launch_us=8.4),
+    "p2p": Primitive(alpha_us=14.0, beta_us_per_byte=2.2e-05, launch_us=5.0),
+    "local": Primitive(alpha_us=4.0, beta_us_per_byte=6.7e-07, launch_us=0.0),
+}
+
+_PARAM_FIELDS: tuple[str, ...] = ("launch_us", "alpha_us", "beta_us_per_byte")
+#: Names of the entries of :meth:`AnalyticModel.parameter_vector`.
+PARAM_NAMES: tuple[str, ...] = tuple(f"{p}.{f}" for p in PRIMITIVES for f in _PARAM_FIELDS)
+_PARAM_INDEX = {name: i for i, name in enumerate(PARAM_NAMES)}
+
+_TINY_US = 1e-3  # floor of a term before its log: 1 ns
+
+
+@dataclass(frozen=True)
+class Step:
+    """One priced step of a schedule: ``calls`` calls, ``steps`` messages, ``nbytes`` sent.
+
+    For ``primitive == "local"``, ``steps`` counts kernels and ``nbytes`` memory traffic.
+    Amortized steps may have fractional counts.
+    """
+
+    term: str
+    primitive: str
+    calls: float
+    steps: float
+    nbytes: float
+
+
+def _as_primitive(name: str, value: Any) -> Primitive:
+    if isinstance(value, Primitive):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return Primitive(
+                alpha_us=float(value["alpha_us"]),
+                beta_us_per_byte=float(value["beta_us_per_byte"]),
+                launch_us=float(value.get("launch_us", 0.0)),
+            )
+        except KeyError as exc:
+            raise ColltuneValueError(
+                f"`primitives[{name!r}]` must have alpha_us and beta_us_per_byte, but {exc.args[0]} is missing."
+            ) from None
+    raise ColltuneTypeError(
+        f"`primitives[{name!r}]` must be a Primitive or a mapping, but got {type(value).__name__}."
+    )
+
+
+def _check_algorithm(name: str) -> str:
+    if name not in ALGORITHMS:
+        raise ColltuneValueError(
+            f"`algorithm` must be one of {list(ALGORITHMS)}, but got {name!r}; "
+            "the cost model has no schedule for it."
+        )
+    return name
+
+
+class AnalyticModel:
+    """Alpha-beta prediction of each algorithm's time, term by term.
+
+    Args:
+        primitives: constants by primitive name (:class:`Primitive` or plain
+            mappings), or a :class:`Profile`. ``all_reduce``, ``all_gather``,
+            ``all_to_all`` and ``p2p`` are required; ``local`` defaults to
+            ``DEFAULT_PRIMITIVES["local"]``.
+        metadata_bytes: bytes per rank of the metadata all_gather every
+            algorithm pays (12 int64 fields).
+        boundary_period: calls between Ok-Topk's boundary recomputations
+            (knob ``oktopk.boundary_refresh``).
+        peers_in_flight: Ok-Topk's rotated steps posted per point-to-point
+            call (knob ``oktopk.peers_in_flight``).
+        dense_fallback_ratio: Ok-Topk sends a region dense when its sparse
+            bytes reach this multiple of its dense bytes (knob
+            ``oktopk.dense_fallback_ratio``).
+
+    Raises:
+        ColltuneValueError: a required primitive is missing, a constant is negative.
+    """
+
+    #: The terms of each algorithm, in the order :meth:`terms` returns them.
+    TERMS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "dense": ("metadata", "value_all_reduce", "mask_all_reduce", "densify_extract"),
+        "allgather": ("metadata", "entries_gather", "merge"),
+        "oktopk": (
+            "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
+            "region_reduce", "sizes_all_gather", "union_gather", "unpack",
+        ),
+    }
+
+    def __init__(
+        self,
+        primitives: Mapping[str, Primitive | Mapping[str, float]] | Profile,
+        *,
+        metadata_bytes: int = 96,
+        boundary_period: int = 64,
+        peers_in_flight: int = 4,
+        dense_fallback_ratio: float = 1.0,
+    ) -> None:
+        if isinstance(primitives, Profile):
+            primitives = primitives.primitives
+        if not isinstance(primitives, Mapping):
+            raise ColltuneTypeError(
+                f"`primitives` must be a mapping of primitive names or a Profile, but got {type(primitives).__name__}."
+            )
+        unknown = sorted(set(primitives) - set(PRIMITIVES))
+        if unknown:
+            raise ColltuneValueError(f"`primitives` has unknown names {unknown}; allowed: {list(PRIMITIVES)}.")
+        prims: dict[str, Primitive] = {}
+        for name in PRIMITIVES:
+            if name in primitives:
+                prims[name] = _as_primitive(name, primitives[name])
+            elif name == "local":
+                prims[name] = DEFAULT_PRIMITIVES["local"]
+            else:
+                raise ColltuneValueError(
+                    f"`primitives` must describe {name}; got only {sorted(primitives)}. "
+                    "Load a complete profile, e.g. profiles/analytic-nccl.yaml."
+                )
+            for fld in _PARAM_FIELDS:
+                v = getattr(prims[name], fld)
+                if not (math.isfinite(v) and v >= 0):
+                    raise ColltuneValueError(f"`primitives[{name!r}].{fld}` must be a finite number >= 0, but got {v!r}.")
+        if int(metadata_bytes) < 0 or int(boundary_period) < 1 or int(peers_in_flight) < 1:
+            raise ColltuneValueError(
+                "`metadata_bytes` must be >= 0, `boundary_period` and `peers_in_flight` >= 1, but got "
+                f"{metadata_bytes}, {boundary_period} and {peers_in_flight}."
+            )
+        if not float(dense_fallback_ratio) > 0:
+            raise ColltuneValueError(f"`dense_fallback_ratio` must be > 0, but got {dense_fallback_ratio!r}.")
+        self.primitives: dict[str, Primitive] = prims
+        self.metadata_bytes = int(metadata_bytes)
+        self.boundary_period = int(boundary_period)
+        self.peers_in_flight = int(peers_in_flight)
+        self.dense_fallback_ratio = float(dense_fallback_ratio)
+        self._theta = np.array(
+            [getattr(prims[p], f) for p in PRIMITIVES for f in _PARAM_FIELDS], dtype=np.float64
+        )
+
+    def __repr__(self) -> str:
+        return f"AnalyticModel(primitives={self.primitives!r})"
+
+    @classmethod
+    def from_profile(cls, profile: Profile, **kwargs: Any) -> "AnalyticModel":
+        """Return the analytic model of a profile's primitives."""
+        return cls(profile.primitives, **kwargs)
+
+    @classmethod
+    def from_parameter_vector(cls, theta: Sequence[float] | np.ndarray, **kwargs: Any) -> "AnalyticModel":
+        """Return a model whose constants are ``theta``, ordered as :data:`PARAM_NAMES`."""
+        theta = np.asarray(theta, dtype=np.float64).reshape(-1)
+        if theta.size != len(PARAM_NAMES):
+            raise ColltuneValueError(f"`theta` must have {len(PARAM_NAMES)} entries ({PARAM_NAMES}), but has {theta.size}.")
+        prims = {}
+        for i, p in enumerate(PRIMITIVES):
+            launch, alpha, beta = (float(x) for x in theta[3 * i : 3 * i + 3])
+            prims[p] = Primitive(alpha_us=alpha, beta_us_per_byte=beta, launch_us=launch)
+        return cls(prims, **kwargs)
+
+    def parameter_vector(self) -> np.ndarray:
+        """Return the constants as a vector ordered as :data:`PARAM_NAMES` (a copy)."""
+        return self._theta.copy()
+
+    # -- schedules -----------------------------------------------------------
+
+    def schedule(self, features: Features) -> dict[str, list[Step]]:
+        """Return the priced steps of every algorithm, in :attr:`TERMS` order.
+
+        Args:
+            features: the call's global statistics.
+
+        Returns:
+            ``{algorithm: [Step, ...]}`` for every algorithm of :data:`ALGORITHMS`.
+        """
+        f = features
+        p = f.world_size
+        n = float(f.numel)
+        e = float(f.entry_bytes)
+        rb = float(f.row_bytes)
+        rba = float(f.row_numel * f.accum_bytes)
+        ksum = float(f.k_sum)
+        kavg = ksum / p
+        u = float(f.union)
+        out_entry = 8.0 + rb  # coalesced output: int64 index and a row of values
+
+        def all_reduce(term: str, nbytes: float, share: float = 1.0) -> Step:
+            if p == 1:
+                return Step(term, "all_reduce", 0.0, 0.0, 0.0)
+            return Step(term, "all_reduce", share, share * 2 * (p - 1), share * 2 * (p - 1) / p * nbytes)
+
+        def all_gather(term: str, nbytes_in: float) -> Step:
+            if p == 1:
+                return Step(term, "all_gather", 0.0, 0.0, 0.0)
+            return Step(term, "all_gather", 1.0, p - 1.0, (p - 1) * nbytes_in)
+
+        def all_to_all(term: str, nbytes_per_peer: float) -> Step:
+            if p == 1:
+                return Step(term, "all_to_all", 0.0, 0.0, 0.0)
+            return Step(term, "all_to_all", 1.0, p - 1.0, (p - 1) * nbytes_per_peer)
+
+        def p2p_rotated(term: str, nbytes_per_step: float) -> Step:
+            if p == 1:
+                return Step(term, "p2p", 0.0, 0.0, 0.0)
+            calls = float(math.ceil((p - 1) / self.peers_in_flight))
+            return Step(term, "p2p", calls, p - 1.0, (p - 1) * nbytes_per_step)
+
+        def local(term: str, nbytes: float, kernels: float) -> Step:
+            return Step(term, "local", 0.0, kernels, nbytes)
+
+        meta = all_gather("metadata", float(self.metadata_bytes))
+
+        dense = [
+            meta,
+            all_reduce("value_all_reduce", n * rba),
+            all_reduce("mask_all_reduce", n),
+            local("densify_extract", n * rba + 2 * n + kavg * e + u * out_entry, 4.0),
+        ]
+
+        gathered = p * f.k_max * e
+        if n <= 4 * ksum:
+            merge_bytes = gathered + n * rba + ksum * rba + n + u * out_entry
+        else:
+            merge_bytes = gathered + ksum * math.log2(max(ksum, 2.0)) * 8.0 + ksum * (8.0 + rba) + u * out_entry
+        if 4 * p * f.k_max <= 5 * ksum:  # all_gather_v "auto": pad while padding adds <= 1/4
+            entries = all_gather("entries_gather", f.k_max * e)
+        else:  # every rank sends its entries to each peer; the largest rank bounds the time
+            entries = all_to_all("entries_gather", f.k_max * e)
+        allgather = [meta, entries, local("merge", merge_bytes, 4.0)]
+
+        region = math.ceil(n / p)
+        region_dense_bytes = region * rb + math.ceil(region / 8)
+        block_sparse_bytes = math.ceil(u / p) * e
+        if block_sparse_bytes >= self.dense_fallback_ratio * region_dense_bytes:
+            block_bytes = float(region_dense_bytes)
+        else:
+            block_bytes = float(block_sparse_bytes)
+        oktopk = [
+            meta,
+            all_reduce("boundaries_all_reduce", p * 8.0, share=1.0 / self.boundary_period),
+            all_to_all("counts_all_to_all", 8.0),
+            p2p_rotated("split_p2p", kavg / p * e),
+            local("region_reduce", 2 * kavg * e + kavg * math.log2(max(kavg, 2.0)) * 8.0 + kavg * rba, 3.0),
+            all_gather("sizes_all_gather", 8.0),
+            all_gather("union_gather", block_bytes),
+            local("unpack", p * block_bytes + u * out_entry, 2.0),
+        ]
+        return {"dense": dense, "allgather": allgather, "oktopk": oktopk}
+
+    def _cost(self, s: Step) -> float:
+        prim = self.primitives[s.primitive]
+        return s.calls * prim.launch_us + s.steps * prim.alpha_us + s.nbytes * prim.beta_us_per_byte
+
+    def terms(self, features: Features) -> dict[str, dict[str, float]]:
+        """Return every algorithm's predicted time split into named terms, in microseconds.
+
+        Args:
+            features: the call's global statistics.
+
+        Returns:
+            ``{algorithm: {term: us}}`` with the terms of :attr:`TERMS`; the
+            terms of an algorithm sum to its :meth:`predict` value.
+        """
+        return {alg: {s.term: self._cost(s) for s in steps} for alg, steps in self.schedule(features).items()}
+
+    def predict(self, features: Features) -> dict[str, float]:
+        """Return the predicted time of every algorithm, in microseconds."""
+        return {alg: math.fsum(t.values()) for alg, t in self.terms(features).items()}
+
+    predict_times = predict
+
+    def select(self, features: Features) -> str:
+        """Return the algorithm with the smallest predicted time (ties go to the earlier in :data:`ALGORITHMS`)."""
+        pred = self.predict(features)
+        return min(ALGORITHMS, key=lambda a: (pred[a], ALGORITHMS.index(a)))
+
+    def design(self, features: Features) -> dict[str, np.ndarray]:
+        """Return, per algorithm, the coefficients of its time on :data:`PARAM_NAMES`.
+
+        ``predict(f)[alg] == design(f)[alg] @ parameter_vector()`` (up to
+        rounding): the time is linear in the constants, which is what lets
+        :class:`LearnedCostModel` recalibrate them by least squares.
+        """
+        out = {}
+        for alg, steps in self.schedule(features).items():
+            row = np.zeros(len(PARAM_NAMES))
+            for s in steps:
+                row[_PARAM_INDEX[f"{s.primitive}.launch_us"]] += s.calls
+                row[_PARAM_INDEX[f"{s.primitive}.alpha_us"]] += s.steps
+                row[_PARAM_INDEX[f"{s.primitive}.beta_us_per_byte"]] += s.nbytes
+            out[alg] = row
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Feature vector
+# ---------------------------------------------------------------------------
+
+_BASE_FEATURES: tuple[str, ...] = (
+    "log_numel", "log_row_bytes", "log_k_max", "log_k_sum", "world_size", "log_world_size",
+    "overlap", "density", "log_density", "log_union", "value_bytes", "index_bytes",
+)
+_ANALYTIC_FEATURES: tuple[str, ...] = tuple(
+    name for alg in ALGORITHMS for name in (f"t.{alg}", *(f"t.{alg}.{t}" for t in AnalyticModel.TERMS[alg]))
+)
+#: Columns of :func:`feature_vector`: statistics of the call, then the log of
+#: each algorithm's analytic time (``t.<alg>``) and of each of its terms
+#: (``t.<alg>.<term>``), in microseconds, floored at 1 ns.
+FEATURE_NAMES: tuple[str, ...] = _BASE_FEATURES + _ANALYTIC_FEATURES
+
+
+def feature_vector(features: Features, analytic: AnalyticModel) -> np.ndarray:
+    """Return the learned model's input for one call, ordered as :data:`FEATURE_NAMES`.
+
+    Args:
+        features: the call's global statistics.
+        analytic: the model whose terms become features.
+
+    Returns:
+        A float64 vector of ``len(FEATURE_NAMES)`` entries.
+    """
+    f = features
+    base = [
+        math.log(f.numel), math.log(f.row_bytes), math.log1p(f.k_max), math.log1p(f.k_sum),
+        float(f.world_size), math.log(f.world_size), f.overlap, f.density,
+        math.log(max(f.density, 1e-12)), math.log1p(f.union), float(f.value_bytes), float(f.index_bytes),
+    ]
+    terms = analytic.terms(f)
+    extra = []
+    for alg in ALGORITHMS:
+        t = terms[alg]
+        extra.append(math.log(max(math.fsum(t.values()), _TINY_US)))
+        extra.extend(math.log(max(t[name], _TINY_US)) for name in AnalyticModel.TERMS[alg])
+    return np.array(base + extra, dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------
+# Plain-data regressors
+# ---------------------------------------------------------------------------
+
+
+def _export_trees(trees: Sequence[Any], init: float, scale: float) -> dict[str, Any]:
+    """Concatenate fitted sklearn trees into flat node arrays (global child indices)."""
+    left, right, feature, threshold, value, roots = [], [], [], [], [], []
+    offset = 0
+    for est in trees:
+        t = est.tree_
+        cl = t.children_left.astype(np.int64)
+        cr = t.children_right.astype(np.int64)
+        leaf = cl < 0
+        left.append(np.where(leaf, -1, cl + offset))
+        right.append(np.where(leaf, -1, cr + offset))
+        feature.append(np.where(leaf, 0, t.feature.astype(np.int64)))
+        threshold.append(np.where(leaf, 0.0, t.threshold.astype(np.float64)))
+        value.append(t.value.reshape(-1).astype(np.float64))
+        roots.append(offset)
+        offset += t.node_count
+    return {
+        "kind": "trees",
+        "init": float(init),
+        "scale": float(scale),
+        "roots": np.asarray(roots, dtype=np.int64),
+        "left": np.concatenate(left),
+        "right": np.concatenate(right),
+        "feature": np.concatenate(feature),
+        "threshold": np.concatenate(threshold),
+        "value": np.concatenate(value),
+    }
+
+
+def _eval_regressor(model: Mapping[str, Any], X: np.ndarray) -> np.ndarray:
+    """Evaluate an exported regressor on the rows of ``X``."""
+    kind = model["kind"]
+    if kind == "constant":
+        return np.full(X.shape[0], float(model["value"]))
+    if kind == "linear":
+        Z = (X - model["mean"]) / model["scale"]
+        return Z @ model["coef"] + float(model["intercept"])
+    # Trees compare float32 inputs with float64 thresholds, as scikit-learn does.
+    X32 = X.astype(np.float32)
+    left, right, feat, thr = model["left"], model["right"], model["feature"], model["threshold"]
+    idx = np.broadcast_to(model["roots"], (X.shape[0], model["roots"].size)).copy()
+    rows = np.arange(X.shape[0])[:, None]
+    while True:
+        lft = left[idx]
+        is_leaf = lft < 0
+        if is_leaf.all():
+            break
+        go_left = X32[rows, feat[idx]] <= thr[idx]
+        idx = np.where(is_leaf, idx, np.where(go_left, lft, right[idx]))
+    return float(model["init"]) + float(model["scale"]) * model["value"][idx].sum(axis=1)
+
+
+def _encode_array(a: np.ndarray) -> str:
+    """Return an array as space-separated decimal text (exact: shortest round-trip repr)."""
+    if a.dtype.kind == "i":
+        return " ".join(str(int(x)) for x in a)
+    return " ".join(repr(float(x)) for x in a)
+
+
+def _decode_array(value: Any, dtype: type) -> np.ndarray:
+    """Invert :func:`_encode_array`; plain lists of numbers are accepted too."""
+    if isinstance(value, str):
+        items: Any = value.split()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        items = [value]
+    else:
+        items = list(value)
+    if dtype is np.int64:
+        return np.fromiter((int(x) for x in items), dtype=np.int64, count=len(items))
+    return np.fromiter((float(x) for x in items), dtype=np.float64, count=len(items))
+
+
+def _regressor_to_plain(model: Mapping[str, Any]) -> dict[str, Any]:
+    # Arrays become one string each: a YAML loader reads one long scalar far
+    # faster than thousands of small ones, and the numbers stay exact.
+    return {k: _encode_array(v) if isinstance(v, np.ndarray) else v for k, v in model.items()}
+
+
+def _regressor_from_plain(data: Mapping[str, Any], where: str, n_features: int) -> dict[str, Any]:
+    if not isinstance(data, Mapping) or data.get("kind") not in ("trees", "linear", "constant"):
+        raise ColltuneValueError(f"`{where}` must be a mapping with kind trees, linear or constant, but got {data!r:.80}.")
+    out: dict[str, Any] = dict(data)
+    try:
+        if out["kind"] == "trees":
+            for k in ("roots", "left", "right", "feature"):
+                out[k] = _decode_array(data[k], np.int64)
+            for k in ("threshold", "value"):
+                out[k] = _decode_array(data[k], np.float64)
+            sizes = {out[k].size for k in ("left", "right", "feature", "threshold", "value")}
+            nodes = out["left"].size
+            if len(sizes) != 1 or out["roots"].size == 0:
+                raise ValueError("node arrays differ in length")
+            for k in ("left", "right"):
+                if np.any(out[k] >= nodes) or np.any(out[k] < -1):
+                    raise ValueError(f"{k} points outside the node arrays")
+            if np.any(out["roots"] < 0) or np.any(out["roots"] >= nodes):
+                raise ValueError("roots point outside the node arrays")
+            if np.any(out["feature"] < 0) or np.any(out["feature"] >= n_features):
+                raise ValueError("feature index out of range")
+            if np.any((out["left"] < 0) != (out["right"] < 0)):
+                raise ValueError("a node has one child")
+            out["init"], out["scale"] = float(data["init"]), float(data["scale"])
+        elif out["kind"] == "linear":
+            for k in ("mean", "scale", "coef"):
+                out[k] = _decode_array(data[k], np.float64)
+                if out[k].shape != (n_features,):
+                    raise ValueError(f"{k} must have {n_features} entries")
+            out["intercept"] = float(data["intercept"])
+        else:
+            out["value"] = float(data["value"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ColltuneValueError(f"`{where}` is not a valid exported regressor: {exc}; refit the model.") from None
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Learned model
+# ---------------------------------------------------------------------------
+
+MeasurementsLike = Sequence[Measurement] | Sequence[Mapping[str, Any]] | Profile
+
+
+def _measurements_of(X: Any) -> list[Measurement]:
+    if isinstance(X, Profile):
+        return list(X.measurements)
+    out = []
+    for i, m in enumerate(X):
+        if isinstance(m, Measurement):
+            out.append(m)
+        elif isinstance(m, Mapping):
+            missing = [k for k in Measurement.__dataclass_fields__ if k not in m]
+            if missing:
+                raise ColltuneValueError(f"`X[{i}]` must be a measurement, but it lacks {missing}.")
+            out.append(Measurement(**{k: m[k] for k in Measurement.__dataclass_fields__}))
+        else:
+            raise ColltuneTypeError(
+                f"`X[{i}]` must be a Measurement or its mapping, but got {type(m).__name__}; "
+                "pass Features together with `y` (times) and `algorithms` instead."
+            )
+    return out
+
+
+def _training_rows(X: Any, y: Any, algorithms: Any) -> tuple[list[Features], list[str], np.ndarray]:
+    if y is None and algorithms is None:
+        ms = _measurements_of(X)
+        feats = [measurement_to_features(m) for m in ms]
+        algs = [m.algorithm for m in ms]
+        times = np.array([m.time_us for m in ms], dtype=np.float64)
+    elif y is not None and algorithms is not None:
+        feats = list(X)
+        algs = [str(a) for a in algorithms]
+        times = np.asarray(y, dtype=np.float64).reshape(-1)
+        for i, f in enumerate(feats):
+            if not isinstance(f, Features):
+                raise ColltuneTypeError(f"`X[{i}]` must be Features when `y` is given, but got {type(f).__name__}.")
+        if not (len(feats) == len(algs) == times.size):
+            raise ColltuneValueError(
+                f"`X`, `y` and `algorithms` must have the same length, but got {len(feats)}, {times.size} and {len(algs)}."
+            )
+    else:
+        raise ColltuneValueError(
+            "pass either measurements alone (`fit(measurements)`), or Features with both `y` "
+            "(times in us) and `algorithms`; got only one of `y` and `algorithms`."
+        )
+    if not feats:
+        raise ColltuneValueError("`X` must hold at least one measurement, but it is empty.")
+    for a in algs:
+        _check_algorithm(a)
+    if not np.all(np.isfinite(times)) or np.any(times <= 0):
+        raise ColltuneValueError("`y` (times in us) must be finite and > 0.")
+    return feats, algs, times
+
+
+class LearnedCostModel(BaseEstimator):
+    """Per-algorithm time predictor fitted on measurements (a scikit-learn estimator).
+
+    Fitting has two stages. (1) Calibration: the alpha-beta constants of the
+    :class:`AnalyticModel` (15 of them, see :data:`PARAM_NAMES`) and one
+    constant overhead per algorithm are fitted by non-negative least squares
+    of the relative error over all measurements; constants the data do not
+    exercise keep their prior value. (2) Correction: per algorithm, a
+    regressor learns ``log(measured) - log(calibrated)`` from
+    :func:`feature_vector` computed with the calibrated model. Prediction is
+    ``calibrated * exp(correction)``. Everything is deterministic for a fixed
+    ``random_state``.
+
+    Args:
+        estimator: the correction regressor: ``"gbr"`` (gradient boosting),
+            ``"rf"`` (random forest), ``"ridge"`` (linear), or ``"none"``
+            (the calibrated analytic model alone).
+        n_estimators: trees for ``gbr`` and ``rf``.
+        max_depth: tree depth (``None`` lets ``rf`` trees grow fully; large files).
+        learning_rate: shrinkage of ``gbr``.
+        min_samples_leaf: smallest leaf of ``gbr`` and ``rf``.
+        alpha: L2 penalty of ``ridge``.
+        calibrate: whether to refit the alpha-beta constants (stage 1).
+        primitives: prior constants (plain mapping of primitive name to
+            ``{alpha_us, beta_us_per_byte, launch_us}``); ``None`` uses
+            :data:`DEFAULT_PRIMITIVES`.
+        random_state: seed of the tree ensembles.
+
+    Attributes:
+        algorithms_: algorithms seen in training, in :data:`ALGORITHMS` order.
+        primitives_: the calibrated constants.
+        overhead_us_: constant overhead per algorithm.
+        residual_: exported correction regressor per algorithm (plain arrays).
+        feature_names_in_: the names of :data:`FEATURE_NAMES`.
+        n_features_in_: their number.
+        n_samples_: measurements fitted on.
+
+    Example:
+        >>> model = LearnedCostModel(estimator="gbr").fit(profile.measurements)  # doctest: +SKIP
+        >>> model.predict_times(features)                                        # doctest: +SKIP
+        {'dense': 812.0, 'allgather': 95.1, 'oktopk': 130.4}
+    """
+
+    _FORMAT: ClassVar[str] = "colltune.LearnedCostModel"
+    _FORMAT_VERSION: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        estimator: Literal["gbr", "rf", "ridge", "none"] = "gbr",
+        *,
+        n_estimators: int = 200,
+        max_depth: int | None = 3,
+        learning_rate: float = 0.05,
+        min_samples_leaf: int = 2,
+        alpha: float = 1.0,
+        calibrate: bool = True,
+        primitives: Mapping[str, Mapping[str, float]] | None = None,
+        random_state: int = 0,
+    ) -> None:
+        self.estimator = estimator
+        self.n_estimators = n_estimators
+        self.max_depth = max_depth
+        self.learning_rate = learning_rate
+        self.min_samples_leaf = min_samples_leaf
+        self.alpha = alpha
+        self.calibrate = calibrate
+        self.primitives = primitives
+        self.random_state = random_state
+
+    # -- fitting -------------------------------------------------------------
+
+    def _check_params(self) -> None:
+        if self.estimator not in ("gbr", "rf", "ridge", "none"):
+            raise ColltuneValueError(
+                f"The 'estimator' parameter of LearnedCostModel must be a str among "
+                f"{{'gbr', 'rf', 'ridge', 'none'}}. Got {self.estimator!r} instead."
+            )
+        if isinstance(self.n_estimators, bool) or not isinstance(self.n_estimators, int) or self.n_estimators < 1:
+            raise ColltuneValueError(f"`n_estimators` must be an int >= 1, but got {self.n_estimators!r}.")
+        if self.max_depth is not None and (not isinstance(self.max_depth, int) or self.max_depth < 1):
+            raise ColltuneValueError(f"`max_depth` must be None or an int >= 1, but got {self.max_depth!r}.")
+
+    def _prior(self) -> AnalyticModel:
+        return AnalyticModel(DEFAULT_PRIMITIVES if self.primitives is None else self.primitives)
+
+    def fit(
+        self,
+        X: MeasurementsLike | Sequence[Features],
+        y: Sequence[float] | np.ndarray | None = None,
+        algorithms: Sequence[str] | None = None,
+    ) -> "LearnedCostModel":
+        """Fit the model.
+
+        Args:
+            X: measurements (:class:`Measurement`, their mappings, or a
+                :class:`Profile`), or :class:`Features` when ``y`` and
+                ``algorithms`` are given.
+            y: measured times in microseconds, one per row of ``X`` (with Features).
+            algorithms: the algorithm of each row (with Features).
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ColltuneValueError: empty input, unknown algorithms, non-positive
+                times, or bad hyperparameters.
+        """
+        self._check_params()
+        feats, algs, times = _training_rows(X, y, algorithms)
+        prior = self._prior()
+        seen = [a for a in ALGORITHMS if a in set(algs)]
+        alg_col = {a: i for i, a in enumerate(seen)}
+
+        designs: dict[Features, dict[str, np.ndarray]] = {}
+        for f in feats:
+            if f not in designs:
+                designs[f] = prior.design(f)
+        theta0 = prior.parameter_vector()
+        n_theta = theta0.size
+        A = np.zeros((len(feats), n_theta + len(seen)))
+        for i, (f, a) in enumerate(zip(feats, algs)):
+            A[i, :n_theta] = designs[f][a]
+            A[i, n_theta + alg_col[a]] = 1.0
+        if self.calibrate:
+            theta, overhead = _calibrate(A, times, theta0, n_theta)
+        else:
+            theta, overhead = theta0, np.zeros(len(seen))
+        analytic = AnalyticModel.from_parameter_vector(theta)
+
+        vectors: dict[Features, np.ndarray] = {}
+        for f in feats:
+            if f not in vectors:
+                vectors[f] = feature_vector(f, analytic)
+        Xf = np.stack([vectors[f] for f in feats])
+        base = A[:, :n_theta] @ theta + A[:, n_theta:] @ overhead
+        resid = np.log(times) - np.log(np.maximum(base, _TINY_US))
+
+        residual: dict[str, dict[str, Any]] = {}
+        algs_arr = np.asarray(algs)
+        for a in seen:
+            mask = algs_arr == a
+            residual[a] = self._fit_regressor(Xf[mask], resid[mask])
+
+        self.algorithms_ = tuple(seen)
+        self.primitives_ = dict(analytic.primitives)
+        self.overhead_us_ = {a: float(overhead[alg_col[a]]) for a in seen}
+        self.residual_ = residual
+        self.feature_names_in_ = np.asarray(FEATURE_NAMES, dtype=object)
+        self.n_features_in_ = len(FEATURE_NAMES)
+        self.n_samples_ = len(feats)
+        self._analytic_ = analytic
+        logger.debug("fitted LearnedCostModel(%s) on %d measurements of %s", self.estimator, len(feats), seen)
+        return self
+
+    def _fit_regressor(self, X: np.ndarray, r: np.ndarray) -> dict[str, Any]:
+        if self.estimator == "none" or r.size < 5:
+            return {"kind": "constant", "value": float(np.mean(r)) if self.estimator != "none" else 0.0}
+        if self.estimator == "ridge":
+            from sklearn.linear_model import Ridge
+
+            mean = X.mean(axis=0)
+            scale = X.std(axis=0)
+            scale[scale == 0] = 1.0
+            reg = Ridge(alpha=self.alpha).fit((X - mean) / scale, r)
+            return {"kind": "linear", "mean": mean, "scale": scale, "coef": np.asarray(reg.coef_, dtype=np.float64),
+                    "intercept": float(reg.intercept_)}
+        if self.estimator == "gbr":
+            from sklearn.ensemble import GradientBoostingRegressor
+
+            reg = GradientBoostingRegressor(
+                n_estimators=self.n_estimators, max_depth=self.max_depth, learning_rate=self.learning_rate,
+                min_samples_leaf=self.min_samples_leaf, subsample=1.0, random_state=self.random_state,
+            ).fit(X, r)
+            return _export_trees(reg.estimators_[:, 0], float(reg.init_.constant_.reshape(-1)[0]), self.learning_rate)
+        from sklearn.ensemble import RandomForestRegressor
+
+        reg = RandomForestRegressor(
+            n_estimators=self.n_estimators, max_depth=self.max_depth, min_samples_leaf=self.min_samples_leaf,
+            random_state=self.random_state, n_jobs=1,
+        ).fit(X, r)
+        return _export_trees(reg.estimators_, 0.0, 1.0 / len(reg.estimators_))
+
+    # -- prediction ----------------------------------------------------------
+
+    def _check_fitted(self) -> None:
+        from sklearn.utils.validation import check_is_fitted
+
+        check_is_fitted(self, ("algorithms_", "residual_"))
+
+    @property
+    def analytic_(self) -> AnalyticModel:
+        """The calibrated analytic model (fitted)."""
+        self._check_fitted()
+        return self._analytic_
+
+    def predict(self, X: Sequence[Features]) -> np.ndarray:
+        """Return predicted times, shape ``(len(X), len(algorithms_))``, in microseconds.
+
+        Args:
+            X: the calls' features.
+
+        Returns:
+            Column ``j`` holds the prediction for ``algorithms_[j]``.
+
+        Raises:
+            sklearn.exceptions.NotFittedError: before :meth:`fit`.
+        """
+        self._check_fitted()
+        feats = list(X)
+        if not feats:
+            return np.zeros((0, len(self.algorithms_)))
+        analytic = self._analytic_
+        rows, bases = [], []
+        for f in feats:
+            if not isinstance(f, Features):
+                raise ColltuneTypeError(f"`X` must hold Features, but got {type(f).__name__}.")
+            rows.append(feature_vector(f, analytic))
+            pred = analytic.predict(f)
+            bases.append([pred[a] + self.overhead_us_[a] for a in self.algorithms_])
+        Xf = np.stack(rows)
+        base = np.maximum(np.asarray(bases, dtype=np.float64), _TINY_US)
+        out = np.empty_like(base)
+        for j, a in enumerate(self.algorithms_):
+            out[:, j] = base[:, j] * np.exp(_eval_regressor(self.residual_[a], Xf))
+        return out
+
+    def predict_times(self, features: Features) -> dict[str, float]:
+        """Return the predicted time of every fitted algorithm for one call, in microseconds."""
+        row = self.predict([features])[0]
+        return {a: float(t) for a, t in zip(self.algorithms_, row)}
+
+    def select(self, features: Features) -> str:
+        """Return the algorithm predicted fastest (ties go to the earlier in :data:`ALGORITHMS`)."""
+        pred = self.predict_times(features)
+        return min(self.algorithms_, key=lambda a: (pred[a], ALGORITHMS.index(a)))
+
+    # -- plain-data export ---------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the fitted model as plain data (for a profile's ``model`` field).
+
+        Returns:
+            A mapping of strings, numbers and lists only; :meth:`from_dict`
+            rebuilds a model that predicts exactly the same values.
+        """
+        self._check_fitted()
+        params = self.get_params(deep=False)
+        if params["primitives"] is not None:
+            params["primitives"] = {k: _as_primitive(k, v).to_dict() for k, v in params["primitives"].items()}
+        return {
+            "type": self._FORMAT,
+            "format_version": self._FORMAT_VERSION,
+            "params": params,
+            "algorithms": list(self.algorithms_),
+            "feature_names": list(FEATURE_NAMES),
+            "primitives": {k: p.to_dict() for k, p in self.primitives_.items()},
+            "overhead_us": dict(self.overhead_us_),
+            "residual": {a: _regressor_to_plain(self.residual_[a]) for a in self.algorithms_},
+            "n_samples": int(self.n_samples_),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LearnedCostModel":
+        """Rebuild a fitted model from :meth:`to_dict` output, without refitting.
+
+        Args:
+            data: the plain-data form.
+
+        Returns:
+            A fitted model.
+
+        Raises:
+            ColltuneValueError: the data are not a model of this version, or
+                were fitted on another feature definition (refit from the measurements).
+        """
+        if not isinstance(data, Mapping) or data.get("type") != cls._FORMAT:
+            raise ColltuneValueError(
+                f"`data` must be a {cls._FORMAT} mapping from to_dict(), but its type is "
+                f"{data.get('type') if isinstance(data, Mapping) else type(data).__name__!r}."
+            )
+        if data.get("format_version") != cls._FORMAT_VERSION:
+            raise ColltuneValueError(
+                f"`data.format_version` must be {cls._FORMAT_VERSION}, but got {data.get('format_version')!r}; "
+                "refit the model from the profile's measurements."
+            )
+        if list(data.get("feature_names", [])) != list(FEATURE_NAMES):
+            raise ColltuneValueError(
+                "`data.feature_names` differ from this colltune's feature definition; "
+                "refit the model from the profile's measurements."
+            )
+        try:
+            model = cls(**dict(data["params"]))
+            algorithms = tuple(_check_algorithm(a) for a in data["algorithms"])
+            analytic = AnalyticModel(data["primitives"])
+            overhead = {a: float(data["overhead_us"][a]) for a in algorithms}
+            residual = {
+                a: _regressor_from_plain(data["residual"][a], f"data.residual.{a}", len(FEATURE_NAMES))
+                for a in algorithms
+            }
+            n_samples = int(data["n_samples"])
+        except KeyError as exc:
+            raise ColltuneValueError(f"`data` lacks the field {exc.args[0]!r}; it is not a complete fitted model.") from None
+        except TypeError as exc:
+            raise ColltuneValueError(f"`data` has a field of the wrong type: {exc}.") from None
+        model._check_params()
+        model.algorithms_ = algorithms
+        model.primitives_ = dict(analytic.primitives)
+        model.overhead_us_ = overhead
+        model.residual_ = residual
+        model.feature_names_in_ = np.asarray(FEATURE_NAMES, dtype=object)
+        model.n_features_in_ = len(FEATURE_NAMES)
+        model.n_samples_ = n_samples
+        model._analytic_ = analytic
+        return model
+
+
+def _calibrate(A: np.ndarray, times: np.ndarray, theta0: np.ndarray, n_theta: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fit non-negative constants minimizing relative error, shrunk gently toward the prior.
+
+    Columns the data never exercise keep their prior value. Deterministic.
+    """
+    from scipy.optimize import lsq_linear
+
+    W = A / times[:, None]  # relative error: (A x - t) / t
+    target = np.ones(times.size)
+    norms = np.sqrt((W**2).sum(axis=0))
+    active = norms > 0
+    prior = np.concatenate([theta0, np.zeros(A.shape[1] - n_theta)])
+    x = prior.copy()
+    if not np.any(active):
+        return x[:n_theta], x[n_theta:]
+    cols = np.flatnonzero(active)
+    Ws = W[:, cols] / norms[cols]
+    phi0 = prior[cols] * norms[cols]
+    # Free the inactive columns' contribution (they are zero) and add a weak
+    # pull toward the prior so that collinear constants stay physical.
+    lam = 1e-3
+    M = np.vstack([Ws, math.sqrt(lam) * np.eye(cols.size)])
+    b = np.concatenate([target, math.sqrt(lam) * phi0])
+    res = lsq_linear(M, b, bounds=(0.0, np.inf), method="bvls")
+    x[cols] = np.maximum(res.x, 0.0) / norms[cols]
+    return x[:n_theta], x[n_theta:]
+
+
+# ---------------------------------------------------------------------------
+# Cross-validation
+# ---------------------------------------------------------------------------
+
+
+def default_group(m: Measurement) -> tuple[Hashable, ...]:
+    """Return the configuration a measurement belongs to: ``(numel, density, overlap, world_size)``.
+
+    Density and overlap are rounded (4 significant digits, 3 decimals) so that
+    repeated runs of one configuration share a group.
+    """
+    return (m.numel, f"{m.density:.4g}", round(m.overlap, 3), m.world_size)
+
+
+def _config_key(m: Measurement) -> tuple[Hashable, ...]:
+    return (m.numel, m.row_numel, m.dtype, m.world_size, m.k_max, m.k_sum, m.union)
+
+
+def cross_validate(
+    measurements: MeasurementsLike,
+    groups: Sequence[Hashable] | Callable[[Measurement], Hashable] | None = None,
+    *,
+    model: LearnedCostModel | None = None,
+    n_splits: int | None = None,
+) -> dict[str, Any]:
+    """Estimate prediction error and selection regret on held-out configurations.
+
+    Every fold fits a fresh clone of ``model`` on the other groups and predicts
+    the held-out group's measurements. Selection regret compares, for each
+    held-out configuration measured with two or more algorithms, the measured
+    time of the algorithm the model picks with the fastest measured one.
+
+    Args:
+        measurements: the measurements (or a :class:`Profile`).
+        groups: a group label per measurement, or a function of a measurement;
+            default :func:`default_group`.
+        model: the estimator to validate; default ``LearnedCostModel()``.
+        n_splits: ``None`` for leave-one-group-out; an int for ``GroupKFold``
+            with that many folds (faster on many groups).
+
+    Returns:
+        A plain mapping::
+
+            {"n_measurements": int, "n_groups": int, "n_folds": int,
+             "per_algorithm": {alg: {"n", "median_rel_error", "p90_rel_error"}},
+             "regret": {"n_configs", "geomean", "p95", "max", "optimal_fraction"}}
+
+        Relative error is ``|predicted - measured| / measured``; regret is
+        ``time(chosen) / time(best)`` (1 is perfect).
+
+    Raises:
+        ColltuneValueError: fewer than two groups, or mismatched ``groups``.
+    """
+    from sklearn.model_selection import GroupKFold, LeaveOneGroupOut
+
+    ms = _measurements_of(measurements)
+    labels: list[Hashable]
+    if groups is None:
+        labels = [default_group(m) for m in ms]
+    elif callable(groups):
+        labels = [groups(m) for m in ms]
+    else:
+        labels = list(groups)
+        if len(labels) != len(ms):
+            raise ColltuneValueError(f"`groups` must have one label per measurement ({len(ms)}), but has {len(labels)}.")
+    distinct = sorted(set(labels), key=repr)
+    if len(distinct) < 2:
+        raise ColltuneValueError(f"cross-validation needs at least 2 groups, but got {len(distinct)}.")
+    code = {g: i for i, g in enumerate(distinct)}
+    group_ids = np.array([code[g] for g in labels])
+    splitter = LeaveOneGroupOut() if n_splits is None else GroupKFold(n_splits=min(int(n_splits), len(distinct)))
+    base_model = model if model is not None else LearnedCostModel()
+
+    rel_err: dict[str, list[float]] = {}
+    regrets: list[float] = []
+    n_folds = 0
+    dummy = np.zeros((len(ms), 1))
+    for train, test in splitter.split(dummy, groups=group_ids):
+        n_folds += 1
+        fitted = clone(base_model).fit([ms[i] for i in train])
+        configs: dict[tuple[Hashable, ...], list[Measurement]] = {}
+        for i in test:
+            configs.setdefault(_config_key(ms[i]), []).append(ms[i])
+        for rows in configs.values():
+            pred = fitted.predict_times(measurement_to_features(rows[0]))
+            measured: dict[str, float] = {}
+            for m in rows:
+                if m.algorithm in pred:
+                    rel_err.setdefault(m.algorithm, []).append(abs(pred[m.algorithm] - m.time_us) / m.time_us)
+                measured[m.algorithm] = min(measured.get(m.algorithm, math.inf), m.time_us)
+            candidates = [a for a in ALGORITHMS if a in measured and a in pred]
+            if len(candidates) >= 2:
+                chosen = min(candidates, key=lambda a: (pred[a], ALGORITHMS.index(a)))
+                regrets.append(measured[chosen] / min(measured[a] for a in candidates))
+
+    per_alg = {
+        a: {
+            "n": len(v),
+            "median_rel_error": float(np.median(v)),
+            "p90_rel_error": float(np.percentile(v, 90)),
+        }
+        for a, v in ((a, rel_err[a]) for a in ALGORITHMS if a in rel_err)
+    }
+    r = np.asarray(regrets, dtype=np.float64)
+    regret = {
+        "n_configs": int(r.size),
+        "geomean": float(np.exp(np.mean(np.log(r)))) if r.size else float("nan"),
+        "p95": float(np.percentile(r, 95)) if r.size else float("nan"),
+        "max": float(r.max()) if r.size else float("nan"),
+        "optimal_fraction": float(np.mean(r <= 1.0)) if r.size else float("nan"),
+    }
+    return {
+        "n_measurements": len(ms),
+        "n_groups": len(distinct),
+        "n_folds": n_folds,
+        "per_algorithm": per_alg,
+        "regret": regret,
+    }
