@@ -12,7 +12,7 @@ joins the exchange with its error code set, then raises its own error, while
 the others raise :class:`~algorithms.errors.RemoteInputError` naming it.
 
 The record ends with an *eager slot* of :func:`eager_capacity` bytes (at most
-4 KiB, shrinking as ``64 KiB / P`` so the record stays small on large
+1 KiB, shrinking as ``16 KiB / P`` so the record stays small on large
 groups). A sparse call may put its first entries there; when every rank's
 entries fit, ``allgather`` needs no second collective, which is what decides
 its speed on tiny inputs, where latency is everything. The slot has the same
@@ -98,7 +98,10 @@ def _say(fieldname: str, value: int) -> str:
 
 def eager_capacity(world_size: int) -> int:
     """Return the size in bytes of the eager slot of the record for a group of ``world_size``."""
-    return min(4096, (65536 // max(world_size, 1)) // 8 * 8)
+    # 1 KiB holds 128 scalar fp32 entries: the inputs whose time is all
+    # latency. Larger slots would make every other call pay for bytes it
+    # does not use (the slot travels whatever the algorithm).
+    return min(1024, (16384 // max(world_size, 1)) // 8 * 8)
 
 
 def exchange(

@@ -67,6 +67,7 @@ from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
 import numpy as np
 from sklearn.base import BaseEstimator, clone
 
+from algorithms import _meta
 from algorithms.errors import ColltuneTypeError, ColltuneValueError
 from tuner.features import Features
 from tuner.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
@@ -160,7 +161,8 @@ class AnalyticModel:
             ``all_to_all`` and ``p2p`` are required; ``local`` defaults to
             ``DEFAULT_PRIMITIVES["local"]``.
         metadata_bytes: bytes per rank of the metadata all_gather every
-            algorithm pays (12 int64 fields).
+            algorithm pays; ``None`` (default) takes the real record's size,
+            its int64 fields plus the eager slot for the world size.
         boundary_period: calls between Ok-Topk's boundary recomputations
             (knob ``oktopk.boundary_refresh``).
         peers_in_flight: Ok-Topk's rotated steps posted per point-to-point
@@ -187,7 +189,7 @@ class AnalyticModel:
         self,
         primitives: Mapping[str, Primitive | Mapping[str, float]] | Profile,
         *,
-        metadata_bytes: int = 96,
+        metadata_bytes: int | None = None,
         boundary_period: int = 64,
         peers_in_flight: int = 4,
         dense_fallback_ratio: float = 1.0,
@@ -216,7 +218,7 @@ class AnalyticModel:
                 v = getattr(prims[name], fld)
                 if not (math.isfinite(v) and v >= 0):
                     raise ColltuneValueError(f"`primitives[{name!r}].{fld}` must be a finite number >= 0, but got {v!r}.")
-        if int(metadata_bytes) < 0 or int(boundary_period) < 1 or int(peers_in_flight) < 1:
+        if metadata_bytes is not None and int(metadata_bytes) < 0 or int(boundary_period) < 1 or int(peers_in_flight) < 1:
             raise ColltuneValueError(
                 "`metadata_bytes` must be >= 0, `boundary_period` and `peers_in_flight` >= 1, but got "
                 f"{metadata_bytes}, {boundary_period} and {peers_in_flight}."
@@ -224,7 +226,7 @@ class AnalyticModel:
         if not float(dense_fallback_ratio) > 0:
             raise ColltuneValueError(f"`dense_fallback_ratio` must be > 0, but got {dense_fallback_ratio!r}.")
         self.primitives: dict[str, Primitive] = prims
-        self.metadata_bytes = int(metadata_bytes)
+        self.metadata_bytes = None if metadata_bytes is None else int(metadata_bytes)
         self.boundary_period = int(boundary_period)
         self.peers_in_flight = int(peers_in_flight)
         self.dense_fallback_ratio = float(dense_fallback_ratio)
@@ -302,7 +304,10 @@ class AnalyticModel:
         def local(term: str, nbytes: float, kernels: float) -> Step:
             return Step(term, "local", 0.0, kernels, nbytes)
 
-        meta = all_gather("metadata", float(self.metadata_bytes))
+        record = self.metadata_bytes
+        if record is None:
+            record = 8 * len(_meta.FIELDS) + _meta.eager_capacity(p)
+        meta = all_gather("metadata", float(record))
 
         dense = [
             meta,
@@ -316,7 +321,10 @@ class AnalyticModel:
             merge_bytes = gathered + n * rba + ksum * rba + n + u * out_entry
         else:
             merge_bytes = gathered + ksum * math.log2(max(ksum, 2.0)) * 8.0 + ksum * (8.0 + rba) + u * out_entry
-        if 4 * p * f.k_max <= 5 * ksum:  # all_gather_v "auto": pad while padding adds <= 1/4
+        if self.metadata_bytes is None and f.k_max * e <= _meta.eager_capacity(p):
+            # Every rank's entries ride in the metadata record's eager slot.
+            entries = Step("entries_gather", "all_gather", 0.0, 0.0, 0.0)
+        elif 4 * p * f.k_max <= 5 * ksum:  # all_gather_v "auto": pad while padding adds <= 1/4
             entries = all_gather("entries_gather", f.k_max * e)
         else:  # every rank sends its entries to each peer; the largest rank bounds the time
             entries = all_to_all("entries_gather", f.k_max * e)

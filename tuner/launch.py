@@ -1,0 +1,368 @@
+"""Start local CPU ranks for a command, or join the ranks ``torchrun`` started.
+
+Two ways a colltune command gets its ranks:
+
+``run_local(fn, world_size, *args)``
+    Starts ``world_size`` processes on this machine (``torch.multiprocessing``
+    in ``forkserver`` mode with torch preloaded), joins them in one process
+    group through a ``FileStore`` in a fresh temporary directory (no ports),
+    runs ``fn(rank, world_size, *args)`` on each, and returns the results in
+    rank order. Each rank uses one intra-op thread. A deadline in the parent
+    kills ranks that are stuck; the first real error of any rank is re-raised
+    in the parent as :class:`RankError`, naming the rank and carrying its
+    traceback (a rank's own exception wins over the "connection closed" and
+    timeout errors it causes on the other ranks).
+
+``in_torchrun()`` / :func:`run_here`
+    Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) a command runs in the
+    rank it was started in instead: :func:`run_here` joins the ``env://``
+    process group and calls ``fn(rank, world_size, *args)`` once.
+
+Rank functions must be module-level (they are pickled by reference); their
+arguments and return values must be picklable.
+
+Example:
+    >>> from tuner.launch import run_local
+    >>> run_local(my_rank_fn, 4, "arg")  # doctest: +SKIP
+    [result_of_rank_0, result_of_rank_1, result_of_rank_2, result_of_rank_3]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait as _mp_wait
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from algorithms.errors import ColltuneError, ColltuneValueError
+
+__all__ = ["RankError", "run_local", "run_here", "in_torchrun", "torchrun_rank"]
+
+#: Default process-group timeout inside the ranks, in seconds.
+PG_TIMEOUT_S = 60.0
+#: After the first rank failed, the others get this long to finish before they are killed.
+GRACE_S = 5.0
+
+# Errors that a rank gets because ANOTHER rank failed or vanished; reported
+# only when no rank has a better one.
+_SECONDARY = re.compile(
+    r"Connection closed by peer|Connection reset|connection reset|Broken pipe|ECONNRESET|EPIPE|"
+    r"Socket closed|[Tt]imed? ?out|Timeout|DistNetworkError|Failed to recv|Failed to send|"
+    r"Read error|Write error|SIGTERM|SIGKILL"
+)
+
+_CTX = None
+_CTX_LOCK = threading.Lock()
+_KEEP_OPEN: list = []
+
+
+class RankError(ColltuneError, RuntimeError):
+    """A rank of a local launch raised, died, or was killed at the deadline.
+
+    Attributes:
+        rank: the rank with the first real error (``None`` if no rank raised).
+        exc_type: the name of that rank's exception class (``""`` if none).
+        remote_traceback: that rank's formatted traceback (``""`` if none).
+
+    The rank's own exception, when it could be pickled, is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, exc_type: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+def in_torchrun() -> bool:
+    """Return whether this process was started by ``torchrun`` (``RANK`` and ``WORLD_SIZE`` are set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_rank() -> tuple[int, int]:
+    """Return ``(rank, world_size)`` from the ``torchrun`` environment."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def run_here(fn: Callable[..., Any], *args: Any, backend: str = "gloo", pg_timeout: float = PG_TIMEOUT_S) -> Any:
+    """Run ``fn(rank, world_size, *args)`` in this ``torchrun`` rank; return what it returns.
+
+    Joins the ``env://`` process group unless one is already initialized; a
+    group this function created is destroyed before it returns.
+    """
+    if not in_torchrun():
+        raise ColltuneValueError(
+            "run_here needs the RANK and WORLD_SIZE environment variables that torchrun sets; "
+            "start the command with torchrun, or use run_local to start local ranks."
+        )
+    rank, world_size = torchrun_rank()
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        created = True
+    try:
+        return fn(dist.get_rank(), dist.get_world_size(), *args)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _context():
+    global _CTX
+    with _CTX_LOCK:
+        if _CTX is None:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", "torch.distributed"])
+            _CTX = ctx
+    return _CTX
+
+
+def _path(workdir: str, rank: int, what: str) -> str:
+    return os.path.join(workdir, f"rank{rank}.{what}")
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _rank_entry(
+    fn: Callable[..., Any], rank: int, world_size: int, args: tuple, workdir: str, backend: str, pg_timeout: float
+) -> None:
+    try:
+        torch.set_num_threads(1)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # already set or parallel work started: harmless
+            pass
+        if hasattr(signal, "SIGUSR1"):
+            import faulthandler
+
+            stacks = open(_path(workdir, rank, "stacks.txt"), "w")
+            _KEEP_OPEN.append(stacks)  # faulthandler writes to its descriptor until the process ends
+            faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+        )
+        out = fn(rank, world_size, *args)
+        _write_atomic(_path(workdir, rank, "result.pkl"), pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        record = {
+            "time": time.time(),
+            "rank": rank,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        }
+        try:
+            _write_atomic(_path(workdir, rank, "exc.pkl"), pickle.dumps(exc))
+        except Exception:  # noqa: BLE001 - not every exception pickles; the record suffices
+            pass
+        _write_atomic(_path(workdir, rank, "error.json"), json.dumps(record).encode())
+        # Leave at once: closed sockets make the peers fail fast instead of waiting for a timeout.
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _kill(procs: dict, workdir: str) -> tuple[list[int], dict[int, str]]:
+    """Dump the Python stacks of the live ranks, kill them; return the killed ranks and their stacks."""
+    live = {r: p for r, p in procs.items() if p.is_alive()}
+    if not live:
+        return [], {}
+    if hasattr(signal, "SIGUSR1"):
+        for p in live.values():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except (ProcessLookupError, TypeError):
+                pass
+        time.sleep(0.3)
+    for p in live.values():
+        if p.is_alive():
+            p.kill()
+    stacks = {}
+    for r in live:
+        try:
+            with open(_path(workdir, r, "stacks.txt")) as f:
+                stacks[r] = f.read()
+        except OSError:
+            pass
+    return sorted(live), stacks
+
+
+def _read_errors(workdir: str, world_size: int) -> dict[int, dict]:
+    errors = {}
+    for rank in range(world_size):
+        try:
+            with open(_path(workdir, rank, "error.json")) as f:
+                errors[rank] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return errors
+
+
+def _signal_name(code: int | None) -> str:
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _failure(
+    what: str,
+    world_size: int,
+    workdir: str,
+    exitcodes: dict[int, int | None],
+    killed: list[int],
+    stacks: dict[int, str],
+    reason: str,
+) -> RankError:
+    errors = _read_errors(workdir, world_size)
+    records = sorted(errors.values(), key=lambda r: r["time"])
+    primary = [r for r in records if not _SECONDARY.search(r["type"] + ": " + r["message"])]
+    first = primary[0] if primary else (records[0] if records else None)
+    lines = []
+    if first is not None:
+        lines.append(f"{what}: rank {first['rank']} of {world_size} raised {first['type']}: {first['message']}")
+        lines.append(f"---- traceback of rank {first['rank']} ----")
+        lines.append(first["traceback"].rstrip())
+    else:
+        lines.append(f"{what}: failed without a Python exception on any rank ({reason or 'see below'})")
+    lines.append("---- all ranks ----")
+    for rank in range(world_size):
+        if rank in errors:
+            r = errors[rank]
+            lines.append(f"rank {rank}: {r['type']}: {r['message'][:300]}")
+        elif rank in killed:
+            lines.append(f"rank {rank}: killed ({reason})")
+        elif exitcodes.get(rank) not in (0, None):
+            lines.append(f"rank {rank}: died with {_signal_name(exitcodes[rank])} and no Python traceback")
+        else:
+            lines.append(f"rank {rank}: ok")
+    for rank, stack in sorted(stacks.items()):
+        if stack.strip():
+            lines.append(f"---- Python stacks of rank {rank} when it was killed ----")
+            lines.append(stack.strip()[-6000:])
+    err = RankError(
+        "\n".join(lines),
+        rank=None if first is None else first["rank"],
+        exc_type="" if first is None else first["type"],
+        remote_traceback="" if first is None else first["traceback"],
+    )
+    if first is not None:
+        try:
+            with open(_path(workdir, first["rank"], "exc.pkl"), "rb") as f:
+                err.__cause__ = pickle.load(f)
+        except Exception:  # noqa: BLE001 - the message already says everything
+            pass
+    return err
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 600.0,
+    pg_timeout: float = PG_TIMEOUT_S,
+    grace: float = GRACE_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh local ranks; return the results in rank order.
+
+    Args:
+        fn: a module-level function (it is pickled by reference).
+        world_size: number of ranks to start (>= 1).
+        *args: passed to ``fn`` on every rank; must be picklable.
+        backend: the process-group backend (``gloo`` for CPU ranks).
+        timeout: the parent kills every rank still running after this many seconds.
+        pg_timeout: the process-group timeout inside the ranks, in seconds.
+        grace: after one rank failed, how long the others may run before they are killed.
+
+    Returns:
+        What ``fn`` returned on each rank, in rank order.
+
+    Raises:
+        ColltuneValueError: ``world_size`` is not a positive int.
+        RankError: a rank raised, died or was killed; the message names the
+            rank with the first real error and shows its traceback.
+
+    Example:
+        >>> run_local(my_rank_fn, 2)  # doctest: +SKIP
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ColltuneValueError(f"world_size must be an int >= 1, but got {world_size!r}.")
+    what = f"{getattr(fn, '__name__', fn)} on {world_size} local ranks"
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="colltune-launch-") as workdir:
+        procs = {
+            r: ctx.Process(
+                target=_rank_entry,
+                args=(fn, r, world_size, args, workdir, backend, pg_timeout),
+                name=f"colltune-rank{r}",
+                daemon=True,
+            )
+            for r in range(world_size)
+        }
+        killed: list[int] = []
+        stacks: dict[int, str] = {}
+        reason = ""
+        try:
+            for p in procs.values():
+                p.start()
+            deadline = time.monotonic() + timeout
+            failed_at = None
+            while True:
+                live = [p for p in procs.values() if p.exitcode is None]
+                if not live:
+                    break
+                now = time.monotonic()
+                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs.values()):
+                    failed_at = now
+                if now >= deadline:
+                    reason = f"still running at the deadline of {timeout:g} s"
+                    killed, stacks = _kill(procs, workdir)
+                    break
+                if failed_at is not None and now - failed_at >= grace:
+                    reason = f"still running {grace:g} s after another rank failed"
+                    killed, stacks = _kill(procs, workdir)
+                    break
+                limit = deadline - now if failed_at is None else min(deadline - now, failed_at + grace - now)
+                _mp_wait([p.sentinel for p in live], timeout=max(0.01, limit))
+        finally:
+            # Also on KeyboardInterrupt: never leave ranks behind.
+            for p in procs.values():
+                if p.pid is None:  # never started (the start of an earlier rank failed)
+                    continue
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        exitcodes = {r: p.exitcode for r, p in procs.items()}
+        if killed or any(c != 0 for c in exitcodes.values()):
+            raise _failure(what, world_size, workdir, exitcodes, killed, stacks, reason)
+        results = []
+        for r in range(world_size):
+            with open(_path(workdir, r, "result.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
