@@ -20,8 +20,12 @@ Three entry points, from the simplest to the fastest:
     could depend on what ran before belongs in ``run_ranks`` / ``run_cases``.
 
 Rank functions must be module-level (they are pickled by reference) and return
-something ``torch.save`` accepts. Each rank runs with one intra-op thread on
-gloo with a short process-group timeout.
+something picklable (tensors included). Each rank runs with one intra-op thread
+on gloo with a short process-group timeout.
+
+The rank bootstrap is the package's launcher (:mod:`tuner.launch`, the engine
+of ``run_local``); this module adds the ``AssertionError`` reports, the cases
+driver, the persistent pool and :func:`expect_error`.
 
 Failures raise ``AssertionError`` naming the rank and showing the first real
 error: a rank's own exception is preferred to the secondary "connection closed
@@ -36,22 +40,18 @@ every rank and return what was raised, so that tests can assert on every rank.
 from __future__ import annotations
 
 import io
-import json
-import os
-import re
-import signal
 import tempfile
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tuner.launch import GRACE_S, Outcome, exit_rank, failure_report, kill_ranks, launch_ranks, rank_context
+from tuner.launch import read_errors, setup_rank, short_repr as _short, write_error
 
 __all__ = [
     "PG_TIMEOUT_S",
@@ -66,97 +66,13 @@ __all__ = [
 
 #: Process-group timeout in every rank: a rank stuck in a collective fails after this.
 PG_TIMEOUT_S = 30.0
-#: After the first rank failed, the other ranks get this long to finish before they are killed.
-GRACE_S = 5.0
 
-_CTX = None
-_CTX_LOCK = threading.Lock()
+#: How the harness's reports describe a rank it killed.
+_KILLED = "killed by the harness"
 
 
-def _context():
-    global _CTX
-    with _CTX_LOCK:
-        if _CTX is None:
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch"])
-            _CTX = ctx
-    return _CTX
-
-
-# --------------------------------------------------------------------------- rank side
-
-
-def _err_path(workdir: str, rank: int) -> str:
-    return os.path.join(workdir, f"rank{rank}.error.json")
-
-
-def _stack_path(workdir: str, rank: int) -> str:
-    return os.path.join(workdir, f"rank{rank}.stacks.txt")
-
-
-def _result_path(workdir: str, rank: int) -> str:
-    return os.path.join(workdir, f"rank{rank}.result.pt")
-
-
-_KEEP_OPEN: list = []
-
-
-def _setup_rank(rank: int, world_size: int, workdir: str, pg_timeout: float) -> None:
-    """Common start of every rank: one thread, stack dumps on SIGUSR1, the process group."""
-    torch.set_num_threads(1)
-    if hasattr(signal, "SIGUSR1"):
-        import faulthandler
-
-        stack_file = open(_stack_path(workdir, rank), "w")
-        _KEEP_OPEN.append(stack_file)  # faulthandler writes to its descriptor until the process ends
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
-    )
-
-
-def _write_error(workdir: str, rank: int, exc: BaseException, context: str = "") -> None:
-    record = {
-        "time": time.time(),
-        "rank": rank,
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "context": context,
-    }
-    tmp = _err_path(workdir, rank) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, _err_path(workdir, rank))
-
-
-def _save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _die() -> None:
-    """Leave at once: closing the sockets makes the peers fail fast instead of waiting for a timeout."""
-    try:
-        import sys
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(1)
-
-
-def _rank_entry(fn, rank, world_size, args, workdir, pg_timeout):
-    try:
-        _setup_rank(rank, world_size, workdir, pg_timeout)
-        out = fn(rank, world_size, *args)
-        _save(out, _result_path(workdir, rank))
-    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        _write_error(workdir, rank, exc)
-        _die()
-    dist.destroy_process_group()
+def _report(outcome: Outcome, what: str) -> str:
+    return failure_report(outcome, what, killed_as=_KILLED, label_errors=True)
 
 
 def _cases_driver(rank, world_size, fn, cases):
@@ -171,174 +87,6 @@ def _cases_driver(rank, world_size, fn, cases):
 
 class _CaseError(RuntimeError):
     pass
-
-
-def _short(obj: Any, limit: int = 200) -> str:
-    s = repr(obj)
-    return s if len(s) <= limit else s[: limit - 3] + "..."
-
-
-# --------------------------------------------------------------------------- parent side
-
-# Errors that a rank gets because ANOTHER rank failed or vanished. They are reported
-# only when no rank has a better one.
-_SECONDARY = re.compile(
-    r"Connection closed by peer|Connection reset|connection reset|Broken pipe|"
-    r"ECONNRESET|EPIPE|Socket closed|[Tt]imed? ?out|Timeout|DistNetworkError|"
-    r"Failed to recv|Failed to send|Read error|Write error|SIGTERM|SIGKILL",
-)
-
-
-@dataclass
-class _Outcome:
-    world_size: int
-    results: list = field(default_factory=list)  # per rank, or None
-    errors: dict = field(default_factory=dict)  # rank -> error record
-    exitcodes: dict = field(default_factory=dict)  # rank -> exit code
-    killed: list = field(default_factory=list)  # ranks killed by the parent
-    stacks: dict = field(default_factory=dict)  # rank -> stack dump of a killed rank
-    reason: str = ""  # why ranks were killed
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.errors or self.killed or any(c not in (0, None) for c in self.exitcodes.values()))
-
-
-def _signal_name(code: int | None) -> str:
-    if code is None or code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"signal {signal.Signals(-code).name}"
-    except ValueError:
-        return f"signal {-code}"
-
-
-def _is_secondary(record: dict) -> bool:
-    return bool(_SECONDARY.search(record["type"] + ": " + record["message"]))
-
-
-def _report(outcome: _Outcome, what: str) -> str:
-    """Build the failure message: the first real error first, then one line per other rank."""
-    records = sorted(outcome.errors.values(), key=lambda r: r["time"])
-    primary = [r for r in records if not _is_secondary(r)]
-    first = primary[0] if primary else (records[0] if records else None)
-    lines = []
-    if first is not None:
-        lines.append(
-            f"{what}: rank {first['rank']} of {outcome.world_size} raised {first['type']}: {first['message']}"
-        )
-        if first.get("context"):
-            lines.append(f"  while: {first['context']}")
-        lines.append("---- traceback of rank %d ----" % first["rank"])
-        lines.append(first["traceback"].rstrip())
-    else:
-        lines.append(f"{what}: failed without a Python exception on any rank ({outcome.reason or 'see below'})")
-    lines.append("---- all ranks ----")
-    for rank in range(outcome.world_size):
-        if rank in outcome.errors:
-            r = outcome.errors[rank]
-            kind = "secondary error" if (_is_secondary(r) and r is not first) else "error"
-            lines.append(f"rank {rank}: {kind}: {r['type']}: {_short(r['message'], 300)}")
-        elif rank in outcome.killed:
-            lines.append(f"rank {rank}: killed by the harness ({outcome.reason})")
-        elif outcome.exitcodes.get(rank) not in (0, None):
-            lines.append(
-                f"rank {rank}: died with {_signal_name(outcome.exitcodes[rank])} and no Python traceback"
-            )
-        else:
-            lines.append(f"rank {rank}: ok")
-    for rank, stack in sorted(outcome.stacks.items()):
-        if stack.strip():
-            lines.append(f"---- Python stacks of rank {rank} when it was killed ----")
-            lines.append(stack.strip()[-6000:])
-    return "\n".join(lines)
-
-
-def _read_errors(workdir: str, world_size: int) -> dict:
-    errors = {}
-    for rank in range(world_size):
-        path = _err_path(workdir, rank)
-        if os.path.exists(path):
-            try:
-                with open(path) as f:
-                    errors[rank] = json.load(f)
-            except (OSError, ValueError):
-                pass
-    return errors
-
-
-def _kill(procs: dict, workdir: str, outcome: _Outcome, reason: str) -> None:
-    """Dump the stacks of the live ranks, then kill them."""
-    live = {r: p for r, p in procs.items() if p.is_alive()}
-    if not live:
-        return
-    outcome.reason = reason
-    if hasattr(signal, "SIGUSR1"):
-        for p in live.values():
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except (ProcessLookupError, TypeError):
-                pass
-        time.sleep(0.3)
-    for rank, p in live.items():
-        if p.is_alive():
-            p.kill()
-            outcome.killed.append(rank)
-        p.join(5)
-        try:
-            with open(_stack_path(workdir, rank)) as f:
-                outcome.stacks[rank] = f.read()
-        except OSError:
-            pass
-
-
-def _launch(fn, world_size: int, args: tuple, timeout: float, pg_timeout: float, grace: float) -> _Outcome:
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context()
-    outcome = _Outcome(world_size=world_size)
-    with tempfile.TemporaryDirectory(prefix="colltune-ranks-") as workdir:
-        procs = {
-            r: ctx.Process(
-                target=_rank_entry,
-                args=(fn, r, world_size, args, workdir, pg_timeout),
-                name=f"rank{r}",
-                daemon=True,
-            )
-            for r in range(world_size)
-        }
-        for p in procs.values():
-            p.start()
-        deadline = time.monotonic() + timeout
-        failed_at = None
-        try:
-            while True:
-                live = [p for p in procs.values() if p.exitcode is None]
-                if not live:
-                    break
-                now = time.monotonic()
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs.values()):
-                    failed_at = now
-                if now >= deadline:
-                    _kill(procs, workdir, outcome, f"still running at the deadline of {timeout:g} s")
-                    break
-                if failed_at is not None and now - failed_at >= grace:
-                    _kill(procs, workdir, outcome, f"still running {grace:g} s after another rank failed")
-                    break
-                limit = deadline - now if failed_at is None else min(deadline - now, failed_at + grace - now)
-                _mp_wait([p.sentinel for p in live], timeout=max(0.01, limit))
-        finally:
-            for p in procs.values():
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-        outcome.exitcodes = {r: p.exitcode for r, p in procs.items()}
-        outcome.errors = _read_errors(workdir, world_size)
-        if not outcome.failed:
-            outcome.results = [
-                torch.load(_result_path(workdir, r), weights_only=False) for r in range(world_size)
-            ]
-    return outcome
 
 
 def run_ranks(
@@ -363,7 +111,11 @@ def run_ranks(
         AssertionError: a rank raised, died, or was killed; the message names the
             rank with the first real error and shows its traceback.
     """
-    outcome = _launch(fn, world_size, args, timeout, pg_timeout, grace)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    outcome = launch_ranks(
+        fn, world_size, args, timeout=timeout, pg_timeout=pg_timeout, grace=grace, prefix="colltune-ranks-"
+    )
     if outcome.failed:
         raise AssertionError(_report(outcome, f"run_ranks({getattr(fn, '__name__', fn)}, world_size={world_size})"))
     return outcome.results
@@ -385,16 +137,16 @@ def run_cases(fn: Callable, world_size: int, cases: Sequence[Any], *, timeout: f
 
 def _pool_worker(rank, world_size, workdir, pg_timeout, conn):
     try:
-        _setup_rank(rank, world_size, workdir, pg_timeout)
+        setup_rank(rank, world_size, workdir, "gloo", pg_timeout)
     except BaseException as exc:
-        _write_error(workdir, rank, exc, "starting the rank")
-        _die()
+        write_error(workdir, rank, exc, "starting the rank")
+        exit_rank()
     conn.send(("ready", None))
     while True:
         try:
             msg = conn.recv()
         except EOFError:
-            _die()
+            exit_rank()
         if msg is None:
             break
         call_id, fn, args = msg
@@ -404,11 +156,11 @@ def _pool_worker(rank, world_size, workdir, pg_timeout, conn):
             torch.save(out, buf)
             payload = buf.getvalue()
         except BaseException as exc:
-            _write_error(workdir, rank, exc, f"call {call_id}: {getattr(fn, '__name__', fn)}{_short(args, 300)}")
+            write_error(workdir, rank, exc, f"call {call_id}: {getattr(fn, '__name__', fn)}{_short(args, 300)}")
             try:
                 conn.send(("error", call_id))
             finally:
-                _die()
+                exit_rank()
         conn.send(("ok", call_id, payload))
     dist.destroy_process_group()
     conn.close()
@@ -435,7 +187,7 @@ class RankPool:
 
     # -- lifecycle
     def _start(self) -> None:
-        ctx = _context()
+        ctx = rank_context()
         self._tmp = tempfile.TemporaryDirectory(prefix="colltune-pool-")
         workdir = self._tmp.name
         for r in range(self.world_size):
@@ -495,7 +247,7 @@ class RankPool:
         failed: set = set()
         deadline = time.monotonic() + timeout
         failed_at = None
-        outcome = _Outcome(world_size=self.world_size)
+        outcome = Outcome(world_size=self.world_size)
         while pending:
             now = time.monotonic()
             if now >= deadline or (failed_at is not None and now - failed_at >= grace):
@@ -504,7 +256,7 @@ class RankPool:
                     if now >= deadline
                     else f"no answer {grace:g} s after another rank failed"
                 )
-                _kill({r: self._procs[r] for r in pending}, self._tmp.name, outcome, reason)
+                kill_ranks({r: self._procs[r] for r in pending}, self._tmp.name, outcome, reason)
                 break
             limit = deadline - now if failed_at is None else min(deadline - now, failed_at + grace - now)
             waitables = {self._conns[r]: r for r in pending}
@@ -540,7 +292,7 @@ class RankPool:
                 p.kill()
             p.join(5)
         outcome.exitcodes = {r: (p.exitcode if r in failed or r in outcome.killed else 0) for r, p in self._procs.items()}
-        outcome.errors = _read_errors(workdir, self.world_size)
+        outcome.errors = read_errors(workdir, self.world_size)
         report = _report(outcome, f"RankPool(world_size={self.world_size}) {what}")
         self._procs = {}
         for conn in self._conns.values():

@@ -21,6 +21,11 @@ Two ways a colltune command gets its ranks:
 Rank functions must be module-level (they are pickled by reference); their
 arguments and return values must be picklable.
 
+The rank bootstrap and the parent's bookkeeping (:func:`launch_ranks`,
+:func:`setup_rank`, :func:`write_error`, :func:`kill_ranks`,
+:func:`failure_report`, ...) are also the engine of the test suite's harness
+(``tests/harness.py``).
+
 Example:
     >>> from tuner.launch import run_local
     >>> run_local(my_rank_fn, 4, "arg")  # doctest: +SKIP
@@ -34,10 +39,12 @@ import os
 import pickle
 import re
 import signal
+import sys
 import tempfile
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any, Callable
@@ -120,9 +127,13 @@ def run_here(fn: Callable[..., Any], *args: Any, backend: str = "gloo", pg_timeo
 
 
 # --------------------------------------------------------------------------- rank side
+#
+# The pieces below are shared with the test suite's harness (tests/harness.py),
+# which runs its one-shot launches and its persistent rank pool on them.
 
 
-def _context():
+def rank_context():
+    """Return the ``forkserver`` multiprocessing context (torch preloaded) that every local rank starts from."""
     global _CTX
     with _CTX_LOCK:
         if _CTX is None:
@@ -132,64 +143,116 @@ def _context():
     return _CTX
 
 
-def _path(workdir: str, rank: int, what: str) -> str:
+def rank_path(workdir: str, rank: int, what: str) -> str:
+    """Return the path of a rank's file ``what`` (``error.json``, ``stacks.txt``, ...) in ``workdir``."""
     return os.path.join(workdir, f"rank{rank}.{what}")
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, so that readers never see half a file."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
 
 
+def setup_rank(rank: int, world_size: int, workdir: str, backend: str = "gloo", pg_timeout: float = PG_TIMEOUT_S) -> None:
+    """Common start of every local rank: one thread, stack dumps on SIGUSR1, the process group (FileStore in ``workdir``)."""
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set or parallel work started: harmless
+        pass
+    if hasattr(signal, "SIGUSR1"):
+        import faulthandler
+
+        stacks = open(rank_path(workdir, rank, "stacks.txt"), "w")
+        _KEEP_OPEN.append(stacks)  # faulthandler writes to its descriptor until the process ends
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+    # Wait until every rank has finished connecting: a rank that returned
+    # (and closed its sockets) while another was still building its mesh
+    # would make that one fail with a misleading "connection closed by peer".
+    store.add("colltune/initialized", 1)
+    deadline = time.monotonic() + pg_timeout
+    while store.add("colltune/initialized", 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: not every rank joined the process group within {pg_timeout} s")
+        time.sleep(0.002)
+
+
+def write_error(workdir: str, rank: int, exc: BaseException, context: str = "") -> None:
+    """Record what a rank raised for the parent: ``error.json`` (always) and the pickled exception (when it pickles)."""
+    record = {
+        "time": time.time(),
+        "rank": rank,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "context": context,
+    }
+    try:
+        write_atomic(rank_path(workdir, rank, "exc.pkl"), pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - not every exception pickles; the record suffices
+        pass
+    write_atomic(rank_path(workdir, rank, "error.json"), json.dumps(record).encode())
+
+
+def exit_rank() -> None:
+    """Leave the rank at once: closed sockets make the peers fail fast instead of waiting for a timeout."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
 def _rank_entry(
     fn: Callable[..., Any], rank: int, world_size: int, args: tuple, workdir: str, backend: str, pg_timeout: float
 ) -> None:
     try:
-        torch.set_num_threads(1)
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:  # already set or parallel work started: harmless
-            pass
-        if hasattr(signal, "SIGUSR1"):
-            import faulthandler
-
-            stacks = open(_path(workdir, rank, "stacks.txt"), "w")
-            _KEEP_OPEN.append(stacks)  # faulthandler writes to its descriptor until the process ends
-            faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
-        )
+        setup_rank(rank, world_size, workdir, backend, pg_timeout)
         out = fn(rank, world_size, *args)
-        _write_atomic(_path(workdir, rank, "result.pkl"), pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+        write_atomic(rank_path(workdir, rank, "result.pkl"), pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        record = {
-            "time": time.time(),
-            "rank": rank,
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        }
-        try:
-            _write_atomic(_path(workdir, rank, "exc.pkl"), pickle.dumps(exc))
-        except Exception:  # noqa: BLE001 - not every exception pickles; the record suffices
-            pass
-        _write_atomic(_path(workdir, rank, "error.json"), json.dumps(record).encode())
-        # Leave at once: closed sockets make the peers fail fast instead of waiting for a timeout.
-        os._exit(1)
+        write_error(workdir, rank, exc)
+        exit_rank()
     dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- parent side
 
 
-def _kill(procs: dict, workdir: str) -> tuple[list[int], dict[int, str]]:
-    """Dump the Python stacks of the live ranks, kill them; return the killed ranks and their stacks."""
+@dataclass
+class Outcome:
+    """What a set of local ranks did: results, error records, exit codes, the ranks killed and why."""
+
+    world_size: int
+    results: list = field(default_factory=list)  # per rank (only when nothing failed)
+    errors: dict = field(default_factory=dict)  # rank -> error record (see write_error)
+    exitcodes: dict = field(default_factory=dict)  # rank -> exit code
+    killed: list = field(default_factory=list)  # ranks killed by the parent
+    stacks: dict = field(default_factory=dict)  # rank -> stack dump of a killed rank
+    reason: str = ""  # why ranks were killed
+    cause: BaseException | None = None  # the unpickled exception of the first real error, if any
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.errors or self.killed or any(c != 0 for c in self.exitcodes.values()))
+
+    @property
+    def first(self) -> dict | None:
+        """The error record of the first real error (see :func:`first_error`)."""
+        return first_error(self.errors)
+
+
+def kill_ranks(procs: dict, workdir: str, outcome: Outcome, reason: str) -> None:
+    """Dump the Python stacks of the live ranks, kill them; record the killed ranks, their stacks and ``reason``."""
     live = {r: p for r, p in procs.items() if p.is_alive()}
     if not live:
-        return [], {}
+        return
+    outcome.reason = reason
     if hasattr(signal, "SIGUSR1"):
         for p in live.values():
             try:
@@ -197,31 +260,32 @@ def _kill(procs: dict, workdir: str) -> tuple[list[int], dict[int, str]]:
             except (ProcessLookupError, TypeError):
                 pass
         time.sleep(0.3)
-    for p in live.values():
+    for rank, p in live.items():
         if p.is_alive():
             p.kill()
-    stacks = {}
-    for r in live:
+            outcome.killed.append(rank)
+        p.join(5)
         try:
-            with open(_path(workdir, r, "stacks.txt")) as f:
-                stacks[r] = f.read()
+            with open(rank_path(workdir, rank, "stacks.txt")) as f:
+                outcome.stacks[rank] = f.read()
         except OSError:
             pass
-    return sorted(live), stacks
 
 
-def _read_errors(workdir: str, world_size: int) -> dict[int, dict]:
+def read_errors(workdir: str, world_size: int) -> dict[int, dict]:
+    """Return the error records the ranks wrote, by rank."""
     errors = {}
     for rank in range(world_size):
         try:
-            with open(_path(workdir, rank, "error.json")) as f:
+            with open(rank_path(workdir, rank, "error.json")) as f:
                 errors[rank] = json.load(f)
         except (OSError, ValueError):
             pass
     return errors
 
 
-def _signal_name(code: int | None) -> str:
+def signal_name(code: int | None) -> str:
+    """Describe an exit code: ``exit code 3`` or ``signal SIGKILL``."""
     if code is None or code >= 0:
         return f"exit code {code}"
     try:
@@ -230,54 +294,135 @@ def _signal_name(code: int | None) -> str:
         return f"signal {-code}"
 
 
-def _failure(
-    what: str,
-    world_size: int,
-    workdir: str,
-    exitcodes: dict[int, int | None],
-    killed: list[int],
-    stacks: dict[int, str],
-    reason: str,
-) -> RankError:
-    errors = _read_errors(workdir, world_size)
+def is_secondary(record: dict) -> bool:
+    """Whether an error record is one a rank gets because ANOTHER rank failed or vanished."""
+    return bool(_SECONDARY.search(record["type"] + ": " + record["message"]))
+
+
+def first_error(errors: dict[int, dict]) -> dict | None:
+    """The earliest error that is not secondary, else the earliest error, else ``None``."""
     records = sorted(errors.values(), key=lambda r: r["time"])
-    primary = [r for r in records if not _SECONDARY.search(r["type"] + ": " + r["message"])]
-    first = primary[0] if primary else (records[0] if records else None)
+    primary = [r for r in records if not is_secondary(r)]
+    return primary[0] if primary else (records[0] if records else None)
+
+
+def short_repr(obj: Any, limit: int = 200) -> str:
+    """``repr(obj)``, cut to ``limit`` characters."""
+    s = repr(obj)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def failure_report(outcome: Outcome, what: str, *, killed_as: str = "killed", label_errors: bool = False) -> str:
+    """Build the failure message: the first real error first, then one line per rank, then the stacks of killed ranks.
+
+    ``killed_as`` is how a killed rank is described; with ``label_errors`` each
+    failed rank's line says whether its error is secondary and shows the message's repr.
+    """
+    first = first_error(outcome.errors)
+    world_size = outcome.world_size
     lines = []
     if first is not None:
         lines.append(f"{what}: rank {first['rank']} of {world_size} raised {first['type']}: {first['message']}")
+        if first.get("context"):
+            lines.append(f"  while: {first['context']}")
         lines.append(f"---- traceback of rank {first['rank']} ----")
         lines.append(first["traceback"].rstrip())
     else:
-        lines.append(f"{what}: failed without a Python exception on any rank ({reason or 'see below'})")
+        lines.append(f"{what}: failed without a Python exception on any rank ({outcome.reason or 'see below'})")
     lines.append("---- all ranks ----")
     for rank in range(world_size):
-        if rank in errors:
-            r = errors[rank]
-            lines.append(f"rank {rank}: {r['type']}: {r['message'][:300]}")
-        elif rank in killed:
-            lines.append(f"rank {rank}: killed ({reason})")
-        elif exitcodes.get(rank) not in (0, None):
-            lines.append(f"rank {rank}: died with {_signal_name(exitcodes[rank])} and no Python traceback")
+        if rank in outcome.errors:
+            r = outcome.errors[rank]
+            if label_errors:
+                kind = "secondary error" if (is_secondary(r) and r is not first) else "error"
+                lines.append(f"rank {rank}: {kind}: {r['type']}: {short_repr(r['message'], 300)}")
+            else:
+                lines.append(f"rank {rank}: {r['type']}: {r['message'][:300]}")
+        elif rank in outcome.killed:
+            lines.append(f"rank {rank}: {killed_as} ({outcome.reason})")
+        elif outcome.exitcodes.get(rank) not in (0, None):
+            lines.append(f"rank {rank}: died with {signal_name(outcome.exitcodes[rank])} and no Python traceback")
         else:
             lines.append(f"rank {rank}: ok")
-    for rank, stack in sorted(stacks.items()):
+    for rank, stack in sorted(outcome.stacks.items()):
         if stack.strip():
             lines.append(f"---- Python stacks of rank {rank} when it was killed ----")
             lines.append(stack.strip()[-6000:])
-    err = RankError(
-        "\n".join(lines),
-        rank=None if first is None else first["rank"],
-        exc_type="" if first is None else first["type"],
-        remote_traceback="" if first is None else first["traceback"],
-    )
-    if first is not None:
+    return "\n".join(lines)
+
+
+def launch_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    *,
+    backend: str = "gloo",
+    timeout: float = 600.0,
+    pg_timeout: float = PG_TIMEOUT_S,
+    grace: float = GRACE_S,
+    prefix: str = "colltune-launch-",
+) -> Outcome:
+    """Run ``fn(rank, world_size, *args)`` on fresh local ranks and return the :class:`Outcome` (raises nothing).
+
+    The engine of :func:`run_local` (and of the test harness's ``run_ranks``).
+    Ranks still running at ``timeout``, or ``grace`` seconds after a rank
+    failed, are killed with a dump of their stacks.
+    """
+    ctx = rank_context()
+    outcome = Outcome(world_size=world_size)
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
+        procs = {
+            r: ctx.Process(
+                target=_rank_entry,
+                args=(fn, r, world_size, args, workdir, backend, pg_timeout),
+                name=f"colltune-rank{r}",
+                daemon=True,
+            )
+            for r in range(world_size)
+        }
         try:
-            with open(_path(workdir, first["rank"], "exc.pkl"), "rb") as f:
-                err.__cause__ = pickle.load(f)
-        except Exception:  # noqa: BLE001 - the message already says everything
-            pass
-    return err
+            for p in procs.values():
+                p.start()
+            deadline = time.monotonic() + timeout
+            failed_at = None
+            while True:
+                live = [p for p in procs.values() if p.exitcode is None]
+                if not live:
+                    break
+                now = time.monotonic()
+                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs.values()):
+                    failed_at = now
+                if now >= deadline:
+                    kill_ranks(procs, workdir, outcome, f"still running at the deadline of {timeout:g} s")
+                    break
+                if failed_at is not None and now - failed_at >= grace:
+                    kill_ranks(procs, workdir, outcome, f"still running {grace:g} s after another rank failed")
+                    break
+                limit = deadline - now if failed_at is None else min(deadline - now, failed_at + grace - now)
+                _mp_wait([p.sentinel for p in live], timeout=max(0.01, limit))
+        finally:
+            # Also on KeyboardInterrupt: never leave ranks behind.
+            for p in procs.values():
+                if p.pid is None:  # never started (the start of an earlier rank failed)
+                    continue
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        outcome.exitcodes = {r: p.exitcode for r, p in procs.items()}
+        outcome.errors = read_errors(workdir, world_size)
+        if outcome.failed:
+            first = outcome.first
+            if first is not None:
+                try:
+                    with open(rank_path(workdir, first["rank"], "exc.pkl"), "rb") as f:
+                        outcome.cause = pickle.load(f)
+                except Exception:  # noqa: BLE001 - the record already says everything
+                    pass
+        else:
+            for r in range(world_size):
+                with open(rank_path(workdir, r, "result.pkl"), "rb") as f:
+                    outcome.results.append(pickle.load(f))
+    return outcome
 
 
 def run_local(
@@ -314,55 +459,18 @@ def run_local(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ColltuneValueError(f"world_size must be an int >= 1, but got {world_size!r}.")
     what = f"{getattr(fn, '__name__', fn)} on {world_size} local ranks"
-    ctx = _context()
-    with tempfile.TemporaryDirectory(prefix="colltune-launch-") as workdir:
-        procs = {
-            r: ctx.Process(
-                target=_rank_entry,
-                args=(fn, r, world_size, args, workdir, backend, pg_timeout),
-                name=f"colltune-rank{r}",
-                daemon=True,
-            )
-            for r in range(world_size)
-        }
-        killed: list[int] = []
-        stacks: dict[int, str] = {}
-        reason = ""
-        try:
-            for p in procs.values():
-                p.start()
-            deadline = time.monotonic() + timeout
-            failed_at = None
-            while True:
-                live = [p for p in procs.values() if p.exitcode is None]
-                if not live:
-                    break
-                now = time.monotonic()
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs.values()):
-                    failed_at = now
-                if now >= deadline:
-                    reason = f"still running at the deadline of {timeout:g} s"
-                    killed, stacks = _kill(procs, workdir)
-                    break
-                if failed_at is not None and now - failed_at >= grace:
-                    reason = f"still running {grace:g} s after another rank failed"
-                    killed, stacks = _kill(procs, workdir)
-                    break
-                limit = deadline - now if failed_at is None else min(deadline - now, failed_at + grace - now)
-                _mp_wait([p.sentinel for p in live], timeout=max(0.01, limit))
-        finally:
-            # Also on KeyboardInterrupt: never leave ranks behind.
-            for p in procs.values():
-                if p.pid is None:  # never started (the start of an earlier rank failed)
-                    continue
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-        exitcodes = {r: p.exitcode for r, p in procs.items()}
-        if killed or any(c != 0 for c in exitcodes.values()):
-            raise _failure(what, world_size, workdir, exitcodes, killed, stacks, reason)
-        results = []
-        for r in range(world_size):
-            with open(_path(workdir, r, "result.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    outcome = launch_ranks(
+        fn, world_size, args, backend=backend, timeout=timeout, pg_timeout=pg_timeout, grace=grace
+    )
+    if outcome.failed:
+        first = outcome.first
+        err = RankError(
+            failure_report(outcome, what),
+            rank=None if first is None else first["rank"],
+            exc_type="" if first is None else first["type"],
+            remote_traceback="" if first is None else first["traceback"],
+        )
+        if outcome.cause is not None:
+            err.__cause__ = outcome.cause
+        raise err
+    return outcome.results
