@@ -112,7 +112,9 @@ class SparseResult:
     def to_sparse_coo(self) -> torch.Tensor:
         """Return the result as a coalesced ``torch.sparse_coo_tensor``."""
         shape = (self.size,) + tuple(self.values.shape[1:])
-        return torch.sparse_coo_tensor(self.indices.view(1, -1), self.values, shape, is_coalesced=True)
+        return torch.sparse_coo_tensor(
+            self.indices.view(1, -1), self.values, shape, is_coalesced=True, check_invariants=False
+        )
 
 
 @dataclass
