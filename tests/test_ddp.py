@@ -1,0 +1,394 @@
+"""Training integration (``tuner.ddp``): the DDP comm hook and the sparse-gradient synchronizer.
+
+Each distributed check runs in the shared rank pools and compares with what
+plain ``DistributedDataParallel`` computes on the same data:
+
+* exact mode: after ``SparseGradSync.synchronize()`` every gradient equals
+  the dense DDP reference (sparse ones once densified), is coalesced and is
+  bitwise identical on every rank, at P = 2 and 3, for every algorithm;
+* the hook returns a Future of the bucket's shape, honours the warm-up
+  (gradients equal DDP's exactly until ``start_compression_iter``), and keeps
+  dense what the policy keeps dense;
+* state goes through a checkpoint (``torch.save`` of ``state_dict()``) and a
+  resumed run is bitwise the same as the uninterrupted one;
+* a model without sparse gradients passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from harness import pool
+from algorithms.errors import ColltuneTypeError, ColltuneValueError
+from tuner.ddp import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
+from tuner.policy import parse_policy
+
+ROWS, DIM = 200, 8
+KEEP_FC1_DENSE = """
+version: 1
+rules:
+  - name: keep-fc1
+    when: {tensor: "fc1.*"}
+    use: dense
+"""
+
+
+class Net(nn.Module):
+    """Two sparse tables (one per field kind) and a small dense tower."""
+
+    def __init__(self, sparse: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM, sparse=sparse)
+        self.bag = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=sparse)
+        self.fc1 = nn.Linear(2 * DIM, 64)
+        self.fc2 = nn.Linear(64, 1)
+
+    def forward(self, ids: torch.Tensor, bag_ids: torch.Tensor | None) -> torch.Tensor:
+        x = self.emb(ids).sum(1)
+        b = self.bag(bag_ids) if bag_ids is not None else torch.zeros_like(x)
+        return self.fc2(torch.relu(self.fc1(torch.cat([x, b], 1)))).squeeze(1)
+
+
+class Tower(nn.Module):
+    """A model without sparse gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x))).squeeze(1)
+
+
+def _batch(rank: int, step: int, use_bag: bool = True) -> tuple:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    ids = (torch.rand(16, 3, generator=g) ** 3 * ROWS).long()  # skewed: duplicates within and across ranks
+    bag = (torch.rand(16, 4, generator=g) ** 2 * ROWS).long() if use_bag else None
+    y = torch.rand(16, generator=g)
+    return ids, bag, y
+
+
+def _net(sparse: bool) -> Net:
+    torch.manual_seed(0)
+    return Net(sparse)
+
+
+def _dense_grad(p: nn.Parameter) -> torch.Tensor | None:
+    if p.grad is None:
+        return None
+    return p.grad.to_dense() if p.grad.is_sparse else p.grad
+
+
+# --------------------------------------------------------------------------- rank functions
+
+
+def _sync_vs_ddp(rank: int, world_size: int, algorithms: list[str]) -> dict:
+    """Gradients after SparseGradSync (per algorithm) and after DDP on the dense copy of the same model."""
+    last = world_size - 1
+    ids, bag, y = _batch(rank, 0, use_bag=rank != last)  # the last rank never touches the bag
+    ref = nn.parallel.DistributedDataParallel(_net(False), find_unused_parameters=True)
+    nn.functional.mse_loss(ref(ids, bag), y).backward()
+    want = {n: _dense_grad(p) for n, p in ref.module.named_parameters()}
+    out: dict = {"want": want, "got": {}, "coalesced": {}, "algorithm": {}}
+    for algo in algorithms:
+        model = _net(True)
+        nn.functional.mse_loss(model(ids, bag), y).backward()
+        sync = SparseGradSync(model, algorithm=algo)
+        sync.synchronize()
+        out["got"][algo] = {n: _dense_grad(p) for n, p in model.named_parameters()}
+        out["coalesced"][algo] = all(
+            p.grad.is_sparse and p.grad.is_coalesced() for p in sparse_parameters(model).values()
+        )
+        out["algorithm"][algo] = {r["tensor"]: r["algorithm"] for r in sync.summary()}
+        sparse_opt = torch.optim.SparseAdam(list(sparse_parameters(model).values()), lr=0.01)
+        sparse_opt.step()  # SparseAdam accepts the synchronized gradients
+    return out
+
+
+def _hook_run(rank: int, world_size: int, cfg: dict) -> dict:
+    """Train a DDP model with the colltune hook for a few steps; record the futures and the gradients."""
+    model = _net(False)
+    plain = nn.parallel.DistributedDataParallel(_net(False))
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 25))
+    policy = parse_policy(cfg["policy"], "inline.yaml") if cfg.get("policy") else None
+    state = ColltuneHookState(
+        model=ddp,
+        density=cfg["density"],
+        start_compression_iter=cfg["warmup"],
+        min_compress_numel=cfg.get("min_compress_numel", 1),
+        algorithm=cfg["algorithm"],
+        policy=policy,
+    )
+    shapes: list = []
+
+    def hook(st, bucket):
+        fut = colltune_hook(st, bucket)
+        shapes.append((tuple(bucket.buffer().shape), bucket.buffer().dtype))
+        return fut.then(lambda f: (shapes.append((tuple(f.value().shape), f.value().dtype)), f.value())[1])
+
+    ddp.register_comm_hook(state, hook)
+    steps = []
+    names = [n for n, _ in model.named_parameters()]
+    delivered = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+    averaged = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+    for step in range(cfg["steps"]):
+        ids, bag, y = _batch(rank, step)
+        for m in (plain, ddp):
+            m.zero_grad()
+            nn.functional.mse_loss(m(ids, bag), y).backward()
+        exact = {n: torch.equal(p.grad, q.grad) for (n, p), (_, q) in
+                 zip(ddp.module.named_parameters(), plain.module.named_parameters())}
+        steps.append({"iter": state.iter, "exact": exact, "keys": sorted(state.topk_states)})
+        for n, p, q in zip(names, ddp.module.parameters(), plain.module.parameters()):
+            delivered[n] += p.grad
+            averaged[n] += q.grad
+        # Keep both models on the same weights, so every step compares like with like.
+        with torch.no_grad():
+            for p, q in zip(ddp.module.parameters(), plain.module.parameters()):
+                p.sub_(0.1 * q.grad)
+                q.sub_(0.1 * q.grad)
+    # What is still in the residuals, per parameter (keys name the parameters, in layout order).
+    residual = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    for key, st in state.topk_states.items():
+        if st.residual is not None:
+            parts = key.split("|")
+            for n, piece in zip(parts, torch.split(st.residual, [sizes[n] for n in parts])):
+                residual[n] += piece.view_as(residual[n])
+    for t in residual.values():
+        dist.all_reduce(t)
+        t /= world_size
+    return {"shapes": shapes, "steps": steps, "pickled": pickle.dumps(state), "stats": dict(state.stats),
+            "delivered": delivered, "averaged": averaged, "residual": residual}
+
+
+def _train(model, opt, step_fn, steps, first):
+    losses = []
+    for step in range(first, first + steps):
+        losses.append(step_fn(model, opt, step))
+    return losses
+
+
+def _sync_step(rank: int):
+    def step(model, opt, i):
+        ids, bag, y = _batch(rank, i)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(ids, bag), y)
+        loss.backward()
+        opt.step()  # the synchronizer runs before the step (attach)
+        return float(loss)
+    return step
+
+
+def _sync_resume(rank: int, world_size: int, cfg: dict) -> dict:
+    """Train, checkpoint, train on; then restore the checkpoint in a fresh model and train on again."""
+    def build():
+        model = _net(True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sync = SparseGradSync(model, algorithm=cfg["algorithm"], dense="topk", density=0.05,
+                              start_compression_iter=2, min_compress_numel=1, topk_algorithm=cfg["topk"],
+                              policy=parse_policy(KEEP_FC1_DENSE, "inline.yaml"))
+        sync.attach(opt)
+        return model, opt, sync
+
+    step = _sync_step(rank)
+    model, opt, sync = build()
+    _train(model, opt, step, 4, 0)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sync": sync.state_dict()}, buf)
+    straight = _train(model, opt, step, 4, 4)
+    straight_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    routes = sync.routes()
+
+    model2, opt2, sync2 = build()
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    sync2.load_state_dict(ckpt["sync"])
+    resumed = _train(model2, opt2, step, 4, 4)
+    same = all(torch.equal(p, straight_params[n]) for n, p in model2.named_parameters())
+    return {"straight": straight, "resumed": resumed, "same": same, "routes": routes,
+            "residuals": sorted(sync.topk_states)}
+
+
+def _hook_resume(rank: int, world_size: int) -> dict:
+    """The same for the DDP hook: its state_dict restores residuals, thresholds and the step."""
+    def build():
+        ddp = nn.parallel.DistributedDataParallel(_net(False))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=2, min_compress_numel=1,
+                                  algorithm="oktopk")
+        ddp.register_comm_hook(state, colltune_hook)
+        return ddp, opt, state
+
+    def step(model, opt, i):
+        ids, bag, y = _batch(rank, i)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(ids, bag), y)
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    ddp, opt, state = build()
+    _train(ddp, opt, step, 4, 0)
+    buf = io.BytesIO()
+    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
+    straight = _train(ddp, opt, step, 4, 4)
+    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+    ddp2, opt2, state2 = build()
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    ddp2.module.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    state2.load_state_dict(ckpt["hook"])
+    resumed = _train(ddp2, opt2, step, 4, 4)
+    same = all(torch.equal(p, params[n]) for n, p in ddp2.module.named_parameters())
+    return {"straight": straight, "resumed": resumed, "same": same, "iter": state2.iter,
+            "has_residual": any(st.residual is not None for st in state2.topk_states.values())}
+
+
+def _no_sparse(rank: int, world_size: int) -> dict:
+    """A model with no sparse gradients: dense='allreduce' equals DDP; dense='skip' beside DDP changes nothing."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    ref = nn.parallel.DistributedDataParallel(Tower())
+    ref(x).sum().backward()
+    torch.manual_seed(0)
+    alone = Tower()
+    alone(x).sum().backward()
+    SparseGradSync(alone).synchronize()
+    torch.manual_seed(0)
+    model = Tower()
+    model.fc1 = nn.parallel.DistributedDataParallel(model.fc1)  # DDP over part of the model
+    model(x).sum().backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    sync = SparseGradSync(model, dense="skip")
+    sync.synchronize()
+    return {
+        "alone": all(torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+                     for p, q in zip(alone.parameters(), ref.module.parameters())),
+        "untouched": all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters()),
+        "tracked": sync.routes(),
+    }
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sync_equals_dense_ddp(world_size):
+    algos = ["allgather", "oktopk", "dense", "auto"] if world_size == 3 else ["allgather", "oktopk"]
+    out = pool(world_size).run(_sync_vs_ddp, algos, timeout=90)
+    for algo in algos:
+        for name, want in out[0]["want"].items():
+            got = out[0]["got"][algo][name]
+            assert got is not None and want is not None, (algo, name)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (algo, name, (got - want).abs().max())
+            for r in range(1, world_size):  # the same bits on every rank
+                assert torch.equal(out[r]["got"][algo][name], got), (algo, name, r)
+        assert all(o["coalesced"][algo] for o in out), algo
+        if algo != "auto":
+            assert out[0]["algorithm"][algo]["emb.weight"] == algo
+
+
+def test_hook_future_shape_and_warmup():
+    cfg = {"density": 0.05, "warmup": 3, "algorithm": "allgather", "steps": 5}
+    out = pool(2).run(_hook_run, cfg, timeout=90)
+    r0 = out[0]
+    # Every Future holds a tensor of its bucket's shape and dtype.
+    assert r0["shapes"] and len(r0["shapes"]) % 2 == 0
+    for bucket, value in zip(r0["shapes"][0::2], r0["shapes"][1::2]):
+        assert bucket == value
+    # The warm-up is honoured: steps 0..2 equal DDP exactly, then compression changes the gradients.
+    for step in r0["steps"][:3]:
+        assert all(step["exact"].values()), step
+    for step in r0["steps"][3:]:
+        assert not step["exact"]["fc1.weight"], step
+    assert [s["iter"] for s in r0["steps"]] == [1, 2, 3, 4, 5]
+    state = pickle.loads(r0["pickled"])  # no process group inside
+    assert state.process_group is None and state.iter == 5 and state.topk_states
+
+
+def test_hook_rebuilt_buckets_lose_nothing():
+    # Compression from the first step, small buckets: DDP's rebuild after step 0 regroups the
+    # parameters, and the residuals must follow them (error feedback loses no gradient mass).
+    cfg = {"density": 0.05, "warmup": 0, "algorithm": "allgather", "steps": 3, "bucket_cap_mb": 0.01}
+    out = pool(2).run(_hook_run, cfg, timeout=90)
+    r0 = out[0]
+    assert r0["steps"][0]["keys"] != r0["steps"][-1]["keys"], "expected DDP to regroup the buckets"
+    for name, got in r0["delivered"].items():
+        want = r0["averaged"][name]
+        assert torch.allclose(got + r0["residual"][name], want, rtol=1e-5, atol=1e-6), name
+
+
+def test_hook_policy_keeps_parameter_dense():
+    cfg = {"density": 0.05, "warmup": 1, "algorithm": "oktopk", "steps": 3, "policy": KEEP_FC1_DENSE}
+    out = pool(2).run(_hook_run, cfg, timeout=90)
+    for step in out[0]["steps"][1:]:
+        assert step["exact"]["fc1.weight"] and step["exact"]["fc1.bias"], step  # pinned dense: exact average
+        assert not step["exact"]["emb.weight"], step  # the rest is compressed
+
+
+def test_sync_checkpoint_resume_and_policy():
+    out = pool(2).run(_sync_resume, {"algorithm": "oktopk", "topk": "allgather"}, timeout=90)
+    for r in out:
+        assert r["same"], "resumed run differs from the uninterrupted one"
+        assert r["resumed"] == r["straight"]
+        assert r["routes"]["fc1.weight"] == ("dense", "dense")  # the policy keeps fc1 dense
+        assert r["routes"]["fc2.weight"] == ("topk", "allgather")
+        assert r["routes"]["emb.weight"] == ("sparse", "oktopk")
+        assert "fc2.weight" in r["residuals"] and "fc1.weight" not in r["residuals"]
+
+
+def test_hook_checkpoint_resume():
+    out = pool(2).run(_hook_resume, timeout=90)
+    for r in out:
+        assert r["same"] and r["resumed"] == r["straight"]
+        assert r["iter"] == 8 and r["has_residual"]
+
+
+def test_model_without_sparse_gradients():
+    out = pool(2).run(_no_sparse, timeout=60)
+    for r in out:
+        assert r["alone"]
+        assert r["untouched"]
+        assert r["tracked"] == {"fc2.weight": ("skip", "none"), "fc2.bias": ("skip", "none")}
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def test_local_sync_without_process_group():
+    model = _net(True)
+    ids, bag, y = _batch(0, 0)
+    nn.functional.mse_loss(model(ids, bag), y).backward()
+    want = {n: _dense_grad(p).clone() for n, p in model.named_parameters()}
+    sync = SparseGradSync(model)
+    sync.synchronize()
+    for n, p in model.named_parameters():
+        assert torch.allclose(_dense_grad(p), want[n])
+    assert model.emb.weight.grad.is_coalesced() and sync.step == 1
+
+
+def test_options_are_validated():
+    model = _net(True)
+    with pytest.raises(ColltuneValueError, match="dense must be one of allreduce, topk, skip"):
+        SparseGradSync(model, dense="sparse")
+    with pytest.raises(ColltuneValueError, match="density must be in"):
+        SparseGradSync(model, density=2.0)
+    with pytest.raises(ColltuneTypeError, match="start_compression_iter must be an int"):
+        ColltuneHookState(start_compression_iter=1.5)
+    with pytest.raises(ColltuneValueError, match="algorithm must be one of auto, allgather, oktopk"):
+        ColltuneHookState(algorithm="dense")
+    with pytest.raises(ColltuneValueError, match="state_dict must be a dict made by the sync"):
+        SparseGradSync(model).load_state_dict(ColltuneHookState().state_dict())
+    state = ColltuneHookState(density=0.02)
+    clone = pickle.loads(pickle.dumps(state))
+    assert clone.density == 0.02 and clone.process_group is None
