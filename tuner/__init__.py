@@ -6,9 +6,16 @@ The front door:
 >>> res = tuner.sparse_allreduce(indices, values, size, op="sum")   # doctest: +SKIP
 >>> state = tuner.TopkState(density=0.01)                             # doctest: +SKIP
 >>> res = tuner.topk_allreduce(grad, state, op="avg")                 # doctest: +SKIP
+
+``algorithm="auto"`` (the default) asks the selector (:mod:`tuner.selector`);
+:func:`configure` sets its policy and profile for the whole process:
+
+>>> tuner.configure(policy="my-policy.yaml", profile="my-cluster.yaml")  # doctest: +SKIP
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from algorithms import (
     ColltuneError,
@@ -23,6 +30,9 @@ from algorithms import (
 from algorithms import names as algorithm_names
 from tuner.api import AsyncHandle, TopkResult, sparse_allreduce, topk_allreduce
 
+if TYPE_CHECKING:
+    from tuner.selector import Selector
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -36,7 +46,45 @@ __all__ = [
     "TopkResult",
     "TopkState",
     "Traffic",
+    "Selector",
     "algorithm_names",
+    "configure",
+    "get_selector",
     "sparse_allreduce",
     "topk_allreduce",
 ]
+
+
+def configure(
+    policy: Any = None,
+    profile: Any = None,
+    *,
+    selector: "Selector | None" = None,
+    **settings: Any,
+) -> "Selector":
+    """Set the policy and profile every ``algorithm="auto"`` call of this process uses; return the selector.
+
+    Call it identically on every rank. Without arguments it rebuilds the
+    default selector from the environment (``COLLTUNE_POLICY``,
+    ``COLLTUNE_ALGO``...) and forgets every cached decision. See
+    :func:`tuner.selector.configure` for the arguments.
+    """
+    from tuner import selector as _selector
+
+    return _selector.configure(policy, profile, selector=selector, **settings)
+
+
+def get_selector() -> "Selector":
+    """Return the selector ``auto`` calls use (built from the environment on first use)."""
+    from tuner import selector as _selector
+
+    return _selector.get_selector()
+
+
+def __getattr__(name: str) -> Any:
+    # The selector module loads policies and profiles: imported when first asked for.
+    if name == "Selector":
+        from tuner.selector import Selector
+
+        return Selector
+    raise AttributeError(f"module 'tuner' has no attribute {name!r}")

@@ -232,27 +232,44 @@ def _validate_sparse(
 # --------------------------------------------------------------------------- auto
 
 
-def _auto_sparse(inp: SparseInput, world_size: int) -> tuple[str, str]:
-    """Pick an algorithm from shared data until a selector is configured (bytes-per-rank estimate)."""
-    p = world_size
-    if p == 1:
-        return "allgather", "single rank: no communication"
-    e = inp.index_dtype.itemsize + inp.row_numel * inp.dtype.itemsize
-    dense = 2 * inp.size * inp.row_numel * accum_dtype(inp.dtype).itemsize * (p - 1) / p
-    gather = (p - 1) * inp.k_max * e
-    kavg = inp.k_sum / p
-    oktopk = 2 * kavg * e * (p - 1) / p + 2 * inp.k_sum * e / p * (p - 1) / p
-    costs = {"dense": dense, "allgather": gather, "oktopk": oktopk * 1.5}
-    best = min(costs, key=costs.get)  # type: ignore[arg-type]
-    return best, "lowest estimated bytes per rank: " + ", ".join(f"{a}={c:.0f}" for a, c in costs.items())
+def _selector_module() -> Any:
+    # Imported on the first auto call: explicit algorithms never load policies or profiles.
+    from tuner import selector
+
+    return selector
 
 
-def _auto_topk(numel: int, k: int, world_size: int) -> tuple[str, str]:
-    if world_size == 1:
-        return "allgather", "single rank: no communication"
-    if k * 4 >= numel:
-        return "dense", "k is a quarter of the tensor or more: compression does not pay"
-    return ("oktopk" if world_size >= 4 else "allgather"), "sparse selection, by world size"
+def _backend_name(group: dist.ProcessGroup | None) -> str:
+    """Return the group's backend (``gloo``, ``nccl``...), or ``local`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return "local"
+    return str(dist.get_backend(group)).lower()
+
+
+def _check_name(name: Any) -> None:
+    if name is not None and not isinstance(name, str):
+        raise ColltuneTypeError(
+            f"name must be a str (the tensor's name, for policy rules and decision caching) or None, "
+            f"but got {type(name).__name__}."
+        )
+
+
+def _policy_code(sel: Any, backend: str, name: str | None) -> int:
+    """Return what the metadata record's ``policy`` field carries for an auto call.
+
+    The selector's digest (policy, ``COLLTUNE_ALGO``, profile, settings) with
+    the tensor name folded in: ranks that would decide differently disagree
+    on this number, so every rank raises instead of hanging.
+    """
+    code = sel.digest(backend)
+    if name is not None:
+        code ^= _meta.name_code(name) << 20
+    code &= (1 << 64) - 1
+    return code - (1 << 64) if code >= (1 << 63) else code
+
+
+def _group_key(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else id(group)
 
 
 # --------------------------------------------------------------------------- sparse_allreduce
@@ -268,6 +285,8 @@ def sparse_allreduce(
     async_op: bool = False,
     *,
     knobs: dict[str, Any] | None = None,
+    name: str | None = None,
+    policy: Any = None,
 ) -> SparseResult | AsyncHandle:
     """Sum a sparse tensor over the ranks of ``group``; every rank gets the same result.
 
@@ -283,7 +302,15 @@ def sparse_allreduce(
         algorithm: ``auto``, ``dense``, ``allgather`` or ``oktopk``.
         async_op: return an :class:`AsyncHandle` instead of waiting.
         knobs: options of the chosen algorithm, e.g. ``{"mode": "alltoall"}``
-            for ``allgather``; unknown names are rejected.
+            for ``allgather``; unknown names are rejected. With ``auto`` they
+            are applied on top of the policy's knobs for the algorithm chosen.
+        name: the tensor's name: policy rules match it (globs), and
+            decisions are cached per name (calls without one share a cache
+            per size, row shape and dtype). Must be the same on every rank.
+        policy: for ``auto``: a :class:`tuner.policy.Policy`, a policy file
+            path or a :class:`tuner.Selector`; ``None`` uses the process-wide
+            selector (:func:`tuner.configure`, else the environment and the
+            profile shipped for the backend).
 
     Returns:
         A :class:`SparseResult`: int64 indices (sorted, unique: the union of
@@ -293,25 +320,43 @@ def sparse_allreduce(
     Raises:
         ColltuneTypeError, ColltuneValueError: this rank's arguments are invalid.
         RemoteInputError: another rank's arguments are invalid.
-        RankMismatchError: ranks disagree on size, row shape, dtype, op or algorithm.
+        RankMismatchError: ranks disagree on size, row shape, dtype, op or
+            algorithm, or (``auto``) on the policy, profile or name.
 
     Example:
         >>> res = tuner.sparse_allreduce(idx, vals, size=1_000_000, op="avg")  # doctest: +SKIP
         >>> grad = res.to_dense()  # doctest: +SKIP
     """
-    return _submit(lambda: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs), async_op)
+    return _submit(
+        lambda: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs, name, policy), async_op
+    )
 
 
 def _sparse_allreduce(
-    indices: Any, values: Any, size: Any, op: Any, group: Any, algorithm: Any, knobs: dict[str, Any] | None
+    indices: Any,
+    values: Any,
+    size: Any,
+    op: Any,
+    group: Any,
+    algorithm: Any,
+    knobs: dict[str, Any] | None,
+    name: Any = None,
+    policy: Any = None,
 ) -> SparseResult:
     comm = Comm(group, _comm_device(group, values))
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_SPARSE)}
+    sel: Any = None
     try:
         idx, vals, n, row_shape = _validate_sparse(indices, values, size, op, algorithm, group)
+        _check_name(name)
         if algorithm != "auto":
             knobs_checked = algorithms.get(algorithm).check_knobs(knobs)
+            code = 0
+        else:
+            sel = _selector_module().selector_for(policy)
+            backend = _backend_name(group)
+            code = _policy_code(sel, backend, name)
         idx, vals = coalesce(idx, vals, accum_dtype(values.dtype))
         record.update(
             size=n,
@@ -320,7 +365,7 @@ def _sparse_allreduce(
             dtype=_meta.name_code(_dtype_name(values.dtype)),
             op=_meta.name_code(op),
             algorithm=_meta.name_code(algorithm),
-            policy=0,
+            policy=code,
             count=idx.numel(),
         )
         # Small inputs ride in the metadata record: allgather then needs no second collective.
@@ -332,24 +377,31 @@ def _sparse_allreduce(
     records, slots = _meta.exchange(comm, record, error, slot)
     counts = tuple(rec["count"] for rec in records)
     inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, slots if slot is not None else None)
-    reason = "requested"
-    if algorithm == "auto":
-        algorithm, reason = _auto_sparse(inp, comm.world_size)
-        knobs_checked = algorithms.get(algorithm).check_knobs(knobs)
-    logger.debug(
-        "sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s (%s)",
-        n, inp.k_max, inp.k_sum, comm.world_size, algorithm, reason,
-    )
+    if sel is None:
+        decision: Any = None
+    else:
+        site = (_KIND_SPARSE, name, n, inp.row_numel, values.dtype, comm.world_size, _group_key(group))
+        decision = sel.decide_sparse(
+            site, comm=comm, backend=backend, name=name, size=n, row_numel=inp.row_numel,
+            dtype=values.dtype, counts=counts, indices=idx,
+        )
+        algorithm = decision.algorithm
+        knobs_checked = algorithms.get(algorithm).check_knobs({**decision.knobs, **knobs} if knobs else decision.knobs)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", n, inp.k_max, inp.k_sum,
+                         comm.world_size, algorithm)
     acc = inp.acc_dtype
     if inp.k_sum == 0:
         out_idx = torch.empty(0, dtype=torch.int64, device=comm.device)
         out_vals = torch.empty((0, inp.row_numel), dtype=acc, device=comm.device)
     else:
         out_idx, out_vals = algorithms.get(algorithm).sparse_allreduce(inp, comm, knobs_checked)
+    if sel is not None:
+        sel.observe_sparse(site, counts, out_idx.numel())
     if op == "avg":
         out_vals = out_vals / comm.world_size
     out_vals = out_vals.to(values.dtype).reshape((out_idx.numel(),) + row_shape)
-    return SparseResult(out_idx, out_vals, n, algorithm, comm.traffic, reason)
+    return SparseResult(out_idx, out_vals, n, algorithm, comm.traffic, decision)
 
 
 # --------------------------------------------------------------------------- topk_allreduce
@@ -404,6 +456,8 @@ def topk_allreduce(
     async_op: bool = False,
     *,
     knobs: dict[str, Any] | None = None,
+    name: str | None = None,
+    policy: Any = None,
 ) -> TopkResult | AsyncHandle:
     """Sparsify a dense tensor to about k entries per rank and sum the selection over ranks.
 
@@ -419,7 +473,11 @@ def topk_allreduce(
         algorithm: ``auto``, ``dense`` (no compression), ``allgather`` (TopkA)
             or ``oktopk``.
         async_op: return an :class:`AsyncHandle` instead of waiting.
-        knobs: options of the chosen algorithm.
+        knobs: options of the chosen algorithm (on top of the policy's with ``auto``).
+        name: the tensor's name, for policy rules and the decision cache;
+            the same on every rank.
+        policy: for ``auto``: a policy, a policy file path or a
+            :class:`tuner.Selector`; ``None`` for the process-wide selector.
 
     Returns:
         A :class:`TopkResult` (or a handle to one), identical on every rank.
@@ -428,7 +486,7 @@ def topk_allreduce(
         >>> state = tuner.TopkState(density=0.01)  # doctest: +SKIP
         >>> grad.copy_(tuner.topk_allreduce(grad, state).to_dense())  # doctest: +SKIP
     """
-    return _submit(lambda: _topk_allreduce(tensor, state, op, group, algorithm, knobs), async_op)
+    return _submit(lambda: _topk_allreduce(tensor, state, op, group, algorithm, knobs, name, policy), async_op)
 
 
 def _validate_topk(tensor: Any, state: Any, op: Any, algorithm: Any, group: Any) -> None:
@@ -455,15 +513,29 @@ def _validate_topk(tensor: Any, state: Any, op: Any, algorithm: Any, group: Any)
 
 
 def _topk_allreduce(
-    tensor: Any, state: Any, op: Any, group: Any, algorithm: Any, knobs: dict[str, Any] | None
+    tensor: Any,
+    state: Any,
+    op: Any,
+    group: Any,
+    algorithm: Any,
+    knobs: dict[str, Any] | None,
+    name: Any = None,
+    policy: Any = None,
 ) -> TopkResult:
     comm = Comm(group, _comm_device(group, tensor))
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_TOPK)}
+    sel: Any = None
     try:
         _validate_topk(tensor, state, op, algorithm, group)
+        _check_name(name)
         if algorithm != "auto":
             knobs_checked = algorithms.get(algorithm).check_knobs(knobs)
+            code = 0
+        else:
+            sel = _selector_module().selector_for(policy)
+            backend = _backend_name(group)
+            code = _policy_code(sel, backend, name)
         numel = tensor.numel()
         k = state.k_for(numel)
         record.update(
@@ -473,16 +545,23 @@ def _topk_allreduce(
             dtype=_meta.name_code(_dtype_name(tensor.dtype)),
             op=_meta.name_code(op),
             algorithm=_meta.name_code(algorithm),
-            policy=0,
+            policy=code,
             count=k,
         )
     except (TypeError, ValueError) as exc:
         error = exc
     _meta.exchange(comm, record, error)
-    reason = "requested"
-    if algorithm == "auto":
-        algorithm, reason = _auto_topk(numel, k, comm.world_size)
-        knobs_checked = algorithms.get(algorithm).check_knobs(knobs)
+    if sel is None:
+        decision: Any = None
+    else:
+        site = (_KIND_TOPK, name, numel, k, tensor.dtype, comm.world_size, _group_key(group))
+        decision = sel.decide_topk(
+            site, world_size=comm.world_size, rank=comm.rank, backend=backend, name=name, numel=numel, k=k,
+            dtype=tensor.dtype,
+        )
+        algorithm = decision.algorithm
+        knobs_checked = algorithms.get(algorithm).check_knobs({**decision.knobs, **knobs} if knobs else decision.knobs)
+        _apply_state_knobs(state, decision)
     acc_dtype = accum_dtype(tensor.dtype)
     acc = tensor.detach().reshape(-1).to(acc_dtype)
     if state.residual is not None:
@@ -497,11 +576,14 @@ def _topk_allreduce(
         residual[out.sent] = 0
         state.residual = residual
     state.step += 1
+    if sel is not None:
+        sel.observe_topk(site, algorithm, k, comm.world_size, out.global_count)
     values = out.values / comm.world_size if op == "avg" else out.values
-    logger.debug(
-        "topk_allreduce: numel=%d k=%d P=%d -> %s (%s); local %d, global %d",
-        numel, k, comm.world_size, algorithm, reason, out.local_count, out.global_count,
-    )
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "topk_allreduce: numel=%d k=%d P=%d -> %s; local %d, global %d",
+            numel, k, comm.world_size, algorithm, out.local_count, out.global_count,
+        )
     return TopkResult(
         out.indices,
         values.to(tensor.dtype),
@@ -511,5 +593,12 @@ def _topk_allreduce(
         out.global_count,
         out.sent,
         comm.traffic,
-        reason,
+        decision,
     )
+
+
+def _apply_state_knobs(state: TopkState, decision: Any) -> None:
+    """Apply the policy's knobs that live in the top-k state (``oktopk: {local_refresh, global_refresh}``)."""
+    for key, value in decision.state_knobs.items():
+        if getattr(state, key) != value:
+            setattr(state, key, value)

@@ -535,14 +535,15 @@ def overlap_bitmap_bits(k_sum: int) -> int:
     """Return the bitmap size the collective estimate uses for a call with ``K = k_sum`` entries.
 
     Every rank knows ``K`` from the metadata exchange, so every rank derives
-    the same ``m``. The rule is ``m >= max(2 K, min(16 K, 2**15))``, a power
+    the same ``m``. The rule is ``m >= max(K, min(16 K, 2**15))``, a power
     of two in ``[2**10, 2**22]``: 16 bits per entry for small calls (where
     a few bits of error would move the overlap most), at least 32768 bits up
-    to ``K = 2048``, then 2 bits per entry (load ``u / m <= 1/2``; the
-    relative error of ``u`` is then below 0.3 % past ``K = 16384``). In
-    simulation the overlap is within 0.02 of the exact one for ``k >= 1000``
-    and ``P`` in 2, 4, 8. The ``uint8`` bitmap costs ``m`` bytes per rank in
-    one ``all_reduce``: 128 KiB at ``n = 2**20``, density 1e-2, ``P = 4``.
+    to ``K = 2048``, then one bit per entry (load ``u / m <= 1``; the
+    relative error of ``u`` is then below 0.7 % past ``K = 16384``, about
+    ``0.85 / sqrt(m)``). In simulation the overlap is within 0.02 of the
+    exact one for ``k >= 1000`` and ``P`` in 2, 4, 8. The ``uint8`` bitmap
+    costs ``m`` bytes per rank in one ``all_reduce``: 64 KiB at
+    ``n = 2**20``, density 1e-2, ``P = 4``.
 
     Args:
         k_sum: total entries ``K`` over ranks, after coalescing.
@@ -551,7 +552,7 @@ def overlap_bitmap_bits(k_sum: int) -> int:
         ``m``, a power of two.
     """
     k = _check_int("k_sum", k_sum, 0)
-    want = max(2 * k, min(16 * k, 2**15), 1)
+    want = max(k, min(16 * k, 2**15), 1)
     m = 1 << math.ceil(math.log2(want))
     return int(min(max(m, 2**10), 2**22))
 

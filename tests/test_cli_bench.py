@@ -1,0 +1,169 @@
+"""``colltune bench``: a tiny grid writes valid JSON; bad options exit with status 2 and a message."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tuner import bench, cli
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_cli(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """Run ``python -m tuner.cli`` in a fresh process (a fresh forkserver, output captured)."""
+    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "tuner.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=_ROOT,
+    )
+
+
+def test_tiny_grid_writes_valid_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run_cli(
+        "bench", "--world-size", "2", "--n", "2^12", "--density", "1e-2", "--overlap", "0", "1",
+        "--repeats", "2", "--budget", "0.5", "--topk", "--topk-n", "2^12", "--topk-steps", "3",
+        "--no-progress", "--json", str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["format"] == "colltune-bench/1"
+    assert report["contenders"] == list(bench.CONTENDERS)
+    assert [c["overlap_requested"] for c in report["configs"]] == [0.0, 1.0]
+    for c in report["configs"]:
+        assert (c["n"], c["density"], c["world_size"], c["k"]) == (4096, 0.01, 2, 41)
+        assert c["repeats"] == 2
+        assert set(c["contenders"]) == set(bench.CONTENDERS)
+        for name, e in c["contenders"].items():
+            assert len(e["times_ms"]) == 2
+            assert 0 < e["min_ms"] <= e["median_ms"] <= e["max_ms"]
+            assert e["q1_ms"] <= e["median_ms"] <= e["q3_ms"]
+            assert e["bytes_per_rank"] > 0 and e["bytes_per_rank_max"] >= e["bytes_per_rank"]
+            assert e["bytes_estimated"] is (name == "torch")
+            assert e["max_rel_err"] <= 1e-5, (name, e["max_rel_err"])
+        assert set(c["speedup_vs_torch"]) == set(bench.CONTENDERS) - {"torch"}
+        # The oracle: the fastest fixed algorithm timed; auto's choice and its regret against it.
+        assert c["oracle"]["algorithm"] in bench.FIXED
+        assert c["oracle"]["median_ms"] == min(c["contenders"][a]["median_ms"] for a in bench.FIXED)
+        if "auto" in bench.CONTENDERS:
+            assert c["auto"]["algorithm"] in bench.FIXED and c["auto"]["regret"] > 0
+            assert set(c["auto"]["speedup"]) == {*bench.FIXED, "torch"}
+    # Overlap achieved by construction: 0 -> disjoint, 1 -> identical index sets.
+    assert report["configs"][0]["overlap"] == 0.0 and report["configs"][0]["union"] == 2 * 41
+    assert report["configs"][1]["overlap"] == 1.0 and report["configs"][1]["union"] == 41
+    # Allgather sends (P-1) k entries of 4 + 4 bytes, plus the metadata record.
+    ag = report["configs"][0]["contenders"]["allgather"]
+    assert ag["bytes_per_rank"] - ag["meta_bytes_per_rank"] == 41 * 8
+    (topk,) = report["topk"]
+    assert (topk["n"], topk["world_size"], topk["steps"], topk["k"]) == (4096, 2, 3, 41)
+    assert math.isclose(topk["bound_words"], 6 * 41 / 2)
+    assert set(topk["contenders"]) == set(bench.TOPK_CONTENDERS)
+    assert set(report["targets"]) == {"a", "b", "c"}
+    assert report["targets"]["b"]["holds"] is None  # no P=8 configuration in this grid
+    # The table: a header, one line per configuration, the verdicts.
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:5] == ["n", "density", "P", "overlap", "reps"]
+    assert lines[1].startswith("---")
+    table = []
+    for line in lines[2:]:
+        if not line.startswith(" 2^12"):
+            break
+        table.append(line)
+    assert len(table) == 2
+    assert "top-k n=2^12" in proc.stdout and "(a) " in proc.stdout
+    assert f"wrote {out}" in proc.stdout
+    if "auto" in bench.CONTENDERS:  # the decision table: auto against the oracle
+        assert "decision table" in proc.stdout and report["auto_summary"]["configs"] == 2
+
+
+def test_a_contender_that_raises_is_recorded_and_the_rest_goes_on(tmp_path):
+    # PyTorch's gloo sparse all_reduce has no float16 kernel ("cadd_sparse" not
+    # implemented for 'Half'): the torch contender fails, ours are timed.
+    out = tmp_path / "f16.json"
+    proc = _run_cli(
+        "bench", "--world-size", "2", "--n", "2^12", "--density", "1e-2", "--overlap", "0", "1",
+        "--repeats", "1", "--warmup", "0", "--contenders", "torch", "allgather", "--dtype", "float16",
+        "--no-progress", "--json", str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert len(report["configs"]) == 2
+    for c in report["configs"]:
+        assert c["contenders"]["allgather"]["median_ms"] > 0
+        torch_entry = c["contenders"]["torch"]
+        if "error" not in torch_entry:
+            pytest.skip("this torch reduces float16 sparse tensors on gloo; nothing failed")
+        assert "Half" in torch_entry["error"]
+    assert proc.stdout.count("failed: n=2^12") == 2
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["bench", "--world-size", "0"], "--world-size"),
+        (["bench", "--world-size", "two"], "--world-size"),
+        (["bench", "--density", "0"], "--density"),
+        (["bench", "--density", "1.5"], "--density"),
+        (["bench", "--overlap", "-0.1"], "--overlap"),
+        (["bench", "--n", "2^x"], "--n"),
+        (["bench", "--repeats", "0"], "--repeats"),
+        (["bench", "--contenders", "nccl"], "--contenders"),
+        (["bench", "--no-such-option"], "--no-such-option"),
+        (["no-such-command"], "no-such-command"),
+        ([], "usage"),
+    ],
+)
+def test_bad_option_exits_2_with_a_message(argv, needle, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_unwritable_json_path_exits_2_before_running(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "dir" / "b.json"
+    assert cli.main(["bench", "--quick", "--json", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "Traceback" not in err
+    assert cli.main(["bench", "--quick", "--json", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_n_accepts_powers():
+    assert cli._parse_n("2^20") == cli._parse_n("2**20") == cli._parse_n("1048576") == 2**20
+
+
+def test_every_command_is_registered_once():
+    parser = cli.build_parser()
+    assert "bench" in cli.COMMANDS
+    assert parser.parse_args(["bench", "--quick"]).command == "bench"
+
+
+def test_targets_are_evaluated_from_a_report():
+    def cfg(p, density, overlap, ag_ms, torch_ms, ok_ms, ag_bytes, ok_bytes):
+        entry = lambda ms, b: {"median_ms": ms, "bytes_per_rank_max": b}  # noqa: E731
+        return {
+            "n": 2**20, "density": density, "world_size": p, "overlap_requested": overlap, "overlap": overlap,
+            "contenders": {
+                "allgather": entry(ag_ms, ag_bytes), "torch": entry(torch_ms, ag_bytes), "oktopk": entry(ok_ms, ok_bytes),
+            },
+        }
+
+    good = {"configs": [cfg(8, 1e-2, 1.0, 1.0, 2.0, 0.5, 300, 100), cfg(2, 1e-3, 0.0, 1.05, 1.0, 2.0, 10, 10)]}
+    t = bench.check_targets(good)
+    assert t["a"]["holds"] is True and t["b"]["holds"] is True and t["c"]["holds"] is None
+    bad = {"configs": [cfg(8, 1e-2, 1.0, 1.0, 0.9, 1.5, 300, 101)]}
+    t = bench.check_targets(bad)
+    assert t["a"]["holds"] is False and t["b"]["bytes_holds"] is False and t["b"]["time_holds"] is False
+    assert "FAILS" in bench.format_targets(t)

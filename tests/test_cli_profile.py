@@ -1,0 +1,218 @@
+"""``colltune profile`` and ``colltune fit`` on P = 2 with a tiny grid; resuming after a kill; bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tuner import cli, profiling
+from tuner.profile import load_profile
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "1e-1", "--overlap", "0", "1",
+        "--repeats", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    """A profile of 4 configurations x 3 algorithms at P = 2, measured once for the module."""
+    out = tmp_path_factory.mktemp("profile") / "tiny.yaml"
+    assert cli.main(["profile", *TINY, "--out", str(out)]) == 0
+    return out
+
+
+def test_profile_writes_a_valid_profile(tiny_profile, capsys):
+    prof = load_profile(tiny_profile)
+    assert prof.kind == "measured"
+    meta = prof.meta
+    assert meta["backend"] == "gloo" and meta["world_sizes"] == [2]
+    assert meta["nodes"] == 1 and meta["ranks_per_node"] == 2
+    for key in ("torch_version", "host", "date"):
+        assert meta[key]
+    assert len(prof.measurements) == 4 * 3
+    assert {m.algorithm for m in prof.measurements} == {"dense", "allgather", "oktopk"}
+    for m in prof.measurements:
+        assert m.world_size == 2 and m.numel == 1024 and m.time_us > 0 and m.repeats == 2
+        # The union is exact: disjoint sets give 2k, identical ones k.
+        assert m.union == (2 * m.k_max if m.overlap == 0 else m.k_max)
+    assert set(prof.primitives) >= {"all_reduce", "all_gather", "all_to_all", "p2p", "local"}
+    assert prof.model is not None and prof.model["type"] == "colltune.LearnedCostModel"
+    assert not os.path.exists(profiling.journal_path(tiny_profile))  # complete: the journal is gone
+    assert not [p for p in os.listdir(tiny_profile.parent) if p.endswith(".tmp")]
+
+
+def test_fit_reports_errors_and_stores_the_model(tiny_profile, tmp_path, capsys):
+    out = tmp_path / "fitted.yaml"
+    report = tmp_path / "cv.json"
+    assert cli.main(["fit", str(tiny_profile), "--out", str(out), "--folds", "2", "--json", str(report)]) == 0
+    text = capsys.readouterr().out
+    for alg in ("dense", "allgather", "oktopk"):
+        assert any(line.startswith(alg) and "%" in line for line in text.splitlines()), text
+    assert "regret on held-out configurations" in text and "geomean" in text
+    fitted = load_profile(out)
+    assert fitted.model["type"] == "colltune.LearnedCostModel"
+    assert fitted.meta["fit"]["regret_geomean"] >= 1.0
+    assert fitted.measurements == load_profile(tiny_profile).measurements
+    cv = json.loads(report.read_text())
+    assert cv["cv"]["n_groups"] == 4 and set(cv["cv"]["per_algorithm"]) == {"dense", "allgather", "oktopk"}
+
+
+def _journal_configs(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if '"kind":"config"' in line]
+
+
+def test_a_killed_run_resumes_without_measuring_again(tmp_path):
+    out = tmp_path / "killed.yaml"
+    journal = profiling.journal_path(out)
+    argv = [sys.executable, "-m", "tuner.cli", "profile", "--world-size", "2", "--n", "2^12", "2^13",
+            "--density", "1e-3", "1e-2", "5e-2", "1e-1", "--overlap", "0", "1", "--repeats", "3",
+            "--no-progress", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(argv, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 25
+    try:
+        while time.monotonic() < deadline:
+            if os.path.exists(journal) and len(_journal_configs(journal)) >= 2:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the command, its forkserver and its ranks
+        proc.communicate()
+    assert not out.exists()  # nothing half-written
+    before = {r["key"]: r["measurements"] for r in _journal_configs(journal)}
+    assert 2 <= len(before) < 16
+    with open(journal, "a") as fh:  # a line cut short by the kill
+        fh.write('{"kind":"config","key":"P2-n4096')
+
+    assert cli.main(["profile", *argv[argv.index("--world-size"):], "--resume"]) == 0
+    prof = load_profile(out)
+    assert len(prof.measurements) == 16 * 3
+    by_key = {}
+    for m in prof.measurements:
+        by_key.setdefault(profiling._measurement_key(m), {})[m.algorithm] = m.to_dict()
+    assert len(by_key) == 16
+    for key, ms in before.items():  # the first run's medians, untouched: not measured again
+        assert {m["algorithm"]: m for m in ms} == by_key[key]
+    assert not os.path.exists(journal)
+
+
+def test_budget_stops_early_and_resume_finishes(tmp_path, capsys):
+    out = tmp_path / "budget.yaml"
+    argv = ["profile", *TINY, "--out", str(out), "--budget", "0.0001"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "incomplete" in text and "--resume" in text
+    assert os.path.exists(profiling.journal_path(out))
+    assert "partial" in load_profile(out).meta["notes"]
+    # Without --resume the journal is not overwritten.
+    assert cli.main(argv[:-2]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert cli.main(argv[:-2] + ["--resume"]) == 0
+    assert "resuming:" in capsys.readouterr().out
+    assert len(load_profile(out).measurements) == 12
+    assert not os.path.exists(profiling.journal_path(out))
+
+
+def _bad_profiles(tmp_path, good):
+    text = good.read_text()
+    corrupt = tmp_path / "corrupt.yaml"
+    corrupt.write_text("format: colltune-profile\nversion: 1\nmeta: [unclosed\n")
+    truncated = tmp_path / "truncated.yaml"
+    truncated.write_text(text[: len(text) // 2])
+    other = tmp_path / "version.yaml"
+    other.write_text(text.replace("\nversion: 1\n", "\nversion: 7\n"))
+    return {"corrupt": (corrupt, "YAML"), "truncated": (truncated, ""), "version": (other, "version 7")}
+
+
+@pytest.mark.parametrize("command", ["fit", "report", "bench"])
+def test_a_bad_profile_exits_2_and_writes_nothing(tiny_profile, tmp_path, capsys, command):
+    for name, (path, needle) in _bad_profiles(tmp_path, tiny_profile).items():
+        before = path.read_bytes()
+        dest = tmp_path / f"{command}-{name}-out"
+        argv = {"fit": ["fit", str(path)], "report": ["report", str(path), "--out", str(dest)],
+                "bench": ["bench", "--quick", "--profile", str(path), "--json", str(dest)]}[command]
+        assert cli.main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert str(path) in err and needle in err and "Traceback" not in err, (name, err)
+        assert path.read_bytes() == before and not dest.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["profile", "--world-size", "0"], "--world-size"),
+        (["profile", "--world-size", "-3"], "--world-size"),
+        (["profile", "--bogus"], "--bogus"),
+        (["profile", "--grid", "huge"], "--grid"),
+        (["profile", "--budget", "0"], "--budget"),
+        (["fit"], "PROFILE"),
+        (["fit", "x.yaml", "--bogus"], "--bogus"),
+        (["tune", "--world-size", "0"], "--world-size"),
+        (["tune", "--trials", "0"], "--trials"),
+        (["tune", "--bogus"], "--bogus"),
+        (["report", "x.yaml"], "--out"),
+        (["demo", "--world-size", "0"], "--world-size"),
+    ],
+)
+def test_bad_options_exit_2_with_a_message(argv, needle, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_unwritable_outputs_exit_2_before_any_rank_starts(tiny_profile, tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "dir" / "x.yaml"
+    a_file = tmp_path / "plain-file"
+    a_file.write_text("")
+    cases = [
+        ["profile", "--world-size", "2", "--out", str(missing)],
+        ["profile", "--world-size", "2", "--out", str(tmp_path)],
+        ["fit", str(tiny_profile), "--out", str(missing)],
+        ["tune", "--world-size", "2", "--out", str(missing)],
+        ["tune", "--world-size", "2", "--storage", str(missing)],
+        ["report", str(tiny_profile), "--out", str(a_file)],
+        ["report", str(tiny_profile), "--out", str(a_file / "sub")],
+    ]
+    for argv in cases:
+        t0 = time.monotonic()
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and ("--out" in err or "--storage" in err), (argv, err)
+        assert time.monotonic() - t0 < 5, argv
+    assert not missing.parent.exists()
+
+
+def test_a_missing_profile_exits_2(tmp_path, capsys):
+    assert cli.main(["fit", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "nope.yaml" in err and "cannot read" in err
+
+
+def test_the_journal_keeps_every_round_and_refuses_a_corrupt_middle(tmp_path):
+    cfg = profiling.ProfileConfig(2, 1024, 10, 5)
+    from tuner.profile import Measurement
+
+    m = Measurement.from_features(cfg.features(), "dense", time_us=30.0, spread_us=20.0, repeats=5, bytes_sent=8)
+    path = str(tmp_path / "j.jsonl")
+    j = profiling.Journal(path, {"backend": "gloo"})
+    j.add_config(cfg.key, [m.to_dict()], times_us={"dense": [10.0, 20.0, 30.0, 40.0, 50.0]})
+    again = profiling.Journal(path, {"backend": "gloo"})
+    assert [x.time_us for x in again.measurements()] == [30.0]
+    assert [x.time_us for x in again.measurements("lower-quartile")] == [20.0]
+    assert profiling._measurement_key(again.measurements()[0]) == cfg.key
+    with pytest.raises(profiling.ProfilingError, match="backend"):
+        profiling.Journal(path, {"backend": "nccl"})
+    lines = open(path).read().splitlines()
+    with open(path, "w") as fh:
+        fh.write("\n".join([lines[0], "{not json", lines[1]]) + "\n")
+    with pytest.raises(profiling.ProfilingError, match="corrupt"):
+        profiling.Journal(path, {"backend": "gloo"})

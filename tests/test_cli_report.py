@@ -1,0 +1,87 @@
+"""``colltune report``: valid, non-trivial PNG files and a markdown summary, from a synthetic profile."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+
+from tuner import cli
+from tuner.cost_model import DEFAULT_PRIMITIVES, AnalyticModel
+from tuner.features import Features
+from tuner.profile import Measurement, profile_from_measurements, save_profile
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_profile(path, world_sizes=(2, 4), seed=0):
+    """Write a profile whose times are the alpha-beta model's, times a little noise (no ranks needed)."""
+    rng = random.Random(seed)
+    model = AnalyticModel(DEFAULT_PRIMITIVES)
+    ms = []
+    for p in world_sizes:
+        for n in (2**12, 2**16, 2**20):
+            for density in (1e-4, 1e-3, 1e-2, 1e-1):
+                k = max(1, round(density * n))
+                for overlap in (0.0, 0.5, 1.0):
+                    s = min(k, round(overlap * k))
+                    if s + p * (k - s) > n:
+                        s = k
+                    f = Features.build(numel=n, row_numel=1, dtype="float32", k_per_rank=[k] * p,
+                                       union=float(s + p * (k - s)))
+                    for alg, t in model.predict(f).items():
+                        ms.append(Measurement.from_features(f, alg, time_us=t * math.exp(rng.gauss(0, 0.05)),
+                                                            spread_us=0.05 * t, repeats=5, bytes_sent=1))
+    prof = profile_from_measurements(ms, DEFAULT_PRIMITIVES, {"backend": "gloo", "world_sizes": list(world_sizes),
+                                                              "notes": "synthetic"})
+    save_profile(prof, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    return synthetic_profile(tmp_path_factory.mktemp("synthetic") / "synthetic.yaml")
+
+
+def test_report_writes_valid_pngs_and_a_summary(profile_path, tmp_path, capsys):
+    import matplotlib.image as mpimg
+
+    out = tmp_path / "report"
+    assert cli.main(["report", str(profile_path), "--out", str(out), "--folds", "3"]) == 0
+    printed = capsys.readouterr().out
+    names = ["decision-density-world.png", "decision-density-overlap.png", "predicted-vs-measured.png"]
+    for name in names:
+        path = out / name
+        assert f"wrote {path}" in printed
+        data = path.read_bytes()
+        assert data[:8] == PNG_SIGNATURE, name
+        assert len(data) > 20_000, (name, len(data))  # axes, labels, coloured cells: not an empty canvas
+        img = mpimg.imread(str(path))
+        assert img.shape[0] > 300 and img.shape[1] > 500
+        colours = np.unique((img[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+        assert len(colours) > 50, name
+    # The decision map shows more than one algorithm: the alpha-beta times cross over the grid.
+    world = mpimg.imread(str(out / names[0]))[..., :3]
+    from tuner.report import COLORS
+
+    present = [a for a, hexc in COLORS.items()
+               if np.any(np.all(np.abs(world - np.array([int(hexc[i:i + 2], 16) / 255 for i in (1, 3, 5)])) < 0.02,
+                                axis=-1))]
+    assert len(present) >= 2, present
+    md = (out / "summary.md").read_text()
+    assert md.startswith("# colltune profile report")
+    for needle in ("Cross-validated accuracy", "Selection regret", "fastest measured", *names):
+        assert needle in md
+    assert not [p for p in os.listdir(out) if p.startswith(".colltune-")]
+
+
+def test_report_of_an_analytic_profile(tmp_path, capsys):
+    """Primitives only (no measurements): the maps come from the alpha-beta model."""
+    prof = profile_from_measurements([], DEFAULT_PRIMITIVES, {"backend": "nccl", "world_sizes": [8]})
+    save_profile(prof, tmp_path / "a.yaml")
+    assert cli.main(["report", str(tmp_path / "a.yaml"), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "decision-density-world.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert "alpha-beta" in (tmp_path / "r" / "summary.md").read_text()

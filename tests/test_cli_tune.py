@@ -1,0 +1,79 @@
+"""``colltune tune``: an Optuna study that resumes from its journal storage and writes a valid policy."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tuner import autotune, cli
+from tuner.policy import load_policy
+
+TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "--rounds", "2", "--quiet"]
+
+
+def _study(storage):
+    w = autotune.Workload("exact", 1024, 1e-2, 0.5, "float32", 2, 2, 16, 0)
+    return optuna.load_study(study_name=autotune.study_name(w, ("allgather", "oktopk")),
+                             storage=autotune._storage(str(storage)))
+
+
+def test_tune_resumes_from_its_storage_and_writes_a_policy(tmp_path, capsys):
+    storage, out = tmp_path / "tune.journal", tmp_path / "tuned.yaml"
+    argv = ["tune", *TINY, "--storage", str(storage), "--out", str(out)]
+    assert cli.main([*argv, "--trials", "3"]) == 0
+    first = capsys.readouterr().out
+    assert first.count("<== BEST") == 1 and "BEST: trial #" in first
+    study = _study(storage)
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(done) == 3
+    assert done[0].user_attrs.get("default") and done[0].params == {"algorithm": "allgather", "allgather.mode": "auto"}
+    values = {t.number: t.value for t in done}
+
+    assert cli.main([*argv, "--trials", "5"]) == 0
+    capsys.readouterr()
+    study = _study(storage)
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(done) == 5  # two more, not five more
+    assert {t.number: t.value for t in done if t.number in values} == values  # the first three kept as they were
+
+    policy = load_policy(out)
+    assert policy.default == "auto"
+    assert set(policy.knobs) <= {"allgather", "oktopk"} and policy.knobs
+    for alg, knobs in policy.knobs.items():
+        assert set(knobs) <= set(autotune.SPACE["exact"][alg])
+    text = out.read_text()
+    assert text.startswith("# colltune tune: study") and "# best trial #" in text
+
+
+def test_a_trial_cut_short_is_failed_and_tried_again(tmp_path):
+    """A kill leaves a RUNNING trial in the journal; reopening fails it and queues its knobs first."""
+    storage = str(tmp_path / "s.journal")
+    w = autotune.Workload("exact", 1024, 1e-2, 0.5, "float32", 2)
+    study = autotune._open_study(storage, w, ("oktopk",), 0)
+    study.tell(study.ask(), 1.0)  # the defaults, enqueued first
+    cut = study.ask()
+    autotune.suggest(cut, "exact", ("oktopk",), 2)
+    study = autotune._open_study(storage, w, ("oktopk",), 0)
+    states = {t.number: t.state for t in study.trials}
+    assert states[cut.number] == TrialState.FAIL
+    retry = study.ask()
+    autotune.suggest(retry, "exact", ("oktopk",), 2)
+    assert retry.params == cut.params and retry.user_attrs["retry_of"] == cut.number
+
+
+def test_the_topk_space_holds_the_refresh_intervals():
+    space = autotune.SPACE["topk"]["oktopk"]
+    assert {"local_refresh", "global_refresh", "boundary_refresh", "peers_in_flight"} == set(space)
+    trial = optuna.create_study().ask()
+    got = autotune.suggest(trial, "topk", ("oktopk",), 4)
+    assert 1 <= got["knobs"]["peers_in_flight"] <= 3
+
+
+def test_a_foreign_storage_file_exits_2(tmp_path, capsys):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello\n")
+    assert cli.main(["tune", *TINY, "--storage", str(bad), "--out", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "--storage" in err and "Traceback" not in err
+    assert not (tmp_path / "p.yaml").exists()

@@ -1,0 +1,331 @@
+"""Measure the selector: regret on a held-out grid, the cost of a cached decision, the cost of its collective.
+
+1. **Regret.** Times ``dense``, ``allgather`` and ``oktopk`` with the
+   benchmark engine on a grid of rows, density, overlap and ``P`` in 2, 4, 8
+   that the shipped profile never measured (every value lies between the
+   profile's grid points), then asks the selector (``algorithm="auto"``,
+   end to end, on the same local gloo ranks and inputs) which it would run:
+   once cold (a fresh call site: the bitmap estimate of the overlap) and
+   once warm (the exact overlap of the previous call). Regret is
+   ``time(chosen) / time(fastest)`` on that input, both from the timed
+   medians; the same for each fixed choice.
+2. **Cached decision.** CPU time of :meth:`Selector.decide_sparse` plus
+   :meth:`Selector.observe_sparse` on a cache hit (no process group), the
+   median over many calls.
+3. **Extra collective.** At ``n = 2^20``, density 1e-2, ``P = 4``: the time of
+   the bitmap ``all_reduce`` (the only collective the selector adds, run on
+   a cache miss) against the time of the call, both the max over ranks,
+   medians over interleaved rounds.
+
+Usage::
+
+    python tools/selector_bench.py                       # all three, about 8 minutes on 2 cores
+    python tools/selector_bench.py --skip-regret         # 2 and 3 only, under a minute
+    python tools/selector_bench.py --json selector-bench.json --world-size 2 4
+    python tools/selector_bench.py --json run2.json --pool run1.json   # medians over both runs' rounds
+
+Prints a table per held-out configuration and a summary; ``--json`` keeps everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tuner import bench, launch  # noqa: E402
+
+ALGORITHMS = ("dense", "allgather", "oktopk")
+#: The held-out grid: between the profile's grid points (2^12..2^20 every 4x; 1e-4, 1e-3, 1e-2, 5e-2, 0.2; 0, .5, 1).
+HELD_N = (2**13, 2**15, 2**17, 2**19)
+HELD_DENSITY = (3e-4, 3e-3, 2e-2, 0.1)
+HELD_OVERLAP = (0.25, 0.75)
+HELD_WORLD = (2, 4, 8)
+
+
+# --------------------------------------------------------------------------- rank functions
+
+
+def _choices_rank(rank: int, world_size: int, configs: list, profile: str | None) -> list[dict] | None:
+    import tuner
+    from tuner.selector import Selector
+
+    if profile:
+        tuner.configure(profile=profile)
+    # Decides afresh at every call, with no hysteresis: its second call at a
+    # site decides from the exact overlap the first call revealed.
+    again = Selector(profile=profile, reevaluate_every=1, margin=0.0)
+    out = []
+    for i, cfg in enumerate(configs):
+        idx, vals = cfg.workload().make(rank)
+        name = f"heldout-{world_size}-{i}"
+        cold = tuner.sparse_allreduce(idx, vals, cfg.n, name=name)  # a fresh site: the bitmap estimate
+        tuner.sparse_allreduce(idx, vals, cfg.n, name=name, policy=again)
+        warm = tuner.sparse_allreduce(idx, vals, cfg.n, name=name, policy=again)
+        out.append({
+            "cold": cold.algorithm, "cold_source": cold.decision.source, "cold_overlap": cold.decision.overlap,
+            "cold_overlap_source": cold.decision.overlap_source,
+            "warm": warm.algorithm, "warm_source": warm.decision.source, "warm_overlap": warm.decision.overlap,
+            "predicted_us": dict(cold.decision.predicted_us or {}),
+        })
+    return out if rank == 0 else None
+
+
+def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap: float, rounds: int) -> dict | None:
+    import tuner
+    from algorithms._comm import Comm
+    from algorithms._sparse import coalesce
+    from tuner.features import estimate_union_collective, overlap_bitmap_bits
+    from tuner.workloads import Workload, k_for_density
+
+    w = Workload(n, k_for_density(n, density), world_size, overlap, seed=1)
+    idx, vals = w.make(rank)
+    cidx, _ = coalesce(idx, vals.view(-1, 1), torch.float32)
+    counts = [int(cidx.numel())] * world_size
+    name = "overhead"
+    for _ in range(2):
+        tuner.sparse_allreduce(idx, vals, n, name=name)  # warm the site: later calls are cached
+    comm = Comm(None, torch.device("cpu"))
+    fixed = tuner.sparse_allreduce(idx, vals, n, name=name).algorithm
+    calls = {
+        "bitmap": lambda: estimate_union_collective(comm, cidx, counts),
+        "auto": lambda: tuner.sparse_allreduce(idx, vals, n, name=name),
+        "fixed": lambda: tuner.sparse_allreduce(idx, vals, n, algorithm=fixed),
+    }
+    names = list(calls)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    out: dict[str, object] = {}
+    for i in range(rounds):  # interleaved, the order rotated every round
+        for key in names[i % 3:] + names[: i % 3]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out[key] = calls[key]()
+            times[key].append(time.perf_counter() - t0)
+    est, res = out["bitmap"], out["auto"]
+    t_bitmap, t_call, t_ag = times["bitmap"], times["auto"], times["fixed"]
+    flat = torch.tensor(t_bitmap + t_call + t_ag, dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    flat = flat.tolist()
+    r = rounds
+    if rank != 0:
+        return None
+    return {
+        "n": n, "density": density, "overlap": overlap, "world_size": world_size, "k": w.k,
+        "union_exact": w.union, "union_estimate": est[0], "overlap_estimate": est[1], "overlap_exact": w.overlap,
+        "bitmap_bits": overlap_bitmap_bits(sum(counts)),
+        "algorithm": res.algorithm,
+        "bitmap_ms": statistics.median(flat[:r]) * 1e3,
+        "call_ms": statistics.median(flat[r : 2 * r]) * 1e3,
+        "fixed_call_ms": statistics.median(flat[2 * r :]) * 1e3,
+    }
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def cached_decision_us(profile: str | None, calls: int = 20000) -> dict:
+    """Return the CPU cost of a cached decision (decide + observe), in microseconds."""
+    from tuner.selector import Selector
+
+    class _Comm:
+        world_size, rank = 4, 0
+
+    sel = Selector(profile=profile, environ={})
+    counts = (10486, 10486, 10486, 10486)
+    site = ("sparse", "w", 2**20, 1, torch.float32, 4, 0)
+    sel.observe_sparse(site, counts, 26214)
+    first = sel.decide_sparse(site, comm=_Comm(), backend="gloo", name="w", size=2**20, row_numel=1,
+                              dtype=torch.float32, counts=counts, indices=None)
+    samples = []
+    for _ in range(5):
+        t0 = time.process_time()
+        w0 = time.perf_counter()
+        for _ in range(calls):
+            c = sel.decide_sparse(site, comm=_Comm, backend="gloo", name="w", size=2**20, row_numel=1,
+                                  dtype=torch.float32, counts=counts, indices=None)
+            sel.observe_sparse(site, counts, 26214)
+        samples.append(((time.process_time() - t0) / calls * 1e6, (time.perf_counter() - w0) / calls * 1e6))
+        sel._sites[site].entries[next(iter(sel._sites[site].entries))].age = 1  # keep it cached
+    # And the miss it replaces (the cost model's evaluation), for scale.
+    t0 = time.process_time()
+    for _ in range(20):
+        sel.reset()
+        sel.observe_sparse(site, counts, 26214)
+        sel.decide_sparse(site, comm=_Comm(), backend="gloo", name="w", size=2**20, row_numel=1,
+                          dtype=torch.float32, counts=counts, indices=None)
+    miss = (time.process_time() - t0) / 20 * 1e6
+    return {
+        "cached_cpu_us": statistics.median(s[0] for s in samples),
+        "cached_wall_us": statistics.median(s[1] for s in samples),
+        "miss_cpu_us": miss,
+        "algorithm": c.algorithm,
+        "cached": c.cached,
+        "first": first.algorithm,
+    }
+
+
+def _geomean(xs: list[float]) -> float:
+    return float(math.exp(statistics.fmean(math.log(x) for x in xs))) if xs else float("nan")
+
+
+def _p95(xs: list[float]) -> float:
+    return float(np.percentile(xs, 95)) if xs else float("nan")
+
+
+def _pool_rounds(report: dict, earlier: list[str]) -> dict:
+    """Add the timed rounds of earlier runs' held-out benchmarks to ``report``; recompute the medians."""
+    index = {(c["n"], c["density"], c["overlap_requested"], c["world_size"]): c for c in report["configs"]}
+    for path in earlier:
+        with open(path) as fh:
+            old = json.load(fh)["regret"]["bench"]
+        for c in old["configs"]:
+            mine = index.get((c["n"], c["density"], c["overlap_requested"], c["world_size"]))
+            if mine is None:
+                continue
+            for a in ALGORITHMS:
+                if "times_ms" in c["contenders"].get(a, {}) and "times_ms" in mine["contenders"].get(a, {}):
+                    mine["contenders"][a]["times_ms"] += c["contenders"][a]["times_ms"]
+            mine["repeats"] += c["repeats"]
+    for c in report["configs"]:
+        for a in ALGORITHMS:
+            e = c["contenders"].get(a, {})
+            if "times_ms" in e:
+                e["median_ms"] = statistics.median(e["times_ms"])
+    return report
+
+
+def _summarize(report: dict, choices: dict[tuple, dict], worlds: tuple[int, ...]) -> tuple[list[dict], dict]:
+    """Return the per-configuration rows and the regret summary of ``choices`` on ``report``'s medians."""
+    rows = []
+    for c in report["configs"]:
+        ch = choices[(c["n"], c["density"], c["overlap_requested"], c["world_size"])]
+        if any("median_ms" not in c["contenders"].get(a, {}) for a in ALGORITHMS):
+            print(f"skipped (a contender failed): {c['n']} {c['density']} {c['world_size']}", flush=True)
+            continue
+        t = {a: c["contenders"][a]["median_ms"] for a in ALGORITHMS}
+        best = min(t.values())
+        rows.append({
+            "n": c["n"], "density": c["density"], "world_size": c["world_size"], "overlap": c["overlap"],
+            "k": c["k"], "times_ms": t, "fastest": min(t, key=t.get), **ch,
+            "regret_cold": t[ch["cold"]] / best, "regret_warm": t[ch["warm"]] / best,
+            "regret_fixed": {a: t[a] / best for a in ALGORITHMS},
+        })
+
+    def stats(xs: list[float]) -> dict:
+        return {"geomean": _geomean(xs), "p95": _p95(xs), "max": max(xs),
+                "optimal_fraction": statistics.fmean(x <= 1.0 for x in xs)}
+
+    summary = {
+        "configs": len(rows),
+        "selector_cold": stats([r["regret_cold"] for r in rows]),
+        "selector_warm": stats([r["regret_warm"] for r in rows]),
+        "fixed": {a: stats([r["regret_fixed"][a] for r in rows]) for a in ALGORITHMS},
+    }
+    for p in worlds:
+        sub = [r for r in rows if r["world_size"] == p]
+        summary[f"P={p}"] = {"selector_cold_geomean": _geomean([r["regret_cold"] for r in sub]),
+                             "selector_warm_geomean": _geomean([r["regret_warm"] for r in sub])}
+    return rows, summary
+
+
+def _print_summary(label: str, s: dict) -> None:
+    print(f"{label}:")
+    for key in ("selector_cold", "selector_warm"):
+        v = s[key]
+        print(f"  {key}: geomean {v['geomean']:.3f}, p95 {v['p95']:.3f}, max {v['max']:.2f}, "
+              f"optimal {v['optimal_fraction']:.0%} of {s['configs']}")
+    for a, v in s["fixed"].items():
+        print(f"  always {a}: geomean {v['geomean']:.3f}, p95 {v['p95']:.3f}")
+    print("  per P (selector, cold): " + ", ".join(
+        f"{k} {v['selector_cold_geomean']:.3f}" for k, v in s.items() if k.startswith("P=")), flush=True)
+
+
+def regret(args: argparse.Namespace) -> dict:
+    plan = bench.Plan(warmup=1, min_repeats=3, max_repeats=args.repeats, budget_s=args.budget)
+    worlds = tuple(args.world_size)
+    configs = bench.full_grid(HELD_N, HELD_DENSITY, HELD_OVERLAP, worlds, seed=7)
+    print(f"held-out grid: {len(configs)} configurations; timing {', '.join(ALGORITHMS)}", flush=True)
+    print(bench.format_header(ALGORITHMS), flush=True)
+    report = bench.run(configs, contenders=ALGORITHMS, plan=plan, progress=False)
+    choices: dict[tuple, dict] = {}
+    for p in worlds:
+        group = [c for c in configs if c.world_size == p]
+        got = launch.run_local(_choices_rank, p, group, args.profile, timeout=1800)[0]
+        for cfg, ch in zip(group, got):
+            choices[(cfg.n, cfg.density, cfg.overlap, cfg.world_size)] = ch
+    rows, summary = _summarize(report, choices, worlds)
+    out = {"rows": rows, "summary": summary, "bench": report}
+    if args.pool:
+        pooled = _pool_rounds(json.loads(json.dumps(report)), args.pool)
+        rows, out["summary_pooled"] = _summarize(pooled, choices, worlds)
+        out["rows_pooled"] = rows
+        out["pooled_with"] = list(args.pool)
+    print()
+    print(f"{'n':>7} {'dens':>6} {'P':>2} {'ovl':>4} | {'dense':>8} {'allgather':>9} {'oktopk':>8} ms | "
+          f"{'fastest':>9} {'cold':>9} {'warm':>9} | regret cold/warm"
+          + ("   (medians over the pooled runs)" if args.pool else ""))
+    for r in rows:
+        t = r["times_ms"]
+        print(f"{r['n']:>7} {r['density']:>6g} {r['world_size']:>2} {r['overlap']:>4.2f} | {t['dense']:>8.2f} "
+              f"{t['allgather']:>9.2f} {t['oktopk']:>8.2f}    | {r['fastest']:>9} {r['cold']:>9} {r['warm']:>9} | "
+              f"{r['regret_cold']:.2f} / {r['regret_warm']:.2f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, nargs="+", default=list(HELD_WORLD))
+    parser.add_argument("--profile", help="profile to use (default: the shipped one for gloo)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds at most per configuration (default 7)")
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of rounds per configuration (default 1)")
+    parser.add_argument("--skip-regret", action="store_true", help="only the overhead measurements")
+    parser.add_argument("--pool", nargs="+", metavar="JSON", default=[],
+                        help="earlier --json outputs whose held-out rounds join this run's (steadier medians "
+                             "on a loaded machine); the choices are this run's")
+    parser.add_argument("--json", help="write everything here")
+    args = parser.parse_args(argv)
+    out: dict = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "torch": str(torch.__version__)}
+
+    cached = cached_decision_us(args.profile)
+    out["cached_decision"] = cached
+    print(f"cached decision: {cached['cached_cpu_us']:.2f} us CPU ({cached['cached_wall_us']:.2f} us wall) per call "
+          f"(decide + observe; a miss, the cost model's evaluation: {cached['miss_cpu_us']:.0f} us)", flush=True)
+
+    coll = launch.run_local(_collective_rank, 4, 2**20, 1e-2, 0.5, 30, timeout=600)[0]
+    coll["ratio"] = coll["bitmap_ms"] / coll["call_ms"]
+    out["extra_collective"] = coll
+    print(f"extra collective at n=2^20, density 1e-2, P=4 (overlap {coll['overlap_exact']:.2f}, estimated "
+          f"{coll['overlap_estimate']:.3f}; {coll['bitmap_bits']} bits): bitmap all_reduce {coll['bitmap_ms']:.2f} ms, "
+          f"the call ({coll['algorithm']}, cached decision) {coll['call_ms']:.2f} ms "
+          f"(forced {coll['fixed_call_ms']:.2f} ms): {coll['ratio']:.1%} when it runs (once per call site, "
+          f"on the first call); amortized over 64 calls {coll['ratio'] / 64:.2%}", flush=True)
+
+    if not args.skip_regret:
+        res = regret(args)
+        out["regret"] = res
+        print()
+        _print_summary("regret on this run's medians", res["summary"])
+        if "summary_pooled" in res:
+            _print_summary(f"regret on the medians of this run pooled with {len(args.pool)} earlier run(s)",
+                           res["summary_pooled"])
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,511 @@
+"""Tune the algorithms' knobs with Optuna on a workload, and write them as a policy (``colltune tune``).
+
+One study, one workload. Each trial is a setting of the knobs; every rank
+runs the workload with it, interleaved round by round with the default
+knobs (so that load from other processes hits both alike), and the study
+minimizes the median time of a round (max over ranks, ms): one call in
+exact mode, ``--steps`` consecutive calls in top-k mode (the refresh
+intervals only show over several calls). The defaults are the first trial,
+so every later trial is compared with them.
+
+Search space
+------------
+
+Exact mode (``sparse_allreduce``, default)::
+
+    algorithm                  allgather | oktopk         (``--algorithm all``: a parameter of the study)
+    allgather.mode             auto | pad | alltoall      (padding to the largest count vs all_to_all)
+    oktopk.boundary_refresh    1 .. 256, log              (calls between region-boundary refreshes)
+    oktopk.peers_in_flight     1 .. P-1                   (rotated point-to-point steps posted at once)
+    oktopk.dense_fallback_ratio 0.1 .. 2.0, log           (a region travels dense past this share of dense)
+
+Top-k mode (``--topk``: ``topk_allreduce`` with Ok-Topk, error feedback on)::
+
+    oktopk.local_refresh       1 .. 128, log              (exact local threshold every N calls)
+    oktopk.global_refresh      1 .. 128, log              (exact global threshold every N calls)
+    oktopk.boundary_refresh    1 .. 256, log
+    oktopk.peers_in_flight     1 .. P-1
+
+Storage and resuming
+--------------------
+
+Trials live in an Optuna ``JournalStorage`` file (``--storage``, an
+append-only log). Running the same command again continues the study: it
+runs until the study holds ``--trials`` finished trials. A trial cut short
+by a kill is marked failed and its knobs are tried again first.
+
+Output
+------
+
+A table of the trials, the best one marked ``<== BEST``, and a policy YAML
+(``--out``, valid for :func:`tuner.policy.load_policy`) with the best knobs
+of each algorithm tuned, for example::
+
+    # colltune tune: study 'tune-exact-P4-n1048576-d0.01-o0.5-float32' (tune.journal)
+    # best trial #7: 3.10 ms (default knobs 3.85 ms, 1.24x)
+    version: 1
+    default: auto
+    knobs:
+      oktopk: {boundary_refresh: 128, peers_in_flight: 2, dense_fallback_ratio: 0.66}
+      allgather: {mode: pad}
+
+Example:
+    $ colltune tune --world-size 4 --trials 30 --storage tune.journal --out tuned.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+__all__ = ["Workload", "SPACE", "suggest", "run_study", "policy_text", "format_trials", "TuneCommand"]
+
+#: Default knobs of the algorithms (what trial 0 measures).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "allgather": {"mode": "auto"},
+    "oktopk": {"boundary_refresh": 64, "peers_in_flight": 4, "dense_fallback_ratio": 1.0},
+}
+_TOPK_DEFAULTS: dict[str, Any] = {"local_refresh": 32, "global_refresh": 32, "boundary_refresh": 64,
+                                  "peers_in_flight": 4}
+#: Knob ranges, per mode and algorithm: ``(kind, low, high, log)`` or ``("choice", values)``.
+SPACE: dict[str, dict[str, dict[str, tuple[Any, ...]]]] = {
+    "exact": {
+        "allgather": {"mode": ("choice", ("auto", "pad", "alltoall"))},
+        "oktopk": {
+            "boundary_refresh": ("int", 1, 256, True),
+            "peers_in_flight": ("int", 1, None, False),  # high: P - 1
+            "dense_fallback_ratio": ("float", 0.1, 2.0, True),
+        },
+    },
+    "topk": {
+        "oktopk": {
+            "local_refresh": ("int", 1, 128, True),
+            "global_refresh": ("int", 1, 128, True),
+            "boundary_refresh": ("int", 1, 256, True),
+            "peers_in_flight": ("int", 1, None, False),
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The call the knobs are tuned for.
+
+    Attributes:
+        mode: ``exact`` (``sparse_allreduce``) or ``topk`` (``topk_allreduce``).
+        n: rows (exact) or elements of the gradient (top-k).
+        density: entries per rank over ``n``.
+        overlap: overlap of the ranks' index sets (exact mode).
+        dtype: value dtype.
+        world_size: ranks.
+        rounds: timed rounds per trial (each runs the trial's knobs and the defaults once).
+        steps: top-k mode: calls per round (the refresh intervals need several calls to matter).
+        seed: input seed.
+    """
+
+    mode: str
+    n: int
+    density: float
+    overlap: float
+    dtype: str
+    world_size: int
+    rounds: int = 9
+    steps: int = 16
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        """A study name that identifies the workload."""
+        base = f"tune-{self.mode}-P{self.world_size}-n{self.n}-d{self.density:g}"
+        return base + (f"-o{self.overlap:g}-{self.dtype}" if self.mode == "exact" else "")
+
+
+def _high(spec: tuple[Any, ...], p: int) -> Any:
+    return max(1, p - 1) if spec[2] is None else spec[2]
+
+
+def suggest(trial: Any, mode: str, algorithms: Sequence[str], world_size: int) -> dict[str, Any]:
+    """Suggest one setting: ``{"algorithm": a, "knobs": {...}}`` (conditional on the algorithm when several are tuned)."""
+    algs = list(algorithms)
+    alg = algs[0] if len(algs) == 1 else trial.suggest_categorical("algorithm", algs)
+    knobs: dict[str, Any] = {}
+    for knob, spec in SPACE[mode][alg].items():
+        pname = f"{alg}.{knob}"
+        if spec[0] == "choice":
+            knobs[knob] = trial.suggest_categorical(pname, list(spec[1]))
+        elif spec[0] == "int":
+            knobs[knob] = trial.suggest_int(pname, spec[1], _high(spec, world_size), log=spec[3])
+        else:
+            knobs[knob] = float(trial.suggest_float(pname, spec[1], spec[2], log=spec[3]))
+    return {"algorithm": alg, "knobs": knobs}
+
+
+def _defaults(mode: str, alg: str, world_size: int) -> dict[str, Any]:
+    base = dict(_TOPK_DEFAULTS if mode == "topk" else DEFAULTS[alg])
+    if "peers_in_flight" in base:
+        base["peers_in_flight"] = min(base["peers_in_flight"], max(1, world_size - 1))
+    return base
+
+
+def _default_params(mode: str, alg: str, algorithms: Sequence[str], world_size: int) -> dict[str, Any]:
+    params: dict[str, Any] = {} if len(algorithms) == 1 else {"algorithm": alg}
+    params.update({f"{alg}.{k}": v for k, v in _defaults(mode, alg, world_size).items()})
+    return params
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _measure(rank: int, world_size: int, w: Workload, setting: Mapping[str, Any], device: Any) -> tuple[float, float]:
+    """Time the setting against the defaults, interleaved; return both medians (ms, max over ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    import tuner
+    from tuner import bench
+    from tuner.profiling import _sync
+
+    alg = setting["algorithm"]
+    tuned, base = dict(setting["knobs"]), _defaults(w.mode, alg, world_size)
+    if w.mode == "exact":
+        from tuner.workloads import Workload as Inputs, k_for_density
+
+        inp = Inputs(w.n, k_for_density(w.n, w.density), world_size, w.overlap, dtype=getattr(torch, w.dtype),
+                     seed=w.seed)
+        idx, vals = inp.make(rank)
+        idx, vals = idx.to(device), vals.to(device)
+
+        def call_of(knobs: dict[str, Any]) -> Any:
+            def call() -> Any:
+                out = tuner.sparse_allreduce(idx, vals, w.n, algorithm=alg, knobs=knobs)
+                _sync(device)
+                return out
+
+            return call
+    else:
+        gen = torch.Generator().manual_seed(w.seed * 7919 + 1 + rank)
+        grads = [torch.randn(w.n, generator=gen).to(device) for _ in range(4)]
+
+        def state_of(knobs: dict[str, Any]) -> Any:
+            return tuner.TopkState(density=w.density, local_refresh=knobs["local_refresh"],
+                                   global_refresh=knobs["global_refresh"], boundary_refresh=knobs["boundary_refresh"],
+                                   peers_in_flight=knobs["peers_in_flight"])
+
+        def call_of(knobs: dict[str, Any]) -> Any:
+            state = state_of(knobs)
+
+            def call() -> Any:
+                for s in range(w.steps):
+                    out = tuner.topk_allreduce(grads[s % len(grads)], state, op="avg", algorithm="oktopk")
+                _sync(device)
+                return out
+
+            return call
+
+    calls = {"tuned": call_of(tuned), "default": call_of(base)}
+    for fn in calls.values():
+        dist.barrier()
+        fn()
+    plan = bench.Plan(warmup=0, min_repeats=w.rounds, max_repeats=w.rounds, budget_s=1e9)
+    times, _ = bench._timed_rounds(calls, plan)
+    flat = bench._reduce_max(times["tuned"] + times["default"])
+    r = w.rounds
+    return statistics.median(flat[:r]) * 1e3, statistics.median(flat[r:]) * 1e3
+
+
+def _tune_rank(rank: int, world_size: int, w: Workload, algorithms: Sequence[str], trials: int, storage_path: str,
+               seed: int, show: bool, backend: str) -> dict[str, Any] | None:
+    """The rank function: rank 0 owns the study and asks; every rank measures each trial."""
+    import torch.distributed as dist
+
+    from tuner.profiling import _setup_device
+
+    device = _setup_device(backend)
+    study = _open_study(storage_path, w, algorithms, seed) if rank == 0 else None
+    ran = 0
+    while True:
+        box: list[Any] = [None]
+        trial = None
+        if rank == 0:
+            done = sum(1 for t in study.trials if t.state.is_finished() and t.state.name == "COMPLETE")
+            if done < trials:
+                trial = study.ask()
+                box[0] = {"number": trial.number, **suggest(trial, w.mode, algorithms, world_size)}
+        if world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        setting = box[0]
+        if setting is None:
+            break
+        tuned_ms, default_ms = _measure(rank, world_size, w, setting, device)
+        ran += 1
+        if rank == 0:
+            trial.set_user_attr("default_ms", default_ms)
+            trial.set_user_attr("speedup_vs_default", default_ms / tuned_ms)
+            study.tell(trial, tuned_ms)
+            if show:
+                knobs = ", ".join(f"{k}={_fmt(v)}" for k, v in setting["knobs"].items())
+                print(f"trial {setting['number']:>3}: {setting['algorithm']} {knobs}: {tuned_ms:.3f} ms "
+                      f"(default knobs {default_ms:.3f} ms)", flush=True)
+    return {"ran": ran} if rank == 0 else None
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def _storage(path: str) -> Any:
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    return JournalStorage(JournalFileBackend(path))
+
+
+def _open_study(storage_path: str, w: Workload, algorithms: Sequence[str], seed: int) -> Any:
+    """Create or load the study; fail trials a kill left running and queue their knobs again; queue the defaults first."""
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = _storage(storage_path)
+    study = optuna.create_study(study_name=study_name(w, algorithms), storage=storage, direction="minimize",
+                                load_if_exists=True)
+    # A resumed study gets a sampler seeded past its trials, so its random start does not repeat the first run's.
+    study.sampler = optuna.samplers.TPESampler(seed=seed * 100_003 + len(study.trials), n_startup_trials=8)
+    if not study.trials:
+        for alg in algorithms:  # the defaults first: every later trial is judged against them
+            study.enqueue_trial(_default_params(w.mode, alg, algorithms, w.world_size), user_attrs={"default": True})
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        # Cut short by a kill: nothing of it was recorded; fail it and try its knobs again first.
+        storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number, **(
+            {"default": True} if t.user_attrs.get("default") else {})})
+    study.set_user_attr("workload", {k: getattr(w, k) for k in ("mode", "n", "density", "overlap", "dtype",
+                                                               "world_size", "rounds", "steps", "seed")})
+    study.set_user_attr("algorithms", list(algorithms))
+    return study
+
+
+def study_name(w: Workload, algorithms: Sequence[str]) -> str:
+    """Return the name of the study of ``w`` tuning ``algorithms`` (one storage file can hold several)."""
+    return w.name + ("-" + "+".join(algorithms))
+
+
+def run_study(w: Workload, algorithms: Sequence[str], trials: int, storage_path: str, *, seed: int = 0,
+              show: bool = True, backend: str = "gloo", timeout: float = 6 * 3600.0) -> Any:
+    """Run the study until it holds ``trials`` finished trials (local ranks, or torchrun's); return it on rank 0."""
+    from tuner import launch
+
+    if launch.in_torchrun():
+        got = launch.run_here(_tune_rank, w, tuple(algorithms), trials, storage_path, seed, show, backend,
+                              backend=backend)
+        if got is None:
+            return None
+    else:
+        launch.run_local(_tune_rank, w.world_size, w, tuple(algorithms), trials, storage_path, seed, show, backend,
+                         backend=backend, timeout=timeout)
+    return _open_study(storage_path, w, algorithms, seed)
+
+
+def _complete(study: Any) -> list[Any]:
+    from optuna.trial import TrialState
+
+    return [t for t in study.trials if t.state == TrialState.COMPLETE]
+
+
+def _setting_of(t: Any, algorithms: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    alg = t.params.get("algorithm", algorithms[0])
+    knobs = {k.split(".", 1)[1]: v for k, v in t.params.items() if k.startswith(alg + ".")}
+    return alg, knobs
+
+
+def best_per_algorithm(study: Any, algorithms: Sequence[str]) -> dict[str, Any]:
+    """Return the best complete trial of each algorithm tuned."""
+    out: dict[str, Any] = {}
+    for t in _complete(study):
+        alg, _ = _setting_of(t, algorithms)
+        if alg not in out or t.value < out[alg].value:
+            out[alg] = t
+    return out
+
+
+def format_trials(study: Any, algorithms: Sequence[str]) -> str:
+    """Return every complete trial as a table; the best is marked ``<== BEST``."""
+    trials = _complete(study)
+    if not trials:
+        return "no complete trial"
+    best = min(trials, key=lambda t: t.value)
+    lines = [f"{'trial':>5} {'algorithm':<10} {'time ms':>9} {'default ms':>10} {'speedup':>8}  knobs", "-" * 78]
+    for t in sorted(trials, key=lambda t: t.number):
+        alg, knobs = _setting_of(t, algorithms)
+        tag = "  <== BEST" if t.number == best.number else ("  (defaults)" if t.user_attrs.get("default") else "")
+        lines.append(f"{t.number:>5} {alg:<10} {t.value:>9.3f} {t.user_attrs.get('default_ms', float('nan')):>10.3f} "
+                     f"{t.user_attrs.get('speedup_vs_default', float('nan')):>7.2f}x  "
+                     + ", ".join(f"{k}={_fmt(v)}" for k, v in knobs.items()) + tag)
+    alg, knobs = _setting_of(best, algorithms)
+    lines += ["-" * 78,
+              f"BEST: trial #{best.number}: {alg} " + ", ".join(f"{k}={_fmt(v)}" for k, v in knobs.items())
+              + f": {best.value:.3f} ms (default knobs {best.user_attrs.get('default_ms', float('nan')):.3f} ms in "
+              f"the same rounds, {best.user_attrs.get('speedup_vs_default', float('nan')):.2f}x)"]
+    return "\n".join(lines)
+
+
+def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profile: str | None = None) -> str:
+    """Return the policy YAML holding the best knobs of each algorithm tuned (validated by :mod:`tuner.policy`)."""
+    import yaml
+
+    from tuner.policy import parse_policy
+
+    best = best_per_algorithm(study, algorithms)
+    overall = min(best.values(), key=lambda t: t.value) if best else None
+    knobs: dict[str, dict[str, Any]] = {}
+    for alg in algorithms:
+        if alg in best:
+            _, k = _setting_of(best[alg], algorithms)
+            knobs[alg] = {name: (float(f"{v:.4g}") if isinstance(v, float) else v) for name, v in k.items()}
+    w = study.user_attrs.get("workload", {})
+    head = [f"# colltune tune: study {study.study_name!r} ({os.path.basename(storage_path)})",
+            "# workload: " + ", ".join(f"{k}={v}" for k, v in w.items())]
+    if overall is not None:
+        alg, _ = _setting_of(overall, algorithms)
+        head.append(f"# best trial #{overall.number} ({alg}): {overall.value:.3f} ms (default knobs "
+                    f"{overall.user_attrs.get('default_ms', float('nan')):.3f} ms in the same rounds, "
+                    f"{overall.user_attrs.get('speedup_vs_default', float('nan')):.2f}x)")
+    for alg, t in best.items():
+        head.append(f"# best {alg}: trial #{t.number}, {t.value:.3f} ms")
+    doc: dict[str, Any] = {"version": 1}
+    if profile:
+        doc["profile"] = profile
+    doc["default"] = "auto"
+    doc["knobs"] = knobs
+    body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
+    text = "\n".join(head) + "\n" + body
+    parse_policy(text, source="<tuned policy>")  # never write a policy the loader refuses
+    return text
+
+
+def _write_text(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".colltune-", suffix=".yaml", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class TuneCommand:
+    """``colltune tune``: an Optuna study over the knobs (registered in :data:`tuner.cli.COMMANDS`)."""
+
+    name = "tune"
+    help = "tune the algorithms' knobs with Optuna on a workload (resumable); write them as a policy"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        from tuner import cli
+
+        parser.add_argument("--world-size", "-P", type=cli._parse_world, default=None, metavar="P",
+                            help="ranks to start (default 4; under torchrun: the running ranks)")
+        parser.add_argument("--trials", type=cli._parse_positive_int, default=30, metavar="N",
+                            help="finished trials the study should hold (default 30); a resumed study runs the rest")
+        parser.add_argument("--storage", default="colltune-tune.journal", metavar="FILE",
+                            help="Optuna journal file of the study (default colltune-tune.journal); run again to resume")
+        parser.add_argument("--out", "-o", default="tuned-policy.yaml", metavar="FILE",
+                            help="the policy to write (default tuned-policy.yaml)")
+        parser.add_argument("--algorithm", choices=("all", "allgather", "oktopk"), default="all",
+                            help="whose knobs to tune (default all: allgather and oktopk; --topk: oktopk)")
+        parser.add_argument("--topk", action="store_true",
+                            help="tune topk_allreduce (Ok-Topk's threshold and boundary refresh intervals, peers in "
+                                 "flight) instead of sparse_allreduce")
+        parser.add_argument("--n", type=cli._parse_n, default=2**20, metavar="N", help="rows n (default 2^20)")
+        parser.add_argument("--density", type=cli._parse_density, default=1e-2, metavar="D",
+                            help="entries per rank over n (default 1e-2)")
+        parser.add_argument("--overlap", type=cli._parse_overlap, default=0.5, metavar="O",
+                            help="overlap of the ranks' indices (default 0.5)")
+        parser.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
+        parser.add_argument("--rounds", type=cli._parse_positive_int, default=9, metavar="R",
+                            help="timed rounds per trial, each with the defaults interleaved (default 9)")
+        parser.add_argument("--steps", type=cli._parse_positive_int, default=16, metavar="S",
+                            help="--topk: calls per round (default 16)")
+        parser.add_argument("--profile", metavar="FILE", help="name this profile in the policy written")
+        parser.add_argument("--seed", type=cli._parse_nonneg_int, default=0, help="sampler and input seed (default 0)")
+        parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+        parser.add_argument("--quiet", action="store_true", help="no line per trial")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from tuner import launch
+        from tuner.profiling import ProfilingError, check_output_path
+
+        is_root = True
+        if launch.in_torchrun():
+            r, here = launch.torchrun_rank()
+            if args.world_size not in (None, here):
+                raise ProfilingError(f"--world-size {args.world_size} does not match the {here} ranks torchrun "
+                                     f"started; omit it or pass --world-size {here}.")
+            world, is_root = here, r == 0
+        else:
+            world = args.world_size or 4
+        if is_root:
+            check_output_path(args.out)
+            check_output_path(args.storage, "--storage")
+            if os.path.exists(args.storage) and os.path.getsize(args.storage) > 0:
+                _check_storage(args.storage)
+            if args.profile is not None:
+                from tuner.profile import load_profile
+
+                load_profile(args.profile)
+        mode = "topk" if args.topk else "exact"
+        if args.topk and args.algorithm == "allgather":
+            raise ProfilingError("--topk tunes Ok-Topk's refresh intervals; allgather (TopkA) has no top-k knobs. "
+                                 "Drop --algorithm or pass --algorithm oktopk.")
+        algorithms = ("oktopk",) if args.topk else (("allgather", "oktopk") if args.algorithm == "all"
+                                                    else (args.algorithm,))
+        w = Workload(mode, args.n, args.density, args.overlap, args.dtype, world, args.rounds, args.steps, args.seed)
+        from tuner.workloads import k_for_density
+
+        if w.world_size > 1 and mode == "exact" and k_for_density(w.n, w.density) > w.n:
+            raise ProfilingError("--density is too high for --n.")
+        t0 = time.monotonic()
+        study = run_study(w, algorithms, args.trials, args.storage, seed=args.seed, show=not args.quiet,
+                          backend=args.backend)
+        if study is None:
+            return 0
+        print()
+        print(format_trials(study, algorithms))
+        text = policy_text(study, algorithms, args.storage, args.profile)
+        _write_text(args.out, text)
+        print(f"\nwrote {args.out} (the best knobs as a policy; study {study.study_name!r} in {args.storage}, "
+              f"{len(_complete(study))} trials; {time.monotonic() - t0:.0f} s)")
+        return 0
+
+
+def _check_storage(path: str) -> None:
+    """Refuse a storage file that is not an Optuna journal (before any rank starts)."""
+    import json
+
+    from tuner.profiling import ProfilingError
+
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline()
+        rec = json.loads(first.decode("utf-8"))
+        if not isinstance(rec, dict) or "op_code" not in rec:
+            raise ValueError
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise ProfilingError(f"--storage {path!r} is not an Optuna journal file; pass a new path (it is created) or "
+                             "the file of an earlier colltune tune run.") from None

@@ -1,0 +1,1036 @@
+"""Benchmark the algorithms, and PyTorch's gloo sparse ``all_reduce`` as the peer, on the same inputs.
+
+For every configuration (rows ``n``, density, overlap, world size ``P``) every
+rank builds its input from a shared seed (:class:`~tuner.workloads.Workload`:
+``k = round(density * n)`` entries per rank, a controlled index overlap), then
+
+1. **warms up** each contender and checks its result against the reference
+   (PyTorch's, when it runs): the same indices, values within 1e-4;
+2. **repeats** rounds in which every contender runs once, in an order rotated
+   each round (so drift and noise from other processes spread evenly), with a
+   barrier before each timed call; at least ``min_repeats`` rounds, at most
+   ``max_repeats``, and no new round once ``budget_s`` seconds went by;
+3. takes each call's time as the **max over ranks** of the per-rank wall
+   time, and reports the median with the quartiles (IQR) over the rounds,
+   and the bytes each rank sent (mean and max over ranks).
+
+Contenders: ``dense``, ``allgather``, ``oktopk`` (through
+:func:`tuner.sparse_allreduce` with the algorithm forced, so the metadata
+exchange is included), and ``torch``: ``dist.all_reduce`` of a
+``torch.sparse_coo_tensor`` and a ``coalesce()``. PyTorch does not count its
+traffic; its bytes per rank are the model estimate ``(P-1) k (8 + row bytes)``
+(it all-gathers int64 indices and values), flagged ``bytes_estimated``.
+
+The top-k section runs ``topk_allreduce`` with TopkA (``allgather``),
+``oktopk`` and ``dense`` for a number of steps on fresh random gradients per
+rank (error feedback on), and reports the median time and the entry words
+(4 bytes) each rank sent, ``(bytes_sent - meta_bytes) / 4``, against
+Ok-Topk's bound ``6k(P-1)/P``.
+
+Example:
+    >>> from tuner import bench
+    >>> report = bench.run(bench.quick_grid(), plan=bench.Plan.quick())  # doctest: +SKIP
+    >>> bench.check_targets(report)["a"]["holds"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Sequence, TextIO
+
+import torch
+import torch.distributed as dist
+
+import algorithms
+import tuner
+from algorithms.errors import ColltuneValueError
+from tuner import launch
+from tuner.workloads import Workload, k_for_density
+
+__all__ = [
+    "CONTENDERS",
+    "TOPK_CONTENDERS",
+    "FIXED",
+    "auto_summary",
+    "format_auto",
+    "BenchConfig",
+    "TopkConfig",
+    "Plan",
+    "full_grid",
+    "quick_grid",
+    "run",
+    "check_targets",
+    "format_header",
+    "format_row",
+    "format_topk",
+    "format_targets",
+]
+
+#: Contenders of the exact benchmark, in table order.
+CONTENDERS: tuple[str, ...] = ("dense", "allgather", "oktopk", "torch")
+#: The fixed algorithms: the oracle of a configuration is the fastest of those timed.
+FIXED: tuple[str, ...] = ("dense", "allgather", "oktopk")
+
+
+def _has_selector() -> bool:
+    """Return whether ``algorithm="auto"`` has a selector behind it (``tuner/selector.py``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tuner.selector") is not None
+
+
+if _has_selector():
+    # ``auto`` (the selector's choice, through a profile's cost model) runs on the same inputs, first column.
+    CONTENDERS = ("auto",) + CONTENDERS
+#: Contenders of the top-k section.
+TOPK_CONTENDERS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: The issue's grid.
+FULL_N = (2**16, 2**20, 2**22)
+FULL_DENSITY = (1e-4, 1e-3, 1e-2, 5e-2, 0.2)
+FULL_OVERLAP = (0.0, 0.5, 1.0)
+FULL_WORLD = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One point of the exact grid."""
+
+    n: int
+    density: float
+    overlap: float
+    world_size: int
+    row_shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    seed: int = 0
+
+    def workload(self) -> Workload:
+        """Return the input generator of this configuration."""
+        return Workload(
+            self.n,
+            k_for_density(self.n, self.density),
+            self.world_size,
+            self.overlap,
+            row_shape=self.row_shape,
+            dtype=_DTYPES[self.dtype],
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """One point of the top-k section."""
+
+    n: int
+    density: float
+    world_size: int
+    steps: int = 40
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many calls each configuration gets.
+
+    Args:
+        warmup: untimed calls per contender before timing.
+        min_repeats: timed rounds at least.
+        max_repeats: timed rounds at most.
+        budget_s: no new round starts after this many seconds of timed rounds
+            (once ``min_repeats`` are done), so slow configurations get fewer.
+    """
+
+    warmup: int = 1
+    min_repeats: int = 3
+    max_repeats: int = 15
+    budget_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0:
+            raise ColltuneValueError(f"warmup must be >= 0, but got {self.warmup}.")
+        if self.min_repeats < 1 or self.max_repeats < self.min_repeats:
+            raise ColltuneValueError(
+                f"repeats must satisfy 1 <= min_repeats <= max_repeats, but got "
+                f"min_repeats={self.min_repeats}, max_repeats={self.max_repeats}."
+            )
+        if not self.budget_s > 0:
+            raise ColltuneValueError(f"budget_s must be > 0, but got {self.budget_s}.")
+
+    @classmethod
+    def quick(cls) -> Plan:
+        """Return the plan of ``--quick``: one warm-up, 3 to 5 rounds, one second per configuration."""
+        return cls(warmup=1, min_repeats=3, max_repeats=5, budget_s=1.0)
+
+
+def full_grid(
+    n: Iterable[int] = FULL_N,
+    density: Iterable[float] = FULL_DENSITY,
+    overlap: Iterable[float] = FULL_OVERLAP,
+    world_size: Iterable[int] = FULL_WORLD,
+    *,
+    row_shape: tuple[int, ...] = (),
+    dtype: str = "float32",
+    seed: int = 0,
+) -> list[BenchConfig]:
+    """Return the cross product, ordered by world size, then n, density and overlap."""
+    return [
+        BenchConfig(nn, d, o, p, row_shape, dtype, seed)
+        for p in world_size
+        for nn in n
+        for d in density
+        for o in overlap
+    ]
+
+
+def quick_grid(world_size: Iterable[int] = (4,), **kw: Any) -> list[BenchConfig]:
+    """Return the small grid of ``--quick``: n = 2^16, density 1e-3 and 1e-2, overlap 0 and 1."""
+    return full_grid((2**16,), (1e-3, 1e-2), (0.0, 1.0), world_size, **kw)
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _make_call(name: str, idx: torch.Tensor, vals: torch.Tensor, n: int) -> Callable[[], Any]:
+    if name == "torch":
+        shape = (n,) + tuple(vals.shape[1:])
+        ind = idx.view(1, -1)
+
+        def call() -> torch.Tensor:
+            t = torch.sparse_coo_tensor(ind, vals, shape, check_invariants=False)
+            dist.all_reduce(t)
+            return t.coalesce()
+
+        return call
+
+    def ours() -> Any:
+        return tuner.sparse_allreduce(idx, vals, n, algorithm=name)
+
+    return ours
+
+
+class _Guard:
+    """Where a rank notes which contender of which task raised, before the error ends the launch."""
+
+    __slots__ = ("path", "task")
+
+    def __init__(self, path: str | None, task: int) -> None:
+        self.path, self.task = path, task
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Return ``fn`` that, when it raises, first writes a note naming the task and ``name``."""
+        if self.path is None:
+            return fn
+
+        def guarded(*args: Any, **kw: Any) -> Any:
+            try:
+                return fn(*args, **kw)
+            except BaseException as exc:
+                note = {"task": self.task, "contender": name, "error": f"{type(exc).__name__}: {exc}"}
+                with open(self.path, "w") as f:
+                    json.dump(note, f)
+                raise
+
+        return guarded
+
+
+def _as_pair(name: str, out: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if name == "torch":
+        return out.indices().view(-1), out.values()
+    return out.indices, out.values
+
+
+def _mismatch(ref: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Return the max relative error of ``got`` against ``ref``; inf if the indices differ."""
+    if ref[0].shape != got[0].shape or not torch.equal(ref[0], got[0]):
+        return math.inf
+    if ref[1].numel() == 0:
+        return 0.0
+    a, b = ref[1].double(), got[1].double().reshape(ref[1].shape)
+    return float(((a - b).abs() / (1.0 + a.abs())).max())
+
+
+def _stats(times_s: Sequence[float]) -> dict[str, Any]:
+    ms = sorted(t * 1e3 for t in times_s)
+    if len(ms) >= 2:
+        q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
+    else:
+        q1 = q3 = ms[0]
+    return {
+        "median_ms": statistics.median(ms),
+        "q1_ms": q1,
+        "q3_ms": q3,
+        "iqr_ms": q3 - q1,
+        "min_ms": ms[0],
+        "max_ms": ms[-1],
+        "times_ms": [t * 1e3 for t in times_s],
+    }
+
+
+def _reduce_max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _gather_traffic(rows: list[list[int]]) -> list[list[list[int]]]:
+    """All-gather per-contender ``[bytes, meta, messages]``; return ``[rank][contender][field]``."""
+    t = torch.tensor(rows, dtype=torch.int64)
+    p = dist.get_world_size() if dist.is_initialized() else 1
+    if p == 1:
+        return [t.tolist()]
+    out = [torch.empty_like(t) for _ in range(p)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def _traffic_summary(per_rank: list[list[int]]) -> dict[str, Any]:
+    bytes_ = [r[0] for r in per_rank]
+    meta = [r[1] for r in per_rank]
+    msgs = [r[2] for r in per_rank]
+    return {
+        "bytes_per_rank": sum(bytes_) / len(bytes_),
+        "bytes_per_rank_max": max(bytes_),
+        "meta_bytes_per_rank": sum(meta) / len(meta),
+        "messages_per_rank": sum(msgs) / len(msgs),
+        "bytes_estimated": False,
+    }
+
+
+def _timed_rounds(
+    calls: dict[str, Callable[[], Any]], plan: Plan
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Run the interleaved timed rounds; return per-rank times and the last output of each contender."""
+    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    last: dict[str, Any] = {}
+    start = time.perf_counter()
+    rounds = 0
+    while True:
+        shift = rounds % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            last[name] = calls[name]()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+        if rounds >= plan.max_repeats:
+            break
+        if rounds >= plan.min_repeats:
+            # The same reduced number on every rank, so every rank stops after the same round.
+            if _reduce_max([time.perf_counter() - start])[0] >= plan.budget_s:
+                break
+    return times, last
+
+
+def _bench_one(
+    rank: int, world_size: int, cfg: BenchConfig, contenders: Sequence[str], plan: Plan, guard: _Guard
+) -> dict[str, Any]:
+    w = cfg.workload()
+    idx, vals = w.make(rank)
+    vals_before = vals.clone()
+    calls = {name: guard.wrap(name, _make_call(name, idx, vals, cfg.n)) for name in contenders}
+    gc.collect()
+
+    # Warm-up, interleaved too, and a check of every result against the reference.
+    ref_name = "torch" if "torch" in calls else ("dense" if "dense" in calls else contenders[0])
+    outputs: dict[str, Any] = {}
+    for i in range(plan.warmup):
+        shift = i % len(contenders)
+        for name in list(contenders)[shift:] + list(contenders)[:shift]:
+            dist.barrier()
+            outputs[name] = calls[name]()
+    if not outputs:
+        outputs = {name: calls[name]() for name in contenders}
+    ref = _as_pair(ref_name, outputs[ref_name])
+    errors = _reduce_max([_mismatch(ref, _as_pair(name, outputs[name])) for name in contenders])
+    if not torch.equal(vals, vals_before):
+        raise RuntimeError(f"a contender modified its input values in place (config {cfg}).")
+    del outputs, ref
+
+    times, last = _timed_rounds(calls, plan)
+    rounds = len(times[contenders[0]])
+    flat = _reduce_max([t for name in contenders for t in times[name]])
+
+    # Bytes per rank, from the last call of each contender.
+    p = world_size
+    row_bytes = int(torch.Size(w.row_shape).numel()) * _DTYPES[cfg.dtype].itemsize
+    traffic_rows = []
+    for name in contenders:
+        if name == "torch":
+            traffic_rows.append([(p - 1) * w.k * (8 + row_bytes), 0, 2 * (p - 1) if p > 1 else 0])
+        else:
+            tr = last[name].traffic
+            traffic_rows.append([tr.bytes_sent, tr.meta_bytes, tr.messages])
+    traffic = _gather_traffic(traffic_rows)
+    auto_ran = {name: last[name].algorithm for name in contenders if name == "auto"}
+    auto_why = {name: str(getattr(last[name].decision, "reason", "") or "") for name in auto_ran}
+    del last
+
+    out: dict[str, Any] = {
+        "n": cfg.n,
+        "density": cfg.density,
+        "world_size": world_size,
+        "overlap_requested": cfg.overlap,
+        "overlap": w.overlap,
+        "k": w.k,
+        "union": w.union,
+        "row_shape": list(w.row_shape),
+        "dtype": cfg.dtype,
+        "seed": cfg.seed,
+        "repeats": rounds,
+        "reference": ref_name,
+        "contenders": {},
+    }
+    for j, name in enumerate(contenders):
+        entry = _stats(flat[j * rounds : (j + 1) * rounds])
+        entry.update(_traffic_summary([traffic[r][j] for r in range(p)]))
+        if name == "torch":
+            entry["bytes_estimated"] = True
+        entry["max_rel_err"] = errors[j]
+        out["contenders"][name] = entry
+    if "torch" in out["contenders"]:
+        t_ms = out["contenders"]["torch"]["median_ms"]  # errors are added by the parent, later
+        out["speedup_vs_torch"] = {
+            name: t_ms / c["median_ms"] for name, c in out["contenders"].items() if name != "torch"
+        }
+    _add_oracle(out, auto_ran.get("auto"), auto_why.get("auto"))
+    return out
+
+
+def _add_oracle(out: dict[str, Any], auto_ran: str | None, auto_why: str | None) -> None:
+    """Add the oracle (the fastest fixed algorithm timed) and, with ``auto``, its choice, regret and speedups."""
+    cs = out["contenders"]
+    fixed = [a for a in FIXED if "median_ms" in cs.get(a, {})]
+    if not fixed:
+        return
+    best = min(fixed, key=lambda a: cs[a]["median_ms"])
+    out["oracle"] = {"algorithm": best, "median_ms": cs[best]["median_ms"]}
+    if auto_ran is None or "median_ms" not in cs.get("auto", {}):
+        return
+    t_auto = cs["auto"]["median_ms"]
+    out["auto"] = {
+        "algorithm": auto_ran,
+        "reason": auto_why or "",
+        # Measured time of auto (selector included) over the oracle's; 1 is perfect.
+        "regret": t_auto / cs[best]["median_ms"],
+        # The same for the algorithm auto picked, timed as a fixed contender (no selector overhead).
+        "choice_regret": (cs[auto_ran]["median_ms"] / cs[best]["median_ms"]) if auto_ran in fixed else None,
+        "speedup": {a: cs[a]["median_ms"] / t_auto for a in (*FIXED, "torch") if "median_ms" in cs.get(a, {})},
+    }
+
+
+def _progress(total: int, initial: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, leave=False, disable=None, mininterval=0.5)
+
+
+def _emit(line: str, bar: Any, stream: TextIO | None) -> None:
+    if stream is None:
+        return
+    if bar is not None and not bar.disable:
+        bar.write(line, file=stream)
+    else:
+        print(line, file=stream, flush=True)
+
+
+def _bench_rank(
+    rank: int,
+    world_size: int,
+    tasks: Sequence[tuple[str, Any, tuple[str, ...]]],
+    columns: Sequence[str],
+    plan: Plan,
+    show: bool,
+    progress: tuple[int, int] | None,
+    journal: str | None,
+    profile: str | None = None,
+) -> list[dict[str, Any]] | None:
+    """The rank function: run the tasks (``("exact" | "topk", config, contenders)``) of one world size.
+
+    With ``profile``, ``auto`` calls use it (:func:`tuner.configure`); otherwise
+    the selector's default (the environment, or the profile shipped for the backend).
+
+    Rank 0 prints one line per task and appends each record to ``journal``
+    (JSON lines) as it finishes, so that the parent keeps what was done if a
+    later task fails; a rank whose contender raises notes the task and the
+    contender in ``journal + ".fail<rank>"`` first. Rank 0 returns the records.
+    """
+    stream = sys.stdout if (show and rank == 0) else None
+    if profile is not None:
+        tuner.configure(profile=profile)
+    bar = None
+    if rank == 0 and progress is not None:
+        bar = _progress(progress[1], progress[0], f"bench P={world_size}")
+    records: list[dict[str, Any]] = []
+    try:
+        for i, (kind, cfg, contenders) in enumerate(tasks):
+            guard = _Guard(None if journal is None else f"{journal}.fail{rank}", i)
+            if kind == "exact":
+                rec = _bench_one(rank, world_size, cfg, contenders, plan, guard)
+                line = format_row(rec, columns)
+            else:
+                rec = _topk_one(rank, world_size, cfg, contenders, guard)
+                line = format_topk(rec)
+            rec["section"] = kind
+            records.append(rec)
+            if rank == 0 and journal is not None:
+                with open(journal, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            _emit(line, bar, stream)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return records if rank == 0 else None
+
+
+# --------------------------------------------------------------------------- top-k section
+
+
+def _topk_one(
+    rank: int, world_size: int, cfg: TopkConfig, contenders: Sequence[str] = TOPK_CONTENDERS, guard: _Guard | None = None
+) -> dict[str, Any]:
+    n, p = cfg.n, world_size
+    names = list(contenders)
+    states = {name: tuner.TopkState(density=cfg.density) for name in names}
+    k = tuner.TopkState(density=cfg.density).k_for(n)
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1 + rank)
+    guard = guard or _Guard(None, 0)
+    calls = {name: guard.wrap(name, tuner.topk_allreduce) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    words: dict[str, list[float]] = {name: [] for name in names}
+    meta: dict[str, list[float]] = {name: [] for name in names}
+    counts: dict[str, list[float]] = {name: [] for name in names}
+    for step in range(cfg.steps):
+        grad = torch.randn(n, generator=gen)
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            res = calls[name](grad, states[name], op="avg", algorithm=name)
+            times[name].append(time.perf_counter() - t0)
+            tr = res.traffic
+            words[name].append((tr.bytes_sent - tr.meta_bytes) / 4)
+            meta[name].append(tr.meta_bytes / 4)
+            counts[name].append(res.global_count)
+    flat_t = _reduce_max([t for name in names for t in times[name]])
+    flat_w = _reduce_max([x for name in names for x in words[name]])
+    flat_m = _reduce_max([x for name in names for x in meta[name]])
+    s = cfg.steps
+    bound = 6 * k * (p - 1) / p
+    out: dict[str, Any] = {
+        "n": n,
+        "density": cfg.density,
+        "world_size": p,
+        "k": k,
+        "steps": s,
+        "bound_words": bound,
+        "lower_bound_words": 2 * k * (p - 1) / p,
+        "contenders": {},
+    }
+    for j, name in enumerate(names):
+        w = flat_w[j * s : (j + 1) * s]
+        m = flat_m[j * s : (j + 1) * s]
+        entry = _stats(flat_t[j * s : (j + 1) * s])
+        entry.update(
+            {
+                "words_per_rank_median": statistics.median(w),
+                "words_per_rank_max": max(w),
+                "meta_words_per_rank_median": statistics.median(m),
+                "meta_words_per_rank_max": max(m),
+                "words_over_bound_median": statistics.median(w) / bound if bound else 0.0,
+                "words_over_bound_max": max(w) / bound if bound else 0.0,
+                "global_count_median": statistics.median(counts[name]),
+            }
+        )
+        out["contenders"][name] = entry
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        "colltune": tuner.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "algorithms": list(algorithms.names()),
+    }
+
+
+def run(
+    configs: Sequence[BenchConfig],
+    *,
+    topk_configs: Sequence[TopkConfig] = (),
+    contenders: Sequence[str] = CONTENDERS,
+    plan: Plan = Plan(),
+    show: bool = True,
+    progress: bool = True,
+    timeout: float = 3600.0,
+    on_partial: Callable[[dict[str, Any]], None] | None = None,
+    profile: str | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; return the report (see the module docstring of :mod:`tuner.cli` for its format).
+
+    Configurations are grouped by world size; each group runs in one launch
+    of local ranks (:func:`tuner.launch.run_local`), or, under ``torchrun``,
+    in the ranks already started (only the configurations of that world size).
+
+    Args:
+        configs: points of the exact grid.
+        topk_configs: points of the top-k section.
+        contenders: which of :data:`CONTENDERS` to run.
+        plan: warm-up and repeats.
+        show: print one table line per configuration as it finishes (rank 0).
+        progress: show a progress bar on stderr (rank 0, when it is a terminal).
+        timeout: the deadline of each launch, in seconds.
+        on_partial: called with the report so far after each world size.
+        profile: the profile ``auto`` uses (default: the selector's default).
+
+    Raises:
+        ColltuneValueError: an unknown contender, or (under ``torchrun``) no
+            configuration for the running world size.
+        tuner.launch.RankError: a rank failed.
+    """
+    contenders = tuple(contenders)
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown or not contenders:
+        raise ColltuneValueError(
+            f"contenders must be a non-empty subset of {', '.join(CONTENDERS)}, but got {list(contenders)!r}."
+        )
+    report: dict[str, Any] = {
+        "format": "colltune-bench/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": _environment(),
+        "plan": asdict(plan),
+        "contenders": list(contenders),
+        "configs": [],
+        "topk": [],
+    }
+    sizes = sorted({c.world_size for c in configs} | {c.world_size for c in topk_configs})
+    if launch.in_torchrun():
+        _, here = launch.torchrun_rank()
+        if sizes and here not in sizes:
+            raise ColltuneValueError(
+                f"under torchrun the world size is {here}, but the configurations ask for {sizes}; "
+                f"pass --world-size {here} or start torchrun with --nproc-per-node matching."
+            )
+        sizes = [here]
+    tasks_all: list[tuple[str, Any, tuple[str, ...]]] = [("exact", c, contenders) for c in configs]
+    tasks_all += [("topk", c, TOPK_CONTENDERS) for c in topk_configs]
+    total = sum(1 for t in tasks_all if t[1].world_size in sizes)
+    done = 0
+    started = time.perf_counter()
+    for p in sizes:
+        tasks = [t for t in tasks_all if t[1].world_size == p]
+        if not tasks:
+            continue
+        if launch.in_torchrun():
+            records = launch.run_here(
+                _bench_rank, tasks, contenders, plan, show, (done, total) if progress else None, None, profile
+            )
+            if records is None:  # not rank 0: only rank 0 reports
+                return report
+            _publish(report, records, started, on_partial)
+        else:
+            _run_tolerant(
+                tasks, p, contenders, plan, show, (done, total) if progress else None, timeout,
+                lambda recs: _publish(report, recs, started, on_partial), profile,
+            )
+        done += len(tasks)
+    report["targets"] = check_targets(report)
+    if "auto" in contenders:
+        report["profile"] = profile
+        report["auto_summary"] = auto_summary(report)
+    return report
+
+
+def _publish(
+    report: dict[str, Any],
+    records: list[dict[str, Any]],
+    started: float,
+    on_partial: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Move finished records into the report and hand it to ``on_partial``."""
+    for rec in records:
+        (report["configs"] if rec.pop("section") == "exact" else report["topk"]).append(rec)
+    report["elapsed_s"] = time.perf_counter() - started
+    if on_partial is not None and records:
+        on_partial(report)
+
+
+#: Launches of one world size after contender failures, at most.
+_MAX_RELAUNCHES = 20
+
+
+def _run_tolerant(
+    tasks: list[tuple[str, Any, tuple[str, ...]]],
+    p: int,
+    columns: Sequence[str],
+    plan: Plan,
+    show: bool,
+    progress: tuple[int, int] | None,
+    timeout: float,
+    keep: Callable[[list[dict[str, Any]]], None],
+    profile: str | None = None,
+) -> list[dict[str, Any]]:
+    """Run the tasks of world size ``p`` on local ranks; a contender that raises is dropped from its task.
+
+    A collective that raised on one rank leaves the others stuck, so the
+    launch is lost: the tasks finished before it are kept (handed to ``keep``
+    at once, so they survive a later hard failure), the failing contender is
+    recorded with its error in that task's record, and the remaining tasks
+    run in a fresh launch. Failures that name no contender (a crash, the
+    deadline) are re-raised.
+    """
+    records: list[dict[str, Any]] = []
+    errors: dict[int, dict[str, str]] = {}
+    pending = list(range(len(tasks)))
+    launches = 0
+    with tempfile.TemporaryDirectory(prefix="colltune-bench-") as tmp:
+        while pending:
+            launches += 1
+            journal = os.path.join(tmp, f"journal{launches}.jsonl")
+            run_tasks = [
+                (tasks[i][0], tasks[i][1], tuple(c for c in tasks[i][2] if c not in errors.get(i, {}))) for i in pending
+            ]
+            prog = None if progress is None else (progress[0] + len(tasks) - len(pending), progress[1])
+            failure: launch.RankError | None = None
+            try:
+                launch.run_local(_bench_rank, p, run_tasks, columns, plan, show, prog, journal, profile, timeout=timeout)
+            except launch.RankError as exc:
+                failure = exc
+            finished = _read_journal(journal)
+            for j, rec in enumerate(finished):
+                i = pending[j]
+                for name, msg in errors.get(i, {}).items():
+                    rec["contenders"][name] = {"error": msg}
+            records.extend(finished)
+            keep(finished)
+            if failure is None:
+                break
+            note = _read_failure(journal, failure.rank)
+            if note is None or note["task"] != len(finished) or launches >= _MAX_RELAUNCHES:
+                raise failure
+            i = pending[note["task"]]
+            errors.setdefault(i, {})[note["contender"]] = note["error"]
+            kind, cfg, _ = tasks[i]
+            print(
+                f"bench: {note['contender']} raised on {kind} config {cfg}: {note['error']}; "
+                "recorded, and the benchmark goes on without it for this config",
+                file=sys.stderr,
+                flush=True,
+            )
+            pending = pending[note["task"] :]
+            left = tuple(c for c in tasks[i][2] if c not in errors[i])
+            if not left:
+                # Nothing of this task can run: record it with its errors only.
+                stub = {"section": kind, **_stub(kind, cfg, p), "contenders": {n: {"error": m} for n, m in errors[i].items()}}
+                records.append(dict(stub))
+                keep([stub])
+                pending = pending[1:]
+    return records
+
+
+def _stub(kind: str, cfg: Any, p: int) -> dict[str, Any]:
+    if kind == "exact":
+        w = cfg.workload()
+        return {
+            "n": cfg.n, "density": cfg.density, "world_size": p, "overlap_requested": cfg.overlap,
+            "overlap": w.overlap, "k": w.k, "union": w.union, "row_shape": list(w.row_shape),
+            "dtype": cfg.dtype, "seed": cfg.seed, "repeats": 0, "reference": None,
+        }
+    k = tuner.TopkState(density=cfg.density).k_for(cfg.n)
+    return {"n": cfg.n, "density": cfg.density, "world_size": p, "k": k, "steps": cfg.steps,
+            "bound_words": 6 * k * (p - 1) / p, "lower_bound_words": 2 * k * (p - 1) / p}
+
+
+def _read_journal(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _read_failure(journal: str, first_rank: int | None) -> dict[str, Any] | None:
+    """Return the note of the rank with the first real error (``None`` when it left none).
+
+    Only that rank's note counts: the other ranks' notes may blame the
+    contender they were waiting in when the first rank's error cut them off.
+    """
+    if first_rank is None:
+        return None
+    try:
+        with open(f"{journal}.fail{first_rank}") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def check_targets(report: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate the issue's targets on a report.
+
+    (a) ``allgather`` is never more than 10% slower than ``torch``, and faster
+    at density >= 1e-2; (b) ``oktopk`` at P = 8, overlap 1, density 1e-2 sends
+    at most a third of ``allgather``'s bytes per rank and is faster; (c) in
+    top-k mode Ok-Topk's entry words per rank stay within ``6k(P-1)/P``.
+    A target with no matching configuration has ``holds: None``.
+    """
+    out: dict[str, Any] = {}
+    rows = []
+    for c in report.get("configs", []):
+        cs = c["contenders"]
+        if "median_ms" in cs.get("allgather", {}) and "median_ms" in cs.get("torch", {}):
+            ratio = cs["allgather"]["median_ms"] / cs["torch"]["median_ms"]
+            rows.append((c, ratio))
+    a_fail_10 = [(_cfg_name(c), r) for c, r in rows if r > 1.10]
+    a_dense = [(c, r) for c, r in rows if c["density"] >= 1e-2]
+    a_fail_fast = [(_cfg_name(c), r) for c, r in a_dense if r >= 1.0]
+    out["a"] = {
+        "what": "allgather time / torch time <= 1.10 everywhere, < 1 at density >= 1e-2",
+        "holds": None if not rows else (not a_fail_10 and not a_fail_fast),
+        "configs": len(rows),
+        "worst_ratio": max((r for _, r in rows), default=None),
+        "worst_config": _cfg_name(max(rows, key=lambda x: x[1])[0]) if rows else None,
+        "worst_ratio_density_ge_1e-2": max((r for _, r in a_dense), default=None),
+        "median_ratio": statistics.median([r for _, r in rows]) if rows else None,
+        "over_1.10": [{"config": n, "ratio": r} for n, r in a_fail_10],
+        "not_faster_at_density_ge_1e-2": [{"config": n, "ratio": r} for n, r in a_fail_fast],
+    }
+    b_rows = []
+    for c in report.get("configs", []):
+        cs = c["contenders"]
+        if (
+            c["world_size"] == 8
+            and c["overlap_requested"] == 1.0
+            and abs(c["density"] - 1e-2) < 1e-12
+            and "median_ms" in cs.get("oktopk", {})
+            and "median_ms" in cs.get("allgather", {})
+        ):
+            b_rows.append(
+                {
+                    "config": _cfg_name(c),
+                    "bytes_ratio": cs["oktopk"]["bytes_per_rank_max"] / max(1.0, cs["allgather"]["bytes_per_rank_max"]),
+                    "time_ratio": cs["oktopk"]["median_ms"] / cs["allgather"]["median_ms"],
+                }
+            )
+    out["b"] = {
+        "what": "oktopk at P=8, overlap 1, density 1e-2: bytes/rank <= 1/3 of allgather's, and faster",
+        "holds": None if not b_rows else all(r["bytes_ratio"] <= 1 / 3 and r["time_ratio"] < 1 for r in b_rows),
+        "bytes_holds": None if not b_rows else all(r["bytes_ratio"] <= 1 / 3 for r in b_rows),
+        "time_holds": None if not b_rows else all(r["time_ratio"] < 1 for r in b_rows),
+        "rows": b_rows,
+    }
+    c_rows = []
+    for t in report.get("topk", []):
+        ok = t["contenders"].get("oktopk")
+        if ok is None or "words_per_rank_max" not in ok:
+            continue
+        c_rows.append(
+            {
+                "config": f"n={t['n']} density={t['density']:g} P={t['world_size']}",
+                "k": t["k"],
+                "bound_words": t["bound_words"],
+                "words_median": ok["words_per_rank_median"],
+                "words_max": ok["words_per_rank_max"],
+                "meta_words_max": ok["meta_words_per_rank_max"],
+                "over_bound_median": ok["words_over_bound_median"],
+                "over_bound_max": ok["words_over_bound_max"],
+            }
+        )
+    out["c"] = {
+        "what": "oktopk top-k: entry words per rank <= 6k(P-1)/P (metadata reported apart)",
+        "holds": None if not c_rows else all(r["over_bound_max"] <= 1.0 for r in c_rows),
+        "holds_median": None if not c_rows else all(r["over_bound_median"] <= 1.0 for r in c_rows),
+        "rows": c_rows,
+    }
+    return out
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _n_name(n: int) -> str:
+    e = n.bit_length() - 1
+    return f"2^{e}" if n == 1 << e else str(n)
+
+
+def _cfg_name(c: dict[str, Any]) -> str:
+    return f"n={_n_name(c['n'])} density={c['density']:g} P={c['world_size']} overlap={c['overlap']:.2f}"
+
+
+def _kib(b: float) -> str:
+    return f"{b / 1024:.0f}" if b >= 10 * 1024 else f"{b / 1024:.1f}"
+
+
+def format_header(contenders: Sequence[str] = CONTENDERS) -> str:
+    """Return the header of the exact table (two lines)."""
+    cols = "".join(f"{name + ' ms':>18}" for name in contenders)
+    ours = [c for c in contenders if c != "torch"]
+    speed = f"  {'x vs torch (' + '/'.join(_short(c) for c in ours) + ')':<22}" if "torch" in contenders else ""
+    kib = "  KiB/rank (" + "/".join(_short(c) for c in contenders) + ")"
+    head = f"{'n':>5} {'density':>7} {'P':>2} {'overlap':>7} {'reps':>4}" + cols + speed + kib
+    return head + "\n" + "-" * len(head)
+
+
+def _short(name: str) -> str:
+    return {"dense": "dense", "allgather": "ag", "oktopk": "ok", "torch": "torch*", "auto": "auto"}.get(name, name)
+
+
+def format_row(rec: dict[str, Any], contenders: Sequence[str] = CONTENDERS) -> str:
+    """Return one table line: medians with IQR, speedups vs torch, bytes per rank."""
+    cs = rec["contenders"]
+    cells = ""
+    for name in contenders:
+        c = cs.get(name)
+        if c is None or "median_ms" not in c:
+            cells += f"{'failed' if c else '-':>18}"
+            continue
+        flag = "!" if c.get("max_rel_err", 0.0) > 1e-4 else ""
+        cells += f"{c['median_ms']:>10.2f} ±{c['iqr_ms']:<5.2f}{flag:1}"
+    speed = ""
+    if "torch" in contenders:
+        s = rec.get("speedup_vs_torch", {})
+        speed = "  " + f"{'/'.join(f'{s[c]:.2f}' if c in s else '-' for c in contenders if c != 'torch'):<22}"
+    kib = "  " + "/".join(
+        _kib(cs[c]["bytes_per_rank"]) if "bytes_per_rank" in cs.get(c, {}) else "-" for c in contenders
+    )
+    return (
+        f"{_n_name(rec['n']):>5} {rec['density']:>7g} {rec['world_size']:>2} {rec['overlap']:>7.2f} "
+        f"{rec['repeats']:>4}" + cells + speed + kib
+    )
+
+
+def format_topk(rec: dict[str, Any]) -> str:
+    """Return one line of the top-k section."""
+    parts = [
+        f"top-k n={_n_name(rec['n'])} density={rec['density']:g} P={rec['world_size']} k={rec['k']} "
+        f"steps={rec['steps']} bound 6k(P-1)/P={rec['bound_words']:.0f} words:"
+    ]
+    for name, c in rec["contenders"].items():
+        if "median_ms" not in c:
+            parts.append(f"  {name}: failed: {c.get('error', '?')}")
+            continue
+        parts.append(
+            f"  {name}: {c['median_ms']:.2f} ±{c['iqr_ms']:.2f} ms, words/rank median {c['words_per_rank_median']:.0f} "
+            f"max {c['words_per_rank_max']:.0f} ({c['words_over_bound_max']:.2f} of bound), "
+            f"meta words max {c['meta_words_per_rank_max']:.0f}"
+        )
+    return "\n".join(parts)
+
+
+def format_targets(targets: dict[str, Any]) -> str:
+    """Return a short verdict per target."""
+
+    def verdict(h: Any) -> str:
+        return "n/a (no matching configuration)" if h is None else ("holds" if h else "FAILS")
+
+    a, b, c = targets["a"], targets["b"], targets["c"]
+    lines = [f"(a) {a['what']}: {verdict(a['holds'])}"]
+    if a["configs"]:
+        lines.append(
+            f"    {a['configs']} configs; median ratio {a['median_ratio']:.2f}, worst {a['worst_ratio']:.2f} "
+            f"({a['worst_config']}); worst at density >= 1e-2: "
+            + ("-" if a["worst_ratio_density_ge_1e-2"] is None else f"{a['worst_ratio_density_ge_1e-2']:.2f}")
+        )
+        for item in a["over_1.10"][:10]:
+            lines.append(f"    over 1.10: {item['config']}: {item['ratio']:.2f}")
+        for item in a["not_faster_at_density_ge_1e-2"][:10]:
+            lines.append(f"    not faster at density >= 1e-2: {item['config']}: {item['ratio']:.2f}")
+    lines.append(f"(b) {b['what']}: {verdict(b['holds'])}")
+    for r in b["rows"]:
+        lines.append(f"    {r['config']}: bytes ratio {r['bytes_ratio']:.3f}, time ratio {r['time_ratio']:.2f}")
+    lines.append(f"(c) {c['what']}: {verdict(c['holds'])}")
+    for r in c["rows"]:
+        lines.append(
+            f"    {r['config']} k={r['k']}: words/rank median {r['words_median']:.0f}, max {r['words_max']:.0f} "
+            f"vs bound {r['bound_words']:.0f} ({r['over_bound_max']:.2f}); meta words max {r['meta_words_max']:.0f}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- auto against the oracle
+
+
+def _geomean(xs: Sequence[float]) -> float | None:
+    xs = [x for x in xs if x is not None and x > 0 and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def auto_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """Summarize ``auto`` over the configurations: regret against the oracle and speedups (geometric means).
+
+    Returns:
+        ``{"configs", "regret_geomean", "regret_max", "optimal_fraction",
+        "choice_regret_geomean", "speedup_geomean": {contender: x}, "chosen": {algorithm: count}}``;
+        regrets and speedups are ratios of measured medians.
+    """
+    rows = [c["auto"] for c in report.get("configs", []) if "auto" in c]
+    if not rows:
+        return {"configs": 0}
+    names = sorted({a for r in rows for a in r["speedup"]}, key=lambda a: (*FIXED, "torch").index(a))
+    chosen: dict[str, int] = {}
+    for c in report["configs"]:
+        if "auto" in c:
+            chosen[c["auto"]["algorithm"]] = chosen.get(c["auto"]["algorithm"], 0) + 1
+    optimal = [c["auto"]["algorithm"] == c["oracle"]["algorithm"] for c in report["configs"] if "auto" in c]
+    return {
+        "configs": len(rows),
+        "regret_geomean": _geomean([r["regret"] for r in rows]),
+        "regret_max": max(r["regret"] for r in rows),
+        "choice_regret_geomean": _geomean([r["choice_regret"] for r in rows if r["choice_regret"] is not None]),
+        "optimal_fraction": sum(optimal) / len(optimal),
+        "speedup_geomean": {a: _geomean([r["speedup"].get(a) for r in rows]) for a in names},
+        "chosen": chosen,
+    }
+
+
+def format_auto(report: dict[str, Any]) -> str:
+    """Return the decision table: per configuration, what auto ran, the oracle, auto's regret and speedups."""
+    rows = [c for c in report.get("configs", []) if "auto" in c]
+    if not rows:
+        return "auto: no configuration timed auto"
+    others = [a for a in (*FIXED, "torch") if any(a in c["auto"]["speedup"] for c in rows)]
+    head = (f"{'n':>5} {'density':>7} {'P':>2} {'overlap':>7}  {'auto ran':<10} {'oracle':<10} {'regret':>7}  "
+            + " ".join(f"{'x vs ' + _short(a):>11}" for a in others))
+    lines = [f"decision table: auto (profile {report.get('profile') or 'default'}) against the oracle "
+             "(fastest fixed algorithm, measured) on the same inputs", head, "-" * len(head)]
+    for c in rows:
+        a = c["auto"]
+        mark = " " if a["algorithm"] == c["oracle"]["algorithm"] else "*"
+        lines.append(
+            f"{_n_name(c['n']):>5} {c['density']:>7g} {c['world_size']:>2} {c['overlap']:>7.2f}  "
+            f"{a['algorithm']:<9}{mark} {c['oracle']['algorithm']:<10} {a['regret']:>7.2f}  "
+            + " ".join(f"{a['speedup'][o]:>11.2f}" if o in a["speedup"] else f"{'-':>11}" for o in others)
+        )
+    s = report.get("auto_summary") or auto_summary(report)
+    sp = ", ".join(f"{v:.2f}x vs {k}" for k, v in s["speedup_geomean"].items() if v is not None)
+    lines += [
+        "-" * len(head),
+        f"auto over {s['configs']} configurations: regret (auto time / oracle time) geomean {s['regret_geomean']:.2f}, "
+        f"max {s['regret_max']:.2f}; picked the oracle's algorithm in {100 * s['optimal_fraction']:.0f}% "
+        "(* marks the others); speedup geomean " + sp,
+    ]
+    return "\n".join(lines)

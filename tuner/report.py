@@ -1,0 +1,452 @@
+"""Draw a profile: decision maps, predicted versus measured times, and a markdown summary (``colltune report``).
+
+Files written to the output directory:
+
+``decision-density-world.png``
+    The algorithm the profile's cost model picks over density (x, log) and
+    world size (y), at one ``n``, overlap and dtype; each cell shows the
+    predicted speedup of that choice over dense allreduce. World sizes the
+    profile measured are marked with ``*`` (others are extrapolated).
+``decision-density-overlap.png``
+    The same over density and overlap, one panel per measured world size.
+``predicted-vs-measured.png``
+    Cross-validated predictions (each configuration predicted by a model
+    fitted without it: ``GroupKFold`` over configurations) against the
+    measured medians, one panel per algorithm, log-log, with the diagonal.
+``summary.md``
+    Metadata, the primitives, the cross-validated error per algorithm, the
+    selection regret, the measured winners against the predicted ones, the
+    configurations with the largest regret, and the pictures.
+
+Plots use matplotlib's Agg backend (no display needed).
+
+Example:
+    >>> from tuner.report import write_report
+    >>> files = write_report("profiles/local.yaml", "report/")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from tuner.profile import Profile, load_profile
+
+__all__ = ["COLORS", "model_of", "decision_grid", "write_report", "ReportCommand"]
+
+_ALGS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+#: Mode of the files written: what a plain ``open`` would give under the process umask.
+_FILE_MODE = 0o666 & ~_UMASK
+#: One colour per algorithm, the same in every picture.
+COLORS: dict[str, str] = {"dense": "#4C72B0", "allgather": "#DD8452", "oktopk": "#55A868"}
+
+
+def model_of(profile: Profile) -> tuple[Any, str]:
+    """Return the profile's cost model and a label: its stored learned model, one fitted on its measurements, or alpha-beta."""
+    from tuner.cost_model import AnalyticModel, LearnedCostModel
+
+    if profile.model is not None:
+        try:
+            return LearnedCostModel.from_dict(profile.model), "learned (stored)"
+        except Exception:  # noqa: BLE001 - an unusable stored model: refit below
+            pass
+    algs = {m.algorithm for m in profile.measurements}
+    if len(profile.measurements) >= 2 and len(algs) >= 2:
+        prior = {k: p.to_dict() for k, p in profile.primitives.items()}
+        return LearnedCostModel(primitives=prior).fit(profile.measurements), "learned (fitted now)"
+    return AnalyticModel(profile.primitives), "alpha-beta (primitives only)"
+
+
+def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
+    """Return predicted times (us), shape ``(len(feats), 3)`` in :data:`_ALGS` order (inf for an algorithm never fitted)."""
+    from tuner.cost_model import AnalyticModel
+
+    if isinstance(model, AnalyticModel):
+        return np.array([[model.predict(f)[a] for a in _ALGS] for f in feats])
+    pred = model.predict(list(feats))
+    out = np.full((len(feats), len(_ALGS)), np.inf)
+    for j, a in enumerate(_ALGS):
+        if a in model.algorithms_:
+            out[:, j] = pred[:, model.algorithms_.index(a)]
+    return out
+
+
+def _features(n: int, density: float, p: int, overlap: float, dtype: str) -> Any:
+    from tuner.features import Features
+    from tuner.workloads import k_for_density, shared_count
+
+    k = k_for_density(n, density)
+    s = k if p == 1 else shared_count(n, k, p, overlap)
+    u = s + p * (k - s)
+    return Features.build(numel=n, row_numel=1, dtype=dtype, k_per_rank=[k] * p, union=float(u))
+
+
+def decision_grid(model: Any, xs: Sequence[float], ys: Sequence[Any], make: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Return the chosen algorithm index and its predicted speedup over dense for each ``make(x, y)`` call.
+
+    Returns:
+        ``(choice, speedup)``, both shaped ``(len(ys), len(xs))``.
+    """
+    feats = [make(x, y) for y in ys for x in xs]
+    t = _predict(model, feats)
+    choice = np.argmin(t, axis=1)
+    speed = t[:, 0] / t[np.arange(len(feats)), choice]
+    return choice.reshape(len(ys), len(xs)), speed.reshape(len(ys), len(xs))
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw_map(ax: Any, choice: np.ndarray, speed: np.ndarray, xs: Sequence[float], ylabels: Sequence[str]) -> None:
+    from matplotlib.colors import ListedColormap
+
+    cmap = ListedColormap([COLORS[a] for a in _ALGS])
+    ax.imshow(choice, cmap=cmap, vmin=-0.5, vmax=len(_ALGS) - 0.5, aspect="auto", origin="lower")
+    for i in range(choice.shape[0]):
+        for j in range(choice.shape[1]):
+            s = speed[i, j]
+            txt = f"{s:.0f}" if s >= 9.95 else f"{s:.1f}"
+            ax.text(j, i, txt, ha="center", va="center", fontsize=7, color="white" if choice[i, j] != 1 else "black")
+    ax.set_xticks(range(len(xs)))
+    ax.set_xticklabels([f"{x:.0e}".replace("e-0", "e-") for x in xs], rotation=60, fontsize=8)
+    ax.set_yticks(range(len(ylabels)))
+    ax.set_yticklabels(ylabels, fontsize=8)
+
+
+def _legend(fig: Any) -> None:
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(color=COLORS[a], label=a) for a in _ALGS], loc="lower center", ncol=3, fontsize=9,
+               frameon=False)
+
+
+def _save(fig: Any, path: str) -> None:
+    """Write a figure atomically (temporary file, then rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".colltune-", suffix=".png", dir=directory)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.chmod(tmp, _FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.ndarray, np.ndarray, int]:
+    """Predict every measurement with a model fitted without its configuration (``GroupKFold``).
+
+    Returns:
+        The measurements, the prediction of each one's own algorithm, the
+        predictions of every algorithm (``(len(ms), 3)``, :data:`_ALGS` order)
+        and the number of folds (0: fewer than two configurations).
+    """
+    from sklearn.model_selection import GroupKFold
+
+    from tuner.cost_model import LearnedCostModel, default_group
+
+    ms = list(profile.measurements)
+    groups = [default_group(m) for m in ms]
+    distinct = sorted(set(groups), key=repr)
+    pred = np.full(len(ms), np.nan)
+    every = np.full((len(ms), len(_ALGS)), np.nan)
+    if len(distinct) < 2:
+        return ms, pred, every, 0
+    code = {g: i for i, g in enumerate(distinct)}
+    gid = np.array([code[g] for g in groups])
+    prior = {k: p.to_dict() for k, p in profile.primitives.items()}
+    k = min(folds, len(distinct))
+    for train, test in GroupKFold(n_splits=k).split(np.zeros(len(ms)), groups=gid):
+        model = LearnedCostModel(primitives=prior).fit([ms[i] for i in train])
+        every[test] = _predict(model, [ms[i].features() for i in test])
+    for i, m in enumerate(ms):
+        pred[i] = every[i, _ALGS.index(m.algorithm)]
+    return ms, pred, every, k
+
+
+def _cv_summary(ms: Sequence[Any], pred: np.ndarray, every: np.ndarray, folds: int) -> dict[str, Any] | None:
+    """Return the cross-validated error per algorithm and the selection regret (as :func:`tuner.cost_model.cross_validate`)."""
+    from tuner.cost_model import default_group
+
+    if folds == 0:
+        return None
+    per: dict[str, Any] = {}
+    for a in _ALGS:
+        err = [abs(pred[i] - m.time_us) / m.time_us for i, m in enumerate(ms) if m.algorithm == a and np.isfinite(pred[i])]
+        if err:
+            per[a] = {"n": len(err), "median_rel_error": float(np.median(err)),
+                      "p90_rel_error": float(np.percentile(err, 90))}
+    configs: dict[Any, dict[str, float]] = {}
+    rows: dict[Any, int] = {}
+    for i, m in enumerate(ms):
+        key = (m.numel, m.row_numel, m.dtype, m.world_size, m.k_max, m.k_sum, m.union)
+        configs.setdefault(key, {})[m.algorithm] = m.time_us
+        rows[key] = i
+    regrets = []
+    for key, measured in configs.items():
+        cands = [a for a in _ALGS if a in measured and np.isfinite(every[rows[key], _ALGS.index(a)])]
+        if len(cands) >= 2:
+            chosen = min(cands, key=lambda a: every[rows[key], _ALGS.index(a)])
+            regrets.append(measured[chosen] / min(measured[a] for a in cands))
+    r = np.asarray(regrets)
+    nan = float("nan")
+    return {
+        "n_folds": folds,
+        "n_groups": len({default_group(m) for m in ms}),
+        "per_algorithm": per,
+        "regret": {"n_configs": int(r.size),
+                   "geomean": float(np.exp(np.mean(np.log(r)))) if r.size else nan,
+                   "p95": float(np.percentile(r, 95)) if r.size else nan,
+                   "max": float(r.max()) if r.size else nan,
+                   "optimal_fraction": float(np.mean(r <= 1.0)) if r.size else nan},
+    }
+
+
+def _pick_n(profile: Profile) -> int:
+    ns = sorted({m.numel for m in profile.measurements})
+    if not ns:
+        return 1 << 20
+    return max(n for n in ns if n <= (1 << 20)) if any(n <= (1 << 20) for n in ns) else ns[0]
+
+
+def write_report(
+    profile_path: str,
+    out_dir: str,
+    *,
+    n: int | None = None,
+    overlap: float = 0.5,
+    dtype: str = "float32",
+    folds: int = 5,
+) -> dict[str, str]:
+    """Write the decision maps, the predicted-versus-measured plot and ``summary.md`` to ``out_dir``.
+
+    Args:
+        profile_path: the profile.
+        out_dir: the directory (created if missing).
+        n: rows of the maps (default: the largest measured ``n`` up to 2^20).
+        overlap: overlap of the density x world-size map.
+        dtype: value dtype of the maps.
+        folds: cross-validation folds of the predicted-versus-measured plot.
+
+    Returns:
+        ``{"name": path}`` of the files written.
+
+    Raises:
+        tuner.profile.ProfileError: the profile is unreadable.
+    """
+    profile = load_profile(profile_path)
+    os.makedirs(out_dir, exist_ok=True)
+    plt = _plt()
+    model, label = model_of(profile)
+    n = n or _pick_n(profile)
+    measured_p = sorted({m.world_size for m in profile.measurements}) or [
+        int(p) for p in profile.meta.get("world_sizes", [2, 4, 8])]
+    densities = [float(x) for x in np.logspace(-5, math.log10(0.5), 14)]
+    worlds = sorted(set([2, 4, 8, 16, 32, 64] + measured_p))
+    files: dict[str, str] = {}
+
+    # 1. density x world size
+    choice, speed = decision_grid(model, densities, worlds, lambda d, p: _features(n, d, p, overlap, dtype))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    _draw_map(ax, choice, speed, densities, [f"{p}*" if p in measured_p else str(p) for p in worlds])
+    ax.set_xlabel("density (entries per rank / n)")
+    ax.set_ylabel("world size P  (* measured)")
+    ax.set_title(f"chosen algorithm and predicted speedup over dense\nn = 2^{int(math.log2(n))} rows, overlap "
+                 f"{overlap:g}, {dtype}; model: {label}", fontsize=10)
+    _legend(fig)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    path = os.path.join(out_dir, "decision-density-world.png")
+    _save(fig, path)
+    plt.close(fig)
+    files["decision-density-world"] = path
+
+    # 2. density x overlap, one panel per measured world size
+    overlaps = [round(x, 2) for x in np.linspace(0, 1, 11)]
+    fig, axes = plt.subplots(1, len(measured_p), figsize=(6.2 * len(measured_p), 4.6), squeeze=False)
+    for ax, p in zip(axes[0], measured_p):
+        choice, speed = decision_grid(model, densities, overlaps, lambda d, o, p=p: _features(n, d, p, o, dtype))
+        _draw_map(ax, choice, speed, densities, [f"{o:.1f}" for o in overlaps])
+        ax.set_xlabel("density")
+        ax.set_ylabel("overlap")
+        ax.set_title(f"P = {p}", fontsize=10)
+    fig.suptitle(f"chosen algorithm and predicted speedup over dense; n = 2^{int(math.log2(n))}, {dtype}; "
+                 f"model: {label}", fontsize=10)
+    _legend(fig)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.94))
+    path = os.path.join(out_dir, "decision-density-overlap.png")
+    _save(fig, path)
+    plt.close(fig)
+    files["decision-density-overlap"] = path
+
+    # 3. predicted vs measured (cross-validated)
+    ms, pred, every, n_folds = _cv_predictions(profile, folds)
+    algs = [a for a in _ALGS if any(m.algorithm == a for m in ms)] or list(_ALGS)
+    fig, axes = plt.subplots(1, len(algs), figsize=(4.4 * len(algs), 4.4), squeeze=False)
+    errs: dict[str, float] = {}
+    for ax, a in zip(axes[0], algs):
+        sel = [i for i, m in enumerate(ms) if m.algorithm == a and np.isfinite(pred[i])]
+        meas = np.array([ms[i].time_us for i in sel]) / 1e3
+        pr = pred[sel] / 1e3 if sel else np.array([])
+        if len(sel):
+            ps = sorted({ms[i].world_size for i in sel})
+            for p, marker in zip(ps, "os^Dv<>"):
+                idx = [j for j, i in enumerate(sel) if ms[i].world_size == p]
+                ax.scatter(meas[idx], pr[idx], s=10, alpha=0.6, color=COLORS[a], marker=marker, label=f"P={p}")
+            lo = float(min(meas.min(), pr.min())) * 0.8
+            hi = float(max(meas.max(), pr.max())) * 1.25
+            ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+            ax.plot([lo, hi], [lo * 1.25, hi * 1.25], "k:", lw=0.6)
+            ax.plot([lo, hi], [lo / 1.25, hi / 1.25], "k:", lw=0.6)
+            ax.set_xlim(lo, hi)
+            ax.set_ylim(lo, hi)
+            errs[a] = float(np.median(np.abs(pr - meas) / meas))
+            ax.legend(fontsize=7, loc="upper left")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured median (ms)")
+        ax.set_ylabel("predicted, cross-validated (ms)")
+        ax.set_title(f"{a}: median error {100 * errs.get(a, float('nan')):.0f}%", fontsize=10)
+    fig.suptitle(f"predicted vs measured ({n_folds}-fold cross-validation over configurations; dotted: +-25%)",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    path = os.path.join(out_dir, "predicted-vs-measured.png")
+    _save(fig, path)
+    plt.close(fig)
+    files["predicted-vs-measured"] = path
+
+    # 4. summary
+    cv = _cv_summary(ms, pred, every, n_folds)
+    path = os.path.join(out_dir, "summary.md")
+    _write_text(path, _summary_md(profile_path, profile, model, label, cv, n, overlap, dtype, files))
+    files["summary"] = path
+    return files
+
+
+def _write_text(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".colltune-", suffix=".md", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, _FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mapping[str, Any] | None, n: int,
+                overlap: float, dtype: str, files: Mapping[str, str]) -> str:
+    from tuner.active import candidates_from_profile
+
+    meta = profile.meta
+    lines = [f"# colltune profile report: `{os.path.basename(source)}`", ""]
+    lines += ["| field | value |", "| --- | --- |"]
+    for key in ("backend", "world_sizes", "nodes", "ranks_per_node", "torch_version", "host", "date", "notes"):
+        if key in meta and meta[key] not in (None, ""):
+            lines.append(f"| {key} | {meta[key]} |")
+    lines.append(f"| measurements | {len(profile.measurements)} |")
+    lines.append(f"| cost model | {label} |")
+    lines += ["", "## Primitives (alpha-beta)", "", "| primitive | launch (us) | alpha (us/step) | bandwidth (GB/s) |",
+              "| --- | ---: | ---: | ---: |"]
+    for name, p in profile.primitives.items():
+        bw = f"{1 / p.beta_us_per_byte / 1e3:.2f}" if p.beta_us_per_byte > 0 else "-"
+        lines.append(f"| {name} | {p.launch_us:.1f} | {p.alpha_us:.1f} | {bw} |")
+    if cv is not None:
+        r = cv["regret"]
+        lines += ["", f"## Cross-validated accuracy ({cv['n_folds']} folds over {cv['n_groups']} configurations)", "",
+                  "| algorithm | n | median rel. error | p90 rel. error |", "| --- | ---: | ---: | ---: |"]
+        for a, v in cv["per_algorithm"].items():
+            lines.append(f"| {a} | {v['n']} | {100 * v['median_rel_error']:.1f}% | {100 * v['p90_rel_error']:.1f}% |")
+        lines += ["", f"Selection regret on held-out configurations (time of the chosen algorithm over the fastest "
+                      f"measured): geometric mean **{r['geomean']:.3f}**, p95 {r['p95']:.3f}, max {r['max']:.3f}; "
+                      f"the fastest was chosen in {100 * r['optimal_fraction']:.0f}% of {r['n_configs']} configurations."]
+    cands = candidates_from_profile(profile, [a for a in _ALGS if any(m.algorithm == a for m in profile.measurements)]
+                                    or _ALGS)
+    if cands:
+        t = np.array([[c.measured[a].time_us if a in c.measured else np.inf for a in _ALGS] for c in cands])
+        pred = _predict(model, [c.features for c in cands])
+        best, chosen = t.argmin(1), pred.argmin(1)
+        reg = t[np.arange(len(cands)), chosen] / t.min(1)
+        lines += ["", "## Measured winners and the model's choices (in-sample)", "",
+                  "| | " + " | ".join(_ALGS) + " |", "| --- |" + " ---: |" * len(_ALGS),
+                  "| fastest measured | " + " | ".join(str(int((best == j).sum())) for j in range(len(_ALGS))) + " |",
+                  "| chosen by the model | " + " | ".join(str(int((chosen == j).sum())) for j in range(len(_ALGS)))
+                  + " |", "",
+                  f"In-sample regret: geometric mean {math.exp(float(np.mean(np.log(reg)))):.3f}, "
+                  f"speedup of the choice over always-dense: geometric mean "
+                  f"{math.exp(float(np.mean(np.log(t[:, 0] / t[np.arange(len(cands)), chosen])))):.2f}x.", ""]
+        worst = np.argsort(-reg)[:10]
+        lines += ["Largest regrets:", "", "| P | n | density | overlap | dtype | chosen | fastest | regret |",
+                  "| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |"]
+        for i in worst:
+            f = cands[i].features
+            lines.append(f"| {f.world_size} | {f.numel} | {f.density:.2g} | {f.overlap:.2f} | {f.dtype} | "
+                         f"{_ALGS[chosen[i]]} | {_ALGS[best[i]]} | {reg[i]:.2f} |")
+    lines += ["", "## Pictures", ""]
+    for key, path in files.items():
+        lines.append(f"![{key}]({os.path.basename(path)})")
+        lines.append("")
+    lines.append(f"Decision maps at n = 2^{int(math.log2(n))}, {dtype}; the density x world size map at overlap "
+                 f"{overlap:g}. Numbers in the cells: predicted speedup of the chosen algorithm over dense.")
+    return "\n".join(lines) + "\n"
+
+
+class ReportCommand:
+    """``colltune report``: draw a profile (registered in :data:`tuner.cli.COMMANDS`)."""
+
+    name = "report"
+    help = "draw decision maps and predicted-versus-measured plots of a profile; write a markdown summary"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        from tuner import cli
+
+        parser.add_argument("profile", metavar="PROFILE", help="a profile (colltune profile / fit)")
+        parser.add_argument("--out", "-o", required=True, metavar="DIR", help="directory for the PNG files and summary.md")
+        parser.add_argument("--n", type=cli._parse_n, metavar="N", help="rows of the decision maps (default: the "
+                            "largest measured n up to 2^20)")
+        parser.add_argument("--overlap", type=cli._parse_overlap, default=0.5, metavar="O",
+                            help="overlap of the density x world-size map (default 0.5)")
+        parser.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32",
+                            help="value dtype of the maps (default float32)")
+        parser.add_argument("--folds", type=cli._parse_positive_int, default=5, metavar="K",
+                            help="cross-validation folds (default 5)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from tuner.profiling import ProfilingError
+
+        out = args.out
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ProfilingError(f"--out {out!r} is a file; pass a directory (it is created if missing).")
+        parent = os.path.dirname(os.path.abspath(out))
+        target = out if os.path.isdir(out) else parent
+        if not os.path.isdir(target) or not os.access(target, os.W_OK):
+            raise ProfilingError(f"--out {out!r} cannot be written (no writable directory {target!r}); pass a path in "
+                                 "a writable directory.")
+        profile = load_profile(args.profile)  # refuse a bad profile before creating anything
+        del profile
+        files = write_report(args.profile, out, n=args.n, overlap=args.overlap, dtype=args.dtype,
+                             folds=max(2, args.folds))
+        for key, path in files.items():
+            print(f"wrote {path}")
+        return 0

@@ -1,0 +1,1028 @@
+"""Choose the algorithm of every ``algorithm="auto"`` call, the same one on every rank.
+
+Precedence, for each call:
+
+1. ``COLLTUNE_ALGO`` (the environment) forces an algorithm, as ``NCCL_ALGO`` does.
+2. The policy: the first matching rule that names an algorithm wins.
+3. The cost model of the profile: the algorithm with the smallest predicted
+   time (ties go to the earlier of ``dense, allgather, oktopk``), held back by
+   hysteresis (below).
+4. ``dense``, the safe default, when no profile can be loaded.
+
+The profile is the one given (:func:`configure`, :class:`Selector`), else the
+one the policy names, else the profile shipped for the group's backend:
+``profiles/cpu-gloo.yaml`` (measured on CPU ranks over gloo) for gloo,
+``profiles/analytic-nccl.yaml`` for NCCL. A profile with a stored learned
+model predicts with it; one with measurements only is fitted once on load;
+one with primitives only (analytic) uses the alpha-beta model.
+
+What a decision sees, identical on every rank
+---------------------------------------------
+
+* every rank's entry count (the metadata exchange every call makes);
+* the overlap: on the first call at a call site, an estimate from one
+  collective (a hashed bitmap per rank, combined by ``all_reduce`` MAX,
+  :func:`tuner.features.estimate_union_collective`); afterwards, the exact
+  overlap of the previous call at that site, which every rank reads off the
+  identical result (``u = len(result.indices)``);
+* the policy, the profile and the selector's settings, whose hash rides in
+  the metadata record (its ``policy`` field), so that a rank configured
+  differently makes every rank raise :class:`~algorithms.errors.RankMismatchError`
+  instead of running another algorithm and hanging. The tensor ``name`` is
+  folded into the same hash, since rules and caches depend on it.
+
+Caching and hysteresis
+----------------------
+
+A call site is ``(mode, name, n, row size, dtype, P, group)``. Each site keeps
+one decision per *bucket* of the total entry count ``K`` (half an octave
+wide). A cached decision is reused while (a) fewer than ``reevaluate_every``
+calls have used it, (b) ``k_max`` and ``K`` stay within a factor
+``1 + count_band`` of the values it was taken at, and (c) the overlap stays
+within ``overlap_band``. Otherwise the call is decided again, and the
+algorithm the site ran last is kept as long as its predicted time is within
+``margin`` (relative) of the best: two near-equal algorithms do not flap.
+Predicted times are rounded to 6 significant digits before they are
+compared, so ranks agree even if their floating point differs in the last bits.
+
+Environment (read by :func:`tuner.policy.policy_from_env` when a selector is
+built; pass ``environ={}`` to ignore it)
+--------------------------------------------------------------------------
+
+``COLLTUNE_ALGO``
+    Force an algorithm for every ``auto`` call (an explicit ``algorithm=``
+    argument is the caller's own decision and is kept).
+``COLLTUNE_POLICY``
+    The policy file; it replaces a policy passed in code (the environment
+    overrides the code, as NCCL's variables do).
+``COLLTUNE_DEBUG``
+    ``info`` or ``debug``: attach a stderr handler to the ``tuner`` logger at
+    that level if it has none. Decisions are logged at DEBUG, one line each,
+    with their reason.
+``COLLTUNE_LOG_FILE``
+    Append one JSON line per decision taken (not per cached reuse) to this
+    file; ``%h``, ``%p`` and ``%r`` expand to host, process id and rank.
+
+Example:
+    >>> import tuner
+    >>> sel = tuner.configure(policy="profiles/policies/example.yaml")   # doctest: +SKIP
+    >>> res = tuner.sparse_allreduce(idx, vals, n, name="emb.weight")     # doctest: +SKIP
+    >>> res.algorithm, res.decision.reason                                # doctest: +SKIP
+    ('allgather', 'cost model (learned, cpu-gloo.yaml): allgather 1.2 ms < ...')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+
+import algorithms as _algorithms
+from algorithms.errors import ColltuneTypeError, ColltuneValueError
+from tuner.features import Features, estimate_union_collective, normalize_dtype, overlap_from_union
+from tuner.policy import (
+    AUTO,
+    DEFAULT_POLICY,
+    Decision,
+    Overrides,
+    Policy,
+    PolicyError,
+    config_digest,
+    load_policy,
+    policy_from_env,
+)
+from tuner.profile import Profile, ProfileError, load_profile
+
+if TYPE_CHECKING:  # the cost models pull in scikit-learn: imported when a profile is first used
+    from tuner.cost_model import AnalyticModel, LearnedCostModel
+
+__all__ = [
+    "SAFE_DEFAULT",
+    "SHIPPED_PROFILES",
+    "Choice",
+    "Selector",
+    "Explanation",
+    "configure",
+    "get_selector",
+    "selector_for",
+    "profiles_dir",
+    "shipped_profile",
+    "format_explanation",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What runs when no profile can be loaded: never wrong, never terrible.
+SAFE_DEFAULT = "dense"
+#: The profile shipped for each backend (file names in :func:`profiles_dir`).
+SHIPPED_PROFILES: dict[str, str] = {"gloo": "cpu-gloo.yaml", "nccl": "analytic-nccl.yaml"}
+
+Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "requested"]
+
+#: The candidates, in tie-breaking order: ``tuner.cost_model.ALGORITHMS``
+#: (repeated here so that importing the selector does not import scikit-learn).
+ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+_ORDER = {a: i for i, a in enumerate(ALGORITHMS)}
+_M64 = (1 << 64) - 1
+
+
+def _signed64(x: int) -> int:
+    x &= _M64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def _q(t: float) -> float:
+    """Round a predicted time to 6 significant digits (ranks then agree despite last-bit differences)."""
+    return float(f"{t:.6g}")
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.3g} ms" if us >= 100 else f"{us:.3g} us"
+
+
+# --------------------------------------------------------------------------- shipped profiles
+
+
+def profiles_dir() -> Path | None:
+    """Return the directory of the shipped profiles, or ``None`` when it cannot be found.
+
+    An installed package carries them as ``tuner/profiles/`` (package data);
+    a source checkout or an editable install finds ``profiles/`` next to the
+    ``tuner`` package.
+    """
+    here = Path(__file__).resolve().parent
+    for cand in (here / "profiles", here.parent / "profiles"):
+        if (cand / SHIPPED_PROFILES["nccl"]).is_file():
+            return cand
+    return None
+
+
+def shipped_profile(backend: str) -> Path | None:
+    """Return the path of the profile shipped for ``backend`` (``gloo``, ``nccl``), or ``None``."""
+    d = profiles_dir()
+    name = SHIPPED_PROFILES.get(str(backend).lower())
+    if d is None or name is None:
+        return None
+    path = d / name
+    return path if path.is_file() else None
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The selector's answer for one call (``result.decision``).
+
+    Attributes:
+        algorithm: the algorithm that runs.
+        reason: one line saying why.
+        source: what decided: ``forced`` (``COLLTUNE_ALGO``), ``policy``,
+            ``model`` (the cost model's argmin), ``hysteresis`` (the site's
+            previous algorithm kept, within ``margin`` of the best),
+            ``default`` (no profile), ``single-rank``, ``empty`` (no entries
+            anywhere) or ``requested`` (an explicit ``algorithm=``).
+        knobs: the policy's knobs for ``algorithm`` (the caller's ``knobs=``
+            are applied on top).
+        predicted_us: predicted time of each algorithm in microseconds, when
+            the cost model was consulted.
+        rule: the matching policy rule (``rule 2 'name'``), if any.
+        term: the model term that decided (``algorithm.term``: the term that
+            adds most to the runner-up's predicted time over the winner's).
+        overlap: the overlap the decision used, if any.
+        overlap_source: ``bitmap`` (the collective estimate), ``previous call``
+            (the exact overlap of the last call at this site), ``counts``
+            (known from the counts alone), or ``None``.
+        cached: whether this call reused an earlier decision.
+        features: the features the cost model saw, if it was consulted.
+    """
+
+    algorithm: str
+    reason: str
+    source: Source
+    knobs: Mapping[str, Any] = field(default_factory=dict)
+    predicted_us: Mapping[str, float] | None = None
+    rule: str | None = None
+    term: str | None = None
+    overlap: float | None = None
+    overlap_source: str | None = None
+    cached: bool = False
+    features: Features | None = None
+    state_knobs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.algorithm} ({self.reason})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the decision as JSON-ready plain data."""
+        f = self.features
+        return {
+            "algorithm": self.algorithm,
+            "source": self.source,
+            "reason": self.reason,
+            "knobs": dict(self.knobs),
+            "predicted_us": None if self.predicted_us is None else dict(self.predicted_us),
+            "rule": self.rule,
+            "term": self.term,
+            "overlap": self.overlap,
+            "overlap_source": self.overlap_source,
+            "cached": self.cached,
+            "state_knobs": dict(self.state_knobs),
+            "features": None if f is None else {
+                "numel": f.numel, "row_numel": f.row_numel, "dtype": f.dtype, "world_size": f.world_size,
+                "k_max": f.k_max, "k_sum": f.k_sum, "union": f.union, "overlap": f.overlap,
+                "density": f.density,
+            },
+        }
+
+    def _as_cached(self) -> "Choice":
+        return Choice(self.algorithm, self.reason, self.source, self.knobs, self.predicted_us, self.rule,
+                      self.term, self.overlap, self.overlap_source, True, self.features, self.state_knobs)
+
+
+_REQUESTED = {a: Choice(a, "requested by the caller", "requested") for a in ALGORITHMS}
+_EMPTY = Choice("allgather", "no entries on any rank: nothing moves", "empty")
+_SINGLE = Choice("allgather", "single rank: no communication", "single-rank")
+
+
+def requested(algorithm: str) -> Choice:
+    """Return the (shared) decision record of an explicitly requested algorithm."""
+    got = _REQUESTED.get(algorithm)
+    return got if got is not None else Choice(algorithm, "requested by the caller", "requested")
+
+
+# --------------------------------------------------------------------------- cost models
+
+
+class _Model:
+    """A profile's cost model behind one interface: predicted times and (calibrated) analytic terms."""
+
+    __slots__ = ("kind", "label", "analytic", "learned")
+
+    def __init__(self, kind: str, label: str, analytic: AnalyticModel, learned: LearnedCostModel | None) -> None:
+        self.kind, self.label, self.analytic, self.learned = kind, label, analytic, learned
+
+    def predict(self, f: Features) -> dict[str, float]:
+        base = self.analytic.predict(f)
+        if self.learned is None:
+            return base
+        got = self.learned.predict_times(f)
+        return {a: float(got.get(a, base[a])) for a in ALGORITHMS}
+
+    def terms(self, f: Features) -> dict[str, dict[str, float]]:
+        return self.analytic.terms(f)
+
+
+def model_for_profile(profile: Profile, label: str = "<profile>") -> _Model:
+    """Return the cost model a profile describes.
+
+    A stored learned model (``model:``) is rebuilt without refitting; a
+    measured profile without one is fitted once (deterministic); an analytic
+    profile gives the alpha-beta model of its primitives.
+    """
+    from tuner.cost_model import AnalyticModel, LearnedCostModel
+
+    if profile.model is not None:
+        try:
+            learned = LearnedCostModel.from_dict(profile.model)
+            return _Model("learned", label, learned.analytic_, learned)
+        except ColltuneValueError as exc:
+            logger.warning("profile %s: its stored model cannot be used (%s); refitting from the measurements", label, exc)
+    algs = {m.algorithm for m in profile.measurements}
+    if len(profile.measurements) >= 10 and len(algs) >= 2:
+        t0 = time.perf_counter()
+        learned = LearnedCostModel().fit(profile.measurements)
+        logger.info("profile %s: fitted the learned model on %d measurements in %.1f s",
+                    label, len(profile.measurements), time.perf_counter() - t0)
+        return _Model("learned", label, learned.analytic_, learned)
+    return _Model("analytic", label, AnalyticModel(profile.primitives), None)
+
+
+# --------------------------------------------------------------------------- per-site state
+
+
+class _Entry:
+    __slots__ = ("choice", "cached", "k_max", "k_sum", "overlap", "age")
+
+    def __init__(self, choice: Choice, k_max: int, k_sum: int, overlap: float | None) -> None:
+        self.choice = choice
+        self.cached = choice._as_cached()
+        self.k_max, self.k_sum, self.overlap = k_max, k_sum, overlap
+        self.age = 1
+
+
+class _Site:
+    __slots__ = ("overlap", "overlap_source", "last", "entries")
+
+    def __init__(self) -> None:
+        self.overlap: float | None = None
+        self.overlap_source: str | None = None
+        self.last: str | None = None
+        self.entries: dict[int, _Entry] = {}
+
+
+def _bucket(k_sum: int) -> int:
+    return int(2.0 * math.log2(k_sum)) if k_sum > 0 else -1
+
+
+# --------------------------------------------------------------------------- the selector
+
+
+def _as_policy(policy: Policy | str | os.PathLike[str] | None) -> Policy | None:
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, (str, os.PathLike)):
+        return load_policy(policy)
+    raise ColltuneTypeError(
+        f"policy must be a tuner.policy.Policy, a path to a policy YAML file, a Selector or None, "
+        f"but got {type(policy).__name__}."
+    )
+
+
+def _as_profile(profile: Profile | str | os.PathLike[str] | None) -> tuple[Profile | None, str | None]:
+    if profile is None:
+        return None, None
+    if isinstance(profile, Profile):
+        return profile, "<profile>"
+    if isinstance(profile, (str, os.PathLike)):
+        return load_profile(profile), os.path.basename(os.fspath(profile))
+    raise ColltuneTypeError(
+        f"profile must be a tuner.profile.Profile, a path to a profile YAML file or None, "
+        f"but got {type(profile).__name__}."
+    )
+
+
+_LOGGING_SET = False
+
+
+def _enable_logging(level: int) -> None:
+    """Give the ``tuner`` logger a stderr handler at ``level`` unless logging is configured already."""
+    global _LOGGING_SET
+    root = logging.getLogger("tuner")
+    if level is not None and (root.level == logging.NOTSET or root.level > level):
+        root.setLevel(level)
+    if not _LOGGING_SET and not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("colltune %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        _LOGGING_SET = True
+
+
+class Selector:
+    """Decide which algorithm runs each ``auto`` call, the same on every rank.
+
+    Args:
+        policy: a :class:`~tuner.policy.Policy` or a path to a policy file;
+            ``None`` for ``COLLTUNE_POLICY`` or else no rules. A policy set in
+            the environment replaces this one.
+        profile: a :class:`~tuner.profile.Profile` or a path; ``None`` for the
+            policy's ``profile``, else the profile shipped for the group's
+            backend. Without any, the safe default ``dense`` runs.
+        reevaluate_every: decide again after a decision served this many calls.
+        margin: hysteresis: the site's previous algorithm is kept while its
+            predicted time is at most ``1 + margin`` times the best.
+        count_band: a cached decision holds while ``k_max`` and ``K`` stay
+            within this relative factor (0.25: within x1.25 either way).
+        overlap_band: ... and the overlap within this absolute distance.
+        bitmap_seed: hash seed of the overlap estimate.
+        environ: the environment to read (``os.environ`` by default; ``{}``
+            ignores it).
+
+    Raises:
+        PolicyError: an invalid policy (file, line and allowed values named)
+            or environment variable.
+        ProfileError: an unreadable or invalid profile.
+        ColltuneValueError: a bad setting.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str | os.PathLike[str] | None = None,
+        profile: Profile | str | os.PathLike[str] | None = None,
+        *,
+        reevaluate_every: int = 64,
+        margin: float = 0.05,
+        count_band: float = 0.25,
+        overlap_band: float = 0.1,
+        bitmap_seed: int = 0,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        if isinstance(reevaluate_every, bool) or not isinstance(reevaluate_every, int) or reevaluate_every < 1:
+            raise ColltuneValueError(f"reevaluate_every must be an int >= 1, but got {reevaluate_every!r}.")
+        for label, v in (("margin", margin), ("count_band", count_band), ("overlap_band", overlap_band)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+                raise ColltuneValueError(f"{label} must be a number >= 0, but got {v!r}.")
+        env_policy, overrides = policy_from_env(os.environ if environ is None else environ)
+        given = _as_policy(policy)
+        if env_policy is not None and given is not None and env_policy.digest != given.digest:
+            logger.info("COLLTUNE_POLICY=%s replaces the policy %s passed in code", overrides.policy_path, given.source)
+        self.policy: Policy = env_policy or given or DEFAULT_POLICY
+        self.overrides: Overrides = overrides
+        self._profile, self._profile_label = _as_profile(profile)
+        if self._profile is None and self.policy.profile_path is not None:
+            self._profile = load_profile(self.policy.profile_path)
+            self._profile_label = os.path.basename(str(self.policy.profile_path))
+        self.reevaluate_every = int(reevaluate_every)
+        self.margin = float(margin)
+        self.count_band = float(count_band)
+        self.overlap_band = float(overlap_band)
+        self.bitmap_seed = int(bitmap_seed)
+        self._policy_uses_overlap = any(r.overlap is not None for r in self.policy.rules)
+        self._models: dict[str, _Model | None] = {}
+        self._digests: dict[str, int] = {}
+        self._sites: dict[tuple, _Site] = {}
+        self._settings = _signed64(int.from_bytes(hashlib.blake2b(json.dumps(
+            [self.reevaluate_every, self.margin, self.count_band, self.overlap_band, self.bitmap_seed]
+        ).encode(), digest_size=8).digest(), "big"))
+        if overrides.log_level is not None:
+            _enable_logging(overrides.log_level)
+        self._log_file_cache: dict[int | None, str | None] = {}
+        self._forced_choice: Choice | None = None
+        if overrides.algorithm is not None and overrides.algorithm != AUTO:
+            self._forced_choice = self._forced()
+
+    def __repr__(self) -> str:
+        return (f"Selector(policy={self.policy.source!r}, profile={self._profile_label!r}, "
+                f"reevaluate_every={self.reevaluate_every}, margin={self.margin})")
+
+    # -- configuration shared across ranks -----------------------------------
+
+    def model(self, backend: str = "gloo") -> _Model | None:
+        """Return the cost model used on ``backend`` (``None``: no profile, the safe default runs)."""
+        key = str(backend).lower()
+        if key in self._models:
+            return self._models[key]
+        profile, label = self._profile, self._profile_label
+        if profile is None:
+            path = shipped_profile(key)
+            if path is not None:
+                try:
+                    profile, label = load_profile(path), path.name
+                except ProfileError as exc:
+                    logger.warning("the shipped profile %s cannot be loaded (%s); auto falls back to %s",
+                                   path.name, exc, SAFE_DEFAULT)
+                    profile = None
+        got = None if profile is None else model_for_profile(profile, label or "<profile>")
+        self._models[key] = got
+        self._digests[key] = self._compute_digest(profile)
+        if got is None:
+            logger.info("no profile for backend %s: auto runs the safe default %s", key, SAFE_DEFAULT)
+        else:
+            logger.debug("backend %s: cost model %s from %s", key, got.kind, got.label)
+        return got
+
+    def profile(self, backend: str = "gloo") -> Profile | None:
+        """Return the profile in use on ``backend``, or ``None``."""
+        if self._profile is not None:
+            return self._profile
+        path = shipped_profile(backend)
+        return None if path is None else load_profile(path)
+
+    def _compute_digest(self, profile: Profile | None) -> int:
+        cfg = config_digest(self.policy, self.overrides)
+        prof = 0 if profile is None else profile.digest
+        return _signed64(cfg ^ prof ^ self._settings)
+
+    def digest(self, backend: str = "gloo") -> int:
+        """Return the signed 64-bit hash of everything that must agree across ranks.
+
+        It covers the policy, ``COLLTUNE_ALGO``, the profile in use on
+        ``backend`` and the selector's settings; :func:`tuner.sparse_allreduce`
+        sends it (with the tensor name folded in) in the metadata record.
+        """
+        d = self._digests.get(backend)
+        if d is None:
+            self.model(backend)
+            d = self._digests[str(backend).lower()]
+            self._digests[backend] = d
+        return d
+
+    def reset(self) -> None:
+        """Forget every cached decision and overlap (the next call at each site decides afresh)."""
+        self._sites.clear()
+
+    # -- the decision ---------------------------------------------------------
+
+    def _site(self, key: tuple) -> _Site:
+        site = self._sites.get(key)
+        if site is None:
+            site = self._sites[key] = _Site()
+        return site
+
+    def _in_band(self, e: _Entry, k_max: int, k_sum: int, overlap: float | None) -> bool:
+        hi = 1.0 + self.count_band
+        if not (k_sum * hi >= e.k_sum and k_sum <= e.k_sum * hi and k_max * hi >= e.k_max and k_max <= e.k_max * hi):
+            return False
+        if e.overlap is None or overlap is None:
+            return e.overlap is None
+        return abs(overlap - e.overlap) <= self.overlap_band
+
+    def decide_sparse(
+        self,
+        site_key: tuple,
+        *,
+        comm: Any,
+        backend: str,
+        name: str | None,
+        size: int,
+        row_numel: int,
+        dtype: Any,
+        counts: Sequence[int],
+        indices: Any,
+    ) -> Choice:
+        """Return the algorithm of one exact sparse allreduce; collective on a cache miss.
+
+        Called by every rank after the metadata exchange, with the same
+        ``site_key``, ``counts`` and shared arguments; ``indices`` are this
+        rank's coalesced indices (used only by the overlap estimate).
+
+        Args:
+            site_key: the call site (see the module docstring); every rank the same.
+            comm: the group (:class:`algorithms.Comm`).
+            backend: the group's backend name (picks the shipped profile).
+            name: the tensor's name for policy globs, or ``None``.
+            size: rows ``n``.
+            row_numel: elements per row.
+            dtype: the value dtype.
+            counts: every rank's entry count after coalescing.
+            indices: this rank's coalesced indices.
+
+        Returns:
+            The :class:`Choice`; identical on every rank.
+        """
+        if self._forced_choice is not None:
+            return self._forced_choice
+        p = comm.world_size
+        k_sum = sum(counts)
+        k_max = max(counts) if counts else 0
+        site = self._sites.get(site_key)
+        if site is not None and k_sum > 0:
+            e = site.entries.get(_bucket(k_sum))
+            if e is not None and e.age < self.reevaluate_every and self._in_band(e, k_max, k_sum, site.overlap):
+                e.age += 1
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("sparse %s n=%d K=%d k_max=%d P=%d -> %s (cached: %s)",
+                                 name or "-", size, k_sum, k_max, p, e.choice.algorithm, e.choice.reason)
+                return e.cached
+        if p == 1:
+            return _SINGLE
+        if k_sum == 0:
+            return _EMPTY
+        site = self._site(site_key)
+        dtype_name = normalize_dtype(dtype)
+        density = k_sum / (p * size)
+        numel = size * row_numel
+        overlap, source = site.overlap, site.overlap_source
+        decision = self._match(name, numel, density, p, overlap, dtype_name)
+        pinned = decision.algorithm != AUTO and (overlap is not None or not self._policy_uses_overlap)
+        model = None if pinned else self.model(backend)
+        if not pinned and overlap is None and (model is not None or self._policy_uses_overlap):
+            if k_sum == k_max:  # at most one rank holds entries: nothing overlaps, nothing learned
+                overlap, source = 0.0, "counts"
+            else:
+                _, overlap = estimate_union_collective(comm, indices, counts, seed=self.bitmap_seed)
+                source = "bitmap"
+                site.overlap, site.overlap_source = overlap, source
+            if self._policy_uses_overlap:
+                decision = self._match(name, numel, density, p, overlap, dtype_name)
+        if decision.algorithm != AUTO:
+            choice = self._from_policy(decision, overlap, source)
+        elif model is None:
+            choice = Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}",
+                            "default", _knobs_for(decision, SAFE_DEFAULT), overlap=overlap, overlap_source=source)
+        else:
+            u = k_sum - overlap * (k_sum - k_max)
+            f = Features.build(numel=size, row_numel=row_numel, dtype=dtype_name, k_per_rank=list(counts), union=u)
+            choice = self._from_model(model, {a: f for a in ALGORITHMS}, decision, site, overlap, source)
+        site.last = choice.algorithm
+        site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, overlap)
+        self._log("sparse", name, site_key, choice, comm.rank)
+        return choice
+
+    def observe_sparse(self, site_key: tuple, counts: Sequence[int], union: int) -> None:
+        """Record the exact union size a completed call revealed (the same on every rank)."""
+        k_sum = sum(counts)
+        k_max = max(counts) if counts else 0
+        if k_sum > k_max:  # two or more ranks held entries: the union says how much they overlap
+            site = self._site(site_key)
+            site.overlap = (k_sum - union) / (k_sum - k_max)
+            site.overlap_source = "previous call"
+
+    def decide_topk(
+        self,
+        site_key: tuple,
+        *,
+        world_size: int,
+        rank: int,
+        backend: str,
+        name: str | None,
+        numel: int,
+        k: int,
+        dtype: Any,
+    ) -> Choice:
+        """Return the algorithm of one top-k allreduce (no collective: numel, k, P and dtype decide).
+
+        The cost model prices ``dense`` as a full tensor on every rank,
+        ``allgather`` (TopkA) and ``oktopk`` as ``k`` entries per rank whose
+        union is the last TopkA result's size at this site, or ``P k`` (no
+        overlap) before one is known.
+        """
+        if self._forced_choice is not None:
+            return self._forced_choice
+        p = world_size
+        site = self._sites.get(site_key)
+        if site is not None:
+            e = site.entries.get(0)
+            if e is not None and e.age < self.reevaluate_every and (
+                e.overlap is None or site.overlap is None or abs(site.overlap - e.overlap) <= self.overlap_band
+            ):
+                e.age += 1
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("topk %s numel=%d k=%d P=%d -> %s (cached: %s)",
+                                 name or "-", numel, k, p, e.choice.algorithm, e.choice.reason)
+                return e.cached
+        if p == 1:
+            return _SINGLE
+        site = self._site(site_key)
+        dtype_name = normalize_dtype(dtype)
+        overlap = site.overlap
+        decision = self._match(name, numel, k / numel, p, overlap, dtype_name)
+        model = None if decision.algorithm != AUTO else self.model(backend)
+        if decision.algorithm != AUTO:
+            choice = self._from_policy(decision, overlap, site.overlap_source)
+        elif model is None:
+            choice = Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}",
+                            "default", _knobs_for(decision, SAFE_DEFAULT))
+        else:
+            ov = 0.0 if overlap is None else overlap
+            k = min(k, numel)
+            u = p * k - ov * (p * k - k)
+            sparse = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[k] * p, union=u)
+            dense = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[numel] * p, union=numel)
+            feats = {"dense": dense, "allgather": sparse, "oktopk": sparse}
+            choice = self._from_model(model, feats, decision, site, overlap, site.overlap_source)
+        site.last = choice.algorithm
+        site.entries[0] = _Entry(choice, k, p * k, overlap)
+        self._log("topk", name, site_key, choice, rank)
+        return choice
+
+    def observe_topk(self, site_key: tuple, algorithm: str, k: int, world_size: int, global_count: int) -> None:
+        """Record what a completed top-k call revealed: TopkA's result size is the union of the local selections."""
+        site = self._sites.get(site_key)
+        if site is None or algorithm != "allgather" or world_size < 2 or k < 1:
+            return
+        site.overlap = overlap_from_union([k] * world_size, float(global_count))
+        site.overlap_source = "previous call"
+
+    # -- pieces ---------------------------------------------------------------
+
+    def _match(
+        self, name: str | None, numel: int, density: float, p: int, overlap: float | None, dtype_name: str
+    ) -> Decision:
+        decision = self.policy.match(name, numel, density, p, overlap, dtype_name)
+        if self.overrides.algorithm == AUTO and decision.algorithm != AUTO:
+            return self.overrides.apply(decision)  # COLLTUNE_ALGO=auto: the cost model decides, knobs stay
+        return decision
+
+    def _forced(self) -> Choice:
+        algo = str(self.overrides.algorithm)
+        base = self.policy.match(None, None, None, None, None, None)
+        return Choice(algo, f"COLLTUNE_ALGO={algo} forces it", "forced", _knobs_for(base, algo),
+                      state_knobs=_state_knobs_for(base, algo))
+
+    def _from_policy(self, decision: Decision, overlap: float | None, source: str | None) -> Choice:
+        rule = None
+        if decision.rule_index is not None:
+            rule = f"rule {decision.rule_index}" + (f" {decision.rule_name!r}" if decision.rule_name else "")
+        return Choice(decision.algorithm, decision.reason, "policy", _knobs_for(decision, decision.algorithm),
+                      rule=rule, overlap=overlap, overlap_source=source,
+                      state_knobs=_state_knobs_for(decision, decision.algorithm))
+
+    def _from_model(
+        self,
+        model: _Model,
+        feats: Mapping[str, Features],
+        decision: Decision,
+        site: _Site,
+        overlap: float | None,
+        source: str | None,
+    ) -> Choice:
+        raw: dict[str, float] = {}
+        memo: dict[int, dict[str, float]] = {}
+        for a in ALGORITHMS:
+            f = feats[a]
+            got = memo.get(id(f))
+            if got is None:
+                got = memo[id(f)] = model.predict(f)
+            raw[a] = got[a]
+        pred = {a: _q(raw[a]) for a in ALGORITHMS}
+        ranked = sorted(ALGORITHMS, key=lambda a: (pred[a], _ORDER[a]))
+        best, runner = ranked[0], ranked[1]
+        chosen, src = best, "model"
+        inc = site.last
+        if inc is not None and inc != best and inc in pred and pred[inc] <= pred[best] * (1.0 + self.margin):
+            chosen, src = inc, "hysteresis"
+        term = _deciding_term(model, feats, best, runner, pred)
+        order = " < ".join(f"{a} {_ms(pred[a])}" for a in ranked)
+        if src == "hysteresis":
+            reason = (f"hysteresis: kept {chosen} ({_ms(pred[chosen])}, within {self.margin:.0%} of "
+                      f"{best} {_ms(pred[best])}); cost model ({model.kind}, {model.label}): {order}")
+        else:
+            reason = f"cost model ({model.kind}, {model.label}): {order}"
+            if term is not None:
+                reason += f"; decided by {term[0]} (+{_ms(term[1])})"
+        rule = None
+        if decision.rule_index is not None:
+            rule = f"rule {decision.rule_index}" + (f" {decision.rule_name!r}" if decision.rule_name else "")
+            reason += f"; {decision.reason} says auto"
+        ov_note = "" if overlap is None else f"; overlap {overlap:.2f} ({source})"
+        return Choice(chosen, reason + ov_note, src, _knobs_for(decision, chosen), dict(pred), rule,  # type: ignore[arg-type]
+                      None if term is None else term[0], overlap, source, False, feats[chosen],
+                      _state_knobs_for(decision, chosen))
+
+    def _log(self, kind: str, name: str | None, site_key: tuple, choice: Choice, rank: int) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s %s %s -> %s (%s)", kind, name or "-", _site_label(site_key), choice.algorithm, choice.reason)
+        if self.overrides.log_file is None:
+            return
+        path = self._log_file_cache.get(rank)
+        if path is None:
+            path = self._log_file_cache[rank] = self.overrides.log_file_for(rank)
+        record = {"time": time.time(), "rank": rank, "kind": kind, "name": name, "site": _site_label(site_key)}
+        record.update(choice.as_dict())
+        try:
+            with open(path, "a", encoding="utf-8") as fh:  # type: ignore[arg-type]
+                fh.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+        except (OSError, ValueError) as exc:
+            logger.warning("cannot append the decision to %s (%s)", path, exc)
+
+    # -- offline --------------------------------------------------------------
+
+    def explain(self, features: Features, *, name: str | None = None, backend: str = "gloo") -> "Explanation":
+        """Return what the selector would decide for a call with these features, and why (no process group).
+
+        The features' overlap is taken as known (a policy rule on overlap can match).
+        """
+        f = features
+        decision = self._match(name, f.numel * f.row_numel, f.density, f.world_size, f.overlap, f.dtype)
+        model = self.model(backend)
+        site = _Site()
+        if self._forced_choice is not None:
+            choice = self._forced_choice
+        elif f.world_size == 1:
+            choice = _SINGLE
+        elif decision.algorithm != AUTO:
+            choice = self._from_policy(decision, f.overlap, "given")
+        elif model is None:
+            choice = Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}", "default")
+        else:
+            choice = self._from_model(model, {a: f for a in ALGORITHMS}, decision, site, f.overlap, "given")
+        rows = []
+        if model is not None:
+            pred = model.predict(f)
+            terms = model.terms(f)
+            for a in ALGORITHMS:
+                analytic = math.fsum(terms[a].values())
+                top = max(terms[a], key=terms[a].get)  # type: ignore[arg-type]
+                rows.append(_Row(a, pred[a], analytic, pred[a] / analytic if analytic > 0 else float("nan"),
+                                 top, terms[a][top], dict(terms[a])))
+        return Explanation(f, choice, tuple(rows), None if model is None else f"{model.kind} ({model.label})",
+                           self.policy.source, name)
+
+
+#: Policy knobs of ``oktopk`` that belong to the top-k state (:class:`algorithms.TopkState`).
+STATE_KNOBS: tuple[str, ...] = ("local_refresh", "global_refresh")
+
+
+def _state_knobs_for(decision: Decision, algorithm: str) -> dict[str, Any]:
+    knobs = decision.knobs.get(algorithm) if algorithm == "oktopk" else None
+    if not knobs:
+        return {}
+    return {k: v for k, v in knobs.items() if k in STATE_KNOBS}
+
+
+def _knobs_for(decision: Decision, algorithm: str) -> dict[str, Any]:
+    """Return the policy's knobs for ``algorithm`` that the algorithm itself takes.
+
+    Knobs of the top-k state (``local_refresh``, ``global_refresh``) are
+    applied by :func:`tuner.topk_allreduce` to the state, not passed here.
+    """
+    knobs = decision.knobs.get(algorithm)
+    if not knobs:
+        return {}
+    try:
+        accepted = _algorithms.get(algorithm).knobs
+    except ColltuneValueError:
+        return {}
+    return {k: v for k, v in knobs.items() if k in accepted}
+
+
+def _site_label(site_key: tuple) -> str:
+    try:
+        kind, name, size, row, dtype, p = site_key[:6]
+        return f"[{name or '-'} n={size} row={row} {dtype} P={p}]"
+    except (TypeError, ValueError):
+        return str(site_key)
+
+
+def _deciding_term(
+    model: _Model, feats: Mapping[str, Features], best: str, runner: str, pred: Mapping[str, float]
+) -> tuple[str, float] | None:
+    """Return the term that adds most to the runner-up's time over the winner's, with the difference.
+
+    Terms are the alpha-beta terms, each algorithm's scaled by its learned
+    correction (predicted over alpha-beta time), so they add up to the predictions.
+    """
+
+    def scaled(alg: str) -> dict[str, float]:
+        terms = model.terms(feats[alg])[alg]
+        total = math.fsum(terms.values())
+        factor = pred[alg] / total if total > 0 else 1.0
+        return {t: v * factor for t, v in terms.items()}
+
+    tb, tr = scaled(best), scaled(runner)
+    diffs = {}
+    for t in set(tb) | set(tr):
+        diffs[t] = tr.get(t, 0.0) - tb.get(t, 0.0)
+    if not diffs:
+        return None
+    t = max(sorted(diffs), key=lambda x: diffs[x])
+    if diffs[t] <= 0:
+        return None
+    owner = runner if t in tr else best
+    return f"{owner}.{t}", diffs[t]
+
+
+# --------------------------------------------------------------------------- explanations
+
+
+@dataclass(frozen=True)
+class _Row:
+    algorithm: str
+    predicted_us: float
+    analytic_us: float
+    correction: float
+    top_term: str
+    top_term_us: float
+    terms: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :meth:`Selector.explain` returns: the call, the choice, and each algorithm's prediction.
+
+    Attributes:
+        features: the call.
+        choice: the decision and its reason.
+        rows: per algorithm: predicted time, the (calibrated) analytic time,
+            the learned correction factor, and the largest analytic term.
+        model: ``kind (profile)`` of the cost model, or ``None`` without one.
+        policy: the policy's source.
+        name: the tensor name given.
+    """
+
+    features: Features
+    choice: Choice
+    rows: tuple[_Row, ...]
+    model: str | None
+    policy: str
+    name: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the explanation as JSON-ready plain data."""
+        return {
+            "choice": self.choice.as_dict(),
+            "model": self.model,
+            "policy": self.policy,
+            "name": self.name,
+            "algorithms": [
+                {"algorithm": r.algorithm, "predicted_us": r.predicted_us, "analytic_us": r.analytic_us,
+                 "correction": r.correction, "largest_term": r.top_term, "terms_us": r.terms}
+                for r in self.rows
+            ],
+        }
+
+
+def format_explanation(e: Explanation) -> str:
+    """Return the explanation as a table and the reason, for ``colltune explain``."""
+    f = e.features
+    lines = [
+        f"call: n={f.numel} rows x {f.row_numel}, {f.dtype}, P={f.world_size}, density {f.density:.3g}, "
+        f"k_max={f.k_max}, K={f.k_sum}, union {f.union:.0f}, overlap {f.overlap:.2f}"
+        + (f", name {e.name!r}" if e.name else ""),
+        f"cost model: {e.model or 'none (no profile)'}; policy: {e.policy}",
+        "",
+    ]
+    if e.rows:
+        head = f"{'algorithm':<10} {'predicted':>12} {'analytic':>12} {'correction':>10}  largest term"
+        lines += [head, "-" * (len(head) + 24)]
+        for r in e.rows:
+            mark = " *" if r.algorithm == e.choice.algorithm else "  "
+            lines.append(
+                f"{r.algorithm:<10} {_ms(r.predicted_us):>12} {_ms(r.analytic_us):>12} {r.correction:>9.2f}x"
+                f"{mark}{r.top_term} ({_ms(r.top_term_us)})"
+            )
+        lines.append("")
+    lines.append(f"choice: {e.choice.algorithm}   (decided by: {e.choice.source}"
+                 + (f", {e.choice.rule}" if e.choice.rule else "")
+                 + (f", term {e.choice.term}" if e.choice.term else "") + ")")
+    lines.append(f"why: {e.choice.reason}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the process-wide selector
+
+
+_global: Selector | None = None
+_by_policy: dict[Any, Selector] = {}
+_lock = threading.Lock()
+
+
+def configure(
+    policy: Policy | str | os.PathLike[str] | None = None,
+    profile: Profile | str | os.PathLike[str] | None = None,
+    *,
+    selector: Selector | None = None,
+    **settings: Any,
+) -> Selector:
+    """Set the selector every ``auto`` call of this process uses; return it.
+
+    Call it the same way on every rank (ranks configured differently raise
+    :class:`~algorithms.errors.RankMismatchError` at their next ``auto`` call).
+    With no arguments it rebuilds the default selector from the environment
+    and forgets every cached decision.
+
+    Args:
+        policy: a policy or a path (see :class:`Selector`).
+        profile: a profile or a path (see :class:`Selector`).
+        selector: a ready :class:`Selector` (then give neither ``policy`` nor
+            ``profile`` nor settings).
+        **settings: :class:`Selector` keyword arguments (``reevaluate_every``, ``margin``...).
+
+    Example:
+        >>> tuner.configure(policy="my-policy.yaml", profile="my-cluster.yaml")  # doctest: +SKIP
+    """
+    global _global
+    if selector is not None:
+        if policy is not None or profile is not None or settings:
+            raise ColltuneValueError(
+                "configure() takes either selector= or policy=/profile=/settings, but got both; "
+                "build the Selector with those arguments instead."
+            )
+        if not isinstance(selector, Selector):
+            raise ColltuneTypeError(f"selector must be a tuner.Selector, but got {type(selector).__name__}.")
+        new = selector
+    else:
+        new = Selector(policy, profile, **settings)
+    with _lock:
+        _global = new
+        _by_policy.clear()
+    return new
+
+
+def get_selector() -> Selector:
+    """Return the process-wide selector, building the default one (from the environment) on first use."""
+    global _global
+    sel = _global
+    if sel is None:
+        with _lock:
+            if _global is None:
+                _global = Selector()
+            sel = _global
+    return sel
+
+
+def selector_for(policy: Any) -> Selector:
+    """Return the selector a call's ``policy=`` argument stands for.
+
+    ``None`` is the process-wide selector; a :class:`Selector` is itself; a
+    :class:`~tuner.policy.Policy` or a path gets a selector of its own, kept
+    (with its cache) for later calls with the same policy.
+    """
+    if policy is None:
+        return _global if _global is not None else get_selector()
+    if isinstance(policy, Selector):
+        return policy
+    if isinstance(policy, Policy):
+        key: Any = ("policy", policy.digest)
+    elif isinstance(policy, (str, os.PathLike)):
+        key = ("path", os.path.abspath(os.fspath(policy)))
+    else:
+        raise ColltuneTypeError(
+            f"policy must be a tuner.policy.Policy, a path to a policy YAML file, a tuner.Selector or None, "
+            f"but got {type(policy).__name__}."
+        )
+    sel = _by_policy.get(key)
+    if sel is None:
+        sel = Selector(policy)
+        with _lock:
+            _by_policy[key] = sel
+    return sel
