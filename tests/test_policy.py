@@ -575,7 +575,16 @@ def test_known_algorithms_follow_the_registry(monkeypatch: pytest.MonkeyPatch) -
 def test_knob_table_covers_the_builtin_algorithms() -> None:
     for name in ("dense", "allgather", "oktopk"):
         assert name in KNOBS
-    assert set(KNOBS["oktopk"]) == {"boundary_refresh", "peers_in_flight", "dense_fallback_ratio", "local_refresh", "global_refresh"}
+    # The table and the algorithms' own knobs must not drift apart: every knob a
+    # policy may set is an algorithm knob or a top-k state knob, and every
+    # algorithm knob is settable (``balance`` waits for a boolean knob kind).
+    import algorithms
+
+    state_knobs = {"local_refresh", "global_refresh"}
+    for name in ("dense", "allgather", "oktopk"):
+        accepted = set(algorithms.get(name).knobs)
+        assert set(KNOBS[name]) - state_knobs <= accepted, name
+        assert accepted - {"balance"} <= set(KNOBS[name]), name
     for specs in KNOBS.values():
         for spec in specs.values():
             assert spec.describe()

@@ -277,6 +277,9 @@ KNOBS: dict[str, dict[str, KnobSpec]] = {
         "dense_fallback_ratio": KnobSpec(
             "float", 0.0, exclusive=True, help="fall back to dense once reduced data passes this share of dense"
         ),
+        "gather_mode": KnobSpec(
+            "choice", choices=("auto", "pad", "alltoall"), help="how the reduced regions are gathered (as allgather.mode)"
+        ),
         "local_refresh": KnobSpec("int", 1, help="exact local threshold every this many calls"),
         "global_refresh": KnobSpec("int", 1, help="exact global threshold every this many calls"),
     },
