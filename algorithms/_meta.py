@@ -169,7 +169,8 @@ def exchange(
             else:
                 per_rank = ", ".join(f"rank {r}: {_say(f, v)}" for r, v in enumerate(values))
             hint = {
-                "policy": "load the same policy file and profile on every rank",
+                "policy": "load the same policy file and profile, set the same COLLTUNE_ALGO, "
+                "and pass the same name= on every rank",
                 "row_shape": "pass values with the same row shape on every rank",
                 "row_numel": "pass values with the same row shape on every rank",
             }.get(f, "pass the same value on every rank")
