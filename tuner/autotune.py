@@ -55,10 +55,10 @@ Example:
 
 from __future__ import annotations
 
+from tuner._io import write_text_atomic
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -393,21 +393,7 @@ def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profil
 
 
 def _write_text(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".colltune-", suffix=".yaml", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_text_atomic(path, text, ".yaml")
 
 
 class TuneCommand:

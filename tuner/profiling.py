@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from algorithms.errors import ColltuneValueError
+from tuner._io import write_text_atomic
 from tuner.profile import (
     Measurement,
     Primitive,
@@ -1345,24 +1346,7 @@ class FitCommand:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    import tempfile
-
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".colltune-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, default=_json_default)
-            fh.write("\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_text_atomic(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
 
 
 def _json_default(o: Any) -> Any:

@@ -30,20 +30,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import tempfile
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from tuner._io import atomic_path, write_text_atomic
 from tuner.profile import Profile, load_profile
 
 __all__ = ["COLORS", "model_of", "decision_grid", "write_report", "ReportCommand"]
 
 _ALGS: tuple[str, ...] = ("dense", "allgather", "oktopk")
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-#: Mode of the files written: what a plain ``open`` would give under the process umask.
-_FILE_MODE = 0o666 & ~_UMASK
 #: One colour per algorithm, the same in every picture.
 COLORS: dict[str, str] = {"dense": "#4C72B0", "allgather": "#DD8452", "oktopk": "#55A868"}
 
@@ -135,19 +131,8 @@ def _legend(fig: Any) -> None:
 
 def _save(fig: Any, path: str) -> None:
     """Write a figure atomically (temporary file, then rename)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".colltune-", suffix=".png", dir=directory)
-    os.close(fd)
-    try:
+    with atomic_path(path, ".png") as tmp:
         fig.savefig(tmp, dpi=110, format="png")
-        os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.ndarray, np.ndarray, int]:
@@ -340,19 +325,7 @@ def write_report(
 
 
 def _write_text(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".colltune-", suffix=".md", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_text_atomic(path, text, ".md")
 
 
 def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mapping[str, Any] | None, n: int,
