@@ -62,14 +62,17 @@ SHARED_FIELDS: tuple[str, ...] = ("kind", "size", "row_numel", "row_shape", "dty
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
 _names: dict[int, str] = {}
+_codes: dict[str, int] = {}
 
 
 def name_code(name: str | None) -> int:
     """Return a stable code for a string (an algorithm name, a row shape), remembering it for messages."""
     if name is None:
         return -1
-    code = zlib.crc32(name.encode())
-    _names[code] = name
+    code = _codes.get(name)
+    if code is None:
+        code = _codes[name] = zlib.crc32(name.encode())
+        _names[code] = name
     return code
 
 

@@ -24,7 +24,6 @@ from algorithms._comm import Comm
 from algorithms._meta import eager_capacity
 from algorithms._sparse import accum_dtype, entry_bytes, merge_sources, pack, unpack, wire_index_dtype
 from algorithms.base import Algorithm, SparseInput, TopkOutput
-from algorithms.errors import ColltuneValueError
 
 __all__ = ["Allgather", "gather_merge", "eager_slot"]
 
@@ -64,14 +63,7 @@ class Allgather(Algorithm):
 
     name = "allgather"
     knobs: dict[str, Any] = {"mode": "auto"}
-
-    def check_knobs(self, knobs: dict[str, Any] | None) -> dict[str, Any]:
-        merged = super().check_knobs(knobs)
-        if merged["mode"] not in _MODES:
-            raise ColltuneValueError(
-                f"knob allgather.mode must be one of {', '.join(_MODES)}, but got {merged['mode']!r}."
-            )
-        return merged
+    knob_choices = {"mode": _MODES}
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         counts = list(inp.counts)

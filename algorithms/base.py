@@ -155,6 +155,10 @@ class Algorithm(abc.ABC):
     name: ClassVar[str]
     #: Tunable knobs and their defaults. Unknown knobs are rejected.
     knobs: ClassVar[dict[str, Any]] = {}
+    #: Allowed values of string knobs.
+    knob_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: Lower bounds of numeric knobs: ``(bound, exclusive)``.
+    knob_minimums: ClassVar[dict[str, tuple[float, bool]]] = {}
 
     def check_knobs(self, knobs: dict[str, Any] | None) -> dict[str, Any]:
         """Return the defaults updated with ``knobs``, rejecting unknown names and wrong types."""
@@ -178,6 +182,16 @@ class Algorithm(abc.ABC):
                     f"knob {self.name}.{key} must be of type {type(default).__name__}, but got {value!r}."
                 )
             merged[key] = value
+        for key, choices in self.knob_choices.items():
+            if merged[key] not in choices:
+                raise ColltuneValueError(
+                    f"knob {self.name}.{key} must be one of {', '.join(choices)}, but got {merged[key]!r}."
+                )
+        for key, (bound, exclusive) in self.knob_minimums.items():
+            if merged[key] <= bound if exclusive else merged[key] < bound:
+                raise ColltuneValueError(
+                    f"knob {self.name}.{key} must be {'>' if exclusive else '>='} {bound:g}, but got {merged[key]}."
+                )
         return merged
 
     @abc.abstractmethod

@@ -225,23 +225,8 @@ class OkTopk(Algorithm):
         "gather_mode": "auto",
         "balance": True,
     }
-
-    def check_knobs(self, knobs: dict[str, Any] | None) -> dict[str, Any]:
-        from algorithms.errors import ColltuneValueError
-
-        merged = super().check_knobs(knobs)
-        for key in ("boundary_refresh", "peers_in_flight"):
-            if merged[key] < 1:
-                raise ColltuneValueError(f"knob oktopk.{key} must be >= 1, but got {merged[key]}.")
-        if merged["dense_fallback_ratio"] <= 0:
-            raise ColltuneValueError(
-                f"knob oktopk.dense_fallback_ratio must be > 0, but got {merged['dense_fallback_ratio']}."
-            )
-        if merged["gather_mode"] not in ("auto", "pad", "alltoall"):
-            raise ColltuneValueError(
-                f"knob oktopk.gather_mode must be one of auto, pad, alltoall, but got {merged['gather_mode']!r}."
-            )
-        return merged
+    knob_choices = {"gather_mode": ("auto", "pad", "alltoall")}
+    knob_minimums = {"boundary_refresh": (1, False), "peers_in_flight": (1, False), "dense_fallback_ratio": (0.0, True)}
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         key = (id(comm.group), comm.world_size, inp.size)

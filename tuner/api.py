@@ -268,6 +268,29 @@ def _policy_code(sel: Any, backend: str, name: str | None) -> int:
     return code - (1 << 64) if code >= (1 << 63) else code
 
 
+def _resolve(
+    algorithm: str, knobs: dict[str, Any] | None, policy: Any, group: dist.ProcessGroup | None, name: Any
+) -> tuple[dict[str, Any] | None, Any, str | None, int]:
+    """Check ``name`` and resolve the request before the metadata exchange.
+
+    Returns ``(knobs, selector, backend, code)``: the checked knobs of an
+    explicit algorithm (``None`` for ``auto``, decided after the exchange),
+    the selector and backend for ``auto`` (else ``None``), and the code the
+    record's ``policy`` field carries.
+    """
+    _check_name(name)
+    if algorithm != "auto":
+        return algorithms.get(algorithm).check_knobs(knobs), None, None, 0
+    sel = _selector_module().selector_for(policy)
+    backend = _backend_name(group)
+    return None, sel, backend, _policy_code(sel, backend, name)
+
+
+def _decided_knobs(decision: Any, knobs: dict[str, Any] | None) -> dict[str, Any]:
+    """Return the knobs of the selector's choice: the policy's, overridden by the caller's."""
+    return algorithms.get(decision.algorithm).check_knobs({**decision.knobs, **knobs} if knobs else decision.knobs)
+
+
 def _group_key(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else id(group)
 
@@ -349,14 +372,7 @@ def _sparse_allreduce(
     sel: Any = None
     try:
         idx, vals, n, row_shape = _validate_sparse(indices, values, size, op, algorithm, group)
-        _check_name(name)
-        if algorithm != "auto":
-            knobs_checked = algorithms.get(algorithm).check_knobs(knobs)
-            code = 0
-        else:
-            sel = _selector_module().selector_for(policy)
-            backend = _backend_name(group)
-            code = _policy_code(sel, backend, name)
+        knobs_checked, sel, backend, code = _resolve(algorithm, knobs, policy, group, name)
         idx, vals = coalesce(idx, vals, accum_dtype(values.dtype))
         record.update(
             size=n,
@@ -386,7 +402,7 @@ def _sparse_allreduce(
             dtype=values.dtype, counts=counts, indices=idx,
         )
         algorithm = decision.algorithm
-        knobs_checked = algorithms.get(algorithm).check_knobs({**decision.knobs, **knobs} if knobs else decision.knobs)
+        knobs_checked = _decided_knobs(decision, knobs)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", n, inp.k_max, inp.k_sum,
                          comm.world_size, algorithm)
@@ -528,14 +544,7 @@ def _topk_allreduce(
     sel: Any = None
     try:
         _validate_topk(tensor, state, op, algorithm, group)
-        _check_name(name)
-        if algorithm != "auto":
-            knobs_checked = algorithms.get(algorithm).check_knobs(knobs)
-            code = 0
-        else:
-            sel = _selector_module().selector_for(policy)
-            backend = _backend_name(group)
-            code = _policy_code(sel, backend, name)
+        knobs_checked, sel, backend, code = _resolve(algorithm, knobs, policy, group, name)
         numel = tensor.numel()
         k = state.k_for(numel)
         record.update(
@@ -560,7 +569,7 @@ def _topk_allreduce(
             dtype=tensor.dtype,
         )
         algorithm = decision.algorithm
-        knobs_checked = algorithms.get(algorithm).check_knobs({**decision.knobs, **knobs} if knobs else decision.knobs)
+        knobs_checked = _decided_knobs(decision, knobs)
         _apply_state_knobs(state, decision)
     acc_dtype = accum_dtype(tensor.dtype)
     acc = tensor.detach().reshape(-1).to(acc_dtype)
