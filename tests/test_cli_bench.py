@@ -28,15 +28,21 @@ def _run_cli(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     )
 
 
-def test_tiny_grid_writes_valid_json(tmp_path):
-    out = tmp_path / "bench.json"
+def _bench_two_configs(out, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``colltune bench`` on P=2, n=2^12, density 1e-2, overlaps 0 and 1; return the process and the JSON."""
     proc = _run_cli(
         "bench", "--world-size", "2", "--n", "2^12", "--density", "1e-2", "--overlap", "0", "1",
-        "--repeats", "2", "--budget", "0.5", "--topk", "--topk-n", "2^12", "--topk-steps", "3",
-        "--no-progress", "--json", str(out),
+        *options, "--no-progress", "--json", str(out),
     )
     assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_tiny_grid_writes_valid_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc, report = _bench_two_configs(
+        out, "--repeats", "2", "--budget", "0.5", "--topk", "--topk-n", "2^12", "--topk-steps", "3",
+    )
     assert report["format"] == "colltune-bench/1"
     assert report["contenders"] == list(bench.CONTENDERS)
     assert [c["overlap_requested"] for c in report["configs"]] == [0.0, 1.0]
@@ -90,13 +96,9 @@ def test_a_contender_that_raises_is_recorded_and_the_rest_goes_on(tmp_path):
     # PyTorch's gloo sparse all_reduce has no float16 kernel ("cadd_sparse" not
     # implemented for 'Half'): the torch contender fails, ours are timed.
     out = tmp_path / "f16.json"
-    proc = _run_cli(
-        "bench", "--world-size", "2", "--n", "2^12", "--density", "1e-2", "--overlap", "0", "1",
-        "--repeats", "1", "--warmup", "0", "--contenders", "torch", "allgather", "--dtype", "float16",
-        "--no-progress", "--json", str(out),
+    proc, report = _bench_two_configs(
+        out, "--repeats", "1", "--warmup", "0", "--contenders", "torch", "allgather", "--dtype", "float16",
     )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
     assert len(report["configs"]) == 2
     for c in report["configs"]:
         assert c["contenders"]["allgather"]["median_ms"] > 0

@@ -134,7 +134,7 @@ def test_expect_error_reports_every_rank():
         assert raised.raised
         assert raised.type == "RuntimeError" and raised.isa("Exception")
         assert raised.message == f"disagreement seen by rank {rank}"
-        assert raised.elapsed < 1.0
+        assert 0 <= raised.elapsed < 10  # measured; the bound only catches a hang
 
 
 def test_expect_error_when_nothing_is_raised():
@@ -170,10 +170,17 @@ def test_pool_reuses_ranks_and_recovers_after_a_failure():
         p.close()
 
 
-def test_shared_pool_is_fast():
+def _pid(rank, world_size):
+    return os.getpid()
+
+
+def test_shared_pool_keeps_its_ranks_between_calls():
+    # What makes the shared pool cheap: one pool per world size, and the same
+    # rank processes answer every call (no per-call launch).
     p = pool(2)
-    p.run(_sum_of_ranks, 1.0)
-    t0 = time.monotonic()
+    assert pool(2) is p
+    pids = p.run(_pid)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
     for _ in range(20):
-        p.run(_sum_of_ranks, 1.0)
-    assert (time.monotonic() - t0) / 20 < 0.5
+        assert [r["sum"] for r in p.run(_sum_of_ranks, 1.0)] == [1.0, 1.0]
+    assert p.run(_pid) == pids

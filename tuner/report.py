@@ -135,6 +135,16 @@ def _save(fig: Any, path: str) -> None:
         fig.savefig(tmp, dpi=110, format="png")
 
 
+def _finish_map(fig: Any, out_dir: str, name: str, *, top: float) -> str:
+    """Add the legend to a decision-map figure, lay it out, write ``out_dir/name.png``, close it; return the path."""
+    _legend(fig)
+    fig.tight_layout(rect=(0, 0.05, 1, top))
+    path = os.path.join(out_dir, f"{name}.png")
+    _save(fig, path)
+    _plt().close(fig)
+    return path
+
+
 def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.ndarray, np.ndarray, int]:
     """Predict every measurement with a model fitted without its configuration (``GroupKFold``).
 
@@ -255,12 +265,7 @@ def write_report(
     ax.set_ylabel("world size P  (* measured)")
     ax.set_title(f"chosen algorithm and predicted speedup over dense\nn = 2^{int(math.log2(n))} rows, overlap "
                  f"{overlap:g}, {dtype}; model: {label}", fontsize=10)
-    _legend(fig)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    path = os.path.join(out_dir, "decision-density-world.png")
-    _save(fig, path)
-    plt.close(fig)
-    files["decision-density-world"] = path
+    files["decision-density-world"] = _finish_map(fig, out_dir, "decision-density-world", top=1)
 
     # 2. density x overlap, one panel per measured world size
     overlaps = [round(x, 2) for x in np.linspace(0, 1, 11)]
@@ -273,12 +278,7 @@ def write_report(
         ax.set_title(f"P = {p}", fontsize=10)
     fig.suptitle(f"chosen algorithm and predicted speedup over dense; n = 2^{int(math.log2(n))}, {dtype}; "
                  f"model: {label}", fontsize=10)
-    _legend(fig)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.94))
-    path = os.path.join(out_dir, "decision-density-overlap.png")
-    _save(fig, path)
-    plt.close(fig)
-    files["decision-density-overlap"] = path
+    files["decision-density-overlap"] = _finish_map(fig, out_dir, "decision-density-overlap", top=0.94)
 
     # 3. predicted vs measured (cross-validated)
     ms, pred, every, n_folds = _cv_predictions(profile, folds)
