@@ -46,14 +46,8 @@ import torch  # noqa: E402
 from tuner import bench, launch, profiling  # noqa: E402
 from tuner.cost_model import LearnedCostModel, cross_validate  # noqa: E402
 from tuner.features import Features  # noqa: E402
-from tuner.profile import (  # noqa: E402
-    Measurement,
-    Primitive,
-    Profile,
-    load_profile,
-    profile_from_measurements,
-    save_profile,
-)
+from tuner.profile import Measurement, Primitive, Profile  # noqa: E402
+from tuner.profile import load_profile, profile_from_measurements, save_profile  # noqa: E402
 
 #: The measured grid.
 GRID_N = (2**12, 2**14, 2**16, 2**18, 2**20)

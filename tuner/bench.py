@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Sequence, TextIO
+from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
@@ -310,29 +310,61 @@ def _traffic_summary(per_rank: list[list[int]]) -> dict[str, Any]:
     }
 
 
-def _timed_rounds(
-    calls: dict[str, Callable[[], Any]], plan: Plan
-) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """Run the interleaved timed rounds; return per-rank times and the last output of each contender."""
+def _one_round(calls: Mapping[str, Callable[[], Any]], names: list[str], rounds: int, last: dict[str, Any]) -> dict[str, float]:
+    """Run every call once, in ``names`` rotated by ``rounds``, each after a barrier.
+
+    Stores each call's output in ``last``; returns this rank's wall time (seconds) of each call.
+    """
+    shift = rounds % len(names)
+    local: dict[str, float] = {}
+    for name in names[shift:] + names[:shift]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        last[name] = calls[name]()
+        local[name] = time.perf_counter() - t0
+    return local
+
+
+def _run_rounds(
+    calls: Mapping[str, Callable[[], Any]],
+    plan: Any,
+    record: Callable[[dict[str, float], float], None],
+    done: Callable[[float], bool],
+) -> dict[str, Any]:
+    """Run interleaved rounds (:func:`_one_round`) until ``plan.max_repeats``, or ``done(start)`` after ``plan.min_repeats``.
+
+    ``record(local_times, start)`` is called after every round; ``start`` is
+    the ``time.perf_counter()`` of the first round. Returns the last output of each call.
+    """
     names = list(calls)
-    times: dict[str, list[float]] = {name: [] for name in names}
     last: dict[str, Any] = {}
     start = time.perf_counter()
     rounds = 0
     while True:
-        shift = rounds % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            last[name] = calls[name]()
-            times[name].append(time.perf_counter() - t0)
+        record(_one_round(calls, names, rounds, last), start)
         rounds += 1
         if rounds >= plan.max_repeats:
             break
-        if rounds >= plan.min_repeats:
-            # The same reduced number on every rank, so every rank stops after the same round.
-            if _reduce_max([time.perf_counter() - start])[0] >= plan.budget_s:
-                break
+        if rounds >= plan.min_repeats and done(start):
+            break
+    return last
+
+
+def _timed_rounds(
+    calls: dict[str, Callable[[], Any]], plan: Plan
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Run the interleaved timed rounds; return per-rank times and the last output of each contender."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+
+    def record(local: dict[str, float], start: float) -> None:
+        for name, t in local.items():
+            times[name].append(t)
+
+    def done(start: float) -> bool:
+        # The same reduced number on every rank, so every rank stops after the same round.
+        return _reduce_max([time.perf_counter() - start])[0] >= plan.budget_s
+
+    last = _run_rounds(calls, plan, record, done)
     return times, last
 
 

@@ -214,15 +214,15 @@ class Command(abc.ABC):
 # --------------------------------------------------------------------------- option parsing
 
 
-def _parse_n(text: str) -> int:
-    """Parse ``1048576``, ``2^20`` or ``2**20``."""
+def _parse_n(text: str, scientific: bool = False) -> int:
+    """Parse ``1048576``, ``2^20`` or ``2**20`` (and ``1e6`` when ``scientific``)."""
     t = text.strip().replace("**", "^")
     try:
         if "^" in t:
             base, exp = t.split("^", 1)
             value = int(base) ** int(exp)
         else:
-            value = int(t)
+            value = int(float(t)) if scientific and "e" in t.lower() else int(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer such as 1048576 or 2^20, got {text!r}") from None
     if value < 1:
@@ -230,64 +230,35 @@ def _parse_n(text: str) -> int:
     return value
 
 
-def _parse_world(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (the number of ranks), got {text!r}")
-    return value
+def _number_type(convert: Any, ok: Any, expected: str, must: str, name: str, scale: float = 1.0) -> Any:
+    """Return an argparse ``type``: ``convert(text)`` checked by ``ok(value)``.
+
+    A text ``convert`` rejects gives "expected EXPECTED, got 'TEXT'"; a value
+    ``ok`` rejects gives "must be MUST, got 'TEXT'". A value that passes is
+    multiplied by ``scale`` when that is not 1.
+    """
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text!r}")
+        return value if scale == 1.0 else value * scale
+
+    parse.__name__ = parse.__qualname__ = name
+    return parse
 
 
-def _parse_positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
-
-
-def _parse_nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
-
-
-def _parse_density(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] such as 1e-3, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (entries per rank over n), got {text!r}")
-    return value
-
-
-def _parse_overlap(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0: disjoint index sets, 1: identical), got {text!r}")
-    return value
-
-
-def _parse_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
-    return value
+_parse_world = _number_type(int, lambda v: v >= 1, "an integer >= 1", ">= 1 (the number of ranks)", "_parse_world")
+_parse_positive_int = _number_type(int, lambda v: v >= 1, "an integer >= 1", ">= 1", "_parse_positive_int")
+_parse_nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0", ">= 0", "_parse_nonneg_int")
+_parse_density = _number_type(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1] such as 1e-3",
+                              "in (0, 1] (entries per rank over n)", "_parse_density")
+_parse_overlap = _number_type(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]",
+                              "in [0, 1] (0: disjoint index sets, 1: identical)", "_parse_overlap")
+_parse_seconds = _number_type(float, lambda v: v > 0, "a number of seconds > 0", "> 0 seconds", "_parse_seconds")
 
 
 def _check_writable(path: str) -> None:

@@ -47,18 +47,10 @@ __all__ = ["ExplainCommand"]
 
 
 def _parse_n(text: str) -> int:
-    t = text.strip().replace("**", "^")
-    try:
-        if "^" in t:
-            base, exp = t.split("^", 1)
-            value = int(base) ** int(exp)
-        else:
-            value = int(float(t)) if "e" in t.lower() else int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer such as 1048576 or 2^20, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
+    """Parse ``1048576``, ``2^20``, ``2**20`` or ``1e6`` (:func:`tuner.cli._parse_n`)."""
+    from tuner.cli import _parse_n as parse
+
+    return parse(text, scientific=True)
 
 
 def _parse_unit(low_open: bool):  # noqa: ANN202
@@ -74,16 +66,6 @@ def _parse_unit(low_open: bool):  # noqa: ANN202
     return parse
 
 
-def _parse_world(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (the number of ranks), got {text!r}")
-    return value
-
-
 class ExplainCommand:
     """``colltune explain``: each algorithm's predicted time, the choice, and why (a ``tuner.cli`` command)."""
 
@@ -92,6 +74,8 @@ class ExplainCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add the options of ``explain`` to ``parser``."""
+        from tuner.cli import _parse_world
+
         g = parser.add_argument_group("the call")
         g.add_argument("--numel", "--n", type=_parse_n, required=True, metavar="N",
                        help="dense rows n, e.g. 1048576 or 2^20")

@@ -317,33 +317,22 @@ def timed_rounds(calls: Mapping[str, Callable[[], Any]], plan: TimingPlan) -> tu
     Returns:
         The times (seconds, max over ranks) per call, and the last output of each.
     """
-    import torch.distributed as dist
-
     from tuner import bench
 
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
-    last: dict[str, Any] = {}
-    start = time.perf_counter()
-    rounds = 0
-    while True:
-        shift = rounds % len(names)
-        local: dict[str, float] = {}
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            last[name] = calls[name]()
-            local[name] = time.perf_counter() - t0
+    elapsed = [0.0]
+
+    def record(local: dict[str, float], start: float) -> None:
         red = bench._reduce_max([local[n] for n in names] + [time.perf_counter() - start])
         for n, t in zip(names, red):
             times[n].append(t)
-        rounds += 1
-        if rounds >= plan.max_repeats:
-            break
-        if rounds >= plan.min_repeats and (
-            red[-1] >= plan.budget_s or all(_median_rel_se(times[n]) <= plan.precision for n in names)
-        ):
-            break
+        elapsed[0] = red[-1]
+
+    def done(start: float) -> bool:
+        return elapsed[0] >= plan.budget_s or all(_median_rel_se(times[n]) <= plan.precision for n in names)
+
+    last = bench._run_rounds(calls, plan, record, done)
     return times, last
 
 
@@ -1292,23 +1281,13 @@ class ProfileCommand:
 
 
 def _parse_fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 such as 0.1, got {text!r}") from None
-    if not 0.0 <= value < 10.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 10), got {text!r}")
-    return value
+    return _cli()._number_type(float, lambda v: 0.0 <= v < 10.0, "a number >= 0 such as 0.1", "in [0, 10)",
+                               "_parse_fraction")(text)
 
 
 def _parse_minutes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of minutes > 0, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be > 0 minutes, got {text!r}")
-    return value * 60.0
+    return _cli()._number_type(float, lambda v: v > 0 and math.isfinite(v), "a number of minutes > 0", "> 0 minutes",
+                               "_parse_minutes", scale=60.0)(text)
 
 
 class FitCommand:
