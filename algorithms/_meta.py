@@ -11,14 +11,19 @@ Local validation errors ride along too: a rank whose input is invalid still
 joins the exchange with its error code set, then raises its own error, while
 the others raise :class:`~algorithms.errors.RemoteInputError` naming it.
 
-The record ends with an *eager slot* of :func:`eager_capacity` bytes (at most
-1 KiB, shrinking as ``16 KiB / P`` so the record stays small on large
-groups). A sparse call may put its first entries there; when every rank's
-entries fit, ``allgather`` needs no second collective, which is what decides
-its speed on tiny inputs, where latency is everything. The slot has the same
-size in every call, whatever the algorithm, so ranks that disagree still
-exchange records of equal size and learn of the disagreement instead of
-hanging.
+The record ends with an *eager slot*. A sparse call may put its entries
+there; when every rank's entries fit, ``allgather`` needs no second
+collective, which decides its speed below a few hundred KiB: on gloo each
+collective costs a fixed hand-off (a few hundred microseconds on a loaded
+host) whatever its size. The slot is sized per process group from what the
+group's recent calls needed (:func:`slot_bytes`, :func:`note_slot_use`):
+it starts at :func:`eager_capacity` bytes (1 KiB, shrinking as
+``16 KiB / P``), grows at once to the next power of two that holds the
+largest rank's entries of an ``allgather`` call (up to :func:`slot_limit`),
+and shrinks back after :data:`SHRINK_AFTER` calls in a row that used less
+than a quarter of it. Every rank updates the size from the same gathered
+records and the same decision, so all ranks always agree on the record's
+size; a rank that disagreed on the call raises before anything is updated.
 """
 
 from __future__ import annotations
@@ -27,11 +32,23 @@ import zlib
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from algorithms._comm import Comm
 from algorithms.errors import ColltuneTypeError, RankMismatchError, RemoteInputError
 
-__all__ = ["FIELDS", "SHARED_FIELDS", "name_code", "shape_fields", "exchange", "eager_capacity"]
+__all__ = [
+    "FIELDS",
+    "SHARED_FIELDS",
+    "name_code",
+    "shape_fields",
+    "exchange",
+    "eager_capacity",
+    "slot_limit",
+    "slot_bytes",
+    "note_slot_use",
+    "SHRINK_AFTER",
+]
 
 _MAGIC = 0x636F6C6C  # "coll"
 _VERSION = 1
@@ -100,11 +117,75 @@ def _say(fieldname: str, value: int) -> str:
 
 
 def eager_capacity(world_size: int) -> int:
-    """Return the size in bytes of the eager slot of the record for a group of ``world_size``."""
+    """Return the starting (and smallest) size in bytes of the eager slot for a group of ``world_size``."""
     # 1 KiB holds 128 scalar fp32 entries: the inputs whose time is all
-    # latency. Larger slots would make every other call pay for bytes it
-    # does not use (the slot travels whatever the algorithm).
+    # latency. The slot starts there and grows only for groups whose calls
+    # need more (see slot_bytes).
     return min(1024, (16384 // max(world_size, 1)) // 8 * 8)
+
+
+def slot_limit(world_size: int) -> int:
+    """Return the largest eager slot in bytes for a group of ``world_size``: 256 KiB over ``P``, at least the start."""
+    # Every rank receives P slots per record, so the gathered record stays
+    # under 256 KiB; past that the bytes, not the hand-off, dominate a call.
+    return max(eager_capacity(world_size), (262144 // max(world_size, 1)) // 8 * 8)
+
+
+#: Calls in a row that use less than a quarter of the slot before it shrinks.
+SHRINK_AFTER = 8
+
+
+class _Slot:
+    __slots__ = ("group", "nbytes", "low")
+
+    def __init__(self, group: object, nbytes: int) -> None:
+        self.group, self.nbytes, self.low = group, nbytes, 0
+
+
+_slot_state: dict[int, _Slot] = {}
+
+
+def _group_slot(comm: Comm) -> _Slot:
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    st = _slot_state.get(id(group))
+    if st is None or st.group is not group:  # a new group (or a new one at a reused id)
+        st = _slot_state[id(group)] = _Slot(group, eager_capacity(comm.world_size))
+    return st
+
+
+def slot_bytes(comm: Comm) -> int:
+    """Return the size in bytes of the eager slot the next exchange on ``comm``'s group carries."""
+    if comm.world_size == 1:
+        return 0
+    return _group_slot(comm).nbytes
+
+
+def note_slot_use(comm: Comm, need: int) -> None:
+    """Record what a call needed of the eager slot, which sizes the next call's slot.
+
+    Every rank must call it after the same exchange with the same ``need``
+    (derive it from the gathered records and the decision, never from local
+    data), so the group's ranks keep agreeing on the record size.
+
+    Args:
+        comm: the group.
+        need: bytes of the largest rank's entries when the call ran
+            ``allgather``, else 0 (the slot was of no use).
+    """
+    if comm.world_size == 1:
+        return
+    st = _group_slot(comm)
+    base, limit = eager_capacity(comm.world_size), slot_limit(comm.world_size)
+    if need > st.nbytes and st.nbytes < limit:
+        st.nbytes = min(limit, max(base, 1 << (int(need) - 1).bit_length()))
+        st.low = 0
+    elif 4 * need < st.nbytes and st.nbytes > base:
+        st.low += 1
+        if st.low >= SHRINK_AFTER:
+            st.nbytes = max(base, 1 << max(int(need) - 1, 0).bit_length())
+            st.low = 0
+    else:
+        st.low = 0
 
 
 def exchange(
@@ -117,12 +198,12 @@ def exchange(
         record: this rank's values for the fields in :data:`FIELDS` except
             ``magic``, ``version`` and ``error`` (missing ones count as unknown).
         local_error: the validation error of this rank, or ``None``.
-        slot: up to :func:`eager_capacity` bytes (``uint8``) to deliver to
+        slot: up to :func:`slot_bytes` bytes (``uint8``) to deliver to
             every rank with the record, or ``None``.
 
     Returns:
         ``(records, slots)``: every rank's record, and every rank's slot
-        (``eager_capacity`` bytes each; ``None`` on a single rank, where
+        (:func:`slot_bytes` bytes each; ``None`` on a single rank, where
         nothing is exchanged).
 
     Raises:
@@ -135,7 +216,7 @@ def exchange(
         if local_error is not None:
             raise local_error
         return [full], None
-    cap = eager_capacity(comm.world_size)
+    cap = slot_bytes(comm)
     hbytes = 8 * len(FIELDS)
     # Built on the host in one buffer (one small copy to the device): on tiny
     # inputs the call's time is its number of operations.

@@ -7,9 +7,10 @@ collective moves both. Unequal counts are either padded to the largest
 (``all_gather``) or sent exactly (``all_to_all_single`` with splits); the
 ``mode`` knob chooses, ``auto`` pads unless padding adds more than a quarter.
 
-Small inputs travel in the eager slot of the metadata record
-(:func:`algorithms._meta.eager_capacity` bytes per rank): when every rank's
-entries fit, the whole allreduce is a single collective.
+Entries travel in the eager slot of the metadata record
+(:func:`algorithms._meta.slot_bytes` per rank, sized from the group's recent
+calls): when every rank's entries fit, the whole allreduce is a single
+collective.
 
 In top-k mode this is TopkA: each rank sends its exact local top-k.
 """
@@ -21,11 +22,10 @@ from typing import Any
 import torch
 
 from algorithms._comm import Comm
-from algorithms._meta import eager_capacity
 from algorithms._sparse import accum_dtype, entry_bytes, merge_sources, pack, unpack, wire_index_dtype
 from algorithms.base import Algorithm, SparseInput, TopkOutput
 
-__all__ = ["Allgather", "gather_merge", "eager_slot"]
+__all__ = ["Allgather", "gather_merge", "eager_slot", "slot_need"]
 
 _MODES = ("auto", "pad", "alltoall")
 
@@ -48,14 +48,15 @@ def gather_merge(
     return merge_sources(sources, size, r, accum_dtype(wire_dtype), comm.device)
 
 
-def _eager_entries(world_size: int, row_numel: int, size: int, dtype: torch.dtype) -> int:
-    return eager_capacity(world_size) // entry_bytes(row_numel, wire_index_dtype(size), dtype)
-
-
-def eager_slot(idx: torch.Tensor, vals: torch.Tensor, size: int, dtype: torch.dtype, world_size: int) -> torch.Tensor:
-    """Pack the first entries that fit in the metadata record's eager slot, as flat ``uint8``."""
-    m = min(idx.numel(), _eager_entries(world_size, vals.shape[1], size, dtype))
+def eager_slot(idx: torch.Tensor, vals: torch.Tensor, size: int, dtype: torch.dtype, capacity: int) -> torch.Tensor:
+    """Pack the first entries that fit in ``capacity`` bytes of the metadata record's eager slot, as flat ``uint8``."""
+    m = min(idx.numel(), capacity // entry_bytes(vals.shape[1], wire_index_dtype(size), dtype))
     return pack(idx[:m], vals[:m], wire_index_dtype(size), dtype).view(-1)
+
+
+def slot_need(counts: Any, row_numel: int, size: int, dtype: torch.dtype) -> int:
+    """Return the bytes of the largest rank's entries packed for the eager slot."""
+    return max(counts, default=0) * entry_bytes(row_numel, wire_index_dtype(size), dtype)
 
 
 class Allgather(Algorithm):
@@ -74,14 +75,15 @@ class Allgather(Algorithm):
         r, me = inp.row_numel, comm.rank
         index_dtype = inp.index_dtype
         e = entry_bytes(r, index_dtype, inp.dtype)
-        m = _eager_entries(comm.world_size, r, inp.size, inp.dtype)
+        m = inp.eager[0].numel() // e
         head = [min(c, m) for c in counts]
         rest = [c - h for c, h in zip(counts, head)]
         comm.traffic.reclassify((comm.world_size - 1) * head[me] * e)
-        # Unpack every slot in one go, then keep each rank's first head[p] entries.
-        block = torch.stack(inp.eager)[:, : m * e].reshape(len(counts) * m, e)
+        # Unpack the used part of every slot in one go, then keep each rank's first head[p] entries.
+        mu = max(head)
+        block = torch.stack([s[: mu * e] for s in inp.eager]).view(len(counts) * mu, e)
         idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
-        idx_all, vals_all = idx_all.view(len(counts), m), vals_all.view(len(counts), m, r)
+        idx_all, vals_all = idx_all.view(len(counts), mu), vals_all.view(len(counts), mu, r)
         sources = [(idx_all[p, :h], vals_all[p, :h]) for p, h in enumerate(head)]
         if any(rest):
             buf = pack(inp.indices[head[me] :].to(comm.device), inp.values[head[me] :].to(comm.device), index_dtype, inp.dtype)

@@ -77,3 +77,17 @@ def test_a_foreign_storage_file_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--storage" in err and "Traceback" not in err
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_a_written_policy_with_a_bool_knob_loads(tmp_path):
+    """A boolean knob (Ok-Topk's ``balance``) in a tuned setting is written as true/false and loads back."""
+    study = optuna.create_study()
+    dists = {"oktopk.balance": optuna.distributions.CategoricalDistribution((True, False)),
+             "oktopk.peers_in_flight": optuna.distributions.IntDistribution(1, 3)}
+    study.add_trial(optuna.trial.create_trial(params={"oktopk.balance": False, "oktopk.peers_in_flight": 2},
+                                              distributions=dists, value=1.0))
+    text = autotune.policy_text(study, ("oktopk",), str(tmp_path / "s.journal"))
+    out = tmp_path / "tuned.yaml"
+    out.write_text(text)
+    knobs = load_policy(out).knobs["oktopk"]
+    assert knobs == {"balance": False, "peers_in_flight": 2} and knobs["balance"] is False

@@ -283,6 +283,42 @@ def test_decision_as_dict_is_json_ready() -> None:
     assert row["knobs"]["oktopk"]["peers_in_flight"] == 8
 
 
+def test_bool_knob_round_trips_and_is_applied() -> None:
+    import yaml
+
+    from tuner.selector import _knobs_for
+
+    p = parse(
+        """\
+        version: 1
+        knobs:
+          oktopk: {balance: false, peers_in_flight: 2}
+        rules:
+          - name: balanced
+            when: {numel: [1000000, null]}
+            use: oktopk
+            knobs: {oktopk: {balance: True}}
+        """
+    )
+    assert p.knobs["oktopk"] == {"balance": False, "peers_in_flight": 2}
+    assert p.knobs["oktopk"]["balance"] is False and p.rules[0].merged_knobs["oktopk"]["balance"] is True
+    # Written back as YAML (as ``colltune tune`` does), it loads as the same policy.
+    again = parse_policy(yaml.safe_dump({"version": 1, "knobs": p.as_dict()["knobs"], "rules": [
+        {"name": "balanced", "when": {"numel": [1000000, None]}, "use": "oktopk", "knobs": {"oktopk": {"balance": True}}}
+    ]}))
+    assert again == p and again.digest == p.digest
+    assert pickle.loads(pickle.dumps(p)) == p
+    assert parse("version: 1\nknobs: {oktopk: {balance: true}}\n").digest != parse(
+        "version: 1\nknobs: {oktopk: {balance: false}}\n").digest
+    # The decision hands the knob to the algorithm, which takes it.
+    okt = algorithms.get("oktopk")
+    small, big = p.match("w", 10, 0.5, 4, None, "float32"), p.match("w", 2_000_000, 0.5, 4, None, "float32")
+    assert _knobs_for(small, "oktopk") == {"balance": False, "peers_in_flight": 2}
+    assert okt.check_knobs(_knobs_for(small, "oktopk"))["balance"] is False
+    assert okt.check_knobs(_knobs_for(big, "oktopk"))["balance"] is True
+    assert okt.check_knobs({})["balance"] is True  # the default is untouched
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -330,6 +366,17 @@ BAD = [
     ("knob-ratio-zero", "version: 1\nknobs:\n  oktopk: {dense_fallback_ratio: 0}\n", 3, "knobs.oktopk.dense_fallback_ratio", ["out of range", "a number > 0"]),
     ("knob-choice", "version: 1\nknobs:\n  allgather: {mode: ring}\n", 3, "knobs.allgather.mode", ["unknown value 'ring'", "allowed: one of auto, pad, alltoall"]),
     ("knob-choice-type", "version: 1\nknobs:\n  allgather: {mode: 3}\n", 3, "knobs.allgather.mode", ["expected a string"]),
+    ("bool-knob-int", "version: 1\nknobs:\n  oktopk: {balance: 3}\n", 3, "knobs.oktopk.balance", ["expected true or false, got integer '3'", "allowed: true or false"]),
+    ("bool-knob-one", "version: 1\nknobs:\n  oktopk: {balance: 1}\n", 3, "knobs.oktopk.balance", ["got integer '1'", "allowed: true or false"]),
+    ("bool-knob-string", "version: 1\nknobs:\n  oktopk: {balance: \"yes\"}\n", 3, "knobs.oktopk.balance", ["got string 'yes'", "allowed: true or false"]),
+    ("bool-knob-quoted-true", "version: 1\nknobs:\n  oktopk: {balance: 'true'}\n", 3, "knobs.oktopk.balance", ["got string 'true'", "allowed: true or false"]),
+    ("bool-knob-yaml11-yes", "version: 1\nknobs:\n  oktopk:\n    balance: yes\n", 4, "knobs.oktopk.balance", ["got 'yes' (a YAML 1.1 spelling)", "allowed: true or false"]),
+    ("bool-knob-yaml11-off", "version: 1\nknobs:\n  oktopk: {balance: off}\n", 3, "knobs.oktopk.balance", ["got 'off'", "allowed: true or false"]),
+    ("bool-knob-null", "version: 1\nknobs:\n  oktopk: {balance: null}\n", 3, "knobs.oktopk.balance", ["got null", "allowed: true or false"]),
+    ("bool-knob-in-rule", "version: 1\nrules:\n  - use: oktopk\n    knobs: {oktopk: {balance: 0}}\n", 4, "rules[0].knobs.oktopk.balance", ["got integer '0'", "allowed: true or false"]),
+    ("true-for-int-knob", "version: 1\nknobs:\n  oktopk: {boundary_refresh: true}\n", 3, "knobs.oktopk.boundary_refresh", ["boolean 'true'", "allowed: an integer >= 1"]),
+    ("false-for-float-knob", "version: 1\nknobs:\n  oktopk: {dense_fallback_ratio: false}\n", 3, "knobs.oktopk.dense_fallback_ratio", ["boolean 'false'", "allowed: a number > 0"]),
+    ("bool-for-choice-knob", "version: 1\nknobs:\n  allgather: {mode: true}\n", 3, "knobs.allgather.mode", ["expected a string, got boolean 'true'"]),
     ("knobs-not-mapping", "version: 1\nknobs: [oktopk]\n", 2, "knobs", ["expected a mapping of algorithm names to knobs"]),
     (
         "knobs-for-other-algorithm",
@@ -577,14 +624,17 @@ def test_knob_table_covers_the_builtin_algorithms() -> None:
         assert name in KNOBS
     # The table and the algorithms' own knobs must not drift apart: every knob a
     # policy may set is an algorithm knob or a top-k state knob, and every
-    # algorithm knob is settable (``balance`` waits for a boolean knob kind).
+    # algorithm knob is settable, with the kind of its default.
     import algorithms
 
     state_knobs = {"local_refresh", "global_refresh"}
+    kinds = {bool: "bool", int: "int", float: "float", str: "choice"}
     for name in ("dense", "allgather", "oktopk"):
-        accepted = set(algorithms.get(name).knobs)
-        assert set(KNOBS[name]) - state_knobs <= accepted, name
-        assert accepted - {"balance"} <= set(KNOBS[name]), name
+        accepted = algorithms.get(name).knobs
+        assert set(KNOBS[name]) - state_knobs <= set(accepted), name
+        assert set(accepted) <= set(KNOBS[name]), name
+        for knob, default in accepted.items():
+            assert KNOBS[name][knob].kind == kinds[type(default)], (name, knob)
     for specs in KNOBS.values():
         for spec in specs.values():
             assert spec.describe()

@@ -70,14 +70,16 @@ def _result_record(res, small: bool) -> dict:
     }
 
 
-def _run_sparse(rank, world_size, c, algorithm, repeat=1):
+def _run_sparse(rank, world_size, c, algorithm, repeat=1, fresh_group=False):
     import tuner
 
+    # A fresh group starts with the smallest eager slot, whatever earlier tests ran on the default one.
+    group = dist.new_group() if fresh_group and world_size > 1 else None
     idx, vals = make_input(c, rank, world_size)
     idx_before, vals_before = raw(idx), raw(vals)
     out = []
     for _ in range(repeat):
-        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, group=group)
         out.append(_result_record(res, small=c["size"] <= 5000))
     return {"results": out, "inputs_unchanged": raw(idx) == idx_before and raw(vals) == vals_before}
 
@@ -248,7 +250,7 @@ def test_oktopk_sends_well_below_allgather_at_full_overlap():
     c = case(seed=60, size=1_000_000, counts=[4000] * p, pattern="identical")
     got = {}
     for algorithm in ("allgather", "oktopk"):
-        out = pool(p).run(_run_sparse, c, algorithm)
+        out = pool(p).run(_run_sparse, c, algorithm, 1, True)  # repeat once, on a fresh group
         recs = [o["results"][0] for o in out]
         check_results(c, p, recs, algorithm)
         got[algorithm] = [rec["bytes_sent"] for rec in recs]
@@ -289,3 +291,89 @@ def test_size_beyond_int32_uses_wide_indices(algorithm):
         err = (rec["values"].to(torch.float64) - ref).abs()
         assert bool((err <= 2e-6 * mag + 1e-300).all()), f"rank {r}: max error {err.max().item()}"
         assert raw(rec["values"]) == raw(out[0]["res"]["values"])
+
+
+# ------------------------------------------------------------------ the eager slot adapts per group
+
+
+class _FakeComm:
+    def __init__(self, world_size):
+        self.world_size, self.group = world_size, object()
+
+
+def test_eager_slot_grows_at_once_and_shrinks_only_after_a_run_of_small_calls():
+    from algorithms import _meta
+
+    comm = _FakeComm(4)
+    base, limit = _meta.eager_capacity(4), _meta.slot_limit(4)
+    assert _meta.slot_bytes(comm) == base == 1024 and limit == 65536
+    _meta.note_slot_use(comm, 5000)
+    assert _meta.slot_bytes(comm) == 8192  # the next power of two
+    _meta.note_slot_use(comm, 10**9)
+    assert _meta.slot_bytes(comm) == limit  # never past the limit
+    for i in range(_meta.SHRINK_AFTER - 1):
+        _meta.note_slot_use(comm, 0)
+        if i == 2:
+            _meta.note_slot_use(comm, limit // 2)  # a call that used it resets the run
+    assert _meta.slot_bytes(comm) == limit
+    for _ in range(_meta.SHRINK_AFTER):
+        _meta.note_slot_use(comm, 100)
+    assert _meta.slot_bytes(comm) == base  # shrinks to what the calls needed, at least the start
+    other = _FakeComm(4)
+    assert _meta.slot_bytes(other) == base  # state is per group
+
+
+def _run_slot_sequence(rank, world_size, steps):
+    """Run calls of several algorithms and sizes on one fresh group; return results and collective counts."""
+    import tuner
+    from algorithms import _meta
+    from algorithms._comm import Comm
+
+    group = dist.new_group()
+    out = []
+    for c, algorithm in steps:
+        idx, vals = make_input(c, rank, world_size)
+        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, group=group)
+        rec = _result_record(res, small=False)
+        rec["collectives"] = sum(v["calls"] for v in res.traffic.by_primitive.values())
+        rec["slot"] = _meta.slot_bytes(Comm(group, torch.device("cpu")))
+        out.append(rec)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_allgather_becomes_one_collective_once_the_slot_has_grown(world_size):
+    big = case(seed=70, size=50_000, counts=_grow(world_size, 600, 40))
+    small = case(seed=71, size=50_000, counts=_grow(world_size, 20))
+    embed = case(seed=72, size=5_000, counts=_grow(world_size, 90, 7), row_shape=(4,))
+    steps = [(big, "allgather"), (big, "allgather"), (small, "oktopk"), (embed, "allgather"), (big, "dense"),
+             (big, "allgather"), (small, "allgather")]
+    out = pool(world_size).run(_run_slot_sequence, steps)
+    for i, (c, algorithm) in enumerate(steps):
+        check_results(c, world_size, [o[i] for o in out], algorithm, check_traffic=False)
+    first, second = out[0][0], out[0][1]
+    assert first["collectives"] == 2, "a first large call: the record, then the rest"
+    assert second["collectives"] == 1, "the slot grew: the entries rode in the record"
+    assert out[0][5]["collectives"] == 1
+    slots = {o[-1]["slot"] for o in out}
+    assert len(slots) == 1, f"ranks disagree on the slot size: {slots}"
+
+
+def _run_slot_then_mismatch(rank, world_size):
+    import tuner
+    from algorithms.errors import RankMismatchError
+
+    group = dist.new_group()
+    c = case(seed=73, size=50_000, counts=[800] * world_size)
+    idx, vals = make_input(c, rank, world_size)
+    tuner.sparse_allreduce(idx, vals, c["size"], algorithm="allgather", group=group)
+    try:  # ranks now disagree on the algorithm: both must raise, neither may hang or crash
+        tuner.sparse_allreduce(idx, vals, c["size"], algorithm="allgather" if rank else "dense", group=group)
+    except RankMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_disagree_after_the_slot_grew_still_raise():
+    out = pool(2).run(_run_slot_then_mismatch)
+    assert all(o and "algorithm" in o for o in out), out

@@ -34,7 +34,7 @@ import algorithms
 from algorithms import _meta
 from algorithms._comm import Comm, Traffic
 from algorithms._sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
-from algorithms.allgather import eager_slot
+from algorithms.allgather import eager_slot, slot_need
 from algorithms.base import SparseInput, SparseResult
 from algorithms.errors import ColltuneTypeError, ColltuneValueError
 from algorithms.state import TopkState
@@ -385,7 +385,7 @@ def _sparse_allreduce(
             count=idx.numel(),
         )
         # Small inputs ride in the metadata record: allgather then needs no second collective.
-        slot = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype, comm.world_size) if (
+        slot = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype, _meta.slot_bytes(comm)) if (
             algorithm in ("auto", "allgather") and comm.world_size > 1
         ) else None
     except (TypeError, ValueError) as exc:
@@ -406,6 +406,11 @@ def _sparse_allreduce(
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", n, inp.k_max, inp.k_sum,
                          comm.world_size, algorithm)
+    # Size the next call's eager slot from this one: the same records and
+    # decision on every rank, so every rank sizes it alike.
+    _meta.note_slot_use(
+        comm, slot_need(counts, inp.row_numel, n, values.dtype) if algorithm == "allgather" and slot is not None else 0
+    )
     acc = inp.acc_dtype
     if inp.k_sum == 0:
         out_idx = torch.empty(0, dtype=torch.int64, device=comm.device)
@@ -560,6 +565,7 @@ def _topk_allreduce(
     except (TypeError, ValueError) as exc:
         error = exc
     _meta.exchange(comm, record, error)
+    _meta.note_slot_use(comm, 0)  # top-k leaves the eager slot empty
     if sel is None:
         decision: Any = None
     else:

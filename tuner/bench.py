@@ -203,20 +203,40 @@ def quick_grid(world_size: Iterable[int] = (4,), **kw: Any) -> list[BenchConfig]
 # --------------------------------------------------------------------------- rank side
 
 
+_contender_groups: dict[tuple[str, int], Any] = {}
+
+
+def contender_group(name: str) -> Any:
+    """Return this contender's own process group over all ranks (created on first use, collectively).
+
+    Each contender runs on its own group so that what one leaves in its
+    group's state (the size of the metadata record's eager slot, see
+    :func:`algorithms._meta.slot_bytes`) never changes another's timing:
+    each is measured as it runs when a call site keeps to one algorithm.
+    Every rank must ask for the same names in the same order.
+    """
+    key = (name, dist.get_world_size())
+    group = _contender_groups.get(key)
+    if group is None:
+        group = _contender_groups[key] = dist.new_group()
+    return group
+
+
 def _make_call(name: str, idx: torch.Tensor, vals: torch.Tensor, n: int) -> Callable[[], Any]:
+    group = contender_group(name)
     if name == "torch":
         shape = (n,) + tuple(vals.shape[1:])
         ind = idx.view(1, -1)
 
         def call() -> torch.Tensor:
             t = torch.sparse_coo_tensor(ind, vals, shape, check_invariants=False)
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
             return t.coalesce()
 
         return call
 
     def ours() -> Any:
-        return tuner.sparse_allreduce(idx, vals, n, algorithm=name)
+        return tuner.sparse_allreduce(idx, vals, n, algorithm=name, group=group)
 
     return ours
 

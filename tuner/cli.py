@@ -97,9 +97,13 @@ with ``"auto_summary"`` (geometric means over the configurations) at the top.
 
 Measures every algorithm over a grid of calls (rows ``n``, density,
 overlap, dtype) on ``P`` local gloo ranks per ``--world-size`` (under
-``torchrun``, on the running ranks), interleaved, with medians and spread,
-plus alpha-beta timings of the primitives; fits the learned cost model and
-writes a profile (format: ``tuner/profile.py``), through a temporary file.
+``torchrun``, on the running ranks), interleaved, plus alpha-beta timings
+of the primitives; fits the learned cost model and writes a profile
+(format: ``tuner/profile.py``), through a temporary file. Each
+measurement's ``time_us`` is the median of its rounds (a round's time: the
+max over ranks), or with ``--statistic lower-quartile`` their lower
+quartile; the statistic used is recorded as the profile's
+``meta.statistic``, and ``spread_us`` is the interquartile range either way.
 Each configuration is appended to ``OUT.journal.jsonl`` (fsync'd) as it
 finishes; ``--resume`` measures only what is missing::
 

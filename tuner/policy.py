@@ -20,7 +20,7 @@ Format (version 1)
                                     # the directory of the policy file
     default: auto                   # optional (auto); auto | dense | allgather | oktopk
     knobs:                          # optional; global knobs per algorithm
-      oktopk: {boundary_refresh: 64, peers_in_flight: 4}
+      oktopk: {boundary_refresh: 64, peers_in_flight: 4, balance: true}
       allgather: {mode: auto}
     rules:                          # optional; first matching rule wins
       - name: big-embeddings        # optional label for logs and explanations
@@ -49,7 +49,10 @@ Rules:
   apply); a rule with ``use: auto`` may set knobs for any algorithm.
 - A rule must say ``use`` or ``knobs`` (an empty rule is a mistake).
 - Rule names must be unique.
-- Booleans are not numbers: ``numel: [true, null]`` is an error.
+- Booleans are not numbers: ``numel: [true, null]`` is an error, and
+  numbers are not booleans: a boolean knob (``oktopk: {balance: false}``)
+  takes only ``true`` or ``false`` (``yes``, ``no``, ``on``, ``off``, ``1``
+  and ``"true"`` are errors).
 - ``1e6`` is read as a number (YAML 1.2 style), and an integral float such as
   ``1e6`` is accepted where an integer is expected.
 - ``null`` for ``knobs``, ``rules``, ``when`` or an algorithm's knob mapping
@@ -239,14 +242,16 @@ class KnobSpec:
 
     Attributes:
         kind: ``int`` (booleans rejected; integral floats accepted),
-            ``float`` (integers accepted and converted) or ``choice``.
+            ``float`` (integers accepted and converted), ``choice`` or
+            ``bool`` (only ``true`` or ``false``; numbers, strings and the
+            YAML 1.1 spellings ``yes``/``no``/``on``/``off`` rejected).
         minimum: lower bound for ``int`` and ``float`` knobs, or ``None``.
         exclusive: whether ``minimum`` itself is excluded.
         choices: allowed strings for ``choice`` knobs.
         help: one line for documentation and ``colltune explain``.
     """
 
-    kind: Literal["int", "float", "choice"]
+    kind: Literal["int", "float", "choice", "bool"]
     minimum: float | None = None
     exclusive: bool = False
     choices: tuple[str, ...] = ()
@@ -256,6 +261,8 @@ class KnobSpec:
         """Return what the knob accepts, in words."""
         if self.kind == "choice":
             return "one of " + ", ".join(self.choices)
+        if self.kind == "bool":
+            return "true or false"
         noun = "an integer" if self.kind == "int" else "a number"
         if self.minimum is None:
             return noun
@@ -280,6 +287,7 @@ KNOBS: dict[str, dict[str, KnobSpec]] = {
         "gather_mode": KnobSpec(
             "choice", choices=("auto", "pad", "alltoall"), help="how the reduced regions are gathered (as allgather.mode)"
         ),
+        "balance": KnobSpec("bool", help="top-k mode: re-balance the kept entries into equal blocks before gathering"),
         "local_refresh": KnobSpec("int", 1, help="exact local threshold every this many calls"),
         "global_refresh": KnobSpec("int", 1, help="exact global threshold every this many calls"),
     },
@@ -693,6 +701,30 @@ class _Parser:
             return int(value)
         return float(value)
 
+    def boolean(self, node: Node, key: str, allowed: str | None = None) -> bool:
+        """Return ``True`` or ``False`` for a YAML ``true`` or ``false`` (any case).
+
+        Args:
+            node: the value's node.
+            key: the dotted key, for the message.
+            allowed: what the key accepts, for the message.
+
+        Returns:
+            The boolean written.
+
+        Raises:
+            PolicyError: the value is not a boolean (a number, a string such
+                as ``"yes"``, a list, ...), or is one of the YAML 1.1
+                spellings ``yes``, ``no``, ``on``, ``off``: only ``true`` and
+                ``false`` are booleans in YAML 1.2, so those would read
+                differently elsewhere.
+        """
+        if not isinstance(node, ScalarNode) or node.tag != _T + "bool":
+            raise self.fail(node, key, f"expected true or false, got {_describe(node)}", allowed)
+        if node.value.lower() not in ("true", "false"):
+            raise self.fail(node, key, f"expected true or false, got {node.value!r} (a YAML 1.1 spelling)", allowed)
+        return node.value.lower() == "true"
+
     def algorithm(self, node: Node, key: str, *, allow_auto: bool) -> str:
         names = ((AUTO,) if allow_auto else ()) + self.algorithms
         allowed = "allowed: " + ", ".join(names)
@@ -830,6 +862,8 @@ class _Parser:
             if choice not in spec.choices:
                 raise self.fail(node, key, f"unknown value {choice!r}", allowed)
             return choice
+        if spec.kind == "bool":
+            return self.boolean(node, key, allowed)
         try:
             number = self.number(node, key, integer=spec.kind == "int", expected=spec.describe())
         except PolicyError as e:

@@ -19,6 +19,7 @@ Format (version 1)::
       host: node001                 # str
       date: '2025-01-31'            # str (a bare YAML date is accepted)
       notes: free text              # str
+      statistic: median             # median | lower-quartile: what time_us holds (below)
     primitives:                     # alpha-beta cost of each primitive
       all_reduce: {alpha_us: 3.4, beta_us_per_byte: 2.8e-06, launch_us: 8.4}
       all_gather: {...}
@@ -34,10 +35,29 @@ Format (version 1)::
 
 ``launch_us`` (optional, default 0) is a fixed cost per call of the primitive
 (NCCL's "base latency"); ``alpha_us`` is paid per message step and
-``beta_us_per_byte`` per byte a rank sends. ``time_us`` is the median over
-``repeats`` timed calls, ``spread_us`` their interquartile range (or MAD), and
-``bytes_sent`` what this rank put on the wire in one call. ``union`` is the
-exact union size; ``overlap`` and ``density`` must agree with
+``beta_us_per_byte`` per byte a rank sends.
+
+A measurement's time comes from ``repeats`` timed rounds; in each round every
+algorithm runs once and the round's sample is one call's wall time, the max
+over ranks. ``time_us`` (microseconds per call) is one statistic of those
+samples, named by ``meta.statistic``:
+
+- ``median`` (the default of ``colltune profile``): the median of the rounds;
+- ``lower-quartile`` (``colltune profile --statistic lower-quartile``): their
+  25th percentile, robust on a machine shared with other jobs, whose load
+  only ever adds time.
+
+Without ``meta.statistic`` (active profiling, ``colltune profile
+--active``, writes none) the times are medians. ``meta.statistic`` names the
+statistic of the run that wrote the file; measurements a ``--resume`` carried
+over from an existing output profile keep the value they had, and with
+``lower-quartile`` a configuration whose round times the journal lacks keeps
+its median. The loader does not check ``meta.statistic``.
+
+``spread_us`` is the interquartile range of the rounds (the 75th minus the
+25th percentile), whichever statistic ``time_us`` holds, and ``bytes_sent``
+what this rank put on the wire in one call. ``union`` is the exact union
+size; ``overlap`` and ``density`` must agree with
 ``(k_sum - union) / (k_sum - k_max)`` and ``k_sum / (world_size * numel)``.
 
 ``checksum`` is the hexadecimal :attr:`Profile.digest` of everything else; a
@@ -140,7 +160,9 @@ class Primitive:
 class Measurement:
     """One timed configuration of one algorithm (a row of ``measurements``).
 
-    Attributes mirror the file fields; see the module docstring.
+    Attributes mirror the file fields; see the module docstring. ``time_us``
+    is the statistic of the timed rounds that the profile's
+    ``meta.statistic`` names (the median when it is absent).
     """
 
     algorithm: str
@@ -174,9 +196,11 @@ class Measurement:
         Args:
             features: the configuration (with the exact union).
             algorithm: the algorithm name.
-            time_us: median time per call, microseconds.
-            spread_us: interquartile range (or MAD) of the timed calls.
-            repeats: number of timed calls.
+            time_us: time per call, microseconds: the statistic of the timed
+                rounds that the profile's ``meta.statistic`` names (the
+                median, or the lower quartile; see the module docstring).
+            spread_us: interquartile range of the timed rounds, microseconds.
+            repeats: number of timed rounds.
             bytes_sent: bytes this rank sent per call.
 
         Returns:

@@ -18,8 +18,10 @@ What one profiling run does
    :class:`~tuner.workloads.Workload` (exact, controlled overlap), warms each
    algorithm up, then times rounds in which every algorithm runs once, in an
    order rotated each round (:mod:`tuner.bench`'s engine). A call's time is
-   the max over ranks; the median over rounds is recorded with the
-   interquartile range. The union size recorded is the exact one, read off
+   the max over ranks; the median over rounds (``--statistic``: or their
+   lower quartile) is recorded as ``time_us`` with the interquartile range
+   as ``spread_us``, and the statistic used as the profile's
+   ``meta.statistic``. The union size recorded is the exact one, read off
    the result. Configurations run in a shuffled (seeded) order, so that load
    from other processes spreads over the grid instead of skewing one corner.
 3. **Journal.** Rank 0 appends each finished configuration to a JSON-lines
@@ -498,7 +500,9 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
 
     Returns:
         On rank 0, one :class:`~tuner.profile.Measurement` mapping per
-        algorithm (``time_us`` the median); ``None`` on the other ranks.
+        algorithm (``time_us`` the median; :func:`run_profile` replaces it by
+        the lower quartile of the rounds the journal keeps when its
+        ``statistic`` asks so); ``None`` on the other ranks.
 
     Raises:
         ColltuneValueError: two algorithms disagree on the union (a bug).
@@ -515,8 +519,10 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
     idx, vals = idx.to(device), vals.to(device)
 
     def call_of(name: str) -> Callable[[], Any]:
+        group = bench.contender_group(name)  # its own group: no other algorithm sizes its eager slot
+
         def call() -> Any:
-            out = tuner.sparse_allreduce(idx, vals, cfg.n, algorithm=name)
+            out = tuner.sparse_allreduce(idx, vals, cfg.n, algorithm=name, group=group)
             _sync(device)
             return out
 
@@ -946,7 +952,8 @@ def run_profile(
         notes: free text for ``meta.notes``.
         log: where to print one-line status messages (default: stdout of rank 0).
         statistic: what ``time_us`` holds: the ``median`` of the rounds, or
-            their ``lower-quartile`` (robust to other processes' load).
+            their ``lower-quartile`` (robust to other processes' load);
+            recorded as the profile's ``meta.statistic``.
         keep_journal: keep the journal (every round's time) after a complete run.
 
     Returns:

@@ -12,7 +12,9 @@ Files written to the output directory:
 ``predicted-vs-measured.png``
     Cross-validated predictions (each configuration predicted by a model
     fitted without it: ``GroupKFold`` over configurations) against the
-    measured medians, one panel per algorithm, log-log, with the diagonal.
+    measured times (``time_us``: the median of the rounds, or the statistic
+    the profile's ``meta.statistic`` names), one panel per algorithm,
+    log-log, with the diagonal.
 ``summary.md``
     Metadata, the primitives, the cross-validated error per algorithm, the
     selection regret, the measured winners against the predicted ones, the
