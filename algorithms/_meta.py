@@ -189,8 +189,11 @@ def note_slot_use(comm: Comm, need: int) -> None:
 
 
 def exchange(
-    comm: Comm, record: dict[str, int], local_error: BaseException | None, slot: torch.Tensor | None = None
-) -> tuple[list[dict[str, int]], list[torch.Tensor] | None]:
+    comm: Comm,
+    record: dict[str, int],
+    local_error: BaseException | None,
+    slot: torch.Tensor | np.ndarray | None = None,
+) -> tuple[list[dict[str, int]], torch.Tensor | None]:
     """All-gather ``record`` and check that every rank agrees; return every rank's record and eager slot.
 
     Args:
@@ -198,12 +201,12 @@ def exchange(
         record: this rank's values for the fields in :data:`FIELDS` except
             ``magic``, ``version`` and ``error`` (missing ones count as unknown).
         local_error: the validation error of this rank, or ``None``.
-        slot: up to :func:`slot_bytes` bytes (``uint8``) to deliver to
-            every rank with the record, or ``None``.
+        slot: up to :func:`slot_bytes` bytes (``uint8``, a tensor or a
+            NumPy array) to deliver to every rank with the record, or ``None``.
 
     Returns:
-        ``(records, slots)``: every rank's record, and every rank's slot
-        (:func:`slot_bytes` bytes each; ``None`` on a single rank, where
+        ``(records, slots)``: every rank's record, and every rank's slot as
+        one ``uint8`` tensor of shape ``[P, slot_bytes]`` (``None`` on a single rank, where
         nothing is exchanged).
 
     Raises:
@@ -222,13 +225,14 @@ def exchange(
     # inputs the call's time is its number of operations.
     host = np.zeros(hbytes + cap, dtype=np.uint8)
     host[:hbytes] = np.array([int(full.get(f, -1)) for f in FIELDS], dtype=np.int64).view(np.uint8)
-    if slot is not None and slot.numel():
-        host[hbytes : hbytes + slot.numel()] = slot.cpu().numpy()
+    if slot is not None:
+        data = slot if isinstance(slot, np.ndarray) else slot.cpu().numpy()
+        host[hbytes : hbytes + data.size] = data.reshape(-1)
     row = torch.from_numpy(host).to(comm.device)
     with comm.meta():
         table = comm.all_gather(row).view(comm.world_size, row.numel())
     head = np.ascontiguousarray(table[:, :hbytes].cpu().numpy()).view(np.int64).tolist()
-    slots = list(table[:, hbytes:])
+    slots = table[:, hbytes:]
     records = [dict(zip(FIELDS, r)) for r in head]
     for rank, rec in enumerate(records):
         if rec["magic"] != _MAGIC or rec["version"] != _VERSION:

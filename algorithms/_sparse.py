@@ -27,6 +27,9 @@ __all__ = [
     "unpack",
     "merge_sources",
     "dtype_code",
+    "pack_host",
+    "unpack_host",
+    "merge_host",
 ]
 
 #: Value dtypes colltune reduces. fp16 and bf16 are accumulated in fp32.
@@ -206,38 +209,101 @@ def merge_sources(
     return union, out
 
 
+def _merge_host(
+    sources: list[tuple[torch.Tensor, torch.Tensor]], size: int, total: int, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    a = np.concatenate([i.numpy() for i, _ in sources])
+    v = _host_rows(torch.cat([v for _, v in sources]).to(acc))
+    a, v = merge_host(a, v, size)
+    return torch.from_numpy(a), _rows_tensor(v, acc)
+
+
+# --------------------------------------------------------------------------- host (NumPy) forms
+#
+# On the CPU a small call's time is its number of operations: a NumPy
+# operation on a few hundred elements costs about a microsecond, a torch one
+# several. The host forms below do the work of pack, unpack and merge on
+# NumPy arrays that share memory with the tensors (no copies in or out).
+
+_NP_INDEX = {torch.int32: np.int32, torch.int64: np.int64}
+#: Wire value dtypes as NumPy sees their bytes (bf16 as its 16 raw bits).
+_NP_WIRE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.bfloat16: np.uint16}
 #: On the host, merge through a dense scratch of ``size`` rows only when the
-#: sources hold more than ``size / _HOST_SCRATCH_RATIO`` entries; below that a
+#: entries number more than ``size / _HOST_SCRATCH_RATIO``; below that a
 #: stable sort of the concatenated (already sorted) runs is cheaper.
 _HOST_SCRATCH_RATIO = 3
 
 
-def _merge_host(
-    sources: list[tuple[torch.Tensor, torch.Tensor]], size: int, total: int, acc: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    vals = torch.cat([v for _, v in sources]).to(acc)
-    if size <= _HOST_SCRATCH_RATIO * total:
+def pack_host(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype) -> np.ndarray:
+    """Return :func:`pack` of CPU tensors as a NumPy ``uint8`` array ``[k, entry_bytes]``."""
+    k = idx.numel()
+    isz = index_dtype.itemsize
+    v = vals.detach()
+    if v.dtype != value_dtype:
+        v = v.to(value_dtype)
+    if value_dtype == torch.bfloat16:
+        v = v.view(torch.int16)
+    vb = v.numpy().reshape(k, vals.shape[1])
+    out = np.empty((k, isz + vb.shape[1] * vb.itemsize), dtype=np.uint8)
+    out[:, :isz] = idx.numpy().astype(_NP_INDEX[index_dtype], copy=False).reshape(k, 1).view(np.uint8)
+    out[:, isz:] = np.ascontiguousarray(vb).view(np.uint8)
+    return out
+
+
+def unpack_host(
+    buf: np.ndarray, row_numel: int, index_dtype: torch.dtype, value_dtype: torch.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Invert :func:`pack_host`: return int64 indices and ``[k, row_numel]`` values in the accumulation dtype.
+
+    ``buf`` is ``uint8`` of shape ``[k, entry_bytes]`` (rows may be strided).
+    fp16 and bf16 values are widened to fp32 exactly.
+    """
+    k = buf.shape[0]
+    isz = index_dtype.itemsize
+    idx = np.ascontiguousarray(buf[:, :isz]).view(_NP_INDEX[index_dtype]).reshape(k).astype(np.int64, copy=False)
+    raw = np.ascontiguousarray(buf[:, isz:]).view(_NP_WIRE[value_dtype]).reshape(k, row_numel)
+    if value_dtype == torch.bfloat16:
+        vals = (raw.astype(np.uint32) << 16).view(np.float32)
+    elif value_dtype == torch.float16:
+        vals = raw.astype(np.float32)
+    else:
+        vals = raw
+    return idx, vals
+
+
+def merge_host(idx: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sum rank-ordered runs of sorted unique entries: return the sorted union and its rows.
+
+    ``idx`` (int64) and ``vals`` (``[K, r]``) are the concatenation, in list
+    order, of sources that each hold sorted unique indices; every output row
+    is ``((0 + v_0) + v_1) + ...`` in that order, as :func:`merge_sources`
+    promises. The result may share memory with neither input.
+    """
+    if idx.size and size <= _HOST_SCRATCH_RATIO * idx.size:
         # Dense scratch: index_add_ on the CPU adds in the order of the index
         # list, so one call over the rank-ordered concatenation is the same
         # sum as a loop over sources.
-        cat = torch.cat([i for i, _ in sources])
+        t_idx = torch.from_numpy(idx)
         present = torch.zeros(size, dtype=torch.bool)
-        scratch = torch.zeros((size, vals.shape[1]), dtype=acc)
-        present[cat] = True
-        scratch.index_add_(0, cat, vals)
+        scratch = torch.zeros((size, vals.shape[1]), dtype=_TORCH_OF[vals.dtype.type])
+        present[t_idx] = True
+        scratch.index_add_(0, t_idx, torch.from_numpy(vals))
         union = present.nonzero().view(-1)
-        return union, scratch.index_select(0, union)
-    a = np.concatenate([i.numpy() for i, _ in sources])
+        return union.numpy(), scratch.index_select(0, union).numpy()
     # Stable, so equal indices keep the order of their sources; the runs are
     # already sorted, which the stable sort detects (a merge, not a full sort).
-    order = np.argsort(a, kind="stable")
-    a = a[order]
-    v = _host_rows(vals)[order]
-    new = np.empty(a.size, dtype=bool)
-    new[0] = True
-    np.not_equal(a[1:], a[:-1], out=new[1:])
-    if not new.all():
-        starts = np.flatnonzero(new)
-        a, v = a[starts], np.add.reduceat(v, starts, axis=0)
+    order = np.argsort(idx, kind="stable")
+    a = idx[order]
+    v = vals[order]
+    if a.size > 1:
+        new = np.empty(a.size, dtype=bool)
+        new[0] = True
+        np.not_equal(a[1:], a[:-1], out=new[1:])
+        if not new.all():
+            starts = np.flatnonzero(new)
+            a, v = a[starts], np.add.reduceat(v, starts, axis=0)
     v += 0  # the same bits as the scratch path's 0 + v_0 + v_1 ... (-0.0 becomes +0.0)
-    return torch.from_numpy(a), _rows_tensor(v, acc)
+    return a, v
+
+
+_TORCH_OF = {np.float32: torch.float32, np.float64: torch.float64}

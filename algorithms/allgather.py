@@ -19,10 +19,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from algorithms._comm import Comm
-from algorithms._sparse import accum_dtype, entry_bytes, merge_sources, pack, unpack, wire_index_dtype
+from algorithms._sparse import (
+    accum_dtype,
+    entry_bytes,
+    merge_host,
+    merge_sources,
+    pack,
+    pack_host,
+    unpack,
+    unpack_host,
+    wire_index_dtype,
+)
 from algorithms.base import Algorithm, SparseInput, TopkOutput
 
 __all__ = ["Allgather", "gather_merge", "eager_slot", "slot_need"]
@@ -42,15 +53,38 @@ def gather_merge(
     """All-gather coalesced entries and merge them in rank order (see :func:`merge_sources`)."""
     index_dtype = wire_index_dtype(size)
     r = vals.shape[1]
+    if comm.device.type == "cpu":
+        buf = torch.from_numpy(pack_host(idx, vals, index_dtype, wire_dtype))
+        pieces = comm.all_gather_v(buf, counts, mode)
+        return _merge_pieces([unpack_host(piece.numpy(), r, index_dtype, wire_dtype) for piece in pieces], size)
     buf = pack(idx.to(comm.device), vals.to(comm.device), index_dtype, wire_dtype)
     pieces = comm.all_gather_v(buf, counts, mode)
     sources = [unpack(piece, r, index_dtype, wire_dtype) for piece in pieces]
     return merge_sources(sources, size, r, accum_dtype(wire_dtype), comm.device)
 
 
-def eager_slot(idx: torch.Tensor, vals: torch.Tensor, size: int, dtype: torch.dtype, capacity: int) -> torch.Tensor:
-    """Pack the first entries that fit in ``capacity`` bytes of the metadata record's eager slot, as flat ``uint8``."""
+def _merge_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge host sources given in rank order; return tensors sharing the result's memory."""
+    if len(pieces) == 1:
+        idx, vals = pieces[0]
+    else:
+        idx = np.concatenate([i for i, _ in pieces])
+        vals = np.concatenate([v for _, v in pieces])
+    union, sums = merge_host(idx, vals, size)
+    return torch.from_numpy(union), torch.from_numpy(np.ascontiguousarray(sums))
+
+
+def eager_slot(
+    idx: torch.Tensor, vals: torch.Tensor, size: int, dtype: torch.dtype, capacity: int
+) -> torch.Tensor | np.ndarray:
+    """Pack the first entries that fit in ``capacity`` bytes of the metadata record's eager slot.
+
+    Returns flat ``uint8``: a NumPy array for CPU tensors (the record is
+    built on the host), else a tensor on their device.
+    """
     m = min(idx.numel(), capacity // entry_bytes(vals.shape[1], wire_index_dtype(size), dtype))
+    if idx.device.type == "cpu":
+        return pack_host(idx[:m], vals[:m], wire_index_dtype(size), dtype).reshape(-1)
     return pack(idx[:m], vals[:m], wire_index_dtype(size), dtype).view(-1)
 
 
@@ -72,24 +106,47 @@ class Allgather(Algorithm):
             return gather_merge(comm, inp.indices, inp.values, counts, inp.size, inp.dtype, knobs["mode"])
         # The first entries of every rank already arrived in the eager slots;
         # gather only what did not fit, then merge in rank order as usual.
-        r, me = inp.row_numel, comm.rank
+        p, r, me = comm.world_size, inp.row_numel, comm.rank
         index_dtype = inp.index_dtype
         e = entry_bytes(r, index_dtype, inp.dtype)
-        m = inp.eager[0].numel() // e
+        m = inp.eager.shape[1] // e
         head = [min(c, m) for c in counts]
         rest = [c - h for c, h in zip(counts, head)]
-        comm.traffic.reclassify((comm.world_size - 1) * head[me] * e)
-        # Unpack the used part of every slot in one go, then keep each rank's first head[p] entries.
+        comm.traffic.reclassify((p - 1) * head[me] * e)
         mu = max(head)
-        block = torch.stack([s[: mu * e] for s in inp.eager]).view(len(counts) * mu, e)
-        idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
-        idx_all, vals_all = idx_all.view(len(counts), mu), vals_all.view(len(counts), mu, r)
-        sources = [(idx_all[p, :h], vals_all[p, :h]) for p, h in enumerate(head)]
+        host = comm.device.type == "cpu"
+        tail_buf = None
         if any(rest):
-            buf = pack(inp.indices[head[me] :].to(comm.device), inp.values[head[me] :].to(comm.device), index_dtype, inp.dtype)
-            pieces = comm.all_gather_v(buf, rest, knobs["mode"])
-            tails = [unpack(piece, r, index_dtype, inp.dtype) for piece in pieces]
-            sources = [(torch.cat((i0, i1)), torch.cat((v0, v1))) for (i0, v0), (i1, v1) in zip(sources, tails)]
+            i1, v1 = inp.indices[head[me] :], inp.values[head[me] :]
+            tail_buf = (
+                torch.from_numpy(pack_host(i1, v1, index_dtype, inp.dtype))
+                if host
+                else pack(i1.to(comm.device), v1.to(comm.device), index_dtype, inp.dtype)
+            )
+        if host:
+            # Unpack the used part of every slot in one go; keep each rank's first head[p] entries.
+            block = inp.eager.numpy()[:, : mu * e].reshape(p * mu, e)
+            idx, vals = unpack_host(block, r, index_dtype, inp.dtype)
+            if tail_buf is None:
+                if min(head) < mu:
+                    keep = (np.arange(mu) < np.asarray(head)[:, None]).reshape(-1)
+                    idx, vals = idx[keep], vals[keep]
+                union, sums = merge_host(idx, vals, inp.size)
+                return torch.from_numpy(union), torch.from_numpy(np.ascontiguousarray(sums))
+            tails = [unpack_host(piece.numpy(), r, index_dtype, inp.dtype) for piece in
+                     comm.all_gather_v(tail_buf, rest, knobs["mode"])]
+            pieces = []
+            for j in range(p):
+                pieces.append((idx[j * mu : j * mu + head[j]], vals[j * mu : j * mu + head[j]]))
+                pieces.append(tails[j])
+            return _merge_pieces(pieces, inp.size)
+        block = inp.eager[:, : mu * e].reshape(p * mu, e)
+        idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
+        idx_all, vals_all = idx_all.view(p, mu), vals_all.view(p, mu, r)
+        sources = [(idx_all[j, :h], vals_all[j, :h]) for j, h in enumerate(head)]
+        if tail_buf is not None:
+            tails_t = [unpack(piece, r, index_dtype, inp.dtype) for piece in comm.all_gather_v(tail_buf, rest, knobs["mode"])]
+            sources = [(torch.cat((i0, i1)), torch.cat((v0, v1))) for (i0, v0), (i1, v1) in zip(sources, tails_t)]
         return merge_sources(sources, inp.size, r, accum_dtype(inp.dtype), comm.device)
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:

@@ -46,9 +46,10 @@ class SparseInput:
         row_shape: shape of one row (``()`` for scalars).
         dtype: the caller's value dtype (the result is cast back to it).
         counts: entries per rank after coalescing, for every rank, in rank order.
-        eager: every rank's eager slot from the metadata exchange, holding
-            its first entries packed as :func:`algorithms.allgather.eager_slot`
-            packs them, or ``None`` when the caller did not fill the slots.
+        eager: every rank's eager slot from the metadata exchange, one
+            ``uint8`` row per rank (``[P, slot_bytes]``), holding its first
+            entries packed as :func:`algorithms.allgather.eager_slot` packs
+            them, or ``None`` when the caller did not fill the slots.
     """
 
     indices: torch.Tensor
@@ -57,7 +58,7 @@ class SparseInput:
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     counts: tuple[int, ...]
-    eager: list[torch.Tensor] | None = None
+    eager: torch.Tensor | None = None
 
     @property
     def row_numel(self) -> int:
