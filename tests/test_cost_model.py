@@ -128,12 +128,25 @@ def test_message_counts_of_each_schedule() -> None:
 
 def test_allgather_switches_to_all_to_all_when_padding_is_wasteful() -> None:
     model = AnalyticModel(DEFAULT_PRIMITIVES)
-    even = Features.build(numel=10**6, row_numel=1, dtype="float32", k_per_rank=[1000] * 4, union=4000)
-    skewed = Features.build(numel=10**6, row_numel=1, dtype="float32", k_per_rank=[1000, 10, 10, 10], union=1030)
+    # 10000 entries of 8 bytes exceed the largest eager slot at P = 4 (64 KiB): a second collective.
+    even = Features.build(numel=10**6, row_numel=1, dtype="float32", k_per_rank=[10000] * 4, union=40000)
+    skewed = Features.build(numel=10**6, row_numel=1, dtype="float32", k_per_rank=[10000, 100, 100, 100], union=10300)
     col = PARAM_NAMES.index
     assert model.design(even)["allgather"][col("all_gather.launch_us")] == 2  # metadata + padded gather
     assert model.design(skewed)["allgather"][col("all_gather.launch_us")] == 1  # metadata only
-    assert model.design(skewed)["allgather"][col("all_to_all.beta_us_per_byte")] == 3 * 1000 * 8
+    assert model.design(skewed)["allgather"][col("all_to_all.beta_us_per_byte")] == 3 * 10000 * 8
+
+
+def test_allgather_entries_that_fit_the_grown_slot_ride_in_the_record() -> None:
+    from algorithms import _meta
+
+    model = AnalyticModel(DEFAULT_PRIMITIVES)
+    f = Features.build(numel=10**6, row_numel=1, dtype="float32", k_per_rank=[1000] * 4, union=4000)
+    col = PARAM_NAMES.index
+    row = model.design(f)["allgather"]
+    assert row[col("all_gather.launch_us")] == 1  # the record alone
+    header = 8 * len(_meta.FIELDS)
+    assert row[col("all_gather.beta_us_per_byte")] == 3 * (header + 8192)  # the slot grown to 8 KiB (8000 B)
 
 
 def test_oktopk_sends_a_dense_region_once_the_union_outgrows_it() -> None:

@@ -321,14 +321,20 @@ class AnalyticModel:
             merge_bytes = gathered + n * rba + ksum * rba + n + u * out_entry
         else:
             merge_bytes = gathered + ksum * math.log2(max(ksum, 2.0)) * 8.0 + ksum * (8.0 + rba) + u * out_entry
-        if self.metadata_bytes is None and f.k_max * e <= _meta.eager_capacity(p):
-            # Every rank's entries ride in the metadata record's eager slot.
+        if self.metadata_bytes is None and f.k_max * e <= _meta.slot_limit(p):
+            # Every rank's entries ride in the metadata record's eager slot,
+            # grown to fit them (a call site that keeps to allgather): one
+            # collective, its record larger by the entries.
+            slot = max(_meta.eager_capacity(p), 1 << max(int(math.ceil(f.k_max * e)) - 1, 0).bit_length())
+            allgather_meta = all_gather("metadata", float(record - _meta.eager_capacity(p) + slot))
             entries = Step("entries_gather", "all_gather", 0.0, 0.0, 0.0)
         elif 4 * p * f.k_max <= 5 * ksum:  # all_gather_v "auto": pad while padding adds <= 1/4
+            allgather_meta = meta
             entries = all_gather("entries_gather", f.k_max * e)
         else:  # every rank sends its entries to each peer; the largest rank bounds the time
+            allgather_meta = meta
             entries = all_to_all("entries_gather", f.k_max * e)
-        allgather = [meta, entries, local("merge", merge_bytes, 4.0)]
+        allgather = [allgather_meta, entries, local("merge", merge_bytes, 4.0)]
 
         region = math.ceil(n / p)
         region_dense_bytes = region * rb + math.ceil(region / 8)
