@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 1
+_VERSION = 2
 
 #: Field order of the record.
 FIELDS: tuple[str, ...] = (
@@ -72,10 +72,15 @@ FIELDS: tuple[str, ...] = (
     "shape_1",
     "shape_2",
     "shape_3",
+    "eager",
 )
 _SHAPE_DIMS = 4
 #: Fields every rank must agree on, with how to say them in an error.
-SHARED_FIELDS: tuple[str, ...] = ("kind", "size", "row_numel", "row_shape", "dtype", "op", "algorithm", "policy")
+SHARED_FIELDS: tuple[str, ...] = (
+    "kind", "size", "row_numel", "row_shape", "dtype", "op", "algorithm", "policy", "eager"
+)
+#: What the eager slot of a record holds (field ``eager``).
+EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
 _names: dict[int, str] = {}
@@ -261,6 +266,8 @@ def exchange(
                 "and pass the same name= on every rank",
                 "row_shape": "pass values with the same row shape on every rank",
                 "row_numel": "pass values with the same row shape on every rank",
+                "eager": "the ranks' selectors hold different histories for this call site (make the same "
+                "calls, in the same order, with the same name= on every rank)",
             }.get(f, "pass the same value on every rank")
             raise RankMismatchError(f"ranks disagree on {f!r} ({per_rank}); {hint}.")
     return records, slots

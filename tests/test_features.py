@@ -260,3 +260,66 @@ def test_consecutive_indices_count_as_well_as_random_ones() -> None:
         idx = np.arange(start, start + 3000)
         m = choose_bitmap_bits(idx.size)
         assert abs(linear_count(make_bitmap(idx, m), m) - 3000) < 0.03 * 3000
+
+
+# --------------------------------------------------------------------------- the sketch in the metadata record
+
+
+def test_sketch_hash_is_the_same_in_numpy_and_torch() -> None:
+    import torch
+
+    from tuner.features import _hash32_host, _hash32_torch
+
+    idx = np.random.default_rng(9).integers(0, 2**62, 5000)
+    for seed in (0, 7):
+        np.testing.assert_array_equal(_hash32_torch(torch.from_numpy(idx), seed).numpy(), _hash32_host(idx, seed))
+
+
+def test_sketch_keeps_the_smallest_hashes_in_order() -> None:
+    import torch
+
+    from tuner.features import _hash32_host, sketch_hashes
+
+    idx = np.arange(0, 30000, 7)
+    got = sketch_hashes(torch.from_numpy(idx), 1024)
+    assert got.dtype == np.uint32 and got.size == 256
+    np.testing.assert_array_equal(got, np.sort(_hash32_host(idx, 0))[:256])
+    assert sketch_hashes(torch.arange(10), 1024).size == 10
+    assert sketch_hashes(torch.empty(0, dtype=torch.int64), 1024).size == 0
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("k", [1000, 10000])
+def test_sketch_overlap_is_close_and_its_band_holds_the_exact_one(p: int, k: int) -> None:
+    import torch
+
+    from tuner.features import overlap_from_sketches, sketch_hashes
+
+    errors, misses = [], 0
+    for overlap in (0.0, 0.25, 0.5, 0.75, 1.0):
+        for seed in range(4):
+            sets = _rank_sets(p, k, overlap, seed=seed * 17 + p)
+            ks = [len(s) for s in sets]
+            exact = overlap_from_union(ks, len(np.unique(np.concatenate(sets))))
+            sketches = [sketch_hashes(torch.from_numpy(np.asarray(s, dtype=np.int64)), 1024) for s in sets]
+            union, est, half = overlap_from_sketches(ks, sketches)
+            errors.append(abs(est - exact))
+            misses += abs(est - exact) > half
+            if overlap in (0.0, 1.0):
+                assert est == pytest.approx(exact, abs=1e-9)  # disjoint and identical sets come out exact
+            assert 0 < half <= 0.2
+    assert max(errors) < 0.08 and float(np.mean(errors)) < 0.03, errors
+    assert misses <= 1, misses
+
+
+def test_sketch_overlap_is_exact_when_every_rank_fits() -> None:
+    import torch
+
+    from tuner.features import overlap_from_sketches, sketch_hashes
+
+    sets = [np.arange(0, 200), np.arange(100, 300), np.arange(150, 250)]
+    sketches = [sketch_hashes(torch.from_numpy(s), 1024) for s in sets]
+    union, est, half = overlap_from_sketches([200, 200, 100], sketches)
+    assert (union, half) == (300.0, 0.0)
+    assert est == overlap_from_union([200, 200, 100], 300)
+    assert overlap_from_sketches([50, 0], [sketches[0][:50], sketches[0][:0]])[1:] == (0.0, 0.0)

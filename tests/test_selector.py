@@ -388,7 +388,7 @@ def test_policy_and_decision_end_to_end(tmp_path):
     assert per_rank[0] == per_rank[1]
     out = per_rank[0]
     assert out["emb"] == ("oktopk", "policy", "rule 0 'embeddings'", {"peers_in_flight": 1})
-    assert out["other"][1] == "model" and out["other"][2] is True and out["other"][3] == "bitmap"
+    assert out["other"][1] == "model" and out["other"][2] is True and out["other"][3].startswith("sketch")
     assert out["topk"][0][1] == "model" and out["topk"][1][2] and out["topk"][2][2]
     lines = (tmp_path / "d-1.jsonl").read_text().splitlines()
     assert [json.loads(x)["source"] for x in lines] == ["policy", "model", "model"]  # cached calls add no lines
@@ -429,3 +429,92 @@ def test_explain_rejects_bad_options(capsys):
     assert "density" in capsys.readouterr().err
     assert cli.main(["explain", "--numel", "100", "--density", "0.9", "--world-size", "4", "--overlap", "0"]) == 2
     assert "overlap" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the first overlap: sketch, then bitmap only if decisive
+
+
+class _CountingGroup(_Group):
+    """Records the collectives the selector asks for (the bitmap is left as this rank's own)."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self.calls = 0
+
+    def meta(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def all_reduce(self, t, op="sum"):
+        self.calls += 1
+        return t
+
+
+def _sets(p: int, k: int, overlap: float, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    s = int(round(overlap * k))
+    pool_ = rng.choice(2**20, size=s + p * (k - s), replace=False)
+    return [np.sort(np.concatenate([pool_[:s], pool_[s + r * (k - s) : s + (r + 1) * (k - s)]])) for r in range(p)]
+
+
+@pytest.mark.parametrize("overlap, expected, collectives", [(0.9, "oktopk", 0), (0.1, "allgather", 0), (0.36, None, 1)])
+def test_first_call_decides_from_the_sketch_unless_the_band_straddles_a_boundary(overlap, expected, collectives):
+    from tuner.features import sketch_hashes
+
+    # SYNTHETIC at n = 2^20, density 2e-2, P = 8: allgather below overlap ~0.36, oktopk above.
+    p, n = 8, 2**20
+    sets = _sets(p, 20972, overlap)
+    sketches = [sketch_hashes(torch.from_numpy(s), 1024) for s in sets]
+    sel = Selector(profile=SYNTHETIC, environ={})
+    key = ("sparse", "w", None, n, p)
+    assert sel.wants_sketch(key, "gloo")
+    comm = _CountingGroup(p)
+    choice = sel.decide_sparse(key, comm=comm, backend="gloo", name="w", size=n, row_numel=1, dtype=torch.float32,
+                               counts=tuple(len(s) for s in sets), indices=torch.from_numpy(sets[0]), sketches=sketches)
+    assert comm.calls == collectives
+    if collectives:
+        assert choice.overlap_source == "bitmap"
+    else:
+        assert choice.algorithm == expected and choice.overlap_source.startswith("sketch (+-")
+        assert abs(choice.overlap - overlap) < 0.05
+    sel.observe_sparse(key, tuple(len(s) for s in sets), len(np.unique(np.concatenate(sets))))
+    assert not sel.wants_sketch(key, "gloo"), "once a call revealed the union, no sketch is needed"
+
+
+def test_no_sketch_when_the_algorithm_is_forced_or_there_is_nothing_to_predict():
+    key = ("sparse", "w", None, 100, 2)
+    assert not Selector(profile=SYNTHETIC, environ={"COLLTUNE_ALGO": "dense"}).wants_sketch(key, "gloo")
+    assert not Selector(profile=None, environ={}).wants_sketch(key, "no-such-backend")
+
+
+def _rank_first_call(rank, world_size, n, k, overlap):
+    import tuner
+    from tuner.workloads import Workload
+
+    tuner.configure(selector=Selector(environ={}))
+    try:
+        w = Workload(n, k, world_size, overlap, seed=5)
+        idx, vals = w.make(rank)
+        out = []
+        for _ in range(2):
+            res = tuner.sparse_allreduce(idx, vals, n, name="first")
+            d = res.decision
+            out.append((res.algorithm, d.overlap_source, round(d.overlap, 6), sorted(res.traffic.by_primitive),
+                        int(res.indices.numel()), d.cached))
+        return out, w.overlap
+    finally:
+        tuner.configure()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_first_auto_call_adds_no_collective_for_its_overlap(world_size):
+    n, k = 2**20, 10486  # density 1e-2: the selector overhead target's configuration at P = 4
+    per_rank = pool(world_size).run(_rank_first_call, n, k, 0.5)
+    for r in range(1, world_size):
+        assert per_rank[r] == per_rank[0]
+    (first, second), exact = per_rank[0]
+    assert first[1].startswith("sketch")
+    assert abs(first[2] - exact) < 0.05
+    assert "all_reduce" not in first[3] or first[0] == "dense", first  # no bitmap all_reduce
+    assert second[5] and second[0] == first[0], "the second call reuses the decision"

@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,6 +39,7 @@ from algorithms.allgather import eager_slot, slot_need
 from algorithms.base import SparseInput, SparseResult
 from algorithms.errors import ColltuneTypeError, ColltuneValueError
 from algorithms.state import TopkState
+from tuner.features import sketch_hashes
 
 __all__ = ["sparse_allreduce", "topk_allreduce", "SparseResult", "TopkResult", "AsyncHandle", "OPS"]
 
@@ -384,22 +386,34 @@ def _sparse_allreduce(
             policy=code,
             count=idx.numel(),
         )
-        # Small inputs ride in the metadata record: allgather then needs no second collective.
-        slot = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype, _meta.slot_bytes(comm)) if (
-            algorithm in ("auto", "allgather") and comm.world_size > 1
-        ) else None
+        site = (_KIND_SPARSE, name, n, vals.shape[1], values.dtype, comm.world_size, _group_key(group))
+        # The eager slot of the metadata record carries either this rank's
+        # first entries (allgather then needs no second collective) or, on
+        # the first auto call at a site, a sketch of its indices from which
+        # the selector estimates the overlap without a collective of its own.
+        slot, eager = None, _meta.EAGER_NONE
+        if comm.world_size > 1 and algorithm in ("auto", "allgather"):
+            cap = _meta.slot_bytes(comm)
+            if sel is not None and sel.wants_sketch(site, backend):
+                slot, eager = sketch_hashes(idx, cap, sel.bitmap_seed).view(np.uint8), _meta.EAGER_SKETCH
+            else:
+                slot, eager = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype, cap), _meta.EAGER_ENTRIES
+        record["eager"] = eager
     except (TypeError, ValueError) as exc:
-        error, slot = exc, None
+        error, slot, eager = exc, None, _meta.EAGER_NONE
     records, slots = _meta.exchange(comm, record, error, slot)
     counts = tuple(rec["count"] for rec in records)
-    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, slots if slot is not None else None)
+    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, slots if eager == _meta.EAGER_ENTRIES else None)
     if sel is None:
         decision: Any = None
     else:
-        site = (_KIND_SPARSE, name, n, inp.row_numel, values.dtype, comm.world_size, _group_key(group))
+        sketches = None
+        if eager == _meta.EAGER_SKETCH:
+            s = slots.cpu().numpy().view(np.uint32)  # type: ignore[union-attr]
+            sketches = [s[r, : min(c, s.shape[1])] for r, c in enumerate(counts)]
         decision = sel.decide_sparse(
             site, comm=comm, backend=backend, name=name, size=n, row_numel=inp.row_numel,
-            dtype=values.dtype, counts=counts, indices=idx,
+            dtype=values.dtype, counts=counts, indices=idx, sketches=sketches,
         )
         algorithm = decision.algorithm
         knobs_checked = _decided_knobs(decision, knobs)

@@ -67,6 +67,9 @@ __all__ = [
     "bitmap_positions_torch",
     "make_bitmap_torch",
     "estimate_union_collective",
+    "SKETCH_BYTES_PER_HASH",
+    "sketch_hashes",
+    "overlap_from_sketches",
 ]
 
 #: Bytes per element of the value dtypes colltune reduces.
@@ -641,3 +644,116 @@ def estimate_union_collective(
         u = float(-m * math.log(zeros / m))
     u = min(max(u, float(k_max)), float(k_sum))
     return u, overlap_from_union(ks, u)
+
+
+# ---------------------------------------------------------------------------
+# The sketch that rides in the metadata record (no collective of its own)
+# ---------------------------------------------------------------------------
+
+#: Bytes per hash in a sketch: the top 32 bits of the 64-bit index hash.
+SKETCH_BYTES_PER_HASH = 4
+
+
+def _hash32_host(indices: np.ndarray, seed: int) -> np.ndarray:
+    """The top 32 bits of :func:`bitmap_indices`' 64-bit hash, as ``uint32`` (NumPy, wrapping ``uint64``)."""
+    z = indices.astype(np.uint64) + np.uint64(_seed_offset(seed))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(32)).astype(np.uint32)
+
+
+def _hash32_torch(indices: "torch.Tensor", seed: int) -> "torch.Tensor":
+    """:func:`_hash32_host` with torch on the tensor's device, as ``int64`` in ``[0, 2**32)``."""
+    import torch
+
+    z = indices.reshape(-1).to(torch.int64) + _signed(_seed_offset(seed))
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _signed(_MIX1)
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _signed(_MIX2)
+    z = z ^ ((z >> 31) & ((1 << 33) - 1))
+    return (z >> 32) & 0xFFFFFFFF
+
+
+def sketch_hashes(indices: "torch.Tensor", capacity: int, seed: int = 0) -> np.ndarray:
+    """Return one rank's overlap sketch: the smallest 32-bit hashes of its indices, ascending.
+
+    A *bottom-s* sketch (Broder's min-hash, as a sample): hashing decides
+    which indices are kept, so every rank keeps the same indices of the
+    index space, and the kept indices of all ranks together are a uniform
+    sample of their union in which shared indices stay shared. It costs one
+    hash and one partial sort of the local indices, and rides in the eager
+    slot of the metadata record, so estimating the overlap adds no collective.
+
+    Args:
+        indices: this rank's unique row indices (any device; the hash is the
+            one of :func:`bitmap_indices`, the same on every device).
+        capacity: bytes available; ``capacity // 4`` hashes are kept at most.
+        seed: hash seed, the same on every rank.
+
+    Returns:
+        ``uint32`` hashes, sorted, ``min(len(indices), capacity // 4)`` of them.
+    """
+    import torch
+
+    s = _check_int("capacity", capacity, 0) // SKETCH_BYTES_PER_HASH
+    if indices.device.type == "cpu":
+        h = _hash32_host(indices.numpy().reshape(-1), seed)
+        if h.size > s:
+            h = np.partition(h, s - 1)[:s] if s else h[:0]
+        return np.sort(h)
+    top = _hash32_torch(indices, seed)
+    if top.numel() > s:
+        top = torch.topk(top, s, largest=False, sorted=True).values
+    else:
+        top = torch.sort(top).values
+    return top.cpu().numpy().astype(np.uint32)
+
+
+def overlap_from_sketches(
+    k_per_rank: Sequence[int], sketches: Sequence[np.ndarray]
+) -> tuple[float, float, float]:
+    """Estimate the union size and overlap from every rank's :func:`sketch_hashes`.
+
+    Let ``T`` be the smallest, over the ranks whose sketch is full (holds
+    fewer hashes than the rank has indices), of their largest kept hash.
+    Every rank's hashes ``<= T`` are all in its sketch, so the sketches cut
+    at ``T`` are the ranks' index sets restricted to one hash range: a
+    uniform sample of the index space in which an index shared by ranks is
+    sampled on all of them or none. The share of first occurrences in the
+    sample estimates ``u / K``; with no full sketch the sample is everything
+    and the estimate is exact.
+
+    Args:
+        k_per_rank: every rank's entry count after coalescing.
+        sketches: every rank's sketch, in rank order.
+
+    Returns:
+        ``(union, overlap, half_width)``: the estimated union (clipped to its
+        feasible range), the overlap from it, and a half-width of about two
+        standard errors of the overlap (0 when exact).
+    """
+    ks = [int(k) for k in k_per_rank]
+    k_sum, k_max = sum(ks), max(ks, default=0)
+    if k_sum <= k_max:
+        return float(k_max), 0.0, 0.0
+    full = [len(h) < k for h, k in zip(sketches, ks)]
+    if any(full):
+        cut = min(int(h[-1]) for h, f in zip(sketches, full) if f)
+        sample = [h[: int(np.searchsorted(h, cut, side="right"))] for h in sketches]
+    else:
+        sample = list(sketches)
+    taken = sum(len(h) for h in sample)
+    if not taken:
+        return float(k_max), 0.0, 1.0
+    _, mult = np.unique(np.concatenate(sample), return_counts=True)
+    if not any(full):
+        u = float(mult.size)
+        return u, overlap_from_union(ks, u), 0.0
+    q = mult.size / taken  # share of first occurrences: estimates u / K
+    u = min(max(q * k_sum, float(k_max)), float(k_sum))
+    # The sample is of indices (clusters of 1 to P entries), so q is a ratio
+    # estimator: Var(q) ~ sum_i (1 - q m_i)^2 / (sum_i m_i)^2 over sampled indices i.
+    resid = 1.0 - q * mult
+    se_q = math.sqrt(max(float(resid @ resid), 1.0)) / taken
+    half = min(1.0, 2.5 * se_q * k_sum / (k_sum - k_max) + 0.005)
+    return u, overlap_from_union(ks, u), half

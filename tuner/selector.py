@@ -20,11 +20,15 @@ What a decision sees, identical on every rank
 ---------------------------------------------
 
 * every rank's entry count (the metadata exchange every call makes);
-* the overlap: on the first call at a call site, an estimate from one
-  collective (a hashed bitmap per rank, combined by ``all_reduce`` MAX,
-  :func:`tuner.features.estimate_union_collective`); afterwards, the exact
-  overlap of the previous call at that site, which every rank reads off the
-  identical result (``u = len(result.indices)``);
+* the overlap: on the first call at a call site, an estimate from the
+  sketches that ride in the metadata record (each rank's smallest index
+  hashes, :func:`tuner.features.sketch_hashes`): exact when every rank's
+  indices fit, else within a band of about two standard errors, and no
+  collective of its own. Only when the decision changes inside that band
+  does one collective refine it (a hashed bitmap per rank, combined by
+  ``all_reduce`` MAX, :func:`tuner.features.estimate_union_collective`).
+  Afterwards, the exact overlap of the previous call at that site, which
+  every rank reads off the identical result (``u = len(result.indices)``);
 * the policy, the profile and the selector's settings, whose hash rides in
   the metadata record (its ``policy`` field), so that a rank configured
   differently makes every rank raise :class:`~algorithms.errors.RankMismatchError`
@@ -87,7 +91,13 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import algorithms as _algorithms
 from algorithms.errors import ColltuneTypeError, ColltuneValueError
-from tuner.features import Features, estimate_union_collective, normalize_dtype, overlap_from_union
+from tuner.features import (
+    Features,
+    estimate_union_collective,
+    normalize_dtype,
+    overlap_from_sketches,
+    overlap_from_union,
+)
 from tuner.policy import (
     AUTO,
     DEFAULT_POLICY,
@@ -198,9 +208,11 @@ class Choice:
         term: the model term that decided (``algorithm.term``: the term that
             adds most to the runner-up's predicted time over the winner's).
         overlap: the overlap the decision used, if any.
-        overlap_source: ``bitmap`` (the collective estimate), ``previous call``
-            (the exact overlap of the last call at this site), ``counts``
-            (known from the counts alone), or ``None``.
+        overlap_source: ``sketch (exact)`` or ``sketch (+-w)`` (from the
+            sketches in the metadata record, exact or within ``w``),
+            ``bitmap`` (the collective estimate), ``previous call`` (the
+            exact overlap of the last call at this site), ``counts`` (known
+            from the counts alone), or ``None``.
         cached: whether this call reused an earlier decision.
         features: the features the cost model saw, if it was consulted.
     """
@@ -537,8 +549,9 @@ class Selector:
         dtype: Any,
         counts: Sequence[int],
         indices: Any,
+        sketches: Sequence[Any] | None = None,
     ) -> Choice:
-        """Return the algorithm of one exact sparse allreduce; collective on a cache miss.
+        """Return the algorithm of one exact sparse allreduce; collective only when the overlap is both unknown and decisive.
 
         Called by every rank after the metadata exchange, with the same
         ``site_key``, ``counts`` and shared arguments; ``indices`` are this
@@ -554,6 +567,9 @@ class Selector:
             dtype: the value dtype.
             counts: every rank's entry count after coalescing.
             indices: this rank's coalesced indices.
+            sketches: every rank's overlap sketch from the metadata record
+                (:func:`tuner.features.sketch_hashes`), when :meth:`wants_sketch`
+                asked for them, else ``None``.
 
         Returns:
             The :class:`Choice`; identical on every rank.
@@ -588,8 +604,9 @@ class Selector:
             if k_sum == k_max:  # at most one rank holds entries: nothing overlaps, nothing learned
                 overlap, source = 0.0, "counts"
             else:
-                _, overlap = estimate_union_collective(comm, indices, counts, seed=self.bitmap_seed)
-                source = "bitmap"
+                overlap, source = self._first_overlap(
+                    comm, indices, counts, sketches, model, name, size, row_numel, density, p, dtype_name
+                )
                 site.overlap, site.overlap_source = overlap, source
             if self._policy_uses_overlap:
                 decision = self._match(name, numel, density, p, overlap, dtype_name)
@@ -606,6 +623,82 @@ class Selector:
         site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, overlap)
         self._log("sparse", name, site_key, choice, comm.rank)
         return choice
+
+    def wants_sketch(self, site_key: tuple, backend: str) -> bool:
+        """Return whether the next exact call at this site should carry an overlap sketch.
+
+        True when no overlap is known at the site yet and the decision may
+        need one (a cost model, or a policy rule on overlap), unless an
+        environment override forces the algorithm. Every rank answers the
+        same, since every rank holds the same history of the site.
+        """
+        if self._forced_choice is not None:
+            return False
+        site = self._sites.get(site_key)
+        if site is not None and site.overlap is not None:
+            return False
+        return self._policy_uses_overlap or self.model(backend) is not None
+
+    def _first_overlap(
+        self,
+        comm: Any,
+        indices: Any,
+        counts: Sequence[int],
+        sketches: Sequence[Any] | None,
+        model: _Model | None,
+        name: str | None,
+        size: int,
+        row_numel: int,
+        density: float,
+        p: int,
+        dtype_name: str,
+    ) -> tuple[float, str]:
+        """Return the overlap of a site's first call and where it came from.
+
+        The sketches from the metadata record give it without a collective:
+        exactly when every rank's indices fit, else within a band of about
+        two standard errors. Only when the decision would change inside that
+        band (the policy's rule or the cost model's argmin at its two ends)
+        does the one-collective bitmap estimate run.
+        """
+        if sketches is not None:
+            u, overlap, half = overlap_from_sketches(counts, sketches)
+            if half == 0.0:
+                return overlap, "sketch (exact)"
+            lo, hi = max(0.0, overlap - half), min(1.0, overlap + half)
+            if self._same_decision(model, name, size, row_numel, density, p, counts, dtype_name, (overlap, lo, hi)):
+                return overlap, f"sketch (+-{half:.2f})"
+        _, overlap = estimate_union_collective(comm, indices, counts, seed=self.bitmap_seed)
+        return overlap, "bitmap"
+
+    def _same_decision(
+        self,
+        model: _Model | None,
+        name: str | None,
+        size: int,
+        row_numel: int,
+        density: float,
+        p: int,
+        counts: Sequence[int],
+        dtype_name: str,
+        overlaps: Sequence[float],
+    ) -> bool:
+        """Return whether the policy and the cost model decide alike at every one of ``overlaps``."""
+        numel = size * row_numel
+        if self._policy_uses_overlap:
+            rules = {self._match(name, numel, density, p, o, dtype_name).rule_index for o in overlaps}
+            if len(rules) > 1:
+                return False
+        if model is None:
+            return True
+        k_sum, k_max = sum(counts), max(counts)
+        best = set()
+        for o in overlaps:
+            f = Features.build(numel=size, row_numel=row_numel, dtype=dtype_name, k_per_rank=list(counts),
+                               union=k_sum - o * (k_sum - k_max))
+            pred = model.predict(f)
+            best.add(min(ALGORITHMS, key=lambda a: (_q(pred[a]), _ORDER[a])))
+        return len(best) == 1
 
     def observe_sparse(self, site_key: tuple, counts: Sequence[int], union: int) -> None:
         """Record the exact union size a completed call revealed (the same on every rank)."""
