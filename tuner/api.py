@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 OPS: tuple[str, ...] = ("sum", "avg")
 
 _KIND_SPARSE, _KIND_TOPK = "sparse", "topk"
+#: Bytes of the eager slot an overlap sketch takes on the first auto call at a site (256 hashes).
+_SKETCH_BYTES = 1024
 
 # Register every name a metadata record may carry, so that a rank can name
 # what another rank sent in an error message, even values it never used.
@@ -391,26 +393,35 @@ def _sparse_allreduce(
         # first entries (allgather then needs no second collective) or, on
         # the first auto call at a site, a sketch of its indices from which
         # the selector estimates the overlap without a collective of its own.
-        slot, eager = None, _meta.EAGER_NONE
+        slot, eager, sketch_bytes = None, _meta.EAGER_NONE, 0
         if comm.world_size > 1 and algorithm in ("auto", "allgather"):
             cap = _meta.slot_bytes(comm)
             if sel is not None and sel.wants_sketch(site, backend):
-                slot, eager = sketch_hashes(idx, cap, sel.bitmap_seed).view(np.uint8), _meta.EAGER_SKETCH
+                # The sketch first (1 KiB: 256 hashes), then as many entries as still fit.
+                sketch_bytes, eager = min(cap, _SKETCH_BYTES), _meta.EAGER_SKETCH
             else:
-                slot, eager = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype, cap), _meta.EAGER_ENTRIES
+                eager = _meta.EAGER_ENTRIES
+            slot = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype, cap - sketch_bytes)
+            if sketch_bytes:
+                entries = slot if isinstance(slot, np.ndarray) else slot.cpu().numpy()
+                slot = np.zeros(sketch_bytes + entries.size, dtype=np.uint8)
+                sketch = sketch_hashes(idx, sketch_bytes, sel.bitmap_seed).view(np.uint8)
+                slot[: sketch.size] = sketch
+                slot[sketch_bytes:] = entries
         record["eager"] = eager
     except (TypeError, ValueError) as exc:
         error, slot, eager = exc, None, _meta.EAGER_NONE
     records, slots = _meta.exchange(comm, record, error, slot)
     counts = tuple(rec["count"] for rec in records)
-    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, slots if eager == _meta.EAGER_ENTRIES else None)
+    eager_entries = None if eager == _meta.EAGER_NONE else slots[:, sketch_bytes:]  # type: ignore[index]
+    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries)
     if sel is None:
         decision: Any = None
     else:
         sketches = None
         if eager == _meta.EAGER_SKETCH:
-            s = slots.cpu().numpy().view(np.uint32)  # type: ignore[union-attr]
-            sketches = [s[r, : min(c, s.shape[1])] for r, c in enumerate(counts)]
+            table = slots[:, :sketch_bytes].cpu().numpy().view(np.uint32)  # type: ignore[index]
+            sketches = [table[r, : min(c, table.shape[1])] for r, c in enumerate(counts)]
         decision = sel.decide_sparse(
             site, comm=comm, backend=backend, name=name, size=n, row_numel=inp.row_numel,
             dtype=values.dtype, counts=counts, indices=idx, sketches=sketches,

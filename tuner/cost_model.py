@@ -417,12 +417,15 @@ _ANALYTIC_FEATURES: tuple[str, ...] = tuple(
 FEATURE_NAMES: tuple[str, ...] = _BASE_FEATURES + _ANALYTIC_FEATURES
 
 
-def feature_vector(features: Features, analytic: AnalyticModel) -> np.ndarray:
+def feature_vector(
+    features: Features, analytic: AnalyticModel, terms: Mapping[str, Mapping[str, float]] | None = None
+) -> np.ndarray:
     """Return the learned model's input for one call, ordered as :data:`FEATURE_NAMES`.
 
     Args:
         features: the call's global statistics.
         analytic: the model whose terms become features.
+        terms: ``analytic.terms(features)``, when the caller has them already.
 
     Returns:
         A float64 vector of ``len(FEATURE_NAMES)`` entries.
@@ -433,7 +436,8 @@ def feature_vector(features: Features, analytic: AnalyticModel) -> np.ndarray:
         float(f.world_size), math.log(f.world_size), f.overlap, f.density,
         math.log(max(f.density, 1e-12)), math.log1p(f.union), float(f.value_bytes), float(f.index_bytes),
     ]
-    terms = analytic.terms(f)
+    if terms is None:
+        terms = analytic.terms(f)
     extra = []
     for alg in ALGORITHMS:
         t = terms[alg]
@@ -836,9 +840,9 @@ class LearnedCostModel(BaseEstimator):
         for f in feats:
             if not isinstance(f, Features):
                 raise ColltuneTypeError(f"`X` must hold Features, but got {type(f).__name__}.")
-            rows.append(feature_vector(f, analytic))
-            pred = analytic.predict(f)
-            bases.append([pred[a] + self.overhead_us_[a] for a in self.algorithms_])
+            terms = analytic.terms(f)
+            rows.append(feature_vector(f, analytic, terms))
+            bases.append([math.fsum(terms[a].values()) + self.overhead_us_[a] for a in self.algorithms_])
         Xf = np.stack(rows)
         base = np.maximum(np.asarray(bases, dtype=np.float64), _TINY_US)
         out = np.empty_like(base)

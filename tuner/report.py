@@ -286,6 +286,7 @@ def write_report(
     ms, pred, every, n_folds = _cv_predictions(profile, folds)
     algs = [a for a in _ALGS if any(m.algorithm == a for m in ms)] or list(_ALGS)
     fig, axes = plt.subplots(1, len(algs), figsize=(4.4 * len(algs), 4.4), squeeze=False)
+    statistic = str(profile.meta.get("statistic") or "median").replace("-", " ")
     errs: dict[str, float] = {}
     for ax, a in zip(axes[0], algs):
         sel = [i for i, m in enumerate(ms) if m.algorithm == a and np.isfinite(pred[i])]
@@ -307,7 +308,7 @@ def write_report(
             ax.legend(fontsize=7, loc="upper left")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("measured median (ms)")
+        ax.set_xlabel(f"measured {statistic} (ms)")
         ax.set_ylabel("predicted, cross-validated (ms)")
         ax.set_title(f"{a}: median error {100 * errs.get(a, float('nan')):.0f}%", fontsize=10)
     fig.suptitle(f"predicted vs measured ({n_folds}-fold cross-validation over configurations; dotted: +-25%)",

@@ -283,11 +283,22 @@ class _Model:
         self.kind, self.label, self.analytic, self.learned = kind, label, analytic, learned
 
     def predict(self, f: Features) -> dict[str, float]:
-        base = self.analytic.predict(f)
+        return self.predict_many([f])[0]
+
+    def predict_many(self, feats: Sequence[Features]) -> list[dict[str, float]]:
+        """Predict several calls at once (one pass through the learned model's trees)."""
         if self.learned is None:
-            return base
-        got = self.learned.predict_times(f)
-        return {a: float(got.get(a, base[a])) for a in ALGORITHMS}
+            return [self.analytic.predict(f) for f in feats]
+        rows = self.learned.predict(feats)
+        algs = list(self.learned.algorithms_)
+        out = []
+        for f, row in zip(feats, rows):
+            got = dict(zip(algs, (float(t) for t in row)))
+            if len(got) < len(ALGORITHMS):  # an algorithm the profile never measured: the analytic model
+                base = self.analytic.predict(f)
+                got = {a: got.get(a, base[a]) for a in ALGORITHMS}
+            out.append(got)
+        return out
 
     def terms(self, f: Features) -> dict[str, dict[str, float]]:
         return self.analytic.terms(f)
@@ -692,12 +703,9 @@ class Selector:
         if model is None:
             return True
         k_sum, k_max = sum(counts), max(counts)
-        best = set()
-        for o in overlaps:
-            f = Features.build(numel=size, row_numel=row_numel, dtype=dtype_name, k_per_rank=list(counts),
-                               union=k_sum - o * (k_sum - k_max))
-            pred = model.predict(f)
-            best.add(min(ALGORITHMS, key=lambda a: (_q(pred[a]), _ORDER[a])))
+        feats = [Features.build(numel=size, row_numel=row_numel, dtype=dtype_name, k_per_rank=list(counts),
+                                union=k_sum - o * (k_sum - k_max)) for o in overlaps]
+        best = {min(ALGORITHMS, key=lambda a: (_q(pred[a]), _ORDER[a])) for pred in model.predict_many(feats)}
         return len(best) == 1
 
     def observe_sparse(self, site_key: tuple, counts: Sequence[int], union: int) -> None:
