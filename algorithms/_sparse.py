@@ -101,29 +101,31 @@ def _coalesce_host(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor,
     a = idx.numpy()
     if bool((a[1:] > a[:-1]).all()):
         return idx, vals
-    order = np.argsort(a)
-    a = a[order]
-    v = _host_rows(vals)[order]
+    union, sums = _sum_by_index(a, vals)
+    return torch.from_numpy(union), sums
+
+
+def _sum_by_index(idx: np.ndarray, vals: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """Return the sorted unique indices and, per index, the sum of its rows, added in list order.
+
+    ``idx`` is int64 (``[K]``), ``vals`` a CPU tensor ``[K, r]``. Each sum is
+    ``((0 + v_first) + v_next) + ...`` in the order the rows come in ``vals``
+    (``index_add_`` on the CPU adds in the order of its index list), so the
+    sort's own order of equal keys does not matter. Nothing is shared with the inputs.
+    """
+    if idx.size == 0:
+        return idx.copy(), torch.zeros((0, vals.shape[1]), dtype=vals.dtype)
+    order = np.argsort(idx)
+    a = idx[order]
     new = np.empty(a.size, dtype=bool)
     new[0] = True
     np.not_equal(a[1:], a[:-1], out=new[1:])
-    if not new.all():
-        starts = np.flatnonzero(new)
-        a, v = a[starts], np.add.reduceat(v, starts, axis=0)
-    return torch.from_numpy(a), _rows_tensor(v, vals.dtype)
-
-
-def _host_rows(vals: torch.Tensor) -> np.ndarray:
-    """Return ``vals`` (a CPU tensor, ``[k, r]``) as a NumPy array, through float32 for bf16."""
-    vals = vals.detach()
-    if vals.dtype == torch.bfloat16:  # NumPy has no bfloat16
-        vals = vals.float()
-    return vals.numpy()
-
-
-def _rows_tensor(v: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(v))
-    return t if t.dtype == dtype else t.to(dtype)
+    seg = np.cumsum(new) - 1
+    inverse = np.empty_like(seg)
+    inverse[order] = seg
+    out = torch.zeros((int(seg[-1]) + 1, vals.shape[1]), dtype=vals.dtype)
+    out.index_add_(0, torch.from_numpy(inverse), vals)
+    return a[new], out
 
 
 def pack(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype) -> torch.Tensor:
@@ -213,9 +215,9 @@ def _merge_host(
     sources: list[tuple[torch.Tensor, torch.Tensor]], size: int, total: int, acc: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     a = np.concatenate([i.numpy() for i, _ in sources])
-    v = _host_rows(torch.cat([v for _, v in sources]).to(acc))
-    a, v = merge_host(a, v, size)
-    return torch.from_numpy(a), _rows_tensor(v, acc)
+    vals = torch.cat([v for _, v in sources]).to(acc)
+    union, sums = merge_host(a, vals.numpy(), size)
+    return torch.from_numpy(union), torch.from_numpy(sums)
 
 
 # --------------------------------------------------------------------------- host (NumPy) forms
@@ -260,8 +262,9 @@ def unpack_host(
     """
     k = buf.shape[0]
     isz = index_dtype.itemsize
-    idx = np.ascontiguousarray(buf[:, :isz]).view(_NP_INDEX[index_dtype]).reshape(k).astype(np.int64, copy=False)
-    raw = np.ascontiguousarray(buf[:, isz:]).view(_NP_WIRE[value_dtype]).reshape(k, row_numel)
+    # Copies (not views) of the strided byte columns: fresh arrays with plain strides.
+    idx = buf[:, :isz].copy().view(_NP_INDEX[index_dtype]).reshape(k).astype(np.int64, copy=False)
+    raw = buf[:, isz:].copy().view(_NP_WIRE[value_dtype]).reshape(k, row_numel)
     if value_dtype == torch.bfloat16:
         vals = (raw.astype(np.uint32) << 16).view(np.float32)
     elif value_dtype == torch.float16:
@@ -274,36 +277,24 @@ def unpack_host(
 def merge_host(idx: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """Sum rank-ordered runs of sorted unique entries: return the sorted union and its rows.
 
-    ``idx`` (int64) and ``vals`` (``[K, r]``) are the concatenation, in list
-    order, of sources that each hold sorted unique indices; every output row
-    is ``((0 + v_0) + v_1) + ...`` in that order, as :func:`merge_sources`
-    promises. The result may share memory with neither input.
+    ``idx`` (int64) and ``vals`` (``[K, r]``, fp32 or fp64) are the
+    concatenation, in list order, of sources that each hold sorted unique
+    indices; every output row is ``((0 + v_0) + v_1) + ...`` in that order,
+    as :func:`merge_sources` promises, whichever path runs. The result shares
+    memory with neither input.
     """
+    plain = vals.flags.c_contiguous and all(st % vals.itemsize == 0 for st in vals.strides)
+    t_vals = torch.from_numpy(vals if plain else vals.copy())
     if idx.size and size <= _HOST_SCRATCH_RATIO * idx.size:
-        # Dense scratch: index_add_ on the CPU adds in the order of the index
-        # list, so one call over the rank-ordered concatenation is the same
-        # sum as a loop over sources.
+        # Dense scratch: O(size) work beats sorting when the entries are this many.
         t_idx = torch.from_numpy(idx)
         present = torch.zeros(size, dtype=torch.bool)
-        scratch = torch.zeros((size, vals.shape[1]), dtype=_TORCH_OF[vals.dtype.type])
+        scratch = torch.zeros((size, t_vals.shape[1]), dtype=t_vals.dtype)
         present[t_idx] = True
-        scratch.index_add_(0, t_idx, torch.from_numpy(vals))
+        scratch.index_add_(0, t_idx, t_vals)
         union = present.nonzero().view(-1)
         return union.numpy(), scratch.index_select(0, union).numpy()
-    # Stable, so equal indices keep the order of their sources; the runs are
-    # already sorted, which the stable sort detects (a merge, not a full sort).
-    order = np.argsort(idx, kind="stable")
-    a = idx[order]
-    v = vals[order]
-    if a.size > 1:
-        new = np.empty(a.size, dtype=bool)
-        new[0] = True
-        np.not_equal(a[1:], a[:-1], out=new[1:])
-        if not new.all():
-            starts = np.flatnonzero(new)
-            a, v = a[starts], np.add.reduceat(v, starts, axis=0)
-    v += 0  # the same bits as the scratch path's 0 + v_0 + v_1 ... (-0.0 becomes +0.0)
-    return a, v
+    union, sums = _sum_by_index(idx, t_vals)
+    return union, sums.numpy()
 
 
-_TORCH_OF = {np.float32: torch.float32, np.float64: torch.float64}
