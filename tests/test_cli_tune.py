@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import optuna
-import pytest
 from optuna.trial import TrialState
 
 from tuner import autotune, cli

@@ -17,7 +17,6 @@ from tuner import policy as P
 from tuner.policy import (
     DEFAULT_POLICY,
     KNOBS,
-    Decision,
     Overrides,
     Policy,
     PolicyError,
