@@ -420,7 +420,7 @@ def _sparse_allreduce(
     else:
         sketches = None
         if eager == _meta.EAGER_SKETCH:
-            table = slots[:, :sketch_bytes].cpu().numpy().view(np.uint32)  # type: ignore[index]
+            table = slots[:, :sketch_bytes].cpu().contiguous().numpy().view(np.uint32)  # type: ignore[index]
             sketches = [table[r, : min(c, table.shape[1])] for r, c in enumerate(counts)]
         decision = sel.decide_sparse(
             site, comm=comm, backend=backend, name=name, size=n, row_numel=inp.row_numel,
