@@ -25,7 +25,7 @@ Counting adds a few integer operations per call and nothing when no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import contextlib
 from typing import Iterator
@@ -159,23 +159,53 @@ class Comm:
         )
         return out
 
-    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> list:
+    def exchange(self, sends: Sequence[tuple], recvs: Sequence[tuple]) -> list:
         """Post point-to-point sends and receives together; return the works to wait on.
 
-        Peers are ranks of this group. Empty tensors are skipped on both sides,
-        so both sides must agree on which messages are empty.
+        Each message is ``(tensor, peer)`` or ``(tensor, peer, tag)``; peers
+        are ranks of this group. Two messages between the same pair of ranks
+        in one call need different tags (the tag pairs a send with its
+        receive; NCCL matches in posting order and ignores it). Empty tensors
+        are skipped on both sides, so both sides must agree on which messages
+        are empty. Receive buffers must be contiguous (a slice along the first
+        dimension of a contiguous tensor is): data lands in them in place.
         """
         ops = []
-        for t, peer in sends:
+        for t, peer, *tag in sends:
             if t.numel():
                 self._count("send", _nbytes(t), 1)
-                ops.append(dist.P2POp(dist.isend, t.contiguous(), self._global(peer), self.group))
-        for t, peer in recvs:
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), self._global(peer), self.group, *tag))
+        for t, peer, *tag in recvs:
             if t.numel():
-                ops.append(dist.P2POp(dist.irecv, t, self._global(peer), self.group))
+                ops.append(dist.P2POp(dist.irecv, t, self._global(peer), self.group, *tag))
         if not ops:
             return []
         return dist.batch_isend_irecv(ops)
+
+    def rotated_exchange(
+        self,
+        peers_in_flight: int,
+        send_for: Callable[[int], Sequence[tuple[torch.Tensor, int]]],
+        recv_for: Callable[[int], Sequence[tuple[torch.Tensor, int]]],
+    ) -> None:
+        """Exchange with every other rank in rotated order, ``peers_in_flight`` steps posted at once.
+
+        At step ``i`` (``1 .. P-1``) this rank sends ``send_for(dst)`` to
+        ``dst = (rank + i) % P`` and receives ``recv_for(src)`` from
+        ``src = (rank - i) % P``; both return ``(tensor, tag)`` messages. So
+        no rank receives from many at once, and each batch is waited on
+        before the next is posted.
+        """
+        p, me = self.world_size, self.rank
+        steps = list(range(1, p))
+        for start in range(0, len(steps), peers_in_flight):
+            sends, recvs = [], []
+            for i in steps[start : start + peers_in_flight]:
+                dst, src = (me + i) % p, (me - i) % p
+                sends += [(t, dst, tag) for t, tag in send_for(dst)]
+                recvs += [(t, src, tag) for t, tag in recv_for(src)]
+            for work in self.exchange(sends, recvs):
+                work.wait()
 
     def all_gather_v(self, t: torch.Tensor, counts: Sequence[int], mode: str = "auto") -> list[torch.Tensor]:
         """Gather a different number of rows from every rank; return one tensor per rank, in rank order.

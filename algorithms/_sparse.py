@@ -27,6 +27,8 @@ __all__ = [
     "unpack",
     "merge_sources",
     "dtype_code",
+    "split_layout",
+    "offsets",
     "pack_host",
     "unpack_host",
     "merge_host",
@@ -139,6 +141,27 @@ def pack(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_
     ib = idx.to(index_dtype).contiguous().view(torch.uint8).view(k, index_dtype.itemsize)
     vb = vals.to(value_dtype).contiguous().view(torch.uint8).view(k, vals.shape[1] * value_dtype.itemsize)
     return torch.cat((ib, vb), dim=1)
+
+
+#: Rows of at least this many bytes travel as separate index and value
+#: messages, each received in place (struct of arrays); narrower entries
+#: travel packed. Packing costs a copy of every byte on each side, and
+#: unpacking another; separate messages cost one more message per peer, which
+#: pays off once the rows are most of the bytes (embedding rows).
+SPLIT_MIN_ROW_BYTES = 32
+
+
+def split_layout(row_numel: int, wire_dtype: torch.dtype) -> bool:
+    """True when entries of ``row_numel`` values of ``wire_dtype`` travel as separate index and row messages."""
+    return row_numel * wire_dtype.itemsize >= SPLIT_MIN_ROW_BYTES
+
+
+def offsets(counts: "list[int] | tuple[int, ...]") -> list[int]:
+    """Return the prefix sums ``[0, c0, c0 + c1, ...]`` of ``counts``."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + int(c))
+    return out
 
 
 def entry_bytes(row_numel: int, index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:

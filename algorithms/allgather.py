@@ -6,6 +6,10 @@ reduction on the way, but each rank receives ``(P-1) k`` entries and merges
 collective moves both. Unequal counts are either padded to the largest
 (``all_gather``) or sent exactly (``all_to_all_single`` with splits); the
 ``mode`` knob chooses, ``auto`` pads unless padding adds more than a quarter.
+Wide rows (embedding rows, :func:`~algorithms._sparse.split_layout`) are not
+packed: under ``auto`` (or ``p2p``) each rank sends its indices and its rows
+to every peer point to point, and they land in place in one buffer per kind,
+already in rank order for the merge.
 
 Entries travel in the eager slot of the metadata record
 (:func:`algorithms._meta.slot_bytes` per rank, sized from the group's recent
@@ -28,8 +32,10 @@ from algorithms._sparse import (
     entry_bytes,
     merge_host,
     merge_sources,
+    offsets,
     pack,
     pack_host,
+    split_layout,
     unpack,
     unpack_host,
     wire_index_dtype,
@@ -38,7 +44,7 @@ from algorithms.base import Algorithm, SparseInput, TopkOutput
 
 __all__ = ["Allgather", "gather_merge", "eager_slot", "slot_need"]
 
-_MODES = ("auto", "pad", "alltoall")
+_MODES = ("auto", "p2p", "pad", "alltoall")
 
 
 def gather_merge(
@@ -53,6 +59,10 @@ def gather_merge(
     """All-gather coalesced entries and merge them in rank order (see :func:`merge_sources`)."""
     index_dtype = wire_index_dtype(size)
     r = vals.shape[1]
+    if comm.world_size > 1 and (mode == "p2p" or (mode == "auto" and split_layout(r, wire_dtype))):
+        return gather_merge_p2p(comm, idx.to(comm.device), vals.to(comm.device), counts, size, wire_dtype)
+    if mode == "p2p":
+        mode = "auto"
     if comm.device.type == "cpu":
         buf = torch.from_numpy(pack_host(idx, vals, index_dtype, wire_dtype))
         pieces = comm.all_gather_v(buf, counts, mode)
@@ -61,6 +71,54 @@ def gather_merge(
     pieces = comm.all_gather_v(buf, counts, mode)
     sources = [unpack(piece, r, index_dtype, wire_dtype) for piece in pieces]
     return merge_sources(sources, size, r, accum_dtype(wire_dtype), comm.device)
+
+
+def gather_merge_p2p(
+    comm: Comm,
+    idx: torch.Tensor,
+    vals: torch.Tensor,
+    counts: list[int],
+    size: int,
+    wire_dtype: torch.dtype,
+    head: list[int] | None = None,
+    slots: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather coalesced entries as separate index and row messages received in place, then merge in rank order.
+
+    ``head[j]`` entries of rank ``j`` already arrived packed in ``slots``
+    (``[P, cap]`` bytes, the metadata record's eager slots); only the rest
+    travels here. Every rank sends to every peer in one batch.
+    """
+    p, me = comm.world_size, comm.rank
+    r = vals.shape[1]
+    index_dtype = wire_index_dtype(size)
+    head = head or [0] * p
+    at = offsets(counts)  # rank j's entries land at rows [at[j], at[j+1]): its head, then the rest
+    all_idx = torch.empty(at[-1], dtype=index_dtype, device=comm.device)
+    all_vals = torch.empty((at[-1], r), dtype=wire_dtype, device=comm.device)
+    all_idx[at[me] : at[me + 1]] = idx
+    all_vals[at[me] : at[me + 1]] = vals
+    mu = max(head)
+    if mu and slots is not None:
+        e = entry_bytes(r, index_dtype, wire_dtype)
+        hidx, hvals = unpack(slots[:, : mu * e].reshape(p * mu, e), r, index_dtype, wire_dtype)
+        for j in range(p):
+            if j != me and head[j]:
+                all_idx[at[j] : at[j] + head[j]] = hidx[j * mu : j * mu + head[j]]
+                all_vals[at[j] : at[j] + head[j]] = hvals[j * mu : j * mu + head[j]]
+    mine = slice(at[me] + head[me], at[me + 1])
+    comm.rotated_exchange(
+        max(1, p - 1),
+        lambda dst: [(all_idx[mine], 0), (all_vals[mine], 1)],
+        lambda src: [(all_idx[at[src] + head[src] : at[src + 1]], 0), (all_vals[at[src] + head[src] : at[src + 1]], 1)],
+    )
+    acc = accum_dtype(wire_dtype)
+    if comm.device.type == "cpu":
+        union, sums = merge_host(all_idx.to(torch.int64).numpy(), all_vals.to(acc).numpy(), size)
+        return torch.from_numpy(union), torch.from_numpy(sums)
+    flat = all_idx.to(torch.int64)
+    sources = [(flat[at[j] : at[j + 1]], all_vals[at[j] : at[j + 1]]) for j in range(p)]
+    return merge_sources(sources, size, r, acc, comm.device)
 
 
 def _merge_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +171,14 @@ class Allgather(Algorithm):
         head = [min(c, m) for c in counts]
         rest = [c - h for c, h in zip(counts, head)]
         comm.traffic.reclassify((p - 1) * head[me] * e)
+        mode = knobs["mode"]
+        if any(rest) and (mode == "p2p" or (mode == "auto" and split_layout(r, inp.dtype))):
+            return gather_merge_p2p(
+                comm, inp.indices.to(comm.device), inp.values.to(comm.device), counts, inp.size,
+                inp.dtype, head, inp.eager.to(comm.device),
+            )
+        if mode == "p2p":
+            mode = "auto"
         mu = max(head)
         host = comm.device.type == "cpu"
         tail_buf = None
@@ -134,7 +200,7 @@ class Allgather(Algorithm):
                 union, sums = merge_host(idx, vals, inp.size)
                 return torch.from_numpy(union), torch.from_numpy(np.ascontiguousarray(sums))
             tails = [unpack_host(piece.numpy(), r, index_dtype, inp.dtype) for piece in
-                     comm.all_gather_v(tail_buf, rest, knobs["mode"])]
+                     comm.all_gather_v(tail_buf, rest, mode)]
             pieces = []
             for j in range(p):
                 pieces.append((idx[j * mu : j * mu + head[j]], vals[j * mu : j * mu + head[j]]))
@@ -145,7 +211,7 @@ class Allgather(Algorithm):
         idx_all, vals_all = idx_all.view(p, mu), vals_all.view(p, mu, r)
         sources = [(idx_all[j, :h], vals_all[j, :h]) for j, h in enumerate(head)]
         if tail_buf is not None:
-            tails_t = [unpack(piece, r, index_dtype, inp.dtype) for piece in comm.all_gather_v(tail_buf, rest, knobs["mode"])]
+            tails_t = [unpack(piece, r, index_dtype, inp.dtype) for piece in comm.all_gather_v(tail_buf, rest, mode)]
             sources = [(torch.cat((i0, i1)), torch.cat((v0, v1))) for (i0, v0), (i1, v1) in zip(sources, tails_t)]
         return merge_sources(sources, inp.size, r, accum_dtype(inp.dtype), comm.device)
 

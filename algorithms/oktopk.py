@@ -45,7 +45,17 @@ from typing import Any
 import torch
 
 from algorithms._comm import Comm
-from algorithms._sparse import entry_bytes, merge_sources, pack, reinterpret, unpack, wire_index_dtype
+from algorithms._sparse import (
+    entry_bytes,
+    merge_host,
+    merge_sources,
+    offsets,
+    pack,
+    reinterpret,
+    split_layout,
+    unpack,
+    wire_index_dtype,
+)
 from algorithms.base import Algorithm, SparseInput, TopkOutput
 from algorithms.state import BoundaryState
 
@@ -84,6 +94,12 @@ def split_reduce(
     Returns:
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
         values in ``acc``, summed over source ranks in rank order.
+
+    Wide rows (:func:`~algorithms._sparse.split_layout`) travel as two messages per peer, the
+    indices and the value rows, each sent from a slice of the input and
+    received straight into its place in one buffer per kind: no packing,
+    unpacking or concatenation of the rows, which are most of the bytes.
+    Narrow entries (top-k's scalars) travel packed, one message per peer.
     """
     p, me = comm.world_size, comm.rank
     r = vals.shape[1]
@@ -93,29 +109,61 @@ def split_reduce(
     with comm.meta():
         recv_counts = comm.all_to_all(torch.tensor(send_counts, dtype=torch.int64, device=comm.device), [1] * p, [1] * p)
     recv_counts_l = recv_counts.tolist()
+    base = cuts[me]
+    if split_layout(r, wire_dtype):
+        return _split_reduce_soa(comm, idx, vals, off, recv_counts_l, cuts, index_dtype, wire_dtype, acc, peers_in_flight)
     buf = pack(idx, vals, index_dtype, wire_dtype)
     ebytes = buf.shape[1] if buf.dim() == 2 else entry_bytes(r, index_dtype, wire_dtype)
     received: dict[int, torch.Tensor] = {me: buf[off[me] : off[me + 1]]}
-    steps = list(range(1, p))
-    for start in range(0, len(steps), peers_in_flight):
-        sends, recvs, batch = [], [], []
-        for i in steps[start : start + peers_in_flight]:
-            dst, src = (me + i) % p, (me - i) % p
-            sends.append((buf[off[dst] : off[dst + 1]], dst))
-            t = torch.empty((recv_counts_l[src], ebytes), dtype=torch.uint8, device=comm.device)
-            recvs.append((t, src))
-            batch.append((src, t))
-        for work in comm.exchange(sends, recvs):
-            work.wait()
-        for src, t in batch:
-            received[src] = t
+    for j in range(p):
+        if j != me:
+            received[j] = torch.empty((recv_counts_l[j], ebytes), dtype=torch.uint8, device=comm.device)
+    comm.rotated_exchange(
+        peers_in_flight, lambda dst: [(buf[off[dst] : off[dst + 1]], 0)], lambda src: [(received[src], 0)]
+    )
     # Merge in region-relative coordinates, so a dense scratch (when the
     # region is dense enough for one) is sized to the region, not the tensor.
-    base = cuts[me]
     sources = [unpack(received[j], r, index_dtype, wire_dtype) for j in range(p)]
     sources = [(i - base, v) for i, v in sources]
     ridx, rvals = merge_sources(sources, cuts[me + 1] - base, r, acc, comm.device)
     return ridx + base, rvals
+
+
+def _split_reduce_soa(
+    comm: Comm,
+    idx: torch.Tensor,
+    vals: torch.Tensor,
+    off: list[int],
+    recv_counts: list[int],
+    cuts: list[int],
+    index_dtype: torch.dtype,
+    wire_dtype: torch.dtype,
+    acc: torch.dtype,
+    peers_in_flight: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    p, me = comm.world_size, comm.rank
+    r = vals.shape[1]
+    widx = idx.to(index_dtype)
+    wvals = vals.to(wire_dtype).contiguous()
+    at = offsets(recv_counts)  # source j's entries land at rows [at[j], at[j+1]), in rank order
+    ridx = torch.empty(at[-1], dtype=index_dtype, device=comm.device)
+    rvals = torch.empty((at[-1], r), dtype=wire_dtype, device=comm.device)
+    ridx[at[me] : at[me + 1]] = widx[off[me] : off[me + 1]]
+    rvals[at[me] : at[me + 1]] = wvals[off[me] : off[me + 1]]
+    comm.rotated_exchange(
+        peers_in_flight,
+        lambda dst: [(widx[off[dst] : off[dst + 1]], 0), (wvals[off[dst] : off[dst + 1]], 1)],
+        lambda src: [(ridx[at[src] : at[src + 1]], 0), (rvals[at[src] : at[src + 1]], 1)],
+    )
+    base, length = cuts[me], cuts[me + 1] - cuts[me]
+    local = ridx.to(torch.int64) - base
+    if comm.device.type == "cpu":
+        # One host merge over the received runs, which already lie in rank order.
+        union, sums = merge_host(local.numpy(), rvals.to(acc).numpy(), length)
+        return torch.from_numpy(union) + base, torch.from_numpy(sums)
+    sources = [(local[at[j] : at[j + 1]], rvals[at[j] : at[j + 1]]) for j in range(p)]
+    uidx, uvals = merge_sources(sources, length, r, acc, comm.device)
+    return uidx + base, uvals
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -138,8 +186,18 @@ def _gather_regions(
     wire_dtype: torch.dtype,
     dense_ratio: float,
     mode: str,
+    peers_in_flight: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather every owner's reduced region, each sparse or dense by SparCML's rule."""
+    """All-gather every owner's reduced region, each sparse or dense by SparCML's rule.
+
+    ``mode``: ``p2p`` sends each region to every peer point to point, its
+    indices and rows received straight into their place in the result (no
+    padding, packing or concatenation; only when no region travels dense);
+    ``pad`` and ``alltoall`` pack the regions and gather them as
+    :meth:`Comm.all_gather_v` does; ``auto`` takes ``p2p`` for wide rows
+    (:func:`~algorithms._sparse.split_layout`) when no region is dense, else ``all_gather_v``'s
+    own choice.
+    """
     p, me = comm.world_size, comm.rank
     r = rvals.shape[1]
     index_dtype = wire_index_dtype(size)
@@ -152,6 +210,10 @@ def _gather_regions(
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
     ]
+    if not any(dense) and (mode == "p2p" or (mode == "auto" and split_layout(r, wire_dtype))):
+        return _gather_regions_p2p(comm, ridx, rvals, sizes, index_dtype, wire_dtype, peers_in_flight)
+    if mode == "p2p":
+        mode = "auto"  # a dense region travels with its bitmap, packed
     if dense[me]:
         block = torch.zeros((lengths[me], r), dtype=wire_dtype, device=comm.device)
         present = torch.zeros(lengths[me], dtype=torch.bool, device=comm.device)
@@ -182,6 +244,31 @@ def _gather_regions(
             torch.empty((0, r), dtype=wire_dtype, device=comm.device),
         )
     return torch.cat(out_idx), torch.cat(out_vals)
+
+
+def _gather_regions_p2p(
+    comm: Comm,
+    ridx: torch.Tensor,
+    rvals: torch.Tensor,
+    sizes: list[int],
+    index_dtype: torch.dtype,
+    wire_dtype: torch.dtype,
+    peers_in_flight: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every owner sends its sparse region to every peer; regions land in place, in rank (= index) order."""
+    p, me = comm.world_size, comm.rank
+    at = offsets(sizes)
+    out_idx = torch.empty(at[-1], dtype=index_dtype, device=comm.device)
+    out_vals = torch.empty((at[-1], rvals.shape[1]), dtype=wire_dtype, device=comm.device)
+    mi, mv = out_idx[at[me] : at[me + 1]], out_vals[at[me] : at[me + 1]]
+    mi.copy_(ridx)
+    mv.copy_(rvals)
+    comm.rotated_exchange(
+        peers_in_flight,
+        lambda dst: [(mi, 0), (mv, 1)],
+        lambda src: [(out_idx[at[src] : at[src + 1]], 0), (out_vals[at[src] : at[src + 1]], 1)],
+    )
+    return out_idx.to(torch.int64), out_vals
 
 
 def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm) -> float:
@@ -225,7 +312,7 @@ class OkTopk(Algorithm):
         "gather_mode": "auto",
         "balance": True,
     }
-    knob_choices = {"gather_mode": ("auto", "pad", "alltoall")}
+    knob_choices = {"gather_mode": ("auto", "p2p", "pad", "alltoall")}
     knob_minimums = {"boundary_refresh": (1, False), "peers_in_flight": (1, False), "dense_fallback_ratio": (0.0, True)}
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +327,8 @@ class OkTopk(Algorithm):
             comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"]
         )
         gidx, gvals = _gather_regions(
-            comm, ridx, rvals, cuts, inp.size, inp.dtype, knobs["dense_fallback_ratio"], knobs["gather_mode"]
+            comm, ridx, rvals, cuts, inp.size, inp.dtype, knobs["dense_fallback_ratio"], knobs["gather_mode"],
+            knobs["peers_in_flight"],
         )
         return gidx, gvals.to(inp.acc_dtype)
 

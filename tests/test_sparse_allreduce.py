@@ -52,6 +52,16 @@ SCENARIOS = {
     "one_entry_float64_rows": lambda p: case(seed=22, size=10, counts=[1] * p, dtype="float64", row_shape=(3,)),
     "one_entry_per_rank_float16": lambda p: case(seed=23, size=10, counts=[1] * p, dtype="float16"),
     "noncontiguous_inputs": lambda p: case(seed=20, size=50, counts=_grow(p, 20), row_shape=(2,), noncontig=True),
+    # Rows of 32 bytes or more: oktopk sends indices and rows as separate messages, received in place.
+    "wide_rows_float32": lambda p: case(seed=24, size=300, counts=_grow(p, 40, 7), row_shape=(4, 4)),
+    "wide_rows_float16_avg": lambda p: case(seed=25, size=200, counts=_grow(p, 30), op="avg", dtype="float16", row_shape=(16,)),
+    "wide_rows_bfloat16_int32": lambda p: case(
+        seed=26, size=120, counts=_grow(p, 25), dtype="bfloat16", row_shape=(32,), index_dtype="int32"
+    ),
+    "wide_rows_float64_empty_rank0": lambda p: case(seed=27, size=150, counts=_grow(p, 30, empty=(0,)), dtype="float64", row_shape=(8,)),
+    "wide_rows_dense_regions": lambda p: case(seed=28, size=48, counts=[60] * p, row_shape=(8,)),
+    "wide_rows_identical_sets": lambda p: case(seed=29, size=400, counts=[50] * p, row_shape=(12,), pattern="identical"),
+    "wide_rows_disjoint_sets": lambda p: case(seed=31, size=600, counts=[40] * p, row_shape=(12,), pattern="disjoint"),
 }
 
 
@@ -243,6 +253,30 @@ def test_async_op(world_size, algorithm):
         assert torch.allclose(o["second"]["values"], 2 * o["first"]["values"], rtol=1e-6, atol=0)
 
 
+def _run_gather_modes(rank, world_size, c, modes):
+    import tuner
+
+    idx, vals = make_input(c, rank, world_size)
+    out = {}
+    for mode in modes:
+        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm="oktopk", knobs={"gather_mode": mode})
+        out[mode] = _result_record(res, small=True)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("row_shape", [(), (3,), (16,)], ids=["scalar", "narrow", "wide"])
+def test_oktopk_gather_modes_give_the_same_bits(world_size, row_shape):
+    """Every way of moving the regions (packed or split into index and row messages) gives the same bits."""
+    modes = ["auto", "p2p", "pad", "alltoall"]
+    c = case(seed=33, size=900, counts=_grow(world_size, 80, 25, empty=(1,)), row_shape=row_shape)
+    out = pool(world_size).run(_run_gather_modes, c, modes)
+    for mode in modes:
+        check_results(c, world_size, [o[mode] for o in out], "oktopk")
+        for o in out:
+            assert raw(o[mode]["values"]) == raw(out[0]["auto"]["values"]), f"gather_mode={mode}"
+
+
 def test_oktopk_sends_well_below_allgather_at_full_overlap():
     """P=4, identical index sets: Ok-Topk's split-reduce + allgatherv sends about (k + u)(P-1)/P
     entries per rank, allgather (P-1) k: with u = k that is half."""
@@ -262,27 +296,28 @@ def test_oktopk_sends_well_below_allgather_at_full_overlap():
     assert max(got["oktopk"]) <= 1.25 * 2 * k * (p - 1) / p * entry + 4096, got
 
 
-def _run_huge_size(rank, world_size, size, algorithm):
+def _run_huge_size(rank, world_size, size, algorithm, width=2):
     import tuner
 
     g = torch.Generator().manual_seed(70 + rank)
     idx = torch.randint(0, size, (60,), generator=g)
     idx[:6] = torch.arange(6) * (size // 6)  # shared by every rank
     idx[6] = size - 1
-    vals = torch.randn(60, 2, generator=g)
+    vals = torch.randn(60, width, generator=g)
     res = tuner.sparse_allreduce(idx, vals, size, algorithm=algorithm)
     return {"idx": idx, "vals": vals, "res": _result_record(res, small=False)}
 
 
+@pytest.mark.parametrize("width", [2, 16])
 @pytest.mark.parametrize("algorithm", ["allgather", "oktopk", "auto"])
-def test_size_beyond_int32_uses_wide_indices(algorithm):
+def test_size_beyond_int32_uses_wide_indices(algorithm, width):
     """Rows past 2**31 (int64 indices on the wire); the dense path would need the whole size, so it is left out."""
     p, size = 3, 2**40 + 3
-    out = pool(p).run(_run_huge_size, size, algorithm)
+    out = pool(p).run(_run_huge_size, size, algorithm, width)
     all_idx = torch.cat([o["idx"] for o in out])
     all_vals = torch.cat([o["vals"] for o in out]).to(torch.float64)
     union, inverse = torch.unique(all_idx, return_inverse=True)
-    ref = torch.zeros((union.numel(), 2), dtype=torch.float64).index_add_(0, inverse, all_vals)
+    ref = torch.zeros((union.numel(), width), dtype=torch.float64).index_add_(0, inverse, all_vals)
     mag = torch.zeros_like(ref).index_add_(0, inverse, all_vals.abs())
     for r, o in enumerate(out):
         rec = o["res"]
