@@ -9,8 +9,11 @@ Life of one exact sparse allreduce (``sparse_allreduce``):
    entry count and that all ranks agree on size, dtype, op and algorithm.
 3. It calls :meth:`Algorithm.sparse_allreduce` with a :class:`SparseInput`
    that holds the coalesced local entries and those global counts.
-4. The algorithm returns the coalesced *sum* in the accumulation dtype; the
-   front door applies ``avg`` and casts back to the input dtype.
+4. The algorithm returns the coalesced *sum* in the accumulation dtype
+   (or, when it sets :attr:`Algorithm.applies_avg`, the result of
+   ``SparseInput.op``); the front door applies ``avg`` where the algorithm
+   did not, and casts back to the input dtype. The returned tensors must
+   share no memory with the input (the front door divides in place).
 
 Life of one top-k allreduce (``topk_allreduce``): the front door forms
 ``acc = residual + tensor``, calls :meth:`Algorithm.topk_allreduce`, which
@@ -50,6 +53,8 @@ class SparseInput:
             ``uint8`` row per rank (``[P, slot_bytes]``), holding its first
             entries packed as :func:`algorithms.allgather.eager_slot` packs
             them, or ``None`` when the caller did not fill the slots.
+        op: ``sum`` or ``avg``; read only by algorithms that set
+            :attr:`Algorithm.applies_avg`.
     """
 
     indices: torch.Tensor
@@ -59,6 +64,7 @@ class SparseInput:
     dtype: torch.dtype
     counts: tuple[int, ...]
     eager: torch.Tensor | None = None
+    op: str = "sum"
 
     @property
     def row_numel(self) -> int:
@@ -160,6 +166,11 @@ class Algorithm(abc.ABC):
     knob_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
     #: Lower bounds of numeric knobs: ``(bound, exclusive)``.
     knob_minimums: ClassVar[dict[str, tuple[float, bool]]] = {}
+    #: True when :meth:`sparse_allreduce` applies ``SparseInput.op`` itself:
+    #: for ``avg`` it divides each summed row by the world size in the
+    #: accumulation dtype (the same bits as dividing the returned sum), which
+    #: lets an algorithm that reduces only a part of the rows divide only that part.
+    applies_avg: ClassVar[bool] = False
 
     def check_knobs(self, knobs: dict[str, Any] | None) -> dict[str, Any]:
         """Return the defaults updated with ``knobs``, rejecting unknown names and wrong types."""

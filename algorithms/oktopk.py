@@ -314,6 +314,7 @@ class OkTopk(Algorithm):
     }
     knob_choices = {"gather_mode": ("auto", "p2p", "pad", "alltoall")}
     knob_minimums = {"boundary_refresh": (1, False), "peers_in_flight": (1, False), "dense_fallback_ratio": (0.0, True)}
+    applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         key = (id(comm.group), comm.world_size, inp.size)
@@ -326,11 +327,19 @@ class OkTopk(Algorithm):
         ridx, rvals = split_reduce(
             comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"]
         )
+        p = comm.world_size
+        early = inp.op == "avg" and p > 1 and inp.dtype == inp.acc_dtype
+        if early:
+            rvals.div_(p)  # the owner's rows only: the same bits as dividing the gathered sum
         gidx, gvals = _gather_regions(
             comm, ridx, rvals, cuts, inp.size, inp.dtype, knobs["dense_fallback_ratio"], knobs["gather_mode"],
             knobs["peers_in_flight"],
         )
-        return gidx, gvals.to(inp.acc_dtype)
+        gvals = gvals.to(inp.acc_dtype)
+        if inp.op == "avg" and p > 1 and not early:
+            # 16-bit values travel rounded to their dtype: divide after widening, as the front door would.
+            gvals.div_(p)
+        return gidx, gvals
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         n = acc.numel()

@@ -277,6 +277,36 @@ def test_oktopk_gather_modes_give_the_same_bits(world_size, row_shape):
             assert raw(o[mode]["values"]) == raw(out[0]["auto"]["values"]), f"gather_mode={mode}"
 
 
+def _run_avg_and_sum(rank, world_size, c, algorithm):
+    import tuner
+
+    idx, vals = make_input(c, rank, world_size)
+    avg = tuner.sparse_allreduce(idx, vals, c["size"], op="avg", algorithm=algorithm)
+    total = tuner.sparse_allreduce(idx, vals, c["size"], op="sum", algorithm=algorithm)
+    acc = torch.float32 if vals.dtype in (torch.float16, torch.bfloat16) else vals.dtype
+    return {"avg": avg.values, "sum": total.values, "acc": acc}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize(
+    "kw",
+    [dict(row_shape=(16,)), dict(row_shape=(16,), dtype="float16"), dict(row_shape=()), dict(size=40, row_shape=(8,))],
+    ids=["wide", "wide_float16", "scalar", "dense_regions"],
+)
+def test_avg_is_the_sum_divided_bitwise(algorithm, kw):
+    """``avg`` gives the same bits as the sum divided by P, whether the algorithm or the front door divides."""
+    p = 3
+    c = case(**{"seed": 34, "size": 500, "counts": [60] * p, **kw})
+    for o in pool(p).run(_run_avg_and_sum, c, algorithm):
+        dtype = o["avg"].dtype
+        # With 16-bit values the sum is rounded to the dtype before division here, so allow that rounding.
+        want = (o["sum"].to(o["acc"]) / p).to(dtype)
+        if dtype in (torch.float16, torch.bfloat16):
+            assert torch.allclose(o["avg"].float(), want.float(), rtol=2e-3, atol=1e-4)
+        else:
+            assert raw(o["avg"]) == raw(want), f"{algorithm}: avg differs from sum / P"
+
+
 def test_oktopk_sends_well_below_allgather_at_full_overlap():
     """P=4, identical index sets: Ok-Topk's split-reduce + allgatherv sends about (k + u)(P-1)/P
     entries per rank, allgather (P-1) k: with u = k that is half."""

@@ -414,7 +414,7 @@ def _sparse_allreduce(
     records, slots = _meta.exchange(comm, record, error, slot)
     counts = tuple(rec["count"] for rec in records)
     eager_entries = None if eager == _meta.EAGER_NONE else slots[:, sketch_bytes:]  # type: ignore[index]
-    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries)
+    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries, op)
     if sel is None:
         decision: Any = None
     else:
@@ -441,11 +441,16 @@ def _sparse_allreduce(
         out_idx = torch.empty(0, dtype=torch.int64, device=comm.device)
         out_vals = torch.empty((0, inp.row_numel), dtype=acc, device=comm.device)
     else:
-        out_idx, out_vals = algorithms.get(algorithm).sparse_allreduce(inp, comm, knobs_checked)
+        algo = algorithms.get(algorithm)
+        out_idx, out_vals = algo.sparse_allreduce(inp, comm, knobs_checked)
+        if op == "avg" and not algo.applies_avg and comm.world_size > 1:
+            # In place: an algorithm's result shares no memory with its input (checked, for registered ones).
+            shared = out_vals.untyped_storage().data_ptr() in (
+                vals.untyped_storage().data_ptr(), values.untyped_storage().data_ptr()
+            )
+            out_vals = out_vals / comm.world_size if shared else out_vals.div_(comm.world_size)
     if sel is not None:
         sel.observe_sparse(site, counts, out_idx.numel())
-    if op == "avg":
-        out_vals = out_vals / comm.world_size
     out_vals = out_vals.to(values.dtype).reshape((out_idx.numel(),) + row_shape)
     return SparseResult(out_idx, out_vals, n, algorithm, comm.traffic, decision)
 

@@ -68,11 +68,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import algorithms as _algorithms
+from algorithms._sparse import sum_by_index
 from algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
 from algorithms.state import TopkState
 from tuner import api as _api
@@ -743,6 +745,12 @@ def _coalesce_rows(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor,
     """
     if vals.dtype not in (torch.float32, torch.float64) or idx.numel() < 2:
         return idx, vals
+    if idx.device.type == "cpu":
+        a = idx.numpy()
+        if bool((a[1:] > a[:-1]).all()):
+            return idx, vals
+        uniq_np, sums = sum_by_index(a.astype(np.int64, copy=False), vals)
+        return torch.from_numpy(uniq_np), sums
     uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
     if uniq.numel() == idx.numel():
         return idx, vals  # no duplicates: the front door only sorts
@@ -938,7 +946,7 @@ class SparseGradSync:
             if route.route == "dense":
                 dense_items.append((name, param))
             elif route.route == "sparse":
-                step_bytes += self._sync_sparse(name, param, route, p)
+                step_bytes += self._sync_sparse(name, param, route)
             else:
                 step_bytes += self._sync_topk(name, param, route)
         step_bytes += self._sync_dense(dense_items, p)
@@ -947,7 +955,7 @@ class SparseGradSync:
         self.bytes_sent += step_bytes
         self._synced = True
 
-    def _sync_sparse(self, name: str, param: nn.Parameter, route: _Route, p: int) -> int:
+    def _sync_sparse(self, name: str, param: nn.Parameter, route: _Route) -> int:
         grad = param.grad
         row_shape = tuple(param.shape[1:])
         if grad is None:
@@ -966,20 +974,16 @@ class SparseGradSync:
         else:  # a dense gradient on an embedding (e.g. sparse switched off): send its nonzero rows
             rows = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().view(-1)
             idx, vals = rows, grad.index_select(0, rows)
-        # fp32/fp64: sum, then divide in place (the same bits as avg, without another copy of the result).
-        in_place = vals.dtype in (torch.float32, torch.float64)
         res: Any = _api.sparse_allreduce(
             idx,
             vals,
             tuple(param.shape),
-            op="sum" if in_place else "avg",
+            op="avg",
             group=self.group,
             algorithm=route.algorithm,
             knobs=dict(route.knobs) or None,
             **_call_kwargs(_SPARSE_KW, name, self._policy_arg if route.algorithm == AUTO else None),
         )
-        if in_place and p > 1:
-            res.values.div_(p)
         if grad is not None and not grad.is_sparse:
             grad.copy_(res.to_dense())  # the caller keeps a dense gradient dense
         elif res.indices.numel() == 0:

@@ -1,0 +1,79 @@
+"""The host (NumPy) helpers every CPU path sums through: same bits as plain ``index_add_`` in list order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from algorithms._sparse import _sorted_order, merge_host, split_layout, sum_by_index
+
+
+def _reference(idx: np.ndarray, vals: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    union, inverse = np.unique(idx, return_inverse=True)
+    out = torch.zeros((union.size, vals.shape[1]), dtype=vals.dtype)
+    out.index_add_(0, torch.from_numpy(inverse.reshape(-1)), vals)  # adds in list order on the CPU
+    return union, out
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    return t.contiguous().view(ints[t.dtype]).reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("width", [1, 3, 64])
+@pytest.mark.parametrize("high", [50, 2**50], ids=["small_indices", "huge_indices"])
+def test_sum_by_index_matches_index_add_bitwise(dtype, width, high):
+    g = torch.Generator().manual_seed(width + (high > 100))
+    for trial in range(6):
+        k = int(torch.randint(1, 2000, (1,), generator=g))
+        idx = torch.randint(0, high, (k,), generator=g).numpy()
+        idx[: k // 3] = idx[k // 3 : 2 * (k // 3)]  # plenty of duplicates, in scattered order
+        scale = 10.0 ** torch.randint(-6, 6, (k, 1), generator=g)
+        vals = (torch.randn(k, width, generator=g, dtype=torch.float64) * scale).to(dtype)
+        if trial % 2:
+            vals[torch.rand(k, width, generator=g) < 0.2] = -0.0  # (0 + -0.0) is +0.0: the sum starts at zero
+        if trial == 5:
+            vals[0, 0], vals[-1, -1] = float("inf"), float("nan")
+        union, sums = sum_by_index(idx, vals)
+        ref_union, ref = _reference(idx, vals)
+        assert union.tolist() == ref_union.tolist()
+        assert sums.dtype == dtype and tuple(sums.shape) == (union.size, width)
+        assert _bits(sums) == _bits(ref), f"trial {trial}: sums differ from index_add_ in list order"
+
+
+def test_sum_by_index_copies_and_handles_empty():
+    idx = np.array([3, 1, 3], dtype=np.int64)
+    vals = torch.ones(3, 2)
+    union, sums = sum_by_index(idx, vals)
+    sums += 1
+    assert vals.eq(1).all() and union.tolist() == [1, 3]
+    u0, s0 = sum_by_index(np.zeros(0, dtype=np.int64), torch.zeros(0, 4))
+    assert u0.size == 0 and tuple(s0.shape) == (0, 4)
+
+
+@pytest.mark.parametrize("high", [10, 2**61])
+def test_sorted_order_is_stable(high):
+    rng = np.random.default_rng(1)
+    idx = rng.integers(0, high, 5000, dtype=np.int64)
+    order, keys = _sorted_order(idx)
+    assert keys.tolist() == idx[order].tolist() == sorted(idx.tolist())
+    assert order.tolist() == np.argsort(idx, kind="stable").tolist()
+
+
+def test_merge_host_paths_agree_bitwise():
+    """The dense-scratch path and the sort path of the host merge give the same bits."""
+    rng = np.random.default_rng(2)
+    runs = [np.unique(rng.integers(0, 300, n)) for n in (250, 10, 400)]
+    idx = np.concatenate(runs).astype(np.int64)
+    vals = rng.normal(size=(idx.size, 5)).astype(np.float32)
+    scratch = merge_host(idx, vals, 300)  # size <= 3 * entries: dense scratch
+    sort = merge_host(idx, vals, 10**9)  # sparse: sort
+    assert scratch[0].tolist() == sort[0].tolist()
+    assert scratch[1].tobytes() == sort[1].tobytes()
+
+
+def test_split_layout_threshold():
+    assert split_layout(64, torch.float32) and split_layout(16, torch.float16) and split_layout(4, torch.float64)
+    assert not split_layout(1, torch.float32) and not split_layout(7, torch.float32) and not split_layout(15, torch.bfloat16)
