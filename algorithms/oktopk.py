@@ -9,12 +9,18 @@ Exact mode (``sparse_allreduce``):
    integers), then each rank sends its entries for region ``j`` to rank
    ``j``: at step ``i`` rank ``r`` sends to ``(r+i) % P`` and receives from
    ``(r-i) % P``, ``peers_in_flight`` steps posted at once, so no rank
-   receives from many at once. The owner sums what it received, in rank order.
+   receives from many at once. The owner sums what it received, in rank
+   order. Rows of 32 bytes or more (embedding rows) travel as two messages
+   per peer, indices and rows, received in place into one buffer per kind;
+   narrower entries travel packed.
 3. **Allgatherv.** Owners' reduced sizes are all-gathered (``P`` integers),
-   then every region travels to every rank in one gather. A region whose
-   reduced entries would cost more sparse than dense (SparCML's rule,
-   scaled by ``dense_fallback_ratio``) travels dense, as its rows plus a
-   presence bitmap.
+   then every region travels to every rank: for wide rows point to point,
+   landing in place in the result (which is in index order because the
+   regions are); otherwise packed, in one gather. A region whose reduced
+   entries would cost more sparse than dense (SparCML's rule, scaled by
+   ``dense_fallback_ratio``) travels dense, as its rows plus a presence
+   bitmap, and then every region travels packed. With ``avg`` each owner
+   divides its own region before it travels.
 
 Top-k mode (``topk_allreduce``, Ok-Topk's Algorithm 1 with Algorithm 2's error
 feedback done by the caller):
