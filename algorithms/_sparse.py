@@ -28,6 +28,7 @@ __all__ = [
     "merge_sources",
     "dtype_code",
     "split_layout",
+    "gathers_p2p",
     "offsets",
     "pack_host",
     "unpack_host",
@@ -186,6 +187,11 @@ SPLIT_MIN_ROW_BYTES = 32
 def split_layout(row_numel: int, wire_dtype: torch.dtype) -> bool:
     """True when entries of ``row_numel`` values of ``wire_dtype`` travel as separate index and row messages."""
     return row_numel * wire_dtype.itemsize >= SPLIT_MIN_ROW_BYTES
+
+
+def gathers_p2p(mode: str, row_numel: int, wire_dtype: torch.dtype) -> bool:
+    """True when a gather ``mode`` (``auto``, ``p2p``, ``pad``, ``alltoall``) moves these entries point to point, unpacked."""
+    return mode == "p2p" or (mode == "auto" and split_layout(row_numel, wire_dtype))
 
 
 def offsets(counts: "list[int] | tuple[int, ...]") -> list[int]:

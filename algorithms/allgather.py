@@ -30,12 +30,12 @@ from algorithms._comm import Comm
 from algorithms._sparse import (
     accum_dtype,
     entry_bytes,
+    gathers_p2p,
     merge_host,
     merge_sources,
     offsets,
     pack,
     pack_host,
-    split_layout,
     unpack,
     unpack_host,
     wire_index_dtype,
@@ -59,7 +59,7 @@ def gather_merge(
     """All-gather coalesced entries and merge them in rank order (see :func:`merge_sources`)."""
     index_dtype = wire_index_dtype(size)
     r = vals.shape[1]
-    if comm.world_size > 1 and (mode == "p2p" or (mode == "auto" and split_layout(r, wire_dtype))):
+    if comm.world_size > 1 and gathers_p2p(mode, r, wire_dtype):
         return gather_merge_p2p(comm, idx.to(comm.device), vals.to(comm.device), counts, size, wire_dtype)
     if mode == "p2p":
         mode = "auto"
@@ -172,7 +172,7 @@ class Allgather(Algorithm):
         rest = [c - h for c, h in zip(counts, head)]
         comm.traffic.reclassify((p - 1) * head[me] * e)
         mode = knobs["mode"]
-        if any(rest) and (mode == "p2p" or (mode == "auto" and split_layout(r, inp.dtype))):
+        if any(rest) and gathers_p2p(mode, r, inp.dtype):
             return gather_merge_p2p(
                 comm, inp.indices.to(comm.device), inp.values.to(comm.device), counts, inp.size,
                 inp.dtype, head, inp.eager.to(comm.device),

@@ -53,6 +53,7 @@ import torch
 from algorithms._comm import Comm
 from algorithms._sparse import (
     entry_bytes,
+    gathers_p2p,
     merge_host,
     merge_sources,
     offsets,
@@ -216,7 +217,7 @@ def _gather_regions(
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
     ]
-    if not any(dense) and (mode == "p2p" or (mode == "auto" and split_layout(r, wire_dtype))):
+    if not any(dense) and gathers_p2p(mode, r, wire_dtype):
         return _gather_regions_p2p(comm, ridx, rvals, sizes, index_dtype, wire_dtype, peers_in_flight)
     if mode == "p2p":
         mode = "auto"  # a dense region travels with its bitmap, packed
@@ -262,7 +263,7 @@ def _gather_regions_p2p(
     peers_in_flight: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every owner sends its sparse region to every peer; regions land in place, in rank (= index) order."""
-    p, me = comm.world_size, comm.rank
+    me = comm.rank
     at = offsets(sizes)
     out_idx = torch.empty(at[-1], dtype=index_dtype, device=comm.device)
     out_vals = torch.empty((at[-1], rvals.shape[1]), dtype=wire_dtype, device=comm.device)
