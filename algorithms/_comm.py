@@ -207,6 +207,26 @@ class Comm:
             for work in self.exchange(sends, recvs):
                 work.wait()
 
+    def all_gather_rows(
+        self, outs: Sequence[torch.Tensor], at: Sequence[int], peers_in_flight: int, first: Sequence[int] | None = None
+    ) -> None:
+        """Fill every tensor of ``outs`` in place with every rank's rows, point to point, no packing.
+
+        Rank ``j``'s rows are ``[at[j], at[j+1])`` of each tensor of ``outs``
+        (contiguous, the same ``at`` on every rank). This rank's rows must be
+        in place before the call, and so must the first ``first[j]`` rows of
+        rank ``j`` (rows that already arrived another way); the rest come
+        from their owner, one message per tensor (tag = its position in
+        ``outs``), in :meth:`rotated_exchange`'s order.
+        """
+        me = self.rank
+        skip = list(first) if first is not None else [0] * self.world_size
+
+        def rows(j: int) -> list[tuple[torch.Tensor, int]]:
+            return [(out[at[j] + skip[j] : at[j + 1]], tag) for tag, out in enumerate(outs)]
+
+        self.rotated_exchange(peers_in_flight, lambda dst: rows(me), rows)
+
     def all_gather_v(self, t: torch.Tensor, counts: Sequence[int], mode: str = "auto") -> list[torch.Tensor]:
         """Gather a different number of rows from every rank; return one tensor per rank, in rank order.
 

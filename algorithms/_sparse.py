@@ -28,7 +28,9 @@ __all__ = [
     "merge_sources",
     "dtype_code",
     "split_layout",
-    "gathers_p2p",
+    "gather_mode",
+    "merge_runs",
+    "merge_host_pieces",
     "offsets",
     "pack_host",
     "unpack_host",
@@ -189,9 +191,16 @@ def split_layout(row_numel: int, wire_dtype: torch.dtype) -> bool:
     return row_numel * wire_dtype.itemsize >= SPLIT_MIN_ROW_BYTES
 
 
-def gathers_p2p(mode: str, row_numel: int, wire_dtype: torch.dtype) -> bool:
-    """True when a gather ``mode`` (``auto``, ``p2p``, ``pad``, ``alltoall``) moves these entries point to point, unpacked."""
-    return mode == "p2p" or (mode == "auto" and split_layout(row_numel, wire_dtype))
+def gather_mode(mode: str, row_numel: int, wire_dtype: torch.dtype) -> str:
+    """Resolve a gather knob (``auto``, ``p2p``, ``pad``, ``alltoall``) for entries of this width.
+
+    Returns ``p2p`` when the entries move point to point, unpacked (asked
+    for, or ``auto`` with rows of :data:`SPLIT_MIN_ROW_BYTES` or more);
+    otherwise the mode :meth:`~algorithms._comm.Comm.all_gather_v` takes.
+    """
+    if mode == "p2p" or (mode == "auto" and split_layout(row_numel, wire_dtype)):
+        return "p2p"
+    return mode
 
 
 def offsets(counts: "list[int] | tuple[int, ...]") -> list[int]:
@@ -275,10 +284,21 @@ def merge_sources(
 def _merge_host(
     sources: list[tuple[torch.Tensor, torch.Tensor]], size: int, total: int, acc: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    a = np.concatenate([i.numpy() for i, _ in sources])
-    vals = torch.cat([v for _, v in sources]).to(acc)
-    union, sums = merge_host(a, vals.numpy(), size)
-    return torch.from_numpy(union), torch.from_numpy(sums)
+    return merge_host_pieces([(i.numpy(), v.to(acc).numpy()) for i, v in sources], size)
+
+
+def merge_runs(
+    idx: torch.Tensor, vals: torch.Tensor, at: list[int], size: int, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_sources` of the runs ``[at[j], at[j+1])`` of one buffer (int64 ``idx``, ``[K, r]`` ``vals``).
+
+    On the CPU the buffer is merged in one host pass, with no copy into
+    sources; elsewhere each run is a source.
+    """
+    if idx.device.type == "cpu":
+        return merge_host_pieces([(idx.numpy(), vals.to(acc).numpy())], size)
+    sources = [(idx[at[j] : at[j + 1]], vals[at[j] : at[j + 1]]) for j in range(len(at) - 1)]
+    return merge_sources(sources, size, vals.shape[1], acc, idx.device)
 
 
 # --------------------------------------------------------------------------- host (NumPy) forms
@@ -333,6 +353,17 @@ def unpack_host(
     else:
         vals = raw
     return idx, vals
+
+
+def merge_host_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_host` of host sources given in list order; return tensors that own the result."""
+    if len(pieces) == 1:
+        idx, vals = pieces[0]
+    else:
+        idx = np.concatenate([i for i, _ in pieces])
+        vals = np.concatenate([v for _, v in pieces])
+    union, sums = merge_host(idx, vals, size)
+    return torch.from_numpy(union), torch.from_numpy(sums)
 
 
 def merge_host(idx: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

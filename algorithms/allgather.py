@@ -30,8 +30,9 @@ from algorithms._comm import Comm
 from algorithms._sparse import (
     accum_dtype,
     entry_bytes,
-    gathers_p2p,
-    merge_host,
+    gather_mode,
+    merge_host_pieces,
+    merge_runs,
     merge_sources,
     offsets,
     pack,
@@ -59,14 +60,13 @@ def gather_merge(
     """All-gather coalesced entries and merge them in rank order (see :func:`merge_sources`)."""
     index_dtype = wire_index_dtype(size)
     r = vals.shape[1]
-    if comm.world_size > 1 and gathers_p2p(mode, r, wire_dtype):
+    mode = gather_mode(mode, r, wire_dtype)
+    if mode == "p2p" and comm.world_size > 1:
         return gather_merge_p2p(comm, idx.to(comm.device), vals.to(comm.device), counts, size, wire_dtype)
-    if mode == "p2p":
-        mode = "auto"
     if comm.device.type == "cpu":
         buf = torch.from_numpy(pack_host(idx, vals, index_dtype, wire_dtype))
         pieces = comm.all_gather_v(buf, counts, mode)
-        return _merge_pieces([unpack_host(piece.numpy(), r, index_dtype, wire_dtype) for piece in pieces], size)
+        return merge_host_pieces([unpack_host(piece.numpy(), r, index_dtype, wire_dtype) for piece in pieces], size)
     buf = pack(idx.to(comm.device), vals.to(comm.device), index_dtype, wire_dtype)
     pieces = comm.all_gather_v(buf, counts, mode)
     sources = [unpack(piece, r, index_dtype, wire_dtype) for piece in pieces]
@@ -106,30 +106,8 @@ def gather_merge_p2p(
             if j != me and head[j]:
                 all_idx[at[j] : at[j] + head[j]] = hidx[j * mu : j * mu + head[j]]
                 all_vals[at[j] : at[j] + head[j]] = hvals[j * mu : j * mu + head[j]]
-    mine = slice(at[me] + head[me], at[me + 1])
-    comm.rotated_exchange(
-        max(1, p - 1),
-        lambda dst: [(all_idx[mine], 0), (all_vals[mine], 1)],
-        lambda src: [(all_idx[at[src] + head[src] : at[src + 1]], 0), (all_vals[at[src] + head[src] : at[src + 1]], 1)],
-    )
-    acc = accum_dtype(wire_dtype)
-    if comm.device.type == "cpu":
-        union, sums = merge_host(all_idx.to(torch.int64).numpy(), all_vals.to(acc).numpy(), size)
-        return torch.from_numpy(union), torch.from_numpy(sums)
-    flat = all_idx.to(torch.int64)
-    sources = [(flat[at[j] : at[j + 1]], all_vals[at[j] : at[j + 1]]) for j in range(p)]
-    return merge_sources(sources, size, r, acc, comm.device)
-
-
-def _merge_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge host sources given in rank order; return tensors sharing the result's memory."""
-    if len(pieces) == 1:
-        idx, vals = pieces[0]
-    else:
-        idx = np.concatenate([i for i, _ in pieces])
-        vals = np.concatenate([v for _, v in pieces])
-    union, sums = merge_host(idx, vals, size)
-    return torch.from_numpy(union), torch.from_numpy(np.ascontiguousarray(sums))
+    comm.all_gather_rows((all_idx, all_vals), at, max(1, p - 1), head)
+    return merge_runs(all_idx.to(torch.int64), all_vals, at, size, accum_dtype(wire_dtype))
 
 
 def eager_slot(
@@ -171,14 +149,12 @@ class Allgather(Algorithm):
         head = [min(c, m) for c in counts]
         rest = [c - h for c, h in zip(counts, head)]
         comm.traffic.reclassify((p - 1) * head[me] * e)
-        mode = knobs["mode"]
-        if any(rest) and gathers_p2p(mode, r, inp.dtype):
+        mode = gather_mode(knobs["mode"], r, inp.dtype)
+        if any(rest) and mode == "p2p":
             return gather_merge_p2p(
                 comm, inp.indices.to(comm.device), inp.values.to(comm.device), counts, inp.size,
                 inp.dtype, head, inp.eager.to(comm.device),
             )
-        if mode == "p2p":
-            mode = "auto"
         mu = max(head)
         host = comm.device.type == "cpu"
         tail_buf = None
@@ -197,15 +173,14 @@ class Allgather(Algorithm):
                 if min(head) < mu:
                     keep = (np.arange(mu) < np.asarray(head)[:, None]).reshape(-1)
                     idx, vals = idx[keep], vals[keep]
-                union, sums = merge_host(idx, vals, inp.size)
-                return torch.from_numpy(union), torch.from_numpy(np.ascontiguousarray(sums))
+                return merge_host_pieces([(idx, vals)], inp.size)
             tails = [unpack_host(piece.numpy(), r, index_dtype, inp.dtype) for piece in
                      comm.all_gather_v(tail_buf, rest, mode)]
             pieces = []
             for j in range(p):
                 pieces.append((idx[j * mu : j * mu + head[j]], vals[j * mu : j * mu + head[j]]))
                 pieces.append(tails[j])
-            return _merge_pieces(pieces, inp.size)
+            return merge_host_pieces(pieces, inp.size)
         block = inp.eager[:, : mu * e].reshape(p * mu, e)
         idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
         idx_all, vals_all = idx_all.view(p, mu), vals_all.view(p, mu, r)

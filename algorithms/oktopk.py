@@ -53,8 +53,8 @@ import torch
 from algorithms._comm import Comm
 from algorithms._sparse import (
     entry_bytes,
-    gathers_p2p,
-    merge_host,
+    gather_mode,
+    merge_runs,
     merge_sources,
     offsets,
     pack,
@@ -148,7 +148,7 @@ def _split_reduce_soa(
     acc: torch.dtype,
     peers_in_flight: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    p, me = comm.world_size, comm.rank
+    me = comm.rank
     r = vals.shape[1]
     widx = idx.to(index_dtype)
     wvals = vals.to(wire_dtype).contiguous()
@@ -162,14 +162,9 @@ def _split_reduce_soa(
         lambda dst: [(widx[off[dst] : off[dst + 1]], 0), (wvals[off[dst] : off[dst + 1]], 1)],
         lambda src: [(ridx[at[src] : at[src + 1]], 0), (rvals[at[src] : at[src + 1]], 1)],
     )
-    base, length = cuts[me], cuts[me + 1] - cuts[me]
-    local = ridx.to(torch.int64) - base
-    if comm.device.type == "cpu":
-        # One host merge over the received runs, which already lie in rank order.
-        union, sums = merge_host(local.numpy(), rvals.to(acc).numpy(), length)
-        return torch.from_numpy(union) + base, torch.from_numpy(sums)
-    sources = [(local[at[j] : at[j + 1]], rvals[at[j] : at[j + 1]]) for j in range(p)]
-    uidx, uvals = merge_sources(sources, length, r, acc, comm.device)
+    # Merge in region-relative coordinates (a dense scratch is sized to the region).
+    base = cuts[me]
+    uidx, uvals = merge_runs(ridx.to(torch.int64) - base, rvals, at, cuts[me + 1] - base, acc)
     return uidx + base, uvals
 
 
@@ -217,9 +212,10 @@ def _gather_regions(
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
     ]
-    if not any(dense) and gathers_p2p(mode, r, wire_dtype):
-        return _gather_regions_p2p(comm, ridx, rvals, sizes, index_dtype, wire_dtype, peers_in_flight)
+    mode = gather_mode(mode, r, wire_dtype)
     if mode == "p2p":
+        if not any(dense):
+            return _gather_regions_p2p(comm, ridx, rvals, sizes, index_dtype, wire_dtype, peers_in_flight)
         mode = "auto"  # a dense region travels with its bitmap, packed
     if dense[me]:
         block = torch.zeros((lengths[me], r), dtype=wire_dtype, device=comm.device)
@@ -267,14 +263,9 @@ def _gather_regions_p2p(
     at = offsets(sizes)
     out_idx = torch.empty(at[-1], dtype=index_dtype, device=comm.device)
     out_vals = torch.empty((at[-1], rvals.shape[1]), dtype=wire_dtype, device=comm.device)
-    mi, mv = out_idx[at[me] : at[me + 1]], out_vals[at[me] : at[me + 1]]
-    mi.copy_(ridx)
-    mv.copy_(rvals)
-    comm.rotated_exchange(
-        peers_in_flight,
-        lambda dst: [(mi, 0), (mv, 1)],
-        lambda src: [(out_idx[at[src] : at[src + 1]], 0), (out_vals[at[src] : at[src + 1]], 1)],
-    )
+    out_idx[at[me] : at[me + 1]] = ridx
+    out_vals[at[me] : at[me + 1]] = rvals
+    comm.all_gather_rows((out_idx, out_vals), at, peers_in_flight)
     return out_idx.to(torch.int64), out_vals
 
 

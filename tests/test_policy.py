@@ -318,6 +318,15 @@ def test_bool_knob_round_trips_and_is_applied() -> None:
     assert okt.check_knobs({})["balance"] is True  # the default is untouched
 
 
+def test_every_choice_an_algorithm_takes_is_a_valid_policy_value() -> None:
+    # The policy's choices come from the algorithms: a mode the algorithm takes (p2p) is not refused here.
+    for algo, knob in (("allgather", "mode"), ("oktopk", "gather_mode")):
+        for value in algorithms.get(algo).knob_choices[knob]:
+            p = parse(f"version: 1\nknobs:\n  {algo}: {{{knob}: {value}}}\n")
+            assert p.knobs[algo][knob] == value
+            assert algorithms.get(algo).check_knobs(p.knobs[algo])[knob] == value
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -363,7 +372,7 @@ BAD = [
     ("dense-has-no-knobs", "version: 1\nknobs:\n  dense: {bucket: 1}\n", 3, "knobs.dense", ["unknown knob 'bucket'", "none (dense has no knobs)"]),
     ("knob-below-min", "version: 1\nknobs:\n  oktopk: {boundary_refresh: 0}\n", 3, "knobs.oktopk.boundary_refresh", ["out of range", "allowed: an integer >= 1"]),
     ("knob-ratio-zero", "version: 1\nknobs:\n  oktopk: {dense_fallback_ratio: 0}\n", 3, "knobs.oktopk.dense_fallback_ratio", ["out of range", "a number > 0"]),
-    ("knob-choice", "version: 1\nknobs:\n  allgather: {mode: ring}\n", 3, "knobs.allgather.mode", ["unknown value 'ring'", "allowed: one of auto, pad, alltoall"]),
+    ("knob-choice", "version: 1\nknobs:\n  allgather: {mode: ring}\n", 3, "knobs.allgather.mode", ["unknown value 'ring'", "allowed: one of auto, p2p, pad, alltoall"]),
     ("knob-choice-type", "version: 1\nknobs:\n  allgather: {mode: 3}\n", 3, "knobs.allgather.mode", ["expected a string"]),
     ("bool-knob-int", "version: 1\nknobs:\n  oktopk: {balance: 3}\n", 3, "knobs.oktopk.balance", ["expected true or false, got integer '3'", "allowed: true or false"]),
     ("bool-knob-one", "version: 1\nknobs:\n  oktopk: {balance: 1}\n", 3, "knobs.oktopk.balance", ["got integer '1'", "allowed: true or false"]),

@@ -14,7 +14,7 @@ Search space
 Exact mode (``sparse_allreduce``, default)::
 
     algorithm                  allgather | oktopk         (``--algorithm all``: a parameter of the study)
-    allgather.mode             auto | pad | alltoall      (padding to the largest count vs all_to_all)
+    allgather.mode             auto | p2p | pad | alltoall (point to point unpacked, padding, or all_to_all)
     oktopk.boundary_refresh    1 .. 256, log              (calls between region-boundary refreshes)
     oktopk.peers_in_flight     1 .. P-1                   (rotated point-to-point steps posted at once)
     oktopk.dense_fallback_ratio 0.1 .. 2.0, log           (a region travels dense past this share of dense)
@@ -55,13 +55,15 @@ Example:
 
 from __future__ import annotations
 
-from tuner._io import write_text_atomic
 import argparse
 import os
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
+
+from algorithms.allgather import Allgather
+from tuner._io import write_text_atomic
 
 __all__ = ["Workload", "SPACE", "suggest", "run_study", "policy_text", "format_trials", "TuneCommand"]
 
@@ -75,7 +77,7 @@ _TOPK_DEFAULTS: dict[str, Any] = {"local_refresh": 32, "global_refresh": 32, "bo
 #: Knob ranges, per mode and algorithm: ``(kind, low, high, log)`` or ``("choice", values)``.
 SPACE: dict[str, dict[str, dict[str, tuple[Any, ...]]]] = {
     "exact": {
-        "allgather": {"mode": ("choice", ("auto", "pad", "alltoall"))},
+        "allgather": {"mode": ("choice", tuple(Allgather.knob_choices["mode"]))},
         "oktopk": {
             "boundary_refresh": ("int", 1, 256, True),
             "peers_in_flight": ("int", 1, None, False),  # high: P - 1

@@ -68,13 +68,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Mapping
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import algorithms as _algorithms
-from algorithms._sparse import sum_by_index
 from algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
 from algorithms.state import TopkState
 from tuner import api as _api
@@ -738,19 +736,15 @@ def sparse_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def _coalesce_rows(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the rows of duplicate indices (an embedding's gradient has one row per lookup).
 
-    The front door would coalesce too; this way skips permuting the values
-    (one ``index_add_`` in lookup order, the same sums as a stable sort), which
-    matters when lookups outnumber distinct rows several times over. 16-bit
-    values are left to the front door, which sums them in fp32.
+    Off the CPU the front door's coalesce permutes the values before summing;
+    this way skips that (one ``index_add_`` in lookup order, the same sums as
+    a stable sort), which matters when lookups outnumber distinct rows
+    several times over. On the CPU the front door's own host path already
+    sums in lookup order without permuting, so the rows are left to it, as
+    16-bit values are (summed in fp32 there).
     """
-    if vals.dtype not in (torch.float32, torch.float64) or idx.numel() < 2:
+    if vals.dtype not in (torch.float32, torch.float64) or idx.numel() < 2 or idx.device.type == "cpu":
         return idx, vals
-    if idx.device.type == "cpu":
-        a = idx.numpy()
-        if bool((a[1:] > a[:-1]).all()):
-            return idx, vals
-        uniq_np, sums = sum_by_index(a.astype(np.int64, copy=False), vals)
-        return torch.from_numpy(uniq_np), sums
     uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
     if uniq.numel() == idx.numel():
         return idx, vals  # no duplicates: the front door only sorts

@@ -271,23 +271,35 @@ class KnobSpec:
         return f"{noun} {op} {bound}"
 
 
+def _algorithm_knob(algorithm: str, knob: str, help: str) -> KnobSpec:
+    """The spec of an algorithm's own knob, from the algorithm: its default's kind, its choices, its minimum."""
+    algo = _algorithms.get(algorithm)
+    default = algo.knobs[knob]
+    if knob in algo.knob_choices:
+        return KnobSpec("choice", choices=tuple(algo.knob_choices[knob]), help=help)
+    if isinstance(default, bool):
+        return KnobSpec("bool", help=help)
+    bound, exclusive = algo.knob_minimums.get(knob, (None, False))
+    return KnobSpec("int" if isinstance(default, int) else "float", bound, exclusive=exclusive, help=help)
+
+
 #: The knob schema, one table: algorithm -> knob name -> spec. Extend it here;
 #: an algorithm registered elsewhere but missing from this table takes no knobs.
+#: The algorithms' own knobs take their kinds, choices and bounds from the
+#: algorithm classes, so a policy accepts exactly what the algorithm does.
 KNOBS: dict[str, dict[str, KnobSpec]] = {
     "dense": {},
     "allgather": {
-        "mode": KnobSpec("choice", choices=("auto", "pad", "alltoall"), help="pad unequal counts or use all-to-all"),
+        "mode": _algorithm_knob("allgather", "mode", "how unequal counts are gathered: p2p, pad or all-to-all"),
     },
     "oktopk": {
-        "boundary_refresh": KnobSpec("int", 1, help="recompute region boundaries every this many calls"),
-        "peers_in_flight": KnobSpec("int", 1, help="point-to-point exchanges posted at once in the split"),
-        "dense_fallback_ratio": KnobSpec(
-            "float", 0.0, exclusive=True, help="fall back to dense once reduced data passes this share of dense"
+        "boundary_refresh": _algorithm_knob("oktopk", "boundary_refresh", "recompute region boundaries every this many calls"),
+        "peers_in_flight": _algorithm_knob("oktopk", "peers_in_flight", "point-to-point exchanges posted at once in the split"),
+        "dense_fallback_ratio": _algorithm_knob(
+            "oktopk", "dense_fallback_ratio", "fall back to dense once reduced data passes this share of dense"
         ),
-        "gather_mode": KnobSpec(
-            "choice", choices=("auto", "pad", "alltoall"), help="how the reduced regions are gathered (as allgather.mode)"
-        ),
-        "balance": KnobSpec("bool", help="top-k mode: re-balance the kept entries into equal blocks before gathering"),
+        "gather_mode": _algorithm_knob("oktopk", "gather_mode", "how the reduced regions are gathered (as allgather.mode)"),
+        "balance": _algorithm_knob("oktopk", "balance", "top-k mode: re-balance the kept entries into equal blocks before gathering"),
         "local_refresh": KnobSpec("int", 1, help="exact local threshold every this many calls"),
         "global_refresh": KnobSpec("int", 1, help="exact global threshold every this many calls"),
     },

@@ -104,7 +104,6 @@ from tuner.policy import (
     Decision,
     Overrides,
     Policy,
-    PolicyError,
     config_digest,
     load_policy,
     policy_from_env,
@@ -152,6 +151,37 @@ def _signed64(x: int) -> int:
 def _q(t: float) -> float:
     """Round a predicted time to 6 significant digits (ranks then agree despite last-bit differences)."""
     return float(f"{t:.6g}")
+
+
+def _ranked(pred: Mapping[str, float]) -> list[str]:
+    """The algorithms fastest first by ``pred`` (rounded times), ties in :data:`ALGORITHMS` order."""
+    return sorted(ALGORITHMS, key=lambda a: (pred[a], _ORDER[a]))
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a first-call decision needs to know of an exact call, identical on every rank."""
+
+    name: str | None
+    size: int
+    row_numel: int
+    dtype_name: str
+    counts: tuple[int, ...]
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return self.size * self.row_numel
+
+    @property
+    def density(self) -> float:
+        return sum(self.counts) / (self.world_size * self.size)
+
+    def features(self, overlap: float) -> Features:
+        """The call's features at ``overlap`` (the union it implies)."""
+        k_sum, k_max = sum(self.counts), max(self.counts)
+        return Features.build(numel=self.size, row_numel=self.row_numel, dtype=self.dtype_name,
+                              k_per_rank=list(self.counts), union=k_sum - overlap * (k_sum - k_max))
 
 
 def _ms(us: float) -> str:
@@ -604,9 +634,8 @@ class Selector:
         if k_sum == 0:
             return _EMPTY
         site = self._site(site_key)
-        dtype_name = normalize_dtype(dtype)
-        density = k_sum / (p * size)
-        numel = size * row_numel
+        call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p)
+        dtype_name, density, numel = call.dtype_name, call.density, call.numel
         overlap, source = site.overlap, site.overlap_source
         decision = self._match(name, numel, density, p, overlap, dtype_name)
         pinned = decision.algorithm != AUTO and (overlap is not None or not self._policy_uses_overlap)
@@ -615,9 +644,7 @@ class Selector:
             if k_sum == k_max:  # at most one rank holds entries: nothing overlaps, nothing learned
                 overlap, source = 0.0, "counts"
             else:
-                overlap, source = self._first_overlap(
-                    comm, indices, counts, sketches, model, name, size, row_numel, density, p, dtype_name
-                )
+                overlap, source = self._first_overlap(comm, indices, sketches, model, call)
                 site.overlap, site.overlap_source = overlap, source
             if self._policy_uses_overlap:
                 decision = self._match(name, numel, density, p, overlap, dtype_name)
@@ -627,8 +654,7 @@ class Selector:
             choice = Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}",
                             "default", _knobs_for(decision, SAFE_DEFAULT), overlap=overlap, overlap_source=source)
         else:
-            u = k_sum - overlap * (k_sum - k_max)
-            f = Features.build(numel=size, row_numel=row_numel, dtype=dtype_name, k_per_rank=list(counts), union=u)
+            f = call.features(overlap)
             choice = self._from_model(model, {a: f for a in ALGORITHMS}, decision, site, overlap, source)
         site.last = choice.algorithm
         site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, overlap)
@@ -651,18 +677,7 @@ class Selector:
         return self._policy_uses_overlap or self.model(backend) is not None
 
     def _first_overlap(
-        self,
-        comm: Any,
-        indices: Any,
-        counts: Sequence[int],
-        sketches: Sequence[Any] | None,
-        model: _Model | None,
-        name: str | None,
-        size: int,
-        row_numel: int,
-        density: float,
-        p: int,
-        dtype_name: str,
+        self, comm: Any, indices: Any, sketches: Sequence[Any] | None, model: _Model | None, call: _Call
     ) -> tuple[float, str]:
         """Return the overlap of a site's first call and where it came from.
 
@@ -673,40 +688,26 @@ class Selector:
         does the one-collective bitmap estimate run.
         """
         if sketches is not None:
-            u, overlap, half = overlap_from_sketches(counts, sketches)
+            u, overlap, half = overlap_from_sketches(call.counts, sketches)
             if half == 0.0:
                 return overlap, "sketch (exact)"
             lo, hi = max(0.0, overlap - half), min(1.0, overlap + half)
-            if self._same_decision(model, name, size, row_numel, density, p, counts, dtype_name, (overlap, lo, hi)):
+            if self._same_decision(model, call, (overlap, lo, hi)):
                 return overlap, f"sketch (+-{half:.2f})"
-        _, overlap = estimate_union_collective(comm, indices, counts, seed=self.bitmap_seed)
+        _, overlap = estimate_union_collective(comm, indices, call.counts, seed=self.bitmap_seed)
         return overlap, "bitmap"
 
-    def _same_decision(
-        self,
-        model: _Model | None,
-        name: str | None,
-        size: int,
-        row_numel: int,
-        density: float,
-        p: int,
-        counts: Sequence[int],
-        dtype_name: str,
-        overlaps: Sequence[float],
-    ) -> bool:
+    def _same_decision(self, model: _Model | None, call: _Call, overlaps: Sequence[float]) -> bool:
         """Return whether the policy and the cost model decide alike at every one of ``overlaps``."""
-        numel = size * row_numel
         if self._policy_uses_overlap:
-            rules = {self._match(name, numel, density, p, o, dtype_name).rule_index for o in overlaps}
+            rules = {self._match(call.name, call.numel, call.density, call.world_size, o, call.dtype_name).rule_index
+                     for o in overlaps}
             if len(rules) > 1:
                 return False
         if model is None:
             return True
-        k_sum, k_max = sum(counts), max(counts)
-        feats = [Features.build(numel=size, row_numel=row_numel, dtype=dtype_name, k_per_rank=list(counts),
-                                union=k_sum - o * (k_sum - k_max)) for o in overlaps]
-        best = {min(ALGORITHMS, key=lambda a: (_q(pred[a]), _ORDER[a])) for pred in model.predict_many(feats)}
-        return len(best) == 1
+        preds = model.predict_many([call.features(o) for o in overlaps])
+        return len({_ranked({a: _q(pred[a]) for a in ALGORITHMS})[0] for pred in preds}) == 1
 
     def observe_sparse(self, site_key: tuple, counts: Sequence[int], union: int) -> None:
         """Record the exact union size a completed call revealed (the same on every rank)."""
@@ -825,7 +826,7 @@ class Selector:
                 got = memo[id(f)] = model.predict(f)
             raw[a] = got[a]
         pred = {a: _q(raw[a]) for a in ALGORITHMS}
-        ranked = sorted(ALGORITHMS, key=lambda a: (pred[a], _ORDER[a]))
+        ranked = _ranked(pred)
         best, runner = ranked[0], ranked[1]
         chosen, src = best, "model"
         inc = site.last
