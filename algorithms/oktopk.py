@@ -269,20 +269,23 @@ def _gather_regions_p2p(
     return out_idx.to(torch.int64), out_vals
 
 
-def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm) -> float:
+def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm, total_bound: int | None = None) -> float:
     """Return the exact ``k``-th largest of the union of every rank's non-negative ``mags``.
 
     A most-significant-digit radix select over the float32 bit patterns
     (which order like the values when non-negative): four rounds, each an
     ``all_reduce`` of a 256-bin histogram. Returns 0.0 when fewer than ``k``
-    values exist in total.
+    values exist in total. ``total_bound``, the same on every rank, bounds
+    the number of values over all ranks; below ``2**31`` the histograms
+    travel as int32 (half the bytes).
     """
+    hist_dtype = torch.int32 if total_bound is not None and total_bound < 2**31 else torch.int64
     bits = mags.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
     prefix, remaining = 0, k
     for shift in (24, 16, 8, 0):
         if shift < 24:
             bits = bits[(bits >> (shift + 8)) == (prefix >> (shift + 8))]
-        hist = torch.bincount((bits >> shift) & 255, minlength=256).to(comm.device)
+        hist = torch.bincount((bits >> shift) & 255, minlength=256).to(device=comm.device, dtype=hist_dtype)
         with comm.meta():
             comm.all_reduce(hist)
         counts = hist.flip(0).cumsum(0).tolist()  # counts[i]: values with digit >= 255 - i
@@ -374,12 +377,12 @@ class OkTopk(Algorithm):
         gth = state.global_threshold
         exact = gth is None or state.global_exact_due or state.step % state.global_refresh == 0
         if exact:
-            gth = radix_kth_largest(rmag, k, comm)
+            gth = radix_kth_largest(rmag, k, comm, n)  # owners' regions are disjoint: at most n values
         keep = _select(rmag, gth)
         sizes = self._sizes(comm, int(keep.sum()))
         total = sum(sizes)
         if not exact and not lo <= total <= hi:
-            gth = radix_kth_largest(rmag, k, comm)
+            gth = radix_kth_largest(rmag, k, comm, n)
             keep = _select(rmag, gth)
             sizes = self._sizes(comm, int(keep.sum()))
             total = sum(sizes)

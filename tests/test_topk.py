@@ -255,10 +255,10 @@ def test_topk_selects_more_than_a_quarter():
 #:   the call's metadata record: all_gather of 17 int64 plus the eager slot
 #:   (1024 B at P = 4, unused in top-k mode): (P-1) * (136 + 1024)           =   3480
 #:   count/size exchanges (a few all_to_all / all_gather of P int64)        <=   1024
-#:   region boundaries (all_reduce of P float64: 2 * 32 * (P-1)/P)           =     48
-#:   an exact global threshold: radix select, 4 all_reduce of 256 int64
-#:   (each 2 * 2048 * (P-1)/P = 3072 B)                                       =  12288
-#: total 16840, rounded up to 17 KiB = 4352 words of 4 bytes: O(P), independent
+#:   region boundaries (all_reduce of P float64, direct on gloo: 32 * (P-1))  =     96
+#:   an exact global threshold: radix select, 4 all_reduce of 256 int32
+#:   (each direct on gloo: 1024 * (P-1) = 3072 B)                             =  12288
+#: total 16888, rounded up to 17 KiB = 4352 words of 4 bytes: O(P), independent
 #: of k. With k = 5000 the data bound is 6k(P-1)/P = 22500 words.
 EQ3_META_ALLOWANCE_BYTES = 17408
 
