@@ -79,8 +79,10 @@ _SHAPE_DIMS = 4
 SHARED_FIELDS: tuple[str, ...] = (
     "kind", "size", "row_numel", "row_shape", "dtype", "op", "algorithm", "policy", "eager"
 )
-#: What the eager slot of a record holds (field ``eager``).
-EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
+#: What the eager slot of a record holds (field ``eager``): nothing, the
+#: first entries, an overlap sketch (then entries), or the algorithm's own
+#: payload (:meth:`~algorithms.base.Algorithm.eager_payload`).
+EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH, EAGER_PAYLOAD = 0, 1, 2, 3
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
 _names: dict[int, str] = {}
@@ -263,11 +265,11 @@ def exchange(
                 per_rank = ", ".join(f"rank {r}: {_say(f, v)}" for r, v in enumerate(values))
             hint = {
                 "policy": "load the same policy file and profile, set the same COLLTUNE_ALGO, "
-                "and pass the same name= on every rank",
+                "and pass the same name= and knobs= on every rank",
                 "row_shape": "pass values with the same row shape on every rank",
                 "row_numel": "pass values with the same row shape on every rank",
-                "eager": "the ranks' selectors hold different histories for this call site (make the same "
-                "calls, in the same order, with the same name= on every rank)",
+                "eager": "the ranks hold different histories for this call site (make the same "
+                "calls, in the same order, with the same name= and knobs= on every rank)",
             }.get(f, "pass the same value on every rank")
             raise RankMismatchError(f"ranks disagree on {f!r} ({per_rank}); {hint}.")
     return records, slots

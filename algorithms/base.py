@@ -27,6 +27,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 
 from algorithms._comm import Comm, Traffic
@@ -55,6 +56,10 @@ class SparseInput:
             them, or ``None`` when the caller did not fill the slots.
         op: ``sum`` or ``avg``; read only by algorithms that set
             :attr:`Algorithm.applies_avg`.
+        payload: every rank's :meth:`Algorithm.eager_payload` from the
+            metadata exchange (``[P, slot_bytes]`` ``uint8``, each row
+            starting with the rank's payload), or ``None`` when the ranks
+            sent none.
     """
 
     indices: torch.Tensor
@@ -65,6 +70,7 @@ class SparseInput:
     counts: tuple[int, ...]
     eager: torch.Tensor | None = None
     op: str = "sum"
+    payload: torch.Tensor | None = None
 
     @property
     def row_numel(self) -> int:
@@ -205,6 +211,22 @@ class Algorithm(abc.ABC):
                     f"knob {self.name}.{key} must be {'>' if exclusive else '>='} {bound:g}, but got {merged[key]}."
                 )
         return merged
+
+    def eager_payload(
+        self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any], capacity: int
+    ) -> np.ndarray | None:
+        """Return bytes to deliver to every rank with the metadata record of an explicit call, or ``None``.
+
+        Called before the metadata exchange of a ``sparse_allreduce`` that
+        names this algorithm, with this rank's coalesced indices; what it
+        returns (flat ``uint8``, at most ``capacity`` bytes) reaches
+        :meth:`sparse_allreduce` as ``SparseInput.payload``, saving the
+        algorithm a collective of its own. Whether it returns ``None`` must
+        depend only on what every rank shares (the call's shared fields and
+        the group's history), never on local data: all ranks send a payload
+        or none does.
+        """
+        return None
 
     @abc.abstractmethod
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,10 @@ Exact mode (``sparse_allreduce``):
 1. **Boundaries.** The rows are cut into ``P`` regions that balance the
    ranks' entries, not the coordinates (:class:`~algorithms.state.BoundaryState`,
    refreshed every ``boundary_refresh`` calls per group and size).
-2. **Split and reduce.** Counts go first (an ``all_to_all`` of ``P``
-   integers), then each rank sends its entries for region ``j`` to rank
+2. **Split and reduce.** Counts go first: while the boundaries are
+   cached, every rank's count per region rides in the metadata record of
+   an explicit call (:meth:`OkTopk.eager_payload`), otherwise an
+   ``all_to_all`` of ``P`` integers moves them. Then each rank sends its entries for region ``j`` to rank
    ``j``: at step ``i`` rank ``r`` sends to ``(r+i) % P`` and receives from
    ``(r-i) % P``, ``peers_in_flight`` steps posted at once, so no rank
    receives from many at once. The owner sums what it received, in rank
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from algorithms._comm import Comm
@@ -87,6 +90,7 @@ def split_reduce(
     wire_dtype: torch.dtype,
     acc: torch.dtype,
     peers_in_flight: int,
+    recv_counts: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send each entry to the owner of its region; return this rank's reduced region.
 
@@ -97,6 +101,8 @@ def split_reduce(
         wire_dtype: the dtype values travel in.
         acc: the dtype the owner sums in.
         peers_in_flight: rotated steps posted at once.
+        recv_counts: how many entries each rank sends this rank, when
+            already known (else an ``all_to_all`` exchanges the counts).
 
     Returns:
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
@@ -112,10 +118,13 @@ def split_reduce(
     r = vals.shape[1]
     index_dtype = wire_index_dtype(size)
     off = _slices(idx, cuts)
-    send_counts = [off[j + 1] - off[j] for j in range(p)]
-    with comm.meta():
-        recv_counts = comm.all_to_all(torch.tensor(send_counts, dtype=torch.int64, device=comm.device), [1] * p, [1] * p)
-    recv_counts_l = recv_counts.tolist()
+    if recv_counts is None:
+        send_counts = [off[j + 1] - off[j] for j in range(p)]
+        with comm.meta():
+            recv_counts = comm.all_to_all(
+                torch.tensor(send_counts, dtype=torch.int64, device=comm.device), [1] * p, [1] * p
+            ).tolist()
+    recv_counts_l = recv_counts
     base = cuts[me]
     if split_layout(r, wire_dtype):
         return _split_reduce_soa(comm, idx, vals, off, recv_counts_l, cuts, index_dtype, wire_dtype, acc, peers_in_flight)
@@ -188,7 +197,7 @@ def _gather_regions(
     wire_dtype: torch.dtype,
     dense_ratio: float,
     mode: str,
-    peers_in_flight: int = 4,
+    peers_in_flight: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather every owner's reduced region, each sparse or dense by SparCML's rule.
 
@@ -308,7 +317,7 @@ class OkTopk(Algorithm):
     name = "oktopk"
     knobs: dict[str, Any] = {
         "boundary_refresh": 64,
-        "peers_in_flight": 4,
+        "peers_in_flight": 8,
         "dense_fallback_ratio": 1.0,
         "gather_mode": "auto",
         "balance": True,
@@ -317,18 +326,44 @@ class OkTopk(Algorithm):
     knob_minimums = {"boundary_refresh": (1, False), "peers_in_flight": (1, False), "dense_fallback_ratio": (0.0, True)}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
-    def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (id(comm.group), comm.world_size, inp.size)
+    @staticmethod
+    def _boundaries(comm: Comm, size: int, knobs: dict[str, Any]) -> BoundaryState:
+        key = (id(comm.group), comm.world_size, size)
         bstate = _exact_boundaries.get(key)
         if bstate is None or bstate.refresh != knobs["boundary_refresh"]:
             bstate = _exact_boundaries[key] = BoundaryState(knobs["boundary_refresh"])
+        return bstate
+
+    def eager_payload(
+        self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any], capacity: int
+    ) -> np.ndarray | None:
+        """This rank's entry count per region (``P`` int64), while the boundaries are cached.
+
+        Every rank then knows what every rank sends to every owner, and the
+        split needs no ``all_to_all`` of counts. ``None`` when a refresh is
+        due (the cuts are not known before it) or ``P`` counts do not fit.
+        """
+        p = comm.world_size
+        cuts = self._boundaries(comm, size, knobs).cached(size, p)
+        if cuts is None or 8 * p > capacity:
+            return None
+        off = torch.searchsorted(indices, torch.tensor(cuts, dtype=torch.int64, device=indices.device))
+        return off.diff().to(torch.int64).cpu().numpy().view(np.uint8)
+
+    def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        bstate = self._boundaries(comm, inp.size, knobs)
         idx = inp.indices.to(comm.device)
         with comm.meta():
             cuts = bstate.get(idx, inp.size, comm)
+        p, me = comm.world_size, comm.rank
+        recv_counts = None
+        if inp.payload is not None:  # every rank's counts per region (eager_payload), from the same cuts
+            table = inp.payload[:, : 8 * p].cpu().contiguous().numpy().view(np.int64)
+            recv_counts = table[:, me].tolist()
         ridx, rvals = split_reduce(
-            comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"]
+            comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"],
+            recv_counts,
         )
-        p = comm.world_size
         early = inp.op == "avg" and p > 1 and inp.dtype == inp.acc_dtype
         if early:
             rvals.div_(p)  # the owner's rows only: the same bits as dividing the gathered sum

@@ -50,6 +50,20 @@ class BoundaryState:
         self.size = -1
         self.world_size = -1
 
+    def cached(self, size: int, world_size: int) -> list[int] | None:
+        """Return the cuts the next :meth:`get` will return without a refresh, or ``None`` if one is due.
+
+        Nothing changes; a collective caller can learn the regions before
+        :meth:`get` (every rank gets the same answer: it depends only on the
+        calls made so far).
+        """
+        if self._due(size, world_size):
+            return None
+        return self.cuts.tolist()  # type: ignore[union-attr]
+
+    def _due(self, size: int, world_size: int) -> bool:
+        return self.cuts is None or self.size != size or self.world_size != world_size or self.calls % self.refresh == 0
+
     def get(self, indices: torch.Tensor, size: int, comm: Comm) -> list[int]:
         """Return the ``P + 1`` cut points for this call, refreshing them when due.
 
@@ -59,8 +73,7 @@ class BoundaryState:
             comm: the group (the refresh is collective).
         """
         p = comm.world_size
-        due = self.cuts is None or self.size != size or self.world_size != p or self.calls % self.refresh == 0
-        if due:
+        if self._due(size, p):
             self.cuts = self._compute(indices, size, comm)
             self.size, self.world_size, self.calls = size, p, 0
         self.calls += 1
@@ -153,7 +166,7 @@ class TopkState:
         boundary_refresh: int = 64,
         band: tuple[float, float] = (2 / 3, 5 / 4),
         nudge: float = 0.05,
-        peers_in_flight: int = 4,
+        peers_in_flight: int = 8,
     ) -> None:
         if (k is None) == (density is None):
             raise ColltuneValueError(

@@ -442,3 +442,51 @@ def _run_slot_then_mismatch(rank, world_size):
 def test_ranks_that_disagree_after_the_slot_grew_still_raise():
     out = pool(2).run(_run_slot_then_mismatch)
     assert all(o and "algorithm" in o for o in out), out
+
+
+# ------------------------------------------------------------------ Ok-Topk's counts in the metadata record
+
+
+def _run_oktopk_refresh_cycle(rank, world_size, calls, refresh):
+    import tuner
+
+    group = dist.new_group()  # fresh boundary state
+    c = case(seed=75, size=40_000, counts=[600, 0, 900, 300][:world_size], pattern="random")
+    idx, vals = make_input(c, rank, world_size)
+    out = []
+    for _ in range(calls):
+        res = tuner.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group,
+                                     knobs={"boundary_refresh": refresh})
+        out.append({"primitives": sorted(res.traffic.by_primitive), "indices": res.indices,
+                    "values": raw(res.values)})
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_oktopk_counts_ride_in_the_metadata_record_while_boundaries_are_cached(world_size):
+    calls, refresh = 6, 3
+    out = pool(world_size).run(_run_oktopk_refresh_cycle, calls, refresh)
+    for rank, per_call in enumerate(out):
+        for i, rec in enumerate(per_call):
+            # A refresh call learns the cuts only after the exchange, so it sends the counts itself.
+            assert ("all_to_all" in rec["primitives"]) == (i % refresh == 0), (rank, i, rec["primitives"])
+            # Same input, same cuts: both ways give the same bits, on every rank.
+            assert torch.equal(rec["indices"], out[0][0]["indices"]) and rec["values"] == out[0][0]["values"]
+
+
+def _run_different_knobs(rank, world_size):
+    from harness import expect_error
+
+    import tuner
+
+    c = case(seed=76, size=5_000, counts=[50] * world_size)
+    idx, vals = make_input(c, rank, world_size)
+    knobs = {"boundary_refresh": 1 + rank}  # ranks would refresh at different calls
+    return expect_error(tuner.sparse_allreduce, idx, vals, c["size"], algorithm="oktopk", knobs=knobs)
+
+
+def test_ranks_that_pass_different_knobs_raise():
+    for raised in pool(2).run(_run_different_knobs):
+        assert raised.type == "RankMismatchError", raised
+        assert "'policy'" in raised.message and "knobs=" in raised.message, raised.message
+        assert raised.elapsed < 10

@@ -280,11 +280,15 @@ def _resolve(
     Returns ``(knobs, selector, backend, code)``: the checked knobs of an
     explicit algorithm (``None`` for ``auto``, decided after the exchange),
     the selector and backend for ``auto`` (else ``None``), and the code the
-    record's ``policy`` field carries.
+    record's ``policy`` field carries (for an explicit algorithm, a digest
+    of its knobs).
     """
     _check_name(name)
     if algorithm != "auto":
-        return algorithms.get(algorithm).check_knobs(knobs), None, None, 0
+        checked = algorithms.get(algorithm).check_knobs(knobs)
+        # Knobs change the schedule (which messages, which refreshes): ranks
+        # that pass different ones disagree on this code and raise.
+        return checked, None, None, _meta.name_code(repr(sorted(checked.items())))
     sel = _selector_module().selector_for(policy)
     backend = _backend_name(group)
     return None, sel, backend, _policy_code(sel, backend, name)
@@ -408,13 +412,18 @@ def _sparse_allreduce(
                 sketch = sketch_hashes(idx, sketch_bytes, sel.bitmap_seed).view(np.uint8)
                 slot[: sketch.size] = sketch
                 slot[sketch_bytes:] = entries
+        elif comm.world_size > 1 and algorithm != "auto":
+            slot = algorithms.get(algorithm).eager_payload(idx, n, comm, knobs_checked, _meta.slot_bytes(comm))
+            eager = _meta.EAGER_NONE if slot is None else _meta.EAGER_PAYLOAD
         record["eager"] = eager
     except (TypeError, ValueError) as exc:
         error, slot, eager = exc, None, _meta.EAGER_NONE
     records, slots = _meta.exchange(comm, record, error, slot)
     counts = tuple(rec["count"] for rec in records)
-    eager_entries = None if eager == _meta.EAGER_NONE else slots[:, sketch_bytes:]  # type: ignore[index]
-    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries, op)
+    entries = eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
+    eager_entries = slots[:, sketch_bytes:] if entries else None  # type: ignore[index]
+    payload = slots if eager == _meta.EAGER_PAYLOAD else None
+    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries, op, payload)
     if sel is None:
         decision: Any = None
     else:

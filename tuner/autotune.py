@@ -56,6 +56,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import time
@@ -63,17 +64,21 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from algorithms.allgather import Allgather
+from algorithms.oktopk import OkTopk
+from algorithms.state import TopkState
 from tuner._io import write_text_atomic
 
 __all__ = ["Workload", "SPACE", "suggest", "run_study", "policy_text", "format_trials", "TuneCommand"]
 
-#: Default knobs of the algorithms (what trial 0 measures).
+#: Default knobs of the algorithms (what trial 0 measures): the algorithms' own.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "allgather": {"mode": "auto"},
-    "oktopk": {"boundary_refresh": 64, "peers_in_flight": 4, "dense_fallback_ratio": 1.0},
+    "allgather": {"mode": Allgather.knobs["mode"]},
+    "oktopk": {k: OkTopk.knobs[k] for k in ("boundary_refresh", "peers_in_flight", "dense_fallback_ratio")},
 }
-_TOPK_DEFAULTS: dict[str, Any] = {"local_refresh": 32, "global_refresh": 32, "boundary_refresh": 64,
-                                  "peers_in_flight": 4}
+_TOPK_DEFAULTS: dict[str, Any] = {
+    k: inspect.signature(TopkState).parameters[k].default
+    for k in ("local_refresh", "global_refresh", "boundary_refresh", "peers_in_flight")
+}
 #: Knob ranges, per mode and algorithm: ``(kind, low, high, log)`` or ``("choice", values)``.
 SPACE: dict[str, dict[str, dict[str, tuple[Any, ...]]]] = {
     "exact": {

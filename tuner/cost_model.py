@@ -191,7 +191,7 @@ class AnalyticModel:
         *,
         metadata_bytes: int | None = None,
         boundary_period: int = 64,
-        peers_in_flight: int = 4,
+        peers_in_flight: int = 8,
         dense_fallback_ratio: float = 1.0,
     ) -> None:
         if isinstance(primitives, Profile):
