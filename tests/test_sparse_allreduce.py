@@ -490,3 +490,45 @@ def test_ranks_that_pass_different_knobs_raise():
         assert raised.type == "RankMismatchError", raised
         assert "'policy'" in raised.message and "knobs=" in raised.message, raised.message
         assert raised.elapsed < 10
+
+
+# ------------------------------------------------------------------ Ok-Topk's eager gather of the regions
+
+
+def _eager_cases(world_size):
+    # Sizes as a training run sees them: steady, then a jump (regions outgrow their room), a drop, an empty rank.
+    scale = [1, 1, 6, 1, 0]
+    return [case(seed=77 + i, size=3_000, counts=[(40 + 15 * r) * s for r in range(world_size)], pattern="random")
+            for i, s in enumerate(scale)] + [case(seed=90, size=3_000, counts=_grow(world_size, 40, 10, empty=(0,)))]
+
+
+def _run_eager_sequence(rank, world_size):
+    import tuner
+
+    group = dist.new_group()  # no sizes from earlier calls
+    out = []
+    for c in _eager_cases(world_size):
+        idx, vals = make_input(c, rank, world_size)
+        res = tuner.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group)
+        ref = tuner.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group,
+                                     knobs={"gather_mode": "pad"})  # sizes first, then one gather
+        rec = _result_record(res, small=True)
+        rec["pad_values"], rec["pad_indices"] = raw(ref.values), ref.indices
+        rec["all_gathers"] = res.traffic.by_primitive.get("all_gather", {}).get("calls", 0)
+        out.append(rec)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_oktopk_eager_gather_matches_the_sized_gather_as_sizes_change(world_size):
+    cases = _eager_cases(world_size)
+    out = pool(world_size).run(_run_eager_sequence)
+    for i, c in enumerate(cases):
+        recs = [o[i] for o in out]
+        check_results(c, world_size, recs, "oktopk")
+        for rec in recs:
+            assert torch.equal(rec["indices"], rec["pad_indices"]) and raw(rec["values"]) == rec["pad_values"], i
+    # The first call gathers the metadata, the sizes and then the packed regions; later calls send the
+    # sizes with the entries, point to point, so the metadata record is their only all_gather.
+    assert [o[0]["all_gathers"] for o in out] == [3] * world_size
+    assert all(rec["all_gathers"] == 1 for o in out for rec in o[1:]), [[r["all_gathers"] for r in o] for o in out]
