@@ -115,15 +115,19 @@ def test_message_counts_of_each_schedule() -> None:
     assert get("allgather", "all_gather.beta_us_per_byte") == (p - 1) * (48 + k * e)
     assert get("allgather", "all_reduce.launch_us") == 0 and get("allgather", "p2p.alpha_us") == 0
     # oktopk: amortized boundaries (P float64), counts all_to_all, P-1 rotated
-    # messages in ceil((P-1)/peers_in_flight) calls, three all_gathers.
+    # messages in ceil((P-1)/peers_in_flight) calls for the split, and as many
+    # for the eager gather of the regions (narrow entries: each region with its
+    # count, 1/16 room); the metadata record is the one all_gather.
     assert get("oktopk", "all_reduce.launch_us") == pytest.approx(1 / 64)
     assert get("oktopk", "all_reduce.alpha_us") == pytest.approx(2 * (p - 1) / 64)
     assert get("oktopk", "all_reduce.beta_us_per_byte") == pytest.approx(2 * (p - 1) / p * p * 8 / 64)
     assert get("oktopk", "all_to_all.alpha_us") == p - 1 and get("oktopk", "all_to_all.beta_us_per_byte") == (p - 1) * 8
-    assert get("oktopk", "p2p.launch_us") == 1 and get("oktopk", "p2p.alpha_us") == p - 1
-    assert get("oktopk", "p2p.beta_us_per_byte") == pytest.approx((p - 1) * (k * p / p / p) * e)
-    assert get("oktopk", "all_gather.launch_us") == 3 and get("oktopk", "all_gather.alpha_us") == 3 * (p - 1)
-    assert get("oktopk", "all_gather.beta_us_per_byte") == (p - 1) * (48 + 8 + math.ceil(300 / p) * e)
+    assert get("oktopk", "p2p.launch_us") == 2 and get("oktopk", "p2p.alpha_us") == 2 * (p - 1)
+    split_bytes = (p - 1) * (k * p / p / p) * e
+    gather_bytes = (p - 1) * (math.ceil(300 / p) * e * 17 / 16 + 8)
+    assert get("oktopk", "p2p.beta_us_per_byte") == pytest.approx(split_bytes + gather_bytes)
+    assert get("oktopk", "all_gather.launch_us") == 1 and get("oktopk", "all_gather.alpha_us") == p - 1
+    assert get("oktopk", "all_gather.beta_us_per_byte") == (p - 1) * 48
 
 
 def test_allgather_switches_to_all_to_all_when_padding_is_wasteful() -> None:
@@ -154,11 +158,14 @@ def test_oktopk_sends_a_dense_region_once_the_union_outgrows_it() -> None:
     p, n = 4, 1000
     sparse = Features.build(numel=n, row_numel=1, dtype="float32", k_per_rank=[100] * p, union=400)
     dense = Features.build(numel=n, row_numel=1, dtype="float32", k_per_rank=[300] * p, union=600)
-    beta = DEFAULT_PRIMITIVES["all_gather"].beta_us_per_byte
     gather = lambda f: model.terms(f)["oktopk"]["union_gather"]  # noqa: E731
-    base = DEFAULT_PRIMITIVES["all_gather"].launch_us + (p - 1) * DEFAULT_PRIMITIVES["all_gather"].alpha_us
-    assert gather(sparse) == pytest.approx(base + (p - 1) * 100 * 8 * beta)  # 400 * 8 < 1000 * 4
-    assert gather(dense) == pytest.approx(base + (p - 1) * (250 * 4 + 32) * beta)  # 600 * 8 >= 1000 * 4
+    ag, p2p = DEFAULT_PRIMITIVES["all_gather"], DEFAULT_PRIMITIVES["p2p"]
+    # 400 * 8 < 1000 * 4: sparse, the eager gather (point to point, each region with its count and 1/16 room).
+    eager = p2p.launch_us + (p - 1) * p2p.alpha_us + (p - 1) * (100 * 8 * 17 / 16 + 8) * p2p.beta_us_per_byte
+    assert gather(sparse) == pytest.approx(eager)
+    # 600 * 8 >= 1000 * 4: dense regions, rows and bitmap, all-gathered after the sizes.
+    assert gather(dense) == pytest.approx(ag.launch_us + (p - 1) * ag.alpha_us + (p - 1) * (250 * 4 + 32) * ag.beta_us_per_byte)
+    assert model.terms(dense)["oktopk"]["sizes_all_gather"] > 0 == model.terms(sparse)["oktopk"]["sizes_all_gather"]
 
 
 def test_one_rank_pays_no_communication() -> None:

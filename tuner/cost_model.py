@@ -34,12 +34,14 @@ as the algorithms in ``algorithms/`` run them with their default knobs::
                       ``boundary_period`` calls (amortized), all_to_all of P
                       int64 counts, P-1 rotated point-to-point messages of
                       k/P entries (``peers_in_flight`` per call), local reduce
-                      of the region, sizes all_gather (one int64 per rank),
-                      all_gather of the reduced union in P blocks of ceil(u/P)
-                      entries, a region travelling dense (its n/P rows plus
-                      an n/P-bit bitmap) once its sparse bytes reach
-                      ``dense_fallback_ratio`` times those dense bytes
-                      (SparCML's rule); local unpack
+                      of the region, then the reduced union in P blocks of
+                      ceil(u/P) entries to every peer: narrow entries point
+                      to point with their count (the eager gather, 1/16 room),
+                      wide rows point to point after a sizes all_gather, and,
+                      once a region's sparse bytes reach
+                      ``dense_fallback_ratio`` times its dense bytes (n/P rows
+                      plus an n/P-bit bitmap, SparCML's rule), a sizes
+                      all_gather and an all_gather of the blocks; local unpack
 
 Primitives are priced under ring schedules: ``all_reduce`` of L bytes takes
 ``2(P-1)`` steps sending ``2 L (P-1)/P`` bytes, ``all_gather`` of L bytes per
@@ -67,7 +69,7 @@ from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
 import numpy as np
 from sklearn.base import BaseEstimator, clone
 
-from algorithms import _meta
+from algorithms import _meta, _sparse
 from algorithms.errors import ColltuneTypeError, ColltuneValueError
 from tuner.features import Features
 from tuner.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
@@ -339,18 +341,26 @@ class AnalyticModel:
         region = math.ceil(n / p)
         region_dense_bytes = region * rb + math.ceil(region / 8)
         block_sparse_bytes = math.ceil(u / p) * e
-        if block_sparse_bytes >= self.dense_fallback_ratio * region_dense_bytes:
-            block_bytes = float(region_dense_bytes)
-        else:
-            block_bytes = float(block_sparse_bytes)
+        region_dense = block_sparse_bytes >= self.dense_fallback_ratio * region_dense_bytes
+        block_bytes = float(region_dense_bytes if region_dense else block_sparse_bytes)
+        if region_dense:  # sizes first, then the regions packed, dense ones with their bitmap
+            sizes = all_gather("sizes_all_gather", 8.0)
+            union = all_gather("union_gather", block_bytes)
+        elif rb < _sparse.SPLIT_MIN_ROW_BYTES:
+            # Eager gather: each count rides with its region, in room sized from the last call (1/16 more).
+            sizes = Step("sizes_all_gather", "all_gather", 0.0, 0.0, 0.0)
+            union = p2p_rotated("union_gather", block_bytes * 17 / 16 + 8.0)
+        else:  # wide rows: sizes first, then indices and rows point to point, in place
+            sizes = all_gather("sizes_all_gather", 8.0)
+            union = p2p_rotated("union_gather", block_bytes)
         oktopk = [
             meta,
             all_reduce("boundaries_all_reduce", p * 8.0, share=1.0 / self.boundary_period),
             all_to_all("counts_all_to_all", 8.0),
             p2p_rotated("split_p2p", kavg / p * e),
             local("region_reduce", 2 * kavg * e + kavg * math.log2(max(kavg, 2.0)) * 8.0 + kavg * rba, 3.0),
-            all_gather("sizes_all_gather", 8.0),
-            all_gather("union_gather", block_bytes),
+            sizes,
+            union,
             local("unpack", p * block_bytes + u * out_entry, 2.0),
         ]
         return {"dense": dense, "allgather": allgather, "oktopk": oktopk}
