@@ -47,6 +47,16 @@ def test_profile_writes_a_valid_profile(tiny_profile, capsys):
     assert not [p for p in os.listdir(tiny_profile.parent) if p.endswith(".tmp")]
 
 
+def test_profile_measures_embedding_rows(tmp_path):
+    out = tmp_path / "rows.yaml"
+    argv = ["profile", "--world-size", "2", "--n", "2^10", "--density", "1e-2", "--overlap", "0", "1",
+            "--row-shape", "4", "2", "--repeats", "2", "--no-progress", "--out", str(out)]
+    assert cli.main(argv) == 0
+    prof = load_profile(out)
+    assert len(prof.measurements) == 2 * 3 and {m.row_numel for m in prof.measurements} == {8}
+    assert prof.meta["grid"]["row_numel"] == 8
+
+
 def test_fit_reports_errors_and_stores_the_model(tiny_profile, tmp_path, capsys):
     out = tmp_path / "fitted.yaml"
     report = tmp_path / "cv.json"

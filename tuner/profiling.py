@@ -1177,6 +1177,9 @@ def _add_grid_options(parser: argparse.ArgumentParser, default_grid: str = "quic
     g.add_argument("--overlap", type=cli._parse_overlap, nargs="+", metavar="O", help="replace the grid's overlaps")
     g.add_argument("--dtype", nargs="+", choices=_DTYPES, metavar="DTYPE",
                    help=f"replace the grid's value dtypes ({', '.join(_DTYPES)})")
+    g.add_argument("--row-shape", type=cli._parse_positive_int, nargs="+", metavar="D", default=[],
+                   help="shape of one value row, e.g. 64 for embedding rows of width 64 (default: scalars); the "
+                        "profile records the row's element count, which the cost model takes as a feature")
     g.add_argument("--seed", type=cli._parse_nonneg_int, default=0, help="input seed and measuring order (default 0)")
     t = parser.add_argument_group("timing")
     t.add_argument("--repeats", "-R", type=cli._parse_positive_int, metavar="R",
@@ -1187,7 +1190,7 @@ def _add_grid_options(parser: argparse.ArgumentParser, default_grid: str = "quic
 
 def _grid_from_args(args: argparse.Namespace) -> tuple[Grid, TimingPlan]:
     grid = Grid.preset(args.grid, n=args.n, density=args.density, overlap=args.overlap, dtype=args.dtype,
-                       seed=args.seed)
+                       row_numel=math.prod(args.row_shape) if args.row_shape else None, seed=args.seed)
     base = TimingPlan.for_grid(args.grid)
     max_r = args.repeats or base.max_repeats
     plan = TimingPlan(warmup=base.warmup if args.warmup is None else args.warmup,
