@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 2
+_VERSION = 3
 
 #: Field order of the record.
 FIELDS: tuple[str, ...] = (
@@ -73,16 +73,18 @@ FIELDS: tuple[str, ...] = (
     "shape_2",
     "shape_3",
     "eager",
+    "payload",
 )
 _SHAPE_DIMS = 4
 #: Fields every rank must agree on, with how to say them in an error.
 SHARED_FIELDS: tuple[str, ...] = (
-    "kind", "size", "row_numel", "row_shape", "dtype", "op", "algorithm", "policy", "eager"
+    "kind", "size", "row_numel", "row_shape", "dtype", "op", "algorithm", "policy", "eager", "payload"
 )
-#: What the eager slot of a record holds (field ``eager``): nothing, the
-#: first entries, an overlap sketch (then entries), or the algorithm's own
-#: payload (:meth:`~algorithms.base.Algorithm.eager_payload`).
-EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH, EAGER_PAYLOAD = 0, 1, 2, 3
+#: What the eager slot of a record holds after its payload (field ``eager``):
+#: nothing, the first entries, or an overlap sketch then entries. Field
+#: ``payload`` says how many bytes at the slot's start are an algorithm's
+#: own payload (:meth:`~algorithms.base.Algorithm.eager_payload`).
+EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
 _names: dict[int, str] = {}
@@ -269,6 +271,8 @@ def exchange(
                 "row_shape": "pass values with the same row shape on every rank",
                 "row_numel": "pass values with the same row shape on every rank",
                 "eager": "the ranks hold different histories for this call site (make the same "
+                "calls, in the same order, with the same name= and knobs= on every rank)",
+                "payload": "the ranks hold different histories for this call site (make the same "
                 "calls, in the same order, with the same name= and knobs= on every rank)",
             }.get(f, "pass the same value on every rank")
             raise RankMismatchError(f"ranks disagree on {f!r} ({per_rank}); {hint}.")

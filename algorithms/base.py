@@ -57,9 +57,8 @@ class SparseInput:
         op: ``sum`` or ``avg``; read only by algorithms that set
             :attr:`Algorithm.applies_avg`.
         payload: every rank's :meth:`Algorithm.eager_payload` from the
-            metadata exchange (``[P, slot_bytes]`` ``uint8``, each row
-            starting with the rank's payload), or ``None`` when the ranks
-            sent none.
+            metadata exchange (``[P, payload bytes]`` ``uint8``), or ``None``
+            when the ranks sent none.
     """
 
     indices: torch.Tensor
@@ -213,18 +212,21 @@ class Algorithm(abc.ABC):
         return merged
 
     def eager_payload(
-        self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any], capacity: int
+        self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
     ) -> np.ndarray | None:
-        """Return bytes to deliver to every rank with the metadata record of an explicit call, or ``None``.
+        """Return bytes to deliver to every rank with the metadata record, or ``None``.
 
         Called before the metadata exchange of a ``sparse_allreduce`` that
-        names this algorithm, with this rank's coalesced indices; what it
-        returns (flat ``uint8``, at most ``capacity`` bytes) reaches
-        :meth:`sparse_allreduce` as ``SparseInput.payload``, saving the
-        algorithm a collective of its own. Whether it returns ``None`` must
-        depend only on what every rank shares (the call's shared fields and
-        the group's history), never on local data: all ranks send a payload
-        or none does.
+        names this algorithm (with its checked ``knobs``), or of an auto call
+        whose site last chose it (``knobs`` is ``None``: the decision comes
+        later), with this rank's coalesced indices. What it returns (flat
+        ``uint8``, at most ``capacity`` bytes) reaches
+        :meth:`sparse_allreduce` as ``SparseInput.payload`` if this
+        algorithm runs, saving it a collective of its own; it must check
+        that the payload still fits the call (another algorithm may have
+        been chosen in between). Whether it returns ``None``, and its
+        length, must depend only on what every rank shares (the call's
+        shared fields and the group's history), never on local data.
         """
         return None
 

@@ -413,17 +413,25 @@ class OkTopk(Algorithm):
         return entry[1], entry[2]
 
     def eager_payload(
-        self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any], capacity: int
+        self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
     ) -> np.ndarray | None:
         """This rank's entry count per region (``P`` int64), while the boundaries are cached.
 
         Every rank then knows what every rank sends to every owner, and the
-        split needs no ``all_to_all`` of counts. ``None`` when a refresh is
-        due (the cuts are not known before it) or ``P`` counts do not fit.
+        split needs no ``all_to_all`` of counts. ``None`` when the group has
+        no boundaries for this size yet (or, with ``knobs``, none for their
+        refresh period), when a refresh is due (the cuts are not known
+        before it), or when ``P`` counts do not fit.
         """
         p = comm.world_size
-        cuts = self._state(comm, size, knobs)[0].cached(size, p)
-        if cuts is None or 8 * p > capacity:
+        group = _group_object(comm)
+        entry = _exact_state.get((id(group), size))
+        if entry is None or entry[0] is not group or 8 * p > capacity:
+            return None
+        if knobs is not None and entry[1].refresh != knobs["boundary_refresh"]:
+            return None
+        cuts = entry[1].cached(size, p)
+        if cuts is None:
             return None
         off = torch.searchsorted(indices, torch.tensor(cuts, dtype=torch.int64, device=indices.device))
         return off.diff().to(torch.int64).cpu().numpy().view(np.uint8)
@@ -431,12 +439,15 @@ class OkTopk(Algorithm):
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         bstate, last = self._state(comm, inp.size, knobs)
         idx = inp.indices.to(comm.device)
+        p, me = comm.world_size, comm.rank
+        # The payload's counts were cut by these boundaries if they are still cached (the same state, no
+        # refresh due); a state made afresh for other knobs refreshes, and the counts travel again.
+        counted = inp.payload is not None and inp.payload.shape[1] == 8 * p and bstate.cached(inp.size, p) is not None
         with comm.meta():
             cuts = bstate.get(idx, inp.size, comm)
-        p, me = comm.world_size, comm.rank
         recv_counts = None
-        if inp.payload is not None:  # every rank's counts per region (eager_payload), from the same cuts
-            table = inp.payload[:, : 8 * p].cpu().contiguous().numpy().view(np.int64)
+        if counted:  # every rank's counts per region (eager_payload), from the same cuts
+            table = inp.payload.cpu().contiguous().numpy().view(np.int64)
             recv_counts = table[:, me].tolist()
         ridx, rvals = split_reduce(
             comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"],

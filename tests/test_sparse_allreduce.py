@@ -532,3 +532,33 @@ def test_oktopk_eager_gather_matches_the_sized_gather_as_sizes_change(world_size
     # sizes with the entries, point to point, so the metadata record is their only all_gather.
     assert [o[0]["all_gathers"] for o in out] == [3] * world_size
     assert all(rec["all_gathers"] == 1 for o in out for rec in o[1:]), [[r["all_gathers"] for r in o] for o in out]
+
+
+def _run_auto_oktopk_counts(rank, world_size, calls):
+    import tuner
+    from tuner.selector import Selector
+
+    tuner.configure(selector=Selector(environ={"COLLTUNE_ALGO": "oktopk"}))  # auto, decided as oktopk
+    try:
+        group = dist.new_group()
+        c = case(seed=78, size=30_000, counts=[500, 700, 0, 300][:world_size], pattern="random")
+        idx, vals = make_input(c, rank, world_size)
+        out = []
+        for _ in range(calls):
+            res = tuner.sparse_allreduce(idx, vals, c["size"], group=group, name="emb")
+            out.append((res.algorithm, sorted(res.traffic.by_primitive), raw(res.values)))
+        forced = tuner.sparse_allreduce(idx, vals, c["size"], group=group, algorithm="oktopk")
+        return out, raw(forced.values)
+    finally:
+        tuner.configure()
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_auto_calls_that_keep_choosing_oktopk_send_its_counts_in_the_record(world_size):
+    out = pool(world_size).run(_run_auto_oktopk_counts, 4)
+    for calls, forced in out:
+        assert all(alg == "oktopk" for alg, _, _ in calls)
+        # First call: no decision yet and no boundaries; second: boundaries now cached, and the site chose
+        # oktopk, so its counts ride in the record from then on.
+        assert ["all_to_all" in prims for _, prims, _ in calls] == [True, False, False, False], calls
+        assert all(v == forced for _, _, v in calls)

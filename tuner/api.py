@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -378,6 +378,7 @@ def _sparse_allreduce(
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_SPARSE)}
     sel: Any = None
+    likely: str | None = None  # the algorithm whose payload the record carries
     try:
         idx, vals, n, row_shape = _validate_sparse(indices, values, size, op, algorithm, group)
         knobs_checked, sel, backend, code = _resolve(algorithm, knobs, policy, group, name)
@@ -393,43 +394,56 @@ def _sparse_allreduce(
             count=idx.numel(),
         )
         site = (_KIND_SPARSE, name, n, vals.shape[1], values.dtype, comm.world_size, _group_key(group))
-        # The eager slot of the metadata record carries either this rank's
-        # first entries (allgather then needs no second collective) or, on
-        # the first auto call at a site, a sketch of its indices from which
-        # the selector estimates the overlap without a collective of its own.
-        slot, eager, sketch_bytes = None, _meta.EAGER_NONE, 0
-        if comm.world_size > 1 and algorithm in ("auto", "allgather"):
+        # The eager slot of the metadata record carries, in order: the
+        # payload of the algorithm likeliest to run (its own metadata, e.g.
+        # Ok-Topk's counts per region), on the first auto call at a site a
+        # sketch of the indices (the selector estimates the overlap from it
+        # without a collective of its own), and this rank's first entries
+        # (allgather then needs no second collective).
+        slot, eager, sketch_bytes, payload_bytes = None, _meta.EAGER_NONE, 0, 0
+        if comm.world_size > 1:
             cap = _meta.slot_bytes(comm)
-            if sel is not None and sel.wants_sketch(site, backend):
-                # The sketch first (1 KiB: 256 hashes), then as many entries as still fit.
-                sketch_bytes, eager = min(cap, _SKETCH_BYTES), _meta.EAGER_SKETCH
-            else:
-                eager = _meta.EAGER_ENTRIES
-            slot = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype, cap - sketch_bytes)
-            if sketch_bytes:
-                entries = slot if isinstance(slot, np.ndarray) else slot.cpu().numpy()
-                slot = np.zeros(sketch_bytes + entries.size, dtype=np.uint8)
-                sketch = sketch_hashes(idx, sketch_bytes, sel.bitmap_seed).view(np.uint8)
-                slot[: sketch.size] = sketch
-                slot[sketch_bytes:] = entries
-        elif comm.world_size > 1 and algorithm != "auto":
-            slot = algorithms.get(algorithm).eager_payload(idx, n, comm, knobs_checked, _meta.slot_bytes(comm))
-            eager = _meta.EAGER_NONE if slot is None else _meta.EAGER_PAYLOAD
-        record["eager"] = eager
+            likely = sel.last_choice(site) if sel is not None else algorithm
+            parts: list[np.ndarray] = []
+            if likely is not None and likely != "allgather":
+                own = algorithms.get(likely).eager_payload(
+                    idx, n, comm, None if sel is not None else knobs_checked, cap
+                )
+                if own is not None:
+                    parts.append(own)
+                    payload_bytes = int(own.size)
+            if algorithm in ("auto", "allgather"):
+                room = cap - payload_bytes
+                if sel is not None and sel.wants_sketch(site, backend):
+                    # The sketch (1 KiB: 256 hashes), then as many entries as still fit.
+                    sketch_bytes, eager = min(room, _SKETCH_BYTES), _meta.EAGER_SKETCH
+                    sketch = np.zeros(sketch_bytes, dtype=np.uint8)
+                    hashes = sketch_hashes(idx, sketch_bytes, sel.bitmap_seed).view(np.uint8)
+                    sketch[: hashes.size] = hashes
+                    parts.append(sketch)
+                else:
+                    eager = _meta.EAGER_ENTRIES
+                entries = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype,
+                                     room - sketch_bytes)
+                parts.append(entries if isinstance(entries, np.ndarray) else entries.cpu().numpy())
+            if parts:
+                slot = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        record["eager"], record["payload"] = eager, payload_bytes
     except (TypeError, ValueError) as exc:
-        error, slot, eager = exc, None, _meta.EAGER_NONE
+        error, slot, eager, sketch_bytes, payload_bytes = exc, None, _meta.EAGER_NONE, 0, 0
     records, slots = _meta.exchange(comm, record, error, slot)
     counts = tuple(rec["count"] for rec in records)
-    entries = eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
-    eager_entries = slots[:, sketch_bytes:] if entries else None  # type: ignore[index]
-    payload = slots if eager == _meta.EAGER_PAYLOAD else None
+    entries_at = payload_bytes + sketch_bytes
+    has_entries = eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
+    eager_entries = slots[:, entries_at:] if has_entries else None  # type: ignore[index]
+    payload = slots[:, :payload_bytes] if payload_bytes else None  # type: ignore[index]
     inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries, op, payload)
     if sel is None:
         decision: Any = None
     else:
         sketches = None
         if eager == _meta.EAGER_SKETCH:
-            table = slots[:, :sketch_bytes].cpu().contiguous().numpy().view(np.uint32)  # type: ignore[index]
+            table = slots[:, payload_bytes:entries_at].cpu().contiguous().numpy().view(np.uint32)  # type: ignore[index]
             sketches = [table[r, : min(c, table.shape[1])] for r, c in enumerate(counts)]
         decision = sel.decide_sparse(
             site, comm=comm, backend=backend, name=name, size=n, row_numel=inp.row_numel,
@@ -440,10 +454,14 @@ def _sparse_allreduce(
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", n, inp.k_max, inp.k_sum,
                          comm.world_size, algorithm)
+    if payload is not None and algorithm != likely:  # another algorithm was chosen: the payload is not its own
+        inp = replace(inp, payload=None)
     # Size the next call's eager slot from this one: the same records and
     # decision on every rank, so every rank sizes it alike.
     _meta.note_slot_use(
-        comm, slot_need(counts, inp.row_numel, n, values.dtype) if algorithm == "allgather" and slot is not None else 0
+        comm,
+        slot_need(counts, inp.row_numel, n, values.dtype) + payload_bytes if algorithm == "allgather" and has_entries
+        else 0,
     )
     acc = inp.acc_dtype
     if inp.k_sum == 0:

@@ -373,12 +373,13 @@ class _Entry:
 
 
 class _Site:
-    __slots__ = ("overlap", "overlap_source", "last", "entries")
+    __slots__ = ("overlap", "overlap_source", "last", "latest", "entries")
 
     def __init__(self) -> None:
         self.overlap: float | None = None
         self.overlap_source: str | None = None
-        self.last: str | None = None
+        self.last: str | None = None  # the last decision made afresh (the incumbent)
+        self.latest: str | None = None  # the last decision returned, cached or not
         self.entries: dict[int, _Entry] = {}
 
 
@@ -625,6 +626,7 @@ class Selector:
             e = site.entries.get(_bucket(k_sum))
             if e is not None and e.age < self.reevaluate_every and self._in_band(e, k_max, k_sum, site.overlap):
                 e.age += 1
+                site.latest = e.choice.algorithm
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug("sparse %s n=%d K=%d k_max=%d P=%d -> %s (cached: %s)",
                                  name or "-", size, k_sum, k_max, p, e.choice.algorithm, e.choice.reason)
@@ -656,10 +658,21 @@ class Selector:
         else:
             f = call.features(overlap)
             choice = self._from_model(model, {a: f for a in ALGORITHMS}, decision, site, overlap, source)
-        site.last = choice.algorithm
+        site.last = site.latest = choice.algorithm
         site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, overlap)
         self._log("sparse", name, site_key, choice, comm.rank)
         return choice
+
+    def last_choice(self, site_key: tuple) -> str | None:
+        """Return the algorithm of the site's last decision (``None`` before its first).
+
+        The front door asks that algorithm for its metadata payload: the
+        likeliest choice again. Every rank answers the same.
+        """
+        if self._forced_choice is not None:
+            return self._forced_choice.algorithm
+        site = self._sites.get(site_key)
+        return None if site is None else site.latest
 
     def wants_sketch(self, site_key: tuple, backend: str) -> bool:
         """Return whether the next exact call at this site should carry an overlap sketch.
@@ -747,6 +760,7 @@ class Selector:
                 e.overlap is None or site.overlap is None or abs(site.overlap - e.overlap) <= self.overlap_band
             ):
                 e.age += 1
+                site.latest = e.choice.algorithm
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug("topk %s numel=%d k=%d P=%d -> %s (cached: %s)",
                                  name or "-", numel, k, p, e.choice.algorithm, e.choice.reason)
@@ -771,7 +785,7 @@ class Selector:
             dense = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[numel] * p, union=numel)
             feats = {"dense": dense, "allgather": sparse, "oktopk": sparse}
             choice = self._from_model(model, feats, decision, site, overlap, site.overlap_source)
-        site.last = choice.algorithm
+        site.last = site.latest = choice.algorithm
         site.entries[0] = _Entry(choice, k, p * k, overlap)
         self._log("topk", name, site_key, choice, rank)
         return choice
