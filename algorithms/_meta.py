@@ -11,8 +11,11 @@ Local validation errors ride along too: a rank whose input is invalid still
 joins the exchange with its error code set, then raises its own error, while
 the others raise :class:`~algorithms.errors.RemoteInputError` naming it.
 
-The record ends with an *eager slot*. A sparse call may put its entries
-there; when every rank's entries fit, ``allgather`` needs no second
+The record ends with an *eager slot*. It starts with the payload of the
+algorithm likeliest to run, if that algorithm has one (field ``payload``
+says how many bytes: Ok-Topk's counts per region, see
+:meth:`~algorithms.base.Algorithm.eager_payload`). A sparse call may put
+its entries in the rest; when every rank's entries fit, ``allgather`` needs no second
 collective, which decides its speed below a few hundred KiB: on gloo each
 collective costs a fixed hand-off (a few hundred microseconds on a loaded
 host) whatever its size. The slot is sized per process group from what the
