@@ -173,6 +173,9 @@ def pack(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_
     together and any split along dimension 0 is a split between entries.
     """
     k = idx.numel()
+    if k == 0:  # (an empty tensor may carry any strides, which a byte view refuses)
+        return torch.empty((0, entry_bytes(vals.shape[1], index_dtype, value_dtype)), dtype=torch.uint8,
+                           device=vals.device)
     ib = idx.to(index_dtype).contiguous().view(torch.uint8).view(k, index_dtype.itemsize)
     vb = vals.to(value_dtype).contiguous().view(torch.uint8).view(k, vals.shape[1] * value_dtype.itemsize)
     return torch.cat((ib, vb), dim=1)

@@ -229,7 +229,11 @@ def _gather_regions(
     lengths = [cuts[j + 1] - cuts[j] for j in range(p)]
 
     def dense_by_rule(sizes: list[int]) -> list[bool]:
-        return [sizes[j] * ebytes >= dense_ratio * (lengths[j] * rowbytes + (lengths[j] + 7) // 8) for j in range(p)]
+        # An empty region (of any length, even none) has nothing to send either way: sparse.
+        return [
+            sizes[j] > 0 and sizes[j] * ebytes >= dense_ratio * (lengths[j] * rowbytes + (lengths[j] + 7) // 8)
+            for j in range(p)
+        ]
 
     if (
         mode == "auto" and p > 1 and last is not None and len(last) == p

@@ -62,6 +62,9 @@ SCENARIOS = {
     "wide_rows_dense_regions": lambda p: case(seed=28, size=48, counts=[60] * p, row_shape=(8,)),
     "wide_rows_identical_sets": lambda p: case(seed=29, size=400, counts=[50] * p, row_shape=(12,), pattern="identical"),
     "wide_rows_disjoint_sets": lambda p: case(seed=31, size=600, counts=[40] * p, row_shape=(12,), pattern="disjoint"),
+    # One shared row: the boundaries collapse onto it, leaving empty regions of no length.
+    "wide_rows_one_shared_row": lambda p: case(seed=32, size=4096, counts=[1] * p, row_shape=(64,), pattern="identical"),
+    "one_shared_entry": lambda p: case(seed=33, size=4096, counts=[1] * p, pattern="identical"),
 }
 
 
