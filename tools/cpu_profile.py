@@ -18,11 +18,17 @@ Usage::
     python tools/cpu_profile.py fit profiles/cpu-gloo.yaml             # refit in place from its measurements
     python tools/cpu_profile.py cv profiles/cpu-gloo.yaml              # leave-one-configuration-out CV
     python tools/cpu_profile.py pool a.json b.json --primitives a.yaml --out profiles/cpu-gloo.yaml
+    python tools/cpu_profile.py measure --row-shape 64 --n 12 14 16 18 --out rows.yaml --raw rows.json
+
+``measure --row-shape D ...`` measures value rows of that shape (embedding
+rows) instead of scalars; ``--n`` takes the grid's rows as powers of two.
 
 ``measure --raw FILE`` also keeps the benchmark report; ``pool`` merges the
 timed rounds of several reports of the same grid (each configuration's time
 becomes the median of all its rounds), which steadies the medians when other
-processes load the machine. The shipped profile pools two measuring runs.
+processes load the machine. The shipped profile pools two measuring runs
+of scalars and two of 64-wide rows (``pool`` keeps every configuration of
+every report; the same configuration's rounds are merged).
 
 The grid is disjoint from the held-out grid of ``tools/selector_bench.py``.
 """
@@ -67,16 +73,19 @@ MODEL = {"estimator": "rf", "n_estimators": 30, "max_depth": 6, "min_samples_lea
 PRIMITIVE_SIZES = (8, 1024, 65536, 1048576, 4194304)
 
 
+def _config_key(c: dict) -> tuple:
+    return (c["n"], c["density"], c["overlap_requested"], c["world_size"], tuple(c["row_shape"]), c["dtype"])
+
+
 def pool_reports(reports: list[dict]) -> dict:
-    """Merge the rounds of several reports of the same grid into one report (medians over all rounds)."""
+    """Merge several reports into one: the rounds of the same configuration pooled (medians over all), others kept."""
     base = json.loads(json.dumps(reports[0]))
-    index = {}
-    for c in base["configs"]:
-        index[(c["n"], c["density"], c["overlap_requested"], c["world_size"])] = c
+    index = {_config_key(c): c for c in base["configs"]}
     for other in reports[1:]:
         for c in other["configs"]:
-            mine = index.get((c["n"], c["density"], c["overlap_requested"], c["world_size"]))
+            mine = index.get(_config_key(c))
             if mine is None:
+                base["configs"].append(index.setdefault(_config_key(c), json.loads(json.dumps(c))))
                 continue
             for name, e in c["contenders"].items():
                 if name in mine["contenders"] and "times_ms" in e:
@@ -134,7 +143,9 @@ def measure_primitives(world_sizes: tuple[int, ...]) -> dict[str, Primitive]:
     return profiling.fit_primitives(samples)
 
 
-def _meta(plan: bench.Plan, elapsed: float) -> dict:
+def _meta(plan: bench.Plan, elapsed: float, row_shape: tuple[int, ...] = (), ns: tuple[int, ...] = GRID_N) -> dict:
+    rows = f"rows of shape {row_shape}" if row_shape else "scalars"
+    n_text = f"2^{ns[0].bit_length() - 1}..2^{ns[-1].bit_length() - 1}" if len(ns) > 1 else f"2^{ns[0].bit_length() - 1}"
     return {
         "backend": "gloo",
         "world_sizes": list(GRID_WORLD),
@@ -143,8 +154,8 @@ def _meta(plan: bench.Plan, elapsed: float) -> dict:
         "date": datetime.date.today().isoformat(),
         "notes": (
             "Measured on CPU ranks over gloo on one 2-core machine (ranks share the cores: P = 4 and 8 "
-            "oversubscribe them). Grid: n in 2^12..2^20 (every 4x), density 1e-4, 1e-3, 1e-2, 5e-2, 0.2, "
-            "overlap 0, 0.5, 1, P in 2, 4, 8; float32 scalars; each time is the median over "
+            f"oversubscribe them). Grid: n in {n_text}, density 1e-4, 1e-3, 1e-2, 5e-2, 0.2, "
+            f"overlap 0, 0.5, 1, P in 2, 4, 8; float32 {rows}; each time is the median over "
             f"{plan.min_repeats} to {plan.max_repeats} interleaved rounds of the max over ranks "
             f"(about {elapsed / 60:.0f} minutes in all). Primitives: alpha-beta constants fitted to timings "
             "of each primitive at 8 B to 4 MiB per world size; model: the learned correction of the "
@@ -156,7 +167,9 @@ def _meta(plan: bench.Plan, elapsed: float) -> dict:
 def cmd_measure(args: argparse.Namespace) -> int:
     plan = bench.Plan(warmup=1, min_repeats=3, max_repeats=args.repeats, budget_s=args.budget)
     worlds = tuple(args.world_size or GRID_WORLD)
-    configs = bench.full_grid(GRID_N, GRID_DENSITY, GRID_OVERLAP, worlds)
+    ns = tuple(2**e for e in args.n) if args.n else GRID_N
+    row_shape = tuple(args.row_shape or ())
+    configs = bench.full_grid(ns, GRID_DENSITY, GRID_OVERLAP, worlds, row_shape=row_shape)
     t0 = time.perf_counter()
     primitives = measure_primitives(worlds)
     for name, prim in primitives.items():
@@ -174,7 +187,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     save_raw(report)
     elapsed = time.perf_counter() - t0
     ms = measurements_from_report(report)
-    prof = build_profile(ms, primitives, _meta(plan, elapsed))
+    prof = build_profile(ms, primitives, _meta(plan, elapsed, row_shape, ns))
     save_profile(prof, args.out)
     print(f"wrote {args.out}: {len(ms)} measurements in {elapsed:.0f} s", flush=True)
     return 0
@@ -197,7 +210,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
     ms = measurements_from_report(pooled)
     prof = load_profile(args.primitives)
     meta = dict(prof.meta)
-    meta["notes"] = meta.get("notes", "") + f" Pooled: the rounds of {len(reports)} measuring runs of this grid."
+    meta["notes"] = meta.get("notes", "") + (args.notes or f" Pooled: the rounds of {len(reports)} measuring runs.")
     save_profile(build_profile(ms, prof.primitives, meta), args.out)
     print(f"pooled {len(reports)} runs -> {args.out}: {len(ms)} measurements")
     return 0
@@ -227,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--world-size", type=int, nargs="+", help="subset of 2 4 8")
     m.add_argument("--repeats", type=int, default=7, help="timed rounds at most (default 7)")
     m.add_argument("--budget", type=float, default=1.0, help="seconds of rounds per configuration (default 1)")
+    m.add_argument("--row-shape", type=int, nargs="+", help="value rows of this shape (default: scalars)")
+    m.add_argument("--n", type=int, nargs="+", metavar="E", help="grid rows as powers of two (default 12 14 16 18 20)")
     f = sub.add_parser("fit", help="refit the model of a profile from its measurements")
     f.add_argument("profile")
     f.add_argument("--out")
@@ -234,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("raw", nargs="+", help="benchmark reports written by measure --raw")
     pl.add_argument("--primitives", required=True, help="a profile whose primitives (and meta) to keep")
     pl.add_argument("--out", required=True)
+    pl.add_argument("--notes", help="text appended to meta.notes (default: how many runs were pooled)")
     c = sub.add_parser("cv", help="cross-validate the cost model on a profile")
     c.add_argument("profile")
     c.add_argument("--folds", type=int, default=None, help="GroupKFold folds (default: leave one configuration out)")
