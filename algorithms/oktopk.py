@@ -80,6 +80,13 @@ _exact_state: dict[tuple[int, int], tuple[Any, BoundaryState, list[int] | None]]
 
 def _group_object(comm: Comm) -> Any:
     return comm.group if comm.group is not None else dist.group.WORLD
+
+
+def _exact_entry(comm: Comm, size: int) -> tuple[Any, BoundaryState, list[int] | None] | None:
+    """Return this group's state for ``size``, or ``None`` (none yet, or left by a former group at the same id)."""
+    group = _group_object(comm)
+    entry = _exact_state.get((id(group), size))
+    return entry if entry is not None and entry[0] is group else None
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -410,9 +417,9 @@ class OkTopk(Algorithm):
     @staticmethod
     def _state(comm: Comm, size: int, knobs: dict[str, Any]) -> tuple[BoundaryState, list[int] | None]:
         """Return this (group, size)'s boundaries and last sizes, fresh for a new group or refresh period."""
-        group = _group_object(comm)
-        entry = _exact_state.get((id(group), size))
-        if entry is None or entry[0] is not group or entry[1].refresh != knobs["boundary_refresh"]:
+        entry = _exact_entry(comm, size)
+        if entry is None or entry[1].refresh != knobs["boundary_refresh"]:
+            group = _group_object(comm)
             entry = _exact_state[(id(group), size)] = (group, BoundaryState(knobs["boundary_refresh"]), None)
         return entry[1], entry[2]
 
@@ -428,9 +435,8 @@ class OkTopk(Algorithm):
         before it), or when ``P`` counts do not fit.
         """
         p = comm.world_size
-        group = _group_object(comm)
-        entry = _exact_state.get((id(group), size))
-        if entry is None or entry[0] is not group or 8 * p > capacity:
+        entry = _exact_entry(comm, size)
+        if entry is None or 8 * p > capacity:
             return None
         if knobs is not None and entry[1].refresh != knobs["boundary_refresh"]:
             return None
