@@ -114,14 +114,16 @@ def test_message_counts_of_each_schedule() -> None:
     assert get("allgather", "all_gather.launch_us") == 2 and get("allgather", "all_gather.alpha_us") == 2 * (p - 1)
     assert get("allgather", "all_gather.beta_us_per_byte") == (p - 1) * (48 + k * e)
     assert get("allgather", "all_reduce.launch_us") == 0 and get("allgather", "p2p.alpha_us") == 0
-    # oktopk: amortized boundaries (P float64), counts all_to_all, P-1 rotated
+    # oktopk: amortized boundaries (P float64) and counts all_to_all, P-1 rotated
     # messages in ceil((P-1)/peers_in_flight) calls for the split, and as many
     # for the eager gather of the regions (narrow entries: each region with its
     # count, 1/16 room); the metadata record is the one all_gather.
     assert get("oktopk", "all_reduce.launch_us") == pytest.approx(1 / 64)
     assert get("oktopk", "all_reduce.alpha_us") == pytest.approx(2 * (p - 1) / 64)
     assert get("oktopk", "all_reduce.beta_us_per_byte") == pytest.approx(2 * (p - 1) / p * p * 8 / 64)
-    assert get("oktopk", "all_to_all.alpha_us") == p - 1 and get("oktopk", "all_to_all.beta_us_per_byte") == (p - 1) * 8
+    # Counts all_to_all on refresh calls only (they ride in the metadata record in between).
+    assert get("oktopk", "all_to_all.alpha_us") == pytest.approx((p - 1) / 64)
+    assert get("oktopk", "all_to_all.beta_us_per_byte") == pytest.approx((p - 1) * 8 / 64)
     assert get("oktopk", "p2p.launch_us") == 2 and get("oktopk", "p2p.alpha_us") == 2 * (p - 1)
     split_bytes = (p - 1) * (k * p / p / p) * e
     gather_bytes = (p - 1) * (math.ceil(300 / p) * e * 17 / 16 + 8)
@@ -188,7 +190,9 @@ def test_dense_communication_does_not_depend_on_sparsity() -> None:
 def test_analytic_choices_on_the_shipped_profile() -> None:
     model = AnalyticModel.from_profile(load_profile(REPO / "profiles" / "analytic-nccl.yaml"))
     assert model.select(_f(n=1 << 22, p=8, density=1e-4)) == "allgather"
-    assert model.select(_f(n=1 << 22, p=8, density=0.5, overlap=1.0)) == "dense"
+    # Nearly dense data: dense. (At density 0.5 and overlap 1 Ok-Topk sends fewer bytes than the ring all_reduce
+    # of values and mask, and the model says so.)
+    assert model.select(_f(n=1 << 22, p=8, density=0.9, overlap=1.0)) == "dense"
     assert model.select(_f(n=1 << 22, p=32, density=0.2, overlap=0.0)) == "oktopk"
     # More overlap helps Ok-Topk (smaller union) and never hurts allgather.
     lo, hi = model.predict(_f(p=16, density=0.05)), model.predict(_f(p=16, density=0.05, overlap=1.0))

@@ -32,7 +32,8 @@ as the algorithms in ``algorithms/`` run them with their default knobs::
                       n <= 4 K, else a sort (~K log2 K)
     oktopk            boundary all_reduce of P float64 every
                       ``boundary_period`` calls (amortized), all_to_all of P
-                      int64 counts, P-1 rotated point-to-point messages of
+                      int64 counts on those calls only (otherwise they ride
+                      in the metadata record), P-1 rotated point-to-point messages of
                       k/P entries (``peers_in_flight`` per call), local reduce
                       of the region, then the reduced union in P blocks of
                       ceil(u/P) entries to every peer: narrow entries point
@@ -292,10 +293,10 @@ class AnalyticModel:
                 return Step(term, "all_gather", 0.0, 0.0, 0.0)
             return Step(term, "all_gather", 1.0, p - 1.0, (p - 1) * nbytes_in)
 
-        def all_to_all(term: str, nbytes_per_peer: float) -> Step:
+        def all_to_all(term: str, nbytes_per_peer: float, share: float = 1.0) -> Step:
             if p == 1:
                 return Step(term, "all_to_all", 0.0, 0.0, 0.0)
-            return Step(term, "all_to_all", 1.0, p - 1.0, (p - 1) * nbytes_per_peer)
+            return Step(term, "all_to_all", share, share * (p - 1.0), share * (p - 1) * nbytes_per_peer)
 
         def p2p_rotated(term: str, nbytes_per_step: float) -> Step:
             if p == 1:
@@ -356,7 +357,8 @@ class AnalyticModel:
         oktopk = [
             meta,
             all_reduce("boundaries_all_reduce", p * 8.0, share=1.0 / self.boundary_period),
-            all_to_all("counts_all_to_all", 8.0),
+            # The counts ride in the metadata record while the boundaries are cached: only refreshes send them.
+            all_to_all("counts_all_to_all", 8.0, share=1.0 / self.boundary_period),
             p2p_rotated("split_p2p", kavg / p * e),
             local("region_reduce", 2 * kavg * e + kavg * math.log2(max(kavg, 2.0)) * 8.0 + kavg * rba, 3.0),
             sizes,
