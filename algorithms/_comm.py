@@ -121,8 +121,8 @@ class Comm:
         traffic: where to count; a fresh :class:`Traffic` if omitted.
         direct: run ``all_gather``, ``all_to_all`` and small ``all_reduce``
             point to point with every peer at once (see the module
-            docstring); ``None`` (the default) does so on
-            :data:`DIRECT_BACKENDS` for groups of 3 ranks or more.
+            docstring); ``None`` (the default) does so for CPU tensors on
+            :data:`DIRECT_BACKENDS` in groups of 3 ranks or more.
     """
 
     __slots__ = ("group", "rank", "world_size", "device", "traffic", "direct", "_meta")
@@ -139,8 +139,13 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             if direct is None:
-                # At P = 2 the ring is one exchange already, and the backend's own call is cheaper.
-                direct = self.world_size > 2 and str(dist.get_backend(group)).lower() in DIRECT_BACKENDS
+                # At P = 2 the ring is one exchange already, and the backend's own call is cheaper. CPU
+                # tensors only: gloo's point-to-point calls hand the backend raw host memory.
+                direct = (
+                    self.world_size > 2
+                    and device.type == "cpu"
+                    and str(dist.get_backend(group)).lower() in DIRECT_BACKENDS
+                )
         else:
             self.rank, self.world_size = 0, 1
         self.device = device
