@@ -29,12 +29,9 @@ the same for ``all_gather`` and ``all_to_all`` (a ring all-gather also
 sends ``(P-1) L``), so they are counted as above. A direct ``all_reduce``
 all-gathers the tensors and sums them on every rank in rank order (the same
 bits on every rank); it sends ``(P-1) L``, counted as sent, so it is kept
-for tensors up to :data:`DIRECT_ALL_REDUCE_BYTES`. On 8 CPU ranks over
-loopback a direct all-gather of 64 B to 4 MiB per rank took a quarter to a
-half of the ring's time; on 4 ranks, a quarter less for a whole small
-``allgather`` call. Groups of 2 keep the backend's calls: there the ring is
-one exchange already, and a whole call was about 0.1 ms faster with it.
-NCCL keeps its own collectives.
+for tensors up to :data:`DIRECT_ALL_REDUCE_BYTES`. Groups of 2 keep the
+backend's calls: there the ring is one exchange already. NCCL keeps its own
+collectives. The README gives the measured effect and its command.
 """
 
 from __future__ import annotations
@@ -209,12 +206,9 @@ class Comm:
         return out
 
     def _post(self, sends: Sequence[tuple], recvs: Sequence[tuple]) -> None:
-        """Post non-empty ``(tensor, peer)`` sends and receives in one batch and wait (not counted)."""
-        ops = [dist.P2POp(dist.isend, t, self._global(j), self.group) for t, j in sends if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, self._global(j), self.group) for t, j in recvs if t.numel()]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        """:meth:`exchange` and wait, not counted (the collective that called it counts itself)."""
+        for work in self.exchange(sends, recvs, count=False):
+            work.wait()
 
     def all_to_all(self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
         """Send ``send_counts[j]`` rows of ``t`` to rank ``j``; return the rows received, in rank order."""
@@ -239,7 +233,7 @@ class Comm:
         )
         return out
 
-    def exchange(self, sends: Sequence[tuple], recvs: Sequence[tuple]) -> list:
+    def exchange(self, sends: Sequence[tuple], recvs: Sequence[tuple], count: bool = True) -> list:
         """Post point-to-point sends and receives together; return the works to wait on.
 
         Each message is ``(tensor, peer)`` or ``(tensor, peer, tag)``; peers
@@ -249,11 +243,14 @@ class Comm:
         are skipped on both sides, so both sides must agree on which messages
         are empty. Receive buffers must be contiguous (a slice along the first
         dimension of a contiguous tensor is): data lands in them in place.
+        ``count=False`` leaves the sends out of the traffic (for a collective
+        built on this call that counts itself).
         """
         ops = []
         for t, peer, *tag in sends:
             if t.numel():
-                self._count("send", _nbytes(t), 1)
+                if count:
+                    self._count("send", _nbytes(t), 1)
                 ops.append(dist.P2POp(dist.isend, t.contiguous(), self._global(peer), self.group, *tag))
         for t, peer, *tag in recvs:
             if t.numel():

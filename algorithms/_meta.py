@@ -90,6 +90,10 @@ SHARED_FIELDS: tuple[str, ...] = (
 EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
+_HISTORY_HINT = (
+    "the ranks hold different histories for this call site (make the same calls, in the same order, "
+    "with the same name= and knobs= on every rank)"
+)
 _names: dict[int, str] = {}
 _codes: dict[str, int] = {}
 
@@ -273,10 +277,8 @@ def exchange(
                 "and pass the same name= and knobs= on every rank",
                 "row_shape": "pass values with the same row shape on every rank",
                 "row_numel": "pass values with the same row shape on every rank",
-                "eager": "the ranks hold different histories for this call site (make the same "
-                "calls, in the same order, with the same name= and knobs= on every rank)",
-                "payload": "the ranks hold different histories for this call site (make the same "
-                "calls, in the same order, with the same name= and knobs= on every rank)",
+                "eager": _HISTORY_HINT,
+                "payload": _HISTORY_HINT,
             }.get(f, "pass the same value on every rank")
             raise RankMismatchError(f"ranks disagree on {f!r} ({per_rank}); {hint}.")
     return records, slots

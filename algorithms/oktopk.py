@@ -6,9 +6,10 @@ Exact mode (``sparse_allreduce``):
    ranks' entries, not the coordinates (:class:`~algorithms.state.BoundaryState`,
    refreshed every ``boundary_refresh`` calls per group and size).
 2. **Split and reduce.** Counts go first: while the boundaries are
-   cached, every rank's count per region rides in the metadata record of
-   an explicit call (:meth:`OkTopk.eager_payload`), otherwise an
-   ``all_to_all`` of ``P`` integers moves them. Then each rank sends its entries for region ``j`` to rank
+   cached, every rank's count per region rides in the metadata record
+   (:meth:`OkTopk.eager_payload`; calls that name ``oktopk``, and auto calls
+   whose site last chose it), otherwise an ``all_to_all`` of ``P``
+   integers moves them. Then each rank sends its entries for region ``j`` to rank
    ``j``: at step ``i`` rank ``r`` sends to ``(r+i) % P`` and receives from
    ``(r-i) % P``, ``peers_in_flight`` steps posted at once, so no rank
    receives from many at once. The owner sums what it received, in rank
@@ -72,21 +73,33 @@ from algorithms.state import BoundaryState
 
 __all__ = ["OkTopk", "split_reduce", "radix_kth_largest"]
 
-#: Per (group, size) of exact calls: the region boundaries, and the owners'
-#: reduced sizes on the last call (which size the eager gather's messages).
-#: Every rank holds the same, having made the same calls.
-_exact_state: dict[tuple[int, int], tuple[Any, BoundaryState, list[int] | None]] = {}
+class _ExactState:
+    """One group's Ok-Topk state for one size in exact mode; every rank holds the same, having made the same calls."""
+
+    __slots__ = ("group", "bounds", "last")
+
+    def __init__(self, group: Any, refresh: int) -> None:
+        self.group = group  # the group object itself: a new group may reuse a dead one's id()
+        self.bounds = BoundaryState(refresh)
+        self.last: list[int] | None = None  # owners' reduced sizes on the last call (room of the eager gather)
+
+
+_exact_state: dict[tuple[int, int], _ExactState] = {}
 
 
 def _group_object(comm: Comm) -> Any:
     return comm.group if comm.group is not None else dist.group.WORLD
 
 
-def _exact_entry(comm: Comm, size: int) -> tuple[Any, BoundaryState, list[int] | None] | None:
-    """Return this group's state for ``size``, or ``None`` (none yet, or left by a former group at the same id)."""
+def _exact_entry(comm: Comm, size: int, refresh: int | None = None) -> _ExactState | None:
+    """Return this group's state for ``size`` (for ``refresh`` calls between boundary refreshes, if given), or ``None``."""
     group = _group_object(comm)
-    entry = _exact_state.get((id(group), size))
-    return entry if entry is not None and entry[0] is group else None
+    st = _exact_state.get((id(group), size))
+    if st is None or st.group is not group or (refresh is not None and st.bounds.refresh != refresh):
+        return None
+    return st
+
+
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -105,7 +118,7 @@ def split_reduce(
     wire_dtype: torch.dtype,
     acc: torch.dtype,
     peers_in_flight: int,
-    recv_counts: list[int] | None = None,
+    region_counts: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send each entry to the owner of its region; return this rank's reduced region.
 
@@ -116,8 +129,9 @@ def split_reduce(
         wire_dtype: the dtype values travel in.
         acc: the dtype the owner sums in.
         peers_in_flight: rotated steps posted at once.
-        recv_counts: how many entries each rank sends this rank, when
-            already known (else an ``all_to_all`` exchanges the counts).
+        region_counts: every rank's entry count per region under these
+            cuts (``[P][P]``), when already known (else this rank cuts its
+            indices and an ``all_to_all`` exchanges the counts).
 
     Returns:
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
@@ -132,14 +146,16 @@ def split_reduce(
     p, me = comm.world_size, comm.rank
     r = vals.shape[1]
     index_dtype = wire_index_dtype(size)
-    off = _slices(idx, cuts)
-    if recv_counts is None:
+    if region_counts is not None:
+        off = offsets(region_counts[me])
+        recv_counts_l = [region_counts[j][me] for j in range(p)]
+    else:
+        off = _slices(idx, cuts)
         send_counts = [off[j + 1] - off[j] for j in range(p)]
         with comm.meta():
-            recv_counts = comm.all_to_all(
+            recv_counts_l = comm.all_to_all(
                 torch.tensor(send_counts, dtype=torch.int64, device=comm.device), [1] * p, [1] * p
             ).tolist()
-    recv_counts_l = recv_counts
     base = cuts[me]
     if split_layout(r, wire_dtype):
         return _split_reduce_soa(comm, idx, vals, off, recv_counts_l, cuts, index_dtype, wire_dtype, acc, peers_in_flight)
@@ -415,13 +431,14 @@ class OkTopk(Algorithm):
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     @staticmethod
-    def _state(comm: Comm, size: int, knobs: dict[str, Any]) -> tuple[BoundaryState, list[int] | None]:
-        """Return this (group, size)'s boundaries and last sizes, fresh for a new group or refresh period."""
-        entry = _exact_entry(comm, size)
-        if entry is None or entry[1].refresh != knobs["boundary_refresh"]:
+    def _state(comm: Comm, size: int, knobs: dict[str, Any]) -> _ExactState:
+        """Return this (group, size)'s state, made afresh for a new group or another refresh period."""
+        refresh = knobs["boundary_refresh"]
+        st = _exact_entry(comm, size, refresh)
+        if st is None:
             group = _group_object(comm)
-            entry = _exact_state[(id(group), size)] = (group, BoundaryState(knobs["boundary_refresh"]), None)
-        return entry[1], entry[2]
+            st = _exact_state[(id(group), size)] = _ExactState(group, refresh)
+        return st
 
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
@@ -435,43 +452,34 @@ class OkTopk(Algorithm):
         before it), or when ``P`` counts do not fit.
         """
         p = comm.world_size
-        entry = _exact_entry(comm, size)
-        if entry is None or 8 * p > capacity:
-            return None
-        if knobs is not None and entry[1].refresh != knobs["boundary_refresh"]:
-            return None
-        cuts = entry[1].cached(size, p)
+        st = _exact_entry(comm, size, None if knobs is None else knobs["boundary_refresh"])
+        cuts = None if st is None or 8 * p > capacity else st.bounds.cached(size, p)
         if cuts is None:
             return None
-        off = torch.searchsorted(indices, torch.tensor(cuts, dtype=torch.int64, device=indices.device))
-        return off.diff().to(torch.int64).cpu().numpy().view(np.uint8)
+        return np.diff(np.asarray(_slices(indices, cuts), dtype=np.int64)).view(np.uint8)
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        bstate, last = self._state(comm, inp.size, knobs)
+        st = self._state(comm, inp.size, knobs)
         idx = inp.indices.to(comm.device)
-        p, me = comm.world_size, comm.rank
+        p = comm.world_size
         # The payload's counts were cut by these boundaries if they are still cached (the same state, no
         # refresh due); a state made afresh for other knobs refreshes, and the counts travel again.
-        counted = inp.payload is not None and inp.payload.shape[1] == 8 * p and bstate.cached(inp.size, p) is not None
+        region_counts = None
+        if inp.payload is not None and inp.payload.shape[1] == 8 * p and not st.bounds.due(inp.size, p):
+            region_counts = inp.payload.cpu().contiguous().numpy().view(np.int64).tolist()
         with comm.meta():
-            cuts = bstate.get(idx, inp.size, comm)
-        recv_counts = None
-        if counted:  # every rank's counts per region (eager_payload), from the same cuts
-            table = inp.payload.cpu().contiguous().numpy().view(np.int64)
-            recv_counts = table[:, me].tolist()
+            cuts = st.bounds.get(idx, inp.size, comm)
         ridx, rvals = split_reduce(
             comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"],
-            recv_counts,
+            region_counts,
         )
         early = inp.op == "avg" and p > 1 and inp.dtype == inp.acc_dtype
         if early:
             rvals.div_(p)  # the owner's rows only: the same bits as dividing the gathered sum
-        gidx, gvals, sizes = _gather_regions(
+        gidx, gvals, st.last = _gather_regions(
             comm, ridx, rvals, cuts, inp.size, inp.dtype, knobs["dense_fallback_ratio"], knobs["gather_mode"],
-            knobs["peers_in_flight"], last,
+            knobs["peers_in_flight"], st.last,
         )
-        group = _group_object(comm)
-        _exact_state[(id(group), inp.size)] = (group, bstate, sizes)
         gvals = gvals.to(inp.acc_dtype)
         if inp.op == "avg" and p > 1 and not early:
             # 16-bit values travel rounded to their dtype: divide after widening, as the front door would.

@@ -57,11 +57,12 @@ class BoundaryState:
         :meth:`get` (every rank gets the same answer: it depends only on the
         calls made so far).
         """
-        if self._due(size, world_size):
+        if self.due(size, world_size):
             return None
         return self.cuts.tolist()  # type: ignore[union-attr]
 
-    def _due(self, size: int, world_size: int) -> bool:
+    def due(self, size: int, world_size: int) -> bool:
+        """Return whether the next :meth:`get` refreshes the cuts (collectively)."""
         return self.cuts is None or self.size != size or self.world_size != world_size or self.calls % self.refresh == 0
 
     def get(self, indices: torch.Tensor, size: int, comm: Comm) -> list[int]:
@@ -73,7 +74,7 @@ class BoundaryState:
             comm: the group (the refresh is collective).
         """
         p = comm.world_size
-        if self._due(size, p):
+        if self.due(size, p):
             self.cuts = self._compute(indices, size, comm)
             self.size, self.world_size, self.calls = size, p, 0
         self.calls += 1

@@ -492,7 +492,7 @@ def test_ranks_that_pass_different_knobs_raise():
     for raised in pool(2).run(_run_different_knobs):
         assert raised.type == "RankMismatchError", raised
         assert "'policy'" in raised.message and "knobs=" in raised.message, raised.message
-        assert raised.elapsed < 10
+        assert raised.elapsed < 10  # the bound only catches a hang
 
 
 # ------------------------------------------------------------------ Ok-Topk's eager gather of the regions

@@ -83,9 +83,11 @@ def pool_reports(reports: list[dict]) -> dict:
     index = {_config_key(c): c for c in base["configs"]}
     for other in reports[1:]:
         for c in other["configs"]:
-            mine = index.get(_config_key(c))
-            if mine is None:
-                base["configs"].append(index.setdefault(_config_key(c), json.loads(json.dumps(c))))
+            key = _config_key(c)
+            mine = index.get(key)
+            if mine is None:  # a configuration the earlier reports lack: kept as it is
+                index[key] = json.loads(json.dumps(c))
+                base["configs"].append(index[key])
                 continue
             for name, e in c["contenders"].items():
                 if name in mine["contenders"] and "times_ms" in e:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -435,9 +435,6 @@ def _sparse_allreduce(
     counts = tuple(rec["count"] for rec in records)
     entries_at = payload_bytes + sketch_bytes
     has_entries = eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
-    eager_entries = slots[:, entries_at:] if has_entries else None  # type: ignore[index]
-    payload = slots[:, :payload_bytes] if payload_bytes else None  # type: ignore[index]
-    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries, op, payload)
     if sel is None:
         decision: Any = None
     else:
@@ -446,16 +443,18 @@ def _sparse_allreduce(
             table = slots[:, payload_bytes:entries_at].cpu().contiguous().numpy().view(np.uint32)  # type: ignore[index]
             sketches = [table[r, : min(c, table.shape[1])] for r, c in enumerate(counts)]
         decision = sel.decide_sparse(
-            site, comm=comm, backend=backend, name=name, size=n, row_numel=inp.row_numel,
+            site, comm=comm, backend=backend, name=name, size=n, row_numel=vals.shape[1],
             dtype=values.dtype, counts=counts, indices=idx, sketches=sketches,
         )
         algorithm = decision.algorithm
         knobs_checked = _decided_knobs(decision, knobs)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", n, inp.k_max, inp.k_sum,
+            logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", n, max(counts), sum(counts),
                          comm.world_size, algorithm)
-    if payload is not None and algorithm != likely:  # another algorithm was chosen: the payload is not its own
-        inp = replace(inp, payload=None)
+    eager_entries = slots[:, entries_at:] if has_entries else None  # type: ignore[index]
+    # The payload belongs to the algorithm that made it: another one chosen meanwhile does not get it.
+    payload = slots[:, :payload_bytes] if payload_bytes and algorithm == likely else None  # type: ignore[index]
+    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries, op, payload)
     # Size the next call's eager slot from this one: the same records and
     # decision on every rank, so every rank sizes it alike.
     _meta.note_slot_use(
