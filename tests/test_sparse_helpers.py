@@ -43,6 +43,23 @@ def test_sum_by_index_matches_index_add_bitwise(dtype, width, high):
         assert _bits(sums) == _bits(ref), f"trial {trial}: sums differ from index_add_ in list order"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [1, 2, 7, 256, 257])
+def test_sum_by_index_few_entries_same_bits(dtype, k):
+    """The NumPy path for a few entries (unique or not) keeps index_add_'s bits, -0.0 and NaN included."""
+    g = torch.Generator().manual_seed(k)
+    for unique in (True, False):
+        idx = torch.randperm(10 * k, generator=g)[:k].numpy() if unique else torch.randint(0, k, (k,), generator=g).numpy()
+        vals = torch.randn(k, 3, generator=g, dtype=dtype)
+        vals[torch.rand(k, 3, generator=g) < 0.3] = -0.0
+        vals[0, 1] = float("nan")
+        union, sums = sum_by_index(idx, vals)
+        ref_union, ref = _reference(idx, vals)
+        assert union.tolist() == ref_union.tolist()
+        assert _bits(sums) == _bits(ref)
+        assert not np.shares_memory(sums.numpy(), vals.numpy())
+
+
 def test_sum_by_index_copies_and_handles_empty():
     idx = np.array([3, 1, 3], dtype=np.int64)
     vals = torch.ones(3, 2)
