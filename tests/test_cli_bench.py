@@ -110,6 +110,30 @@ def test_a_contender_that_raises_is_recorded_and_the_rest_goes_on(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_burst_times_back_to_back_calls_per_call(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench.dist, "barrier", lambda *a, **k: None)
+    ran = {"a": 0, "b": 0}
+
+    def counter(name):
+        def call():
+            ran[name] += 1
+            return ran[name]
+        return call
+
+    last: dict = {}
+    local = bench._one_round({"a": counter("a"), "b": counter("b")}, ["a", "b"], 1, last, burst=4)
+    assert ran == {"a": 4, "b": 4} and last == {"a": 4, "b": 4}
+    assert set(local) == {"a", "b"} and all(t >= 0 for t in local.values())
+    with pytest.raises(ValueError, match="burst"):
+        bench.Plan(burst=0)
+    monkeypatch.undo()
+    out = tmp_path / "burst.json"
+    proc, report = _bench_two_configs(out, "--repeats", "1", "--burst", "3", "--contenders", "allgather", "torch")
+    assert report["plan"]["burst"] == 3
+    assert "bursts of 3 back-to-back calls" in proc.stdout and "in bursts of 3:" in proc.stdout
+    assert all(c["contenders"]["allgather"]["median_ms"] > 0 for c in report["configs"])
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
@@ -120,6 +144,7 @@ def test_a_contender_that_raises_is_recorded_and_the_rest_goes_on(tmp_path):
         (["bench", "--overlap", "-0.1"], "--overlap"),
         (["bench", "--n", "2^x"], "--n"),
         (["bench", "--repeats", "0"], "--repeats"),
+        (["bench", "--burst", "0"], "--burst"),
         (["bench", "--contenders", "nccl"], "--contenders"),
         (["bench", "--no-such-option"], "--no-such-option"),
         (["no-such-command"], "no-such-command"),

@@ -8,8 +8,10 @@ rank builds its input from a shared seed (:class:`~tuner.workloads.Workload`:
    (PyTorch's, when it runs): the same indices, values within 1e-4;
 2. **repeats** rounds in which every contender runs once, in an order rotated
    each round (so drift and noise from other processes spread evenly), with a
-   barrier before each timed call; at least ``min_repeats`` rounds, at most
-   ``max_repeats``, and no new round once ``budget_s`` seconds went by;
+   barrier before each timed call (with :attr:`Plan.burst` > 1, before each
+   burst of back-to-back calls, timed per call); at least ``min_repeats``
+   rounds, at most ``max_repeats``, and no new round once ``budget_s`` seconds
+   went by;
 3. takes each call's time as the **max over ranks** of the per-rank wall
    time, and reports the median with the quartiles (IQR) over the rounds,
    and the bytes each rank sent (mean and max over ranks).
@@ -151,12 +153,18 @@ class Plan:
         max_repeats: timed rounds at most.
         budget_s: no new round starts after this many seconds of timed rounds
             (once ``min_repeats`` are done), so slow configurations get fewer.
+        burst: calls of a contender in a row per timed sample. 1 (the
+            default) times one call after a barrier: its latency. More times
+            that many back-to-back calls after one barrier and reports the
+            time per call, as in a training step that reduces many tensors
+            in a row, where one call's work overlaps the next one's waits.
     """
 
     warmup: int = 1
     min_repeats: int = 3
     max_repeats: int = 15
     budget_s: float = 4.0
+    burst: int = 1
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -168,6 +176,8 @@ class Plan:
             )
         if not self.budget_s > 0:
             raise ColltuneValueError(f"budget_s must be > 0, but got {self.budget_s}.")
+        if self.burst < 1:
+            raise ColltuneValueError(f"burst must be >= 1 (calls in a row per timed sample), but got {self.burst}.")
 
     @classmethod
     def quick(cls) -> Plan:
@@ -330,18 +340,23 @@ def _traffic_summary(per_rank: list[list[int]]) -> dict[str, Any]:
     }
 
 
-def _one_round(calls: Mapping[str, Callable[[], Any]], names: list[str], rounds: int, last: dict[str, Any]) -> dict[str, float]:
-    """Run every call once, in ``names`` rotated by ``rounds``, each after a barrier.
+def _one_round(
+    calls: Mapping[str, Callable[[], Any]], names: list[str], rounds: int, last: dict[str, Any], burst: int = 1
+) -> dict[str, float]:
+    """Run every call ``burst`` times in a row, in ``names`` rotated by ``rounds``, each burst after a barrier.
 
-    Stores each call's output in ``last``; returns this rank's wall time (seconds) of each call.
+    Stores each call's last output in ``last``; returns this rank's wall time
+    (seconds) per call of each burst.
     """
     shift = rounds % len(names)
     local: dict[str, float] = {}
     for name in names[shift:] + names[:shift]:
+        call = calls[name]
         dist.barrier()
         t0 = time.perf_counter()
-        last[name] = calls[name]()
-        local[name] = time.perf_counter() - t0
+        for _ in range(burst):
+            last[name] = call()
+        local[name] = (time.perf_counter() - t0) / burst
     return local
 
 
@@ -350,6 +365,7 @@ def _run_rounds(
     plan: Any,
     record: Callable[[dict[str, float], float], None],
     done: Callable[[float], bool],
+    burst: int = 1,
 ) -> dict[str, Any]:
     """Run interleaved rounds (:func:`_one_round`) until ``plan.max_repeats``, or ``done(start)`` after ``plan.min_repeats``.
 
@@ -361,7 +377,7 @@ def _run_rounds(
     start = time.perf_counter()
     rounds = 0
     while True:
-        record(_one_round(calls, names, rounds, last), start)
+        record(_one_round(calls, names, rounds, last, burst), start)
         rounds += 1
         if rounds >= plan.max_repeats:
             break
@@ -384,7 +400,7 @@ def _timed_rounds(
         # The same reduced number on every rank, so every rank stops after the same round.
         return _reduce_max([time.perf_counter() - start])[0] >= plan.budget_s
 
-    last = _run_rounds(calls, plan, record, done)
+    last = _run_rounds(calls, plan, record, done, plan.burst)
     return times, last
 
 

@@ -51,7 +51,7 @@ each world size, so a partial run keeps its results)::
       "format": "colltune-bench/1",
       "created": "2025-01-01T12:00:00+0000",
       "environment": {"colltune": "0.1.0", "torch": "2.5.0", "cpus": 2, ...},
-      "plan": {"warmup": 1, "min_repeats": 3, "max_repeats": 15, "budget_s": 4.0},
+      "plan": {"warmup": 1, "min_repeats": 3, "max_repeats": 15, "budget_s": 4.0, "burst": 1},
       "contenders": ["dense", "allgather", "oktopk", "torch"],
       "configs": [
         {"n": 1048576, "density": 0.01, "world_size": 4,
@@ -321,6 +321,10 @@ class BenchCommand(Command):
         t.add_argument("--warmup", type=_parse_nonneg_int, metavar="W", help="untimed calls per contender (default 1)")
         t.add_argument("--budget", type=_parse_seconds, metavar="S",
                        help="no new round after S seconds of rounds per configuration (default 4; --quick: 1)")
+        t.add_argument("--burst", type=_parse_positive_int, metavar="B",
+                       help="calls in a row per timed sample (default 1: one call after a barrier, its latency); "
+                            "B > 1 reports the time per call of B back-to-back calls, as when a training step "
+                            "reduces many tensors in a row (sparse grid only)")
         t.add_argument("--contenders", nargs="+", choices=bench.CONTENDERS, default=list(bench.CONTENDERS),
                        help="what to time (default all)")
         t.add_argument("--timeout", type=_parse_seconds, default=3600.0,
@@ -369,6 +373,7 @@ class BenchCommand(Command):
             min_repeats=min(base.min_repeats, max_r),
             max_repeats=max_r,
             budget_s=args.budget or base.budget_s,
+            burst=args.burst or 1,
         )
         row_shape = tuple(args.row_shape)
         configs = [] if args.topk_only else bench.full_grid(
@@ -382,6 +387,8 @@ class BenchCommand(Command):
         is_root = not launch.in_torchrun() or launch.torchrun_rank()[0] == 0
         if is_root:
             if configs:
+                if plan.burst > 1:
+                    print(f"ms per call, in bursts of {plan.burst} back-to-back calls after each barrier", flush=True)
                 print(bench.format_header(args.contenders), flush=True)
 
         def save(report: dict[str, Any]) -> None:
@@ -404,6 +411,8 @@ class BenchCommand(Command):
         if "auto" in args.contenders and report["configs"]:
             print(bench.format_auto(report))
             print()
+        if plan.burst > 1:
+            print(f"targets, from times per call in bursts of {plan.burst}:")
         print(bench.format_targets(report["targets"]))
         bad = [
             f"{bench._cfg_name(c)}: {name}"
