@@ -39,9 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.distributed as dist
 
@@ -109,6 +106,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _MetaScope:
+    """The ``with`` block of :meth:`Comm.meta` (a plain class: a generator-based one costs a few us per call)."""
+
+    __slots__ = ("comm", "prev")
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.prev = False
+
+    def __enter__(self) -> None:
+        self.prev, self.comm._meta = self.comm._meta, True
+
+    def __exit__(self, *exc: object) -> None:
+        self.comm._meta = self.prev
+
+
 class Comm:
     """One rank's view of a process group, with traffic counting.
 
@@ -150,14 +163,9 @@ class Comm:
         self.direct = bool(direct)
         self._meta = False
 
-    @contextlib.contextmanager
-    def meta(self) -> Iterator[None]:
-        """Count the traffic of the calls inside as control data (see :class:`Traffic`)."""
-        prev, self._meta = self._meta, True
-        try:
-            yield
-        finally:
-            self._meta = prev
+    def meta(self) -> _MetaScope:
+        """Count the traffic of the calls inside (a ``with`` block) as control data (see :class:`Traffic`)."""
+        return _MetaScope(self)
 
     def _count(self, primitive: str, nbytes: int, messages: int) -> None:
         self.traffic.add(primitive, nbytes, messages, self._meta)
