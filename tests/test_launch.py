@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -9,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.errors import ColltuneValueError
-from tuner.launch import RankError, in_torchrun, run_here, run_local
+from tuner.launch import PARENT_POLL_S, RankError, _process_alive, in_torchrun, run_here, run_local
 
 
 def _sum_of_ranks(rank, world_size, offset):
@@ -27,6 +32,49 @@ def _fail_on_rank_1(rank, world_size):
 
 def _hang(rank, world_size):
     time.sleep(60)
+
+
+def _note_pid_and_hang(rank, world_size, piddir):
+    with open(os.path.join(piddir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
+    """A launcher killed outright (no cleanup) leaves no ranks running."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "launcher.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]
+        from test_launch import _note_pid_and_hang
+        from tuner.launch import run_local
+        if __name__ == "__main__":
+            run_local(_note_pid_and_hang, 2, {str(tmp_path)!r}, timeout=300)
+    """))
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pidfiles = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(p.exists() and p.read_text() for p in pidfiles):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        pids = [int(p.read_text()) for p in pidfiles]
+        assert all(_process_alive(pid) for pid in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        deadline = time.monotonic() + PARENT_POLL_S + 10
+        while any(_process_alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, "ranks still running after their launcher was killed"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in pidfiles:
+            try:
+                os.kill(int(p.read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
 
 
 def test_results_in_rank_order():

@@ -156,8 +156,56 @@ def write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def setup_rank(rank: int, world_size: int, workdir: str, backend: str = "gloo", pg_timeout: float = PG_TIMEOUT_S) -> None:
-    """Common start of every local rank: one thread, stack dumps on SIGUSR1, the process group (FileStore in ``workdir``)."""
+#: How often a local rank checks that the process that launched it is still there, in seconds.
+PARENT_POLL_S = 1.0
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _watch_parent(pid: int) -> None:
+    """Leave the rank when the launching process ``pid`` is gone.
+
+    A launcher that exits cleanly, or on Ctrl-C, kills its ranks itself; one
+    killed outright (``SIGTERM``, ``SIGKILL``) cannot, and its ranks, children
+    of the forkserver, would run on. This daemon thread ends them within
+    :data:`PARENT_POLL_S` seconds instead.
+    """
+
+    def watch() -> None:
+        while _process_alive(pid):
+            time.sleep(PARENT_POLL_S)
+        exit_rank()
+
+    threading.Thread(target=watch, name="colltune-parent-watch", daemon=True).start()
+
+
+def setup_rank(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    backend: str = "gloo",
+    pg_timeout: float = PG_TIMEOUT_S,
+    parent_pid: int | None = None,
+) -> None:
+    """Common start of every local rank: one thread, stack dumps on SIGUSR1, the process group (FileStore in ``workdir``).
+
+    With ``parent_pid`` (the launcher's pid), the rank also exits when that process is gone.
+    """
+    if parent_pid is not None:
+        _watch_parent(parent_pid)
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)
@@ -209,10 +257,17 @@ def exit_rank() -> None:
 
 
 def _rank_entry(
-    fn: Callable[..., Any], rank: int, world_size: int, args: tuple, workdir: str, backend: str, pg_timeout: float
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    workdir: str,
+    backend: str,
+    pg_timeout: float,
+    parent_pid: int | None = None,
 ) -> None:
     try:
-        setup_rank(rank, world_size, workdir, backend, pg_timeout)
+        setup_rank(rank, world_size, workdir, backend, pg_timeout, parent_pid)
         out = fn(rank, world_size, *args)
         write_atomic(rank_path(workdir, rank, "result.pkl"), pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
@@ -366,7 +421,8 @@ def launch_ranks(
 
     The engine of :func:`run_local` (and of the test harness's ``run_ranks``).
     Ranks still running at ``timeout``, or ``grace`` seconds after a rank
-    failed, are killed with a dump of their stacks.
+    failed, are killed with a dump of their stacks; ranks whose launcher is
+    gone (killed before it could kill them) exit by themselves.
     """
     ctx = rank_context()
     outcome = Outcome(world_size=world_size)
@@ -374,7 +430,7 @@ def launch_ranks(
         procs = {
             r: ctx.Process(
                 target=_rank_entry,
-                args=(fn, r, world_size, args, workdir, backend, pg_timeout),
+                args=(fn, r, world_size, args, workdir, backend, pg_timeout, os.getpid()),
                 name=f"colltune-rank{r}",
                 daemon=True,
             )
