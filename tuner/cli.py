@@ -31,6 +31,7 @@ Input: options only. Lists take several values; ``n`` accepts ``2^20`` and
         --repeats 10 --json out.json
     colltune bench --topk                       # add the top-k section
     colltune bench --topk-only --world-size 8   # only the top-k section
+    colltune bench -P 2 --burst 10              # time per call of 10 calls in a row, not one call's latency
 
 Output, on screen: one line per configuration as it finishes: ``n``,
 density, ``P``, the overlap *achieved* (raised when ``n`` is too small for
