@@ -129,7 +129,7 @@ def sum_by_index(idx: np.ndarray, vals: torch.Tensor) -> tuple[np.ndarray, torch
     if idx.size == 0:
         return idx.copy(), torch.zeros((0, vals.shape[1]), dtype=vals.dtype)
     if idx.size <= _SMALL_SUM and vals.dtype in (torch.float32, torch.float64):
-        return _sum_small(idx, vals.contiguous().numpy())
+        return _sum_small(idx, vals.detach().contiguous().numpy())
     order, a = _sorted_order(idx)
     new = np.empty(a.size, dtype=bool)
     new[0] = True

@@ -64,6 +64,7 @@ def case(**kw) -> dict:
         "index_dtype": "int64",
         "op": "sum",
         "noncontig": False,
+        "requires_grad": False,
     }
     c.update(kw)
     c["row_shape"] = tuple(c["row_shape"])
@@ -113,6 +114,8 @@ def make_input(c: dict, rank: int, world_size: int) -> tuple[torch.Tensor, torch
         idx = torch.stack((idx, idx), dim=1)[:, 0]
         vals = torch.stack((vals, vals), dim=-1)[..., 1]
         assert (idx.numel() <= 1 or not idx.is_contiguous()) and (vals.numel() <= 1 or not vals.is_contiguous())
+    if c.get("requires_grad"):
+        vals.requires_grad_(True)  # e.g. values taken from a parameter: reduced as data, no graph
     return idx, vals
 
 
