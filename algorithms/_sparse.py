@@ -128,7 +128,7 @@ def sum_by_index(idx: np.ndarray, vals: torch.Tensor) -> tuple[np.ndarray, torch
     """
     if idx.size == 0:
         return idx.copy(), torch.zeros((0, vals.shape[1]), dtype=vals.dtype)
-    if idx.size <= _SMALL_SUM and vals.dtype in (torch.float32, torch.float64):
+    if idx.size <= _SMALL_SUM and vals.dtype in (torch.float32, torch.float64) and vals.shape[1] > 0:
         return _sum_small(idx, vals.detach().contiguous().numpy())
     order, a = _sorted_order(idx)
     new = np.empty(a.size, dtype=bool)
@@ -408,7 +408,7 @@ def merge_host(idx: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray
     memory with neither input.
     """
     plain = vals.flags.c_contiguous and all(st % vals.itemsize == 0 for st in vals.strides)
-    if 0 < idx.size <= _SMALL_SUM and vals.dtype in (np.float32, np.float64):
+    if 0 < idx.size <= _SMALL_SUM and vals.dtype in (np.float32, np.float64) and vals.shape[1] > 0:
         union, sums = _sum_small(idx, vals)
         return union, sums.numpy()
     t_vals = torch.from_numpy(vals if plain else vals.copy())

@@ -52,8 +52,9 @@ SCENARIOS = {
     "one_entry_float64_rows": lambda p: case(seed=22, size=10, counts=[1] * p, dtype="float64", row_shape=(3,)),
     "one_entry_per_rank_float16": lambda p: case(seed=23, size=10, counts=[1] * p, dtype="float16"),
     "noncontiguous_inputs": lambda p: case(seed=20, size=50, counts=_grow(p, 20), row_shape=(2,), noncontig=True),
-    "values_require_grad": lambda p: case(seed=27, size=40, counts=_grow(p, 12), requires_grad=True),
-    "wide_rows_require_grad": lambda p: case(seed=28, size=300, counts=_grow(p, 40, 7), row_shape=(8,), requires_grad=True),
+    "values_require_grad": lambda p: case(seed=61, size=40, counts=_grow(p, 12), requires_grad=True),
+    "wide_rows_require_grad": lambda p: case(seed=62, size=300, counts=_grow(p, 40, 7), row_shape=(8,), requires_grad=True),
+    "zero_width_rows": lambda p: case(seed=63, size=30, counts=_grow(p, 10), row_shape=(0,)),
     # Rows of 32 bytes or more: oktopk sends indices and rows as separate messages, received in place.
     "wide_rows_float32": lambda p: case(seed=24, size=300, counts=_grow(p, 40, 7), row_shape=(4, 4)),
     "wide_rows_float16_avg": lambda p: case(seed=25, size=200, counts=_grow(p, 30), op="avg", dtype="float16", row_shape=(16,)),
