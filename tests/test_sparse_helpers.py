@@ -45,11 +45,13 @@ def test_sum_by_index_matches_index_add_bitwise(dtype, width, high):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("k", [1, 2, 7, 256, 257])
-def test_sum_by_index_few_entries_same_bits(dtype, k):
+@pytest.mark.parametrize("base", [0, 2**50])
+def test_sum_by_index_few_entries_same_bits(dtype, k, base):
     """The NumPy path for a few entries (unique or not) keeps index_add_'s bits, -0.0 and NaN included."""
     g = torch.Generator().manual_seed(k)
     for unique in (True, False):
         idx = torch.randperm(10 * k, generator=g)[:k].numpy() if unique else torch.randint(0, k, (k,), generator=g).numpy()
+        idx = idx + base
         vals = torch.randn(k, 3, generator=g, dtype=dtype)
         vals[torch.rand(k, 3, generator=g) < 0.3] = -0.0
         vals[0, 1] = float("nan")
