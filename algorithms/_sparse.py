@@ -36,6 +36,8 @@ __all__ = [
     "unpack_host",
     "merge_host",
     "sum_by_index",
+    "kth_largest",
+    "top_k_indices",
 ]
 
 #: Value dtypes colltune reduces. fp16 and bf16 are accumulated in fp32.
@@ -425,3 +427,32 @@ def merge_host(idx: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray
     return union, sums.numpy()
 
 
+
+
+# --------------------------------------------------------------------------- top-k selection
+#
+# On the CPU, NumPy's introselect (``np.partition``) finds the k-th largest
+# of 2^20 float32 in about 1.5 ms, where ``torch.topk`` takes 8 to 16 ms
+# depending on k; both are exact. Other devices and dtypes use ``torch.topk``.
+
+
+def _host_select(mag: torch.Tensor, k: int) -> bool:
+    return mag.device.type == "cpu" and mag.dtype in (torch.float32, torch.float64) and 0 < k <= mag.numel()
+
+
+def kth_largest(mag: torch.Tensor, k: int) -> float:
+    """Return the ``k``-th largest value of the flat tensor ``mag`` (``1 <= k <= mag.numel()``), exactly."""
+    if _host_select(mag, k):
+        a = mag.detach().reshape(-1).numpy()
+        return float(np.partition(a, a.size - k)[a.size - k])
+    return float(torch.topk(mag.reshape(-1), k, sorted=False).values.min())
+
+
+def top_k_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Return the sorted int64 positions of ``k`` largest values of the flat tensor ``mag`` (ties: any ``k`` of them)."""
+    if _host_select(mag, k):
+        a = mag.detach().reshape(-1).numpy()
+        part = np.argpartition(a, a.size - k)[a.size - k :].astype(np.int64, copy=False)
+        part.sort()
+        return torch.from_numpy(part)
+    return torch.topk(mag.reshape(-1), k, sorted=False).indices.sort().values

@@ -37,6 +37,7 @@ from algorithms._sparse import (
     offsets,
     pack,
     pack_host,
+    top_k_indices,
     unpack,
     unpack_host,
     wire_index_dtype,
@@ -193,7 +194,7 @@ class Allgather(Algorithm):
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         n = acc.numel()
         k = state.k_for(n)
-        idx = torch.topk(acc.abs(), k, sorted=False).indices.sort().values
+        idx = top_k_indices(acc.abs(), k)
         vals = acc.index_select(0, idx).view(k, 1)
         gidx, gvals = gather_merge(comm, idx, vals, [k] * comm.world_size, n, acc.dtype, "pad")
         state.last_local_count, state.last_global_count = k, gidx.numel()

@@ -59,6 +59,7 @@ from algorithms._comm import Comm
 from algorithms._sparse import (
     entry_bytes,
     gather_mode,
+    kth_largest,
     merge_runs,
     merge_sources,
     offsets,
@@ -411,6 +412,14 @@ def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm, total_bound: int |
     return torch.tensor([prefix], dtype=torch.int32).view(torch.float32).item()
 
 
+#: Nudged global thresholds tried on each side of a reused one, all counted
+#: in one exchange: factors ``(1 + nudge) ** (j / 2)``, ``|j| <= GLOBAL_NUDGES``
+#: (+-22% in steps of 2.5% with the default nudge 0.05). Half steps: near
+#: the cut of a reduced, error-fed gradient the kept count can halve for a
+#: 5% higher threshold, which would step over the band (a factor 1.9 wide).
+GLOBAL_NUDGES = 8
+
+
 def _select(mag: torch.Tensor, threshold: float) -> torch.Tensor:
     return mag >= threshold if threshold > 0 else mag > 0
 
@@ -495,17 +504,20 @@ class OkTopk(Algorithm):
         # 1. Local selection by threshold.
         th = state.local_threshold
         exact = th is None or state.step % state.local_refresh == 0
+        mask = None
         if not exact:
             for _ in range(4):
-                count = int(_select(mag, th).sum())
+                mask = _select(mag, th)
+                count = int(torch.count_nonzero(mask))
                 if lo <= count <= hi:
                     break
                 th = th * (1 + state.nudge) if count > hi else th * (1 - state.nudge)
             else:
                 exact = True
         if exact:
-            th = float(torch.topk(mag, k, sorted=False).values.min())
-        lidx = _select(mag, th).nonzero().view(-1)
+            th = kth_largest(mag, k)
+            mask = _select(mag, th)
+        lidx = mask.nonzero().view(-1)  # (a reused threshold's mask is the one just counted)
         lvals = acc.index_select(0, lidx).view(-1, 1)
         state.local_threshold = th
 
@@ -515,21 +527,32 @@ class OkTopk(Algorithm):
         ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight)
 
         # 3. Global selection. The kept counts are exchanged before any entry
-        # moves; a reused threshold whose count leaves the band is replaced by
-        # the exact one on this very call, so the gather never exceeds the band.
+        # moves. A reused threshold is nudged in the same exchange: every rank
+        # counts its entries at the reused threshold and at GLOBAL_NUDGES
+        # nudged ones on each side, and one all_gather gives every rank every
+        # count; the candidate whose total lies in the band, closest to k,
+        # wins (the same on every rank: the same totals, the same floats). If
+        # none does, the exact threshold replaces it on this very call, so the
+        # gather never exceeds the band.
         rmag = rvals.view(-1).abs()
         gth = state.global_threshold
         exact = gth is None or state.global_exact_due or state.step % state.global_refresh == 0
+        if not exact:
+            cands = [gth * (1 + state.nudge) ** (j / 2) for j in range(-GLOBAL_NUDGES, GLOBAL_NUDGES + 1)]
+            table = self._counts(comm, [int(torch.count_nonzero(_select(rmag, t))) for t in cands])
+            totals = [sum(row[j] for row in table) for j in range(len(cands))]
+            fits = [j for j, t in enumerate(totals) if lo <= t <= hi]
+            if fits:
+                best = min(fits, key=lambda j: (abs(totals[j] - k), abs(j - GLOBAL_NUDGES)))
+                gth, sizes = cands[best], [row[best] for row in table]
+                keep = _select(rmag, gth)
+            else:
+                exact = True
         if exact:
             gth = radix_kth_largest(rmag, k, comm, n)  # owners' regions are disjoint: at most n values
-        keep = _select(rmag, gth)
-        sizes = self._sizes(comm, int(keep.sum()))
-        total = sum(sizes)
-        if not exact and not lo <= total <= hi:
-            gth = radix_kth_largest(rmag, k, comm, n)
             keep = _select(rmag, gth)
-            sizes = self._sizes(comm, int(keep.sum()))
-            total = sum(sizes)
+            sizes = self._sizes(comm, int(torch.count_nonzero(keep)))
+        total = sum(sizes)
         state.global_exact_due = False
         kidx, kvals = ridx[keep], rvals[keep]
 
@@ -549,6 +572,13 @@ class OkTopk(Algorithm):
     def _sizes(comm: Comm, count: int) -> list[int]:
         with comm.meta():
             return comm.all_gather(torch.tensor([count], dtype=torch.int64, device=comm.device)).tolist()
+
+    @staticmethod
+    def _counts(comm: Comm, counts: list[int]) -> list[list[int]]:
+        """All-gather each rank's ``counts`` (the same length on every rank); return them by rank."""
+        with comm.meta():
+            t = torch.tensor(counts, dtype=torch.int64, device=comm.device)
+            return comm.all_gather(t).view(comm.world_size, len(counts)).tolist()
 
     @staticmethod
     def _balanced_gather(

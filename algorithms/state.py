@@ -127,11 +127,16 @@ class TopkState:
         density: fraction of the tensor each rank selects per call.
         local_refresh: compute the exact local threshold (a top-k) every this
             many calls; in between, reuse and nudge it (Ok-Topk uses 32).
-        global_refresh: compute the exact global threshold every this many calls.
+        global_refresh: compute the exact global threshold every this many
+            calls; in between, reuse and nudge it (it is computed exactly
+            early, too, when no nudge keeps the count in the band).
         boundary_refresh: recompute the region boundaries every this many calls.
         band: ``(low, high)``: the selected count is kept in ``[low*k, high*k]``.
-        nudge: relative step by which a reused threshold is moved when the
-            count leaves the band.
+        nudge: relative step by which a reused local threshold is moved when
+            the count leaves the band (up to 4 times, then an exact top-k); a
+            reused global threshold is tried at 8 half steps each side at
+            once, and the candidate whose global count is in the band and
+            closest to k is kept.
         peers_in_flight: point-to-point exchanges posted at once in the split.
 
     Example:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms._sparse import _sorted_order, merge_host, split_layout, sum_by_index
+from algorithms._sparse import _sorted_order, kth_largest, merge_host, split_layout, sum_by_index, top_k_indices
 
 
 def _reference(idx: np.ndarray, vals: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -96,3 +96,27 @@ def test_merge_host_paths_agree_bitwise():
 def test_split_layout_threshold():
     assert split_layout(64, torch.float32) and split_layout(16, torch.float16) and split_layout(4, torch.float64)
     assert not split_layout(1, torch.float32) and not split_layout(7, torch.float32) and not split_layout(15, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_top_k_selection_matches_torch_topk(dtype):
+    """The host selection (NumPy) and torch.topk agree: the same k-th value, the same selected values."""
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 1000, 65537):
+        mag = torch.randn(n, generator=g, dtype=torch.float64).abs().to(dtype)
+        if n > 10:
+            mag[: n // 4] = 0.0  # ties (at zero) below and at the cut
+            mag[n // 2 : n // 2 + 5] = mag[n // 2 + 5]
+        for k in sorted(k for k in {1, 2, n // 3 + 1, n // 2, n - 1, n} if 1 <= k <= n):
+            ref = torch.topk(mag, k, sorted=False)
+            assert kth_largest(mag, k) == float(ref.values.min())
+            idx = top_k_indices(mag, k)
+            assert idx.dtype == torch.int64 and idx.numel() == k
+            assert bool((idx[1:] > idx[:-1]).all()), "positions must come sorted and unique"
+            assert torch.equal(mag[idx].sort().values, ref.values.sort().values)
+
+
+def test_top_k_selection_takes_tensors_that_require_grad():
+    mag = torch.rand(100, requires_grad=True)
+    assert kth_largest(mag, 7) == float(torch.topk(mag.detach(), 7).values.min())
+    assert top_k_indices(mag, 7).tolist() == sorted(torch.topk(mag.detach(), 7).indices.tolist())
