@@ -424,6 +424,41 @@ def _select(mag: torch.Tensor, threshold: float) -> torch.Tensor:
     return mag >= threshold if threshold > 0 else mag > 0
 
 
+class _Magnitudes:
+    """``|acc|`` of one call's local selection: count, select and rank it by threshold.
+
+    On the CPU (fp32, fp64) the work runs in NumPy, whose single-thread
+    elementwise kernels are 2 to 4 times faster than torch's on 2^20 values
+    here (abs, compare, count, nonzero); elsewhere in torch. Either way the
+    rule is :func:`_select`'s: ``>= threshold``, or ``> 0`` for a threshold of 0.
+    """
+
+    __slots__ = ("mag", "host")
+
+    def __init__(self, acc: torch.Tensor) -> None:
+        self.host = acc.device.type == "cpu" and acc.dtype in (torch.float32, torch.float64)
+        self.mag = np.abs(acc.detach().reshape(-1).numpy()) if self.host else acc.abs()
+
+    def _mask(self, threshold: float) -> Any:
+        return self.mag >= threshold if threshold > 0 else self.mag > 0
+
+    def count(self, threshold: float) -> int:
+        if self.host:
+            return int(np.count_nonzero(self._mask(threshold)))
+        return int(torch.count_nonzero(self._mask(threshold)))
+
+    def indices(self, threshold: float) -> torch.Tensor:
+        """Sorted int64 positions of the selected values."""
+        if self.host:
+            return torch.from_numpy(np.flatnonzero(self._mask(threshold)).astype(np.int64, copy=False))
+        return self._mask(threshold).nonzero().view(-1)
+
+    def kth_largest(self, k: int) -> float:
+        if self.host:
+            return float(np.partition(self.mag, self.mag.size - k)[self.mag.size - k])
+        return kth_largest(self.mag, k)
+
+
 class OkTopk(Algorithm):
     """Split and reduce over balanced regions, then all-gather the reduced regions."""
 
@@ -499,25 +534,22 @@ class OkTopk(Algorithm):
         n = acc.numel()
         k = state.k_for(n)
         lo, hi = state.band_for(k)
-        mag = acc.abs()
+        mag = _Magnitudes(acc)
 
         # 1. Local selection by threshold.
         th = state.local_threshold
         exact = th is None or state.step % state.local_refresh == 0
-        mask = None
         if not exact:
             for _ in range(4):
-                mask = _select(mag, th)
-                count = int(torch.count_nonzero(mask))
+                count = mag.count(th)
                 if lo <= count <= hi:
                     break
                 th = th * (1 + state.nudge) if count > hi else th * (1 - state.nudge)
             else:
                 exact = True
         if exact:
-            th = kth_largest(mag, k)
-            mask = _select(mag, th)
-        lidx = mask.nonzero().view(-1)  # (a reused threshold's mask is the one just counted)
+            th = mag.kth_largest(k)
+        lidx = mag.indices(th)
         lvals = acc.index_select(0, lidx).view(-1, 1)
         state.local_threshold = th
 
