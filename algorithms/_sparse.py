@@ -37,6 +37,7 @@ __all__ = [
     "merge_host",
     "sum_by_index",
     "kth_largest",
+    "kth_largest_host",
     "top_k_indices",
 ]
 
@@ -427,8 +428,6 @@ def merge_host(idx: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray
     return union, sums.numpy()
 
 
-
-
 # --------------------------------------------------------------------------- top-k selection
 #
 # On the CPU, NumPy's introselect (``np.partition``) finds the k-th largest
@@ -440,11 +439,15 @@ def _host_select(mag: torch.Tensor, k: int) -> bool:
     return mag.device.type == "cpu" and mag.dtype in (torch.float32, torch.float64) and 0 < k <= mag.numel()
 
 
+def kth_largest_host(a: np.ndarray, k: int) -> float:
+    """Return the ``k``-th largest value of the flat array ``a`` (``1 <= k <= a.size``), exactly."""
+    return float(np.partition(a, a.size - k)[a.size - k])
+
+
 def kth_largest(mag: torch.Tensor, k: int) -> float:
     """Return the ``k``-th largest value of the flat tensor ``mag`` (``1 <= k <= mag.numel()``), exactly."""
     if _host_select(mag, k):
-        a = mag.detach().reshape(-1).numpy()
-        return float(np.partition(a, a.size - k)[a.size - k])
+        return kth_largest_host(mag.detach().reshape(-1).numpy(), k)
     return float(torch.topk(mag.reshape(-1), k, sorted=False).values.min())
 
 

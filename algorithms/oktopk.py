@@ -60,6 +60,7 @@ from algorithms._sparse import (
     entry_bytes,
     gather_mode,
     kth_largest,
+    kth_largest_host,
     merge_runs,
     merge_sources,
     offsets,
@@ -454,9 +455,7 @@ class _Magnitudes:
         return self._mask(threshold).nonzero().view(-1)
 
     def kth_largest(self, k: int) -> float:
-        if self.host:
-            return float(np.partition(self.mag, self.mag.size - k)[self.mag.size - k])
-        return kth_largest(self.mag, k)
+        return kth_largest_host(self.mag, k) if self.host else kth_largest(self.mag, k)
 
 
 class OkTopk(Algorithm):
