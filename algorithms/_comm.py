@@ -344,4 +344,3 @@ class Comm:
         if self.group is None or self.group is dist.group.WORLD:
             return peer
         return dist.get_global_rank(self.group, peer)
-

@@ -28,6 +28,7 @@ import torch
 
 from algorithms._comm import Comm
 from algorithms._sparse import (
+    Magnitudes,
     accum_dtype,
     entry_bytes,
     gather_mode,
@@ -37,7 +38,6 @@ from algorithms._sparse import (
     offsets,
     pack,
     pack_host,
-    top_k_indices,
     unpack,
     unpack_host,
     wire_index_dtype,
@@ -194,7 +194,7 @@ class Allgather(Algorithm):
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         n = acc.numel()
         k = state.k_for(n)
-        idx = top_k_indices(acc.abs(), k)
+        idx = Magnitudes(acc).top_k_indices(k)
         vals = acc.index_select(0, idx).view(k, 1)
         gidx, gvals = gather_merge(comm, idx, vals, [k] * comm.world_size, n, acc.dtype, "pad")
         state.last_local_count, state.last_global_count = k, gidx.numel()

@@ -59,8 +59,7 @@ from algorithms._comm import Comm
 from algorithms._sparse import (
     entry_bytes,
     gather_mode,
-    kth_largest,
-    kth_largest_host,
+    Magnitudes,
     merge_runs,
     merge_sources,
     offsets,
@@ -348,7 +347,7 @@ def _gather_regions_eager(
         if j != me:
             msgs[j] = torch.empty(8 + caps[j] * e, dtype=torch.uint8, device=comm.device)
     comm.rotated_exchange(peers_in_flight, lambda dst: [(mine, 0)], lambda src: [(msgs[src], 0)])
-    sizes = [int(n) for n in torch.cat([msgs[j][:8] for j in range(p)]).view(torch.int64).tolist()]
+    sizes = torch.cat([msgs[j][:8] for j in range(p)]).view(torch.int64).tolist()
     rest = [max(0, sizes[j] - caps[j]) for j in range(p)]
     tails = {me: blob[first:]}
     if any(rest):  # some region outgrew its room: its owner sends the rest to everyone
@@ -419,43 +418,6 @@ def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm, total_bound: int |
 #: the cut of a reduced, error-fed gradient the kept count can halve for a
 #: 5% higher threshold, which would step over the band (a factor 1.9 wide).
 GLOBAL_NUDGES = 8
-
-
-def _select(mag: torch.Tensor, threshold: float) -> torch.Tensor:
-    return mag >= threshold if threshold > 0 else mag > 0
-
-
-class _Magnitudes:
-    """``|acc|`` of one call's local selection: count, select and rank it by threshold.
-
-    On the CPU (fp32, fp64) the work runs in NumPy, whose single-thread
-    elementwise kernels are 2 to 4 times faster than torch's on 2^20 values
-    here (abs, compare, count, nonzero); elsewhere in torch. Either way the
-    rule is :func:`_select`'s: ``>= threshold``, or ``> 0`` for a threshold of 0.
-    """
-
-    __slots__ = ("mag", "host")
-
-    def __init__(self, acc: torch.Tensor) -> None:
-        self.host = acc.device.type == "cpu" and acc.dtype in (torch.float32, torch.float64)
-        self.mag = np.abs(acc.detach().reshape(-1).numpy()) if self.host else acc.abs()
-
-    def _mask(self, threshold: float) -> Any:
-        return self.mag >= threshold if threshold > 0 else self.mag > 0
-
-    def count(self, threshold: float) -> int:
-        if self.host:
-            return int(np.count_nonzero(self._mask(threshold)))
-        return int(torch.count_nonzero(self._mask(threshold)))
-
-    def indices(self, threshold: float) -> torch.Tensor:
-        """Sorted int64 positions of the selected values."""
-        if self.host:
-            return torch.from_numpy(np.flatnonzero(self._mask(threshold)).astype(np.int64, copy=False))
-        return self._mask(threshold).nonzero().view(-1)
-
-    def kth_largest(self, k: int) -> float:
-        return kth_largest_host(self.mag, k) if self.host else kth_largest(self.mag, k)
 
 
 class OkTopk(Algorithm):
@@ -533,7 +495,7 @@ class OkTopk(Algorithm):
         n = acc.numel()
         k = state.k_for(n)
         lo, hi = state.band_for(k)
-        mag = _Magnitudes(acc)
+        mag = Magnitudes(acc)
 
         # 1. Local selection by threshold.
         th = state.local_threshold
@@ -565,23 +527,23 @@ class OkTopk(Algorithm):
         # wins (the same on every rank: the same totals, the same floats). If
         # none does, the exact threshold replaces it on this very call, so the
         # gather never exceeds the band.
-        rmag = rvals.view(-1).abs()
+        rmag = Magnitudes(rvals)
         gth = state.global_threshold
         exact = gth is None or state.global_exact_due or state.step % state.global_refresh == 0
         if not exact:
             cands = [gth * (1 + state.nudge) ** (j / 2) for j in range(-GLOBAL_NUDGES, GLOBAL_NUDGES + 1)]
-            table = self._counts(comm, [int(torch.count_nonzero(_select(rmag, t))) for t in cands])
+            table = self._counts(comm, [rmag.count(t) for t in cands])
             totals = [sum(row[j] for row in table) for j in range(len(cands))]
             fits = [j for j, t in enumerate(totals) if lo <= t <= hi]
             if fits:
                 best = min(fits, key=lambda j: (abs(totals[j] - k), abs(j - GLOBAL_NUDGES)))
                 gth, sizes = cands[best], [row[best] for row in table]
-                keep = _select(rmag, gth)
+                keep = rmag.mask(gth)
             else:
                 exact = True
         if exact:
-            gth = radix_kth_largest(rmag, k, comm, n)  # owners' regions are disjoint: at most n values
-            keep = _select(rmag, gth)
+            gth = radix_kth_largest(rmag.tensor(), k, comm, n)  # owners' regions are disjoint: at most n values
+            keep = rmag.mask(gth)
             sizes = self._sizes(comm, int(torch.count_nonzero(keep)))
         total = sum(sizes)
         state.global_exact_due = False
@@ -601,8 +563,7 @@ class OkTopk(Algorithm):
 
     @staticmethod
     def _sizes(comm: Comm, count: int) -> list[int]:
-        with comm.meta():
-            return comm.all_gather(torch.tensor([count], dtype=torch.int64, device=comm.device)).tolist()
+        return [row[0] for row in OkTopk._counts(comm, [count])]
 
     @staticmethod
     def _counts(comm: Comm, counts: list[int]) -> list[list[int]]:

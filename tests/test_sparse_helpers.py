@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms._sparse import _sorted_order, kth_largest, merge_host, split_layout, sum_by_index, top_k_indices
+from algorithms._sparse import Magnitudes, _sorted_order, merge_host, split_layout, sum_by_index
 
 
 def _reference(idx: np.ndarray, vals: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -109,8 +109,8 @@ def test_top_k_selection_matches_torch_topk(dtype):
             mag[n // 2 : n // 2 + 5] = mag[n // 2 + 5]
         for k in sorted(k for k in {1, 2, n // 3 + 1, n // 2, n - 1, n} if 1 <= k <= n):
             ref = torch.topk(mag, k, sorted=False)
-            assert kth_largest(mag, k) == float(ref.values.min())
-            idx = top_k_indices(mag, k)
+            assert Magnitudes(mag).kth_largest(k) == float(ref.values.min())
+            idx = Magnitudes(mag).top_k_indices(k)
             assert idx.dtype == torch.int64 and idx.numel() == k
             assert bool((idx[1:] > idx[:-1]).all()), "positions must come sorted and unique"
             assert torch.equal(mag[idx].sort().values, ref.values.sort().values)
@@ -118,5 +118,5 @@ def test_top_k_selection_matches_torch_topk(dtype):
 
 def test_top_k_selection_takes_tensors_that_require_grad():
     mag = torch.rand(100, requires_grad=True)
-    assert kth_largest(mag, 7) == float(torch.topk(mag.detach(), 7).values.min())
-    assert top_k_indices(mag, 7).tolist() == sorted(torch.topk(mag.detach(), 7).indices.tolist())
+    assert Magnitudes(mag).kth_largest(7) == float(torch.topk(mag.detach(), 7).values.min())
+    assert Magnitudes(mag).top_k_indices(7).tolist() == sorted(torch.topk(mag.detach(), 7).indices.tolist())

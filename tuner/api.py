@@ -449,11 +449,6 @@ def _sparse_allreduce(
     has_entries = eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
     if sel is None:
         decision: Any = None
-    elif vals.shape[1] == 0:
-        # Rows of no elements: only the union of the indices moves, the same for every algorithm (and the cost
-        # model has no such rows). Every rank sees the same row shape in the record, so every rank takes this branch.
-        decision, algorithm = None, "allgather"
-        knobs_checked = algorithms.get(algorithm).check_knobs(knobs)
     else:
         sketches = None
         if eager == _meta.EAGER_SKETCH:
@@ -492,7 +487,7 @@ def _sparse_allreduce(
                 vals.untyped_storage().data_ptr(), values.untyped_storage().data_ptr()
             )
             out_vals = out_vals / comm.world_size if shared else out_vals.div_(comm.world_size)
-    if decision is not None:
+    if sel is not None:
         sel.observe_sparse(site, counts, out_idx.numel())
     out_vals = out_vals.to(values.dtype).reshape((out_idx.numel(),) + row_shape)
     return SparseResult(out_idx, out_vals, n, algorithm, comm.traffic, decision)

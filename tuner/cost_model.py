@@ -71,6 +71,7 @@ import numpy as np
 from sklearn.base import BaseEstimator, clone
 
 from algorithms import _meta, _sparse
+from algorithms.oktopk import OkTopk
 from algorithms.errors import ColltuneTypeError, ColltuneValueError
 from tuner.features import Features
 from tuner.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
@@ -193,9 +194,9 @@ class AnalyticModel:
         primitives: Mapping[str, Primitive | Mapping[str, float]] | Profile,
         *,
         metadata_bytes: int | None = None,
-        boundary_period: int = 64,
-        peers_in_flight: int = 8,
-        dense_fallback_ratio: float = 1.0,
+        boundary_period: int = OkTopk.knobs["boundary_refresh"],
+        peers_in_flight: int = OkTopk.knobs["peers_in_flight"],
+        dense_fallback_ratio: float = OkTopk.knobs["dense_fallback_ratio"],
     ) -> None:
         if isinstance(primitives, Profile):
             primitives = primitives.primitives

@@ -134,7 +134,7 @@ SAFE_DEFAULT = "dense"
 #: The profile shipped for each backend (file names in :func:`profiles_dir`).
 SHIPPED_PROFILES: dict[str, str] = {"gloo": "cpu-gloo.yaml", "nccl": "analytic-nccl.yaml"}
 
-Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "requested"]
+Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "no-values", "requested"]
 
 #: The candidates, in tie-breaking order: ``tuner.cost_model.ALGORITHMS``
 #: (repeated here so that importing the selector does not import scikit-learn).
@@ -229,7 +229,8 @@ class Choice:
             ``model`` (the cost model's argmin), ``hysteresis`` (the site's
             previous algorithm kept, within ``margin`` of the best),
             ``default`` (no profile), ``single-rank``, ``empty`` (no entries
-            anywhere) or ``requested`` (an explicit ``algorithm=``).
+            anywhere), ``no-values`` (rows of no elements) or ``requested``
+            (an explicit ``algorithm=``).
         knobs: the policy's knobs for ``algorithm`` (the caller's ``knobs=``
             are applied on top).
         predicted_us: predicted time of each algorithm in microseconds, when
@@ -293,6 +294,7 @@ class Choice:
 _REQUESTED = {a: Choice(a, "requested by the caller", "requested") for a in ALGORITHMS}
 _EMPTY = Choice("allgather", "no entries on any rank: nothing moves", "empty")
 _SINGLE = Choice("allgather", "single rank: no communication", "single-rank")
+_NO_VALUES = Choice("allgather", "rows of no elements: only the union of the indices moves", "no-values")
 
 
 def requested(algorithm: str) -> Choice:
@@ -635,6 +637,8 @@ class Selector:
             return _SINGLE
         if k_sum == 0:
             return _EMPTY
+        if row_numel == 0:  # the same for every algorithm, and outside what the cost model describes
+            return _NO_VALUES
         site = self._site(site_key)
         call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p)
         dtype_name, density, numel = call.dtype_name, call.density, call.numel
