@@ -31,6 +31,7 @@ size; a rank that disagreed on the call raises before anything is updated.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 
 import numpy as np
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms._comm import Comm
-from algorithms.errors import ColltuneTypeError, RankMismatchError, RemoteInputError
+from algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
 
 __all__ = [
     "FIELDS",
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 3
+_VERSION = 4
 
 #: Field order of the record.
 FIELDS: tuple[str, ...] = (
@@ -77,6 +78,7 @@ FIELDS: tuple[str, ...] = (
     "shape_3",
     "eager",
     "payload",
+    "error_arg",
 )
 _SHAPE_DIMS = 4
 #: Fields every rank must agree on, with how to say them in an error.
@@ -90,23 +92,49 @@ SHARED_FIELDS: tuple[str, ...] = (
 EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
+_ERROR_KINDS = {1: "invalid", 2: "wrong type of"}
+#: Argument names a record's ``error_arg`` may carry, known to every rank so it can name them.
+ARGUMENTS: tuple[str, ...] = (
+    "indices", "values", "size", "op", "group", "algorithm", "knobs", "name", "policy", "tensor", "state",
+    "async_op", "unknown",
+)
 _HISTORY_HINT = (
     "the ranks hold different histories for this call site (make the same calls, in the same order, "
     "with the same name= and knobs= on every rank)"
 )
 _names: dict[int, str] = {}
 _codes: dict[str, int] = {}
+#: The most strings :func:`name_code` remembers (row shapes are the only open-ended ones).
+_MAX_NAMES = 65536
 
 
 def name_code(name: str | None) -> int:
-    """Return a stable code for a string (an algorithm name, a row shape), remembering it for messages."""
+    """Return a stable code for a string (an algorithm name, a row shape), remembering it for messages.
+
+    Only for the few strings a message may need to show: every string is
+    kept for the life of the process. Hash anything else with :func:`digest`.
+    """
     if name is None:
         return -1
     code = _codes.get(name)
     if code is None:
-        code = _codes[name] = zlib.crc32(name.encode())
-        _names[code] = name
+        code = zlib.crc32(name.encode())
+        if len(_codes) < _MAX_NAMES:  # past the bound a message says the code, not the name
+            _codes[name] = code
+            _names[code] = name
     return code
+
+
+def digest(*parts: object) -> int:
+    """Return a signed 64-bit code of ``repr(parts)``, the same on every rank, without remembering it.
+
+    For what ranks must agree on but no message shows (knobs, a tensor's
+    name): unlike :func:`name_code` it keeps nothing, so calls with ever new
+    names do not grow the process.
+    """
+    raw = repr(parts).encode()
+    code = (zlib.crc32(raw) << 32) | zlib.crc32(raw[::-1])
+    return code - (1 << 64) if code >= (1 << 63) else code
 
 
 def shape_fields(shape: tuple[int, ...]) -> dict[str, int]:
@@ -152,20 +180,21 @@ SHRINK_AFTER = 8
 
 
 class _Slot:
-    __slots__ = ("group", "nbytes", "low")
+    __slots__ = ("nbytes", "low")
 
-    def __init__(self, group: object, nbytes: int) -> None:
-        self.group, self.nbytes, self.low = group, nbytes, 0
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.low = nbytes, 0
 
 
-_slot_state: dict[int, _Slot] = {}
+#: The slot size per process group, for as long as the group lives.
+_slot_state: weakref.WeakKeyDictionary[object, _Slot] = weakref.WeakKeyDictionary()
 
 
 def _group_slot(comm: Comm) -> _Slot:
     group = comm.group if comm.group is not None else dist.group.WORLD
-    st = _slot_state.get(id(group))
-    if st is None or st.group is not group:  # a new group (or a new one at a reused id)
-        st = _slot_state[id(group)] = _Slot(group, eager_capacity(comm.world_size))
+    st = _slot_state.get(group)
+    if st is None:
+        st = _slot_state[group] = _Slot(eager_capacity(comm.world_size))
     return st
 
 
@@ -229,21 +258,23 @@ def exchange(
         The rank's own ``local_error``; :class:`RemoteInputError` if another
         rank's input was invalid; :class:`RankMismatchError` if ranks disagree.
     """
-    kind = "type" if isinstance(local_error, TypeError) else ("value" if local_error is not None else None)
-    full = dict(record, magic=_MAGIC, version=_VERSION, error=_ERROR_CODES[kind])
     if comm.world_size == 1:
         if local_error is not None:
             raise local_error
-        return [full], None
+        return [dict(record, magic=_MAGIC, version=_VERSION, error=0)], None
     cap = slot_bytes(comm)
+    try:
+        host = _pack(record, local_error, slot, cap)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+        # A field that does not fit in int64 or a slot that does not fit its room: the record
+        # still travels, with the error set and nothing else, so no rank is left waiting.
+        local_error = local_error or ColltuneValueError(
+            f"the metadata record of this call could not be built ({type(exc).__name__}: {exc}); "
+            "check that every size and count fits in int64."
+        )
+        local_error.__cause__ = local_error.__cause__ or exc
+        host = _pack({"kind": record.get("kind", -1)}, local_error, None, cap)
     hbytes = 8 * len(FIELDS)
-    # Built on the host in one buffer (one small copy to the device): on tiny
-    # inputs the call's time is its number of operations.
-    host = np.zeros(hbytes + cap, dtype=np.uint8)
-    host[:hbytes] = np.array([int(full.get(f, -1)) for f in FIELDS], dtype=np.int64).view(np.uint8)
-    if slot is not None:
-        data = slot if isinstance(slot, np.ndarray) else slot.cpu().numpy()
-        host[hbytes : hbytes + data.size] = data.reshape(-1)
     row = torch.from_numpy(host).to(comm.device)
     with comm.meta():
         table = comm.all_gather(row).view(comm.world_size, row.numel())
@@ -262,9 +293,13 @@ def exchange(
         raise local_error
     bad = [r for r, rec in enumerate(records) if rec["error"]]
     if bad:
+        what = "; ".join(
+            f"rank {r}: {_ERROR_KINDS.get(records[r]['error'], 'invalid')} argument "
+            f"{_names.get(records[r]['error_arg'], 'unknown')!r}" for r in bad
+        )
         raise RemoteInputError(
-            f"rank(s) {bad} rejected their input to this collective, so rank {comm.rank} abandoned it too; "
-            "the error raised on those ranks names the argument to fix."
+            f"rank(s) {bad} rejected their input to this collective ({what}), so rank {comm.rank} "
+            "abandoned it too; the error raised on those ranks says what to fix."
         )
     for f in SHARED_FIELDS:
         values = [rec[f] for rec in records]
@@ -285,6 +320,28 @@ def exchange(
     return records, slots
 
 
+def _pack(record: dict[str, int], local_error: BaseException | None, slot: object, cap: int) -> np.ndarray:
+    """Return this rank's record and eager slot as one host buffer of ``8 * len(FIELDS) + cap`` bytes.
+
+    One buffer (one small copy to the device): on tiny inputs a call's time
+    is its number of operations. Raises ``OverflowError`` for a field outside
+    int64 and ``ValueError`` for a slot larger than ``cap``.
+    """
+    kind = "type" if isinstance(local_error, TypeError) else ("value" if local_error is not None else None)
+    full = dict(record, magic=_MAGIC, version=_VERSION, error=_ERROR_CODES[kind])
+    if local_error is not None:
+        full["error_arg"] = name_code(getattr(local_error, "argument", None) or "unknown")
+    hbytes = 8 * len(FIELDS)
+    host = np.zeros(hbytes + cap, dtype=np.uint8)
+    host[:hbytes] = np.array([int(full.get(f, -1)) for f in FIELDS], dtype=np.int64).view(np.uint8)
+    if slot is not None:
+        data = slot if isinstance(slot, np.ndarray) else slot.cpu().numpy()  # type: ignore[attr-defined]
+        if data.size > cap:
+            raise ValueError(f"an eager slot of {data.size} bytes does not fit the record's {cap}")
+        host[hbytes : hbytes + data.size] = data.reshape(-1)
+    return host
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Return ``float32`` for ``torch.float32`` and so on."""
     return str(dtype).replace("torch.", "")
@@ -297,3 +354,7 @@ def check_index_dtype(name: str, t: torch.Tensor) -> None:
             f"{name} must be an int32 or int64 tensor, but got dtype {dtype_name(t.dtype)}; "
             f"convert it with {name}.long()."
         )
+
+
+for _argument in ARGUMENTS:
+    name_code(_argument)

@@ -184,8 +184,9 @@ class Algorithm(abc.ABC):
             if key not in self.knobs:
                 allowed = ", ".join(sorted(self.knobs)) or "none"
                 raise ColltuneValueError(
-                    f"knob {key!r} is not a knob of algorithm {self.name!r}; allowed knobs: {allowed}. "
-                    "Remove it or set it for the algorithm it belongs to."
+                    f"knobs[{key!r}] is not a knob of algorithm {self.name!r}; allowed knobs: {allowed}. "
+                    "Remove it or set it for the algorithm it belongs to.",
+                    argument="knobs",
                 )
             default = self.knobs[key]
             if isinstance(default, bool):
@@ -196,18 +197,24 @@ class Algorithm(abc.ABC):
                 ok = isinstance(value, type(default)) and not isinstance(value, bool)
             if not ok:
                 raise ColltuneTypeError(
-                    f"knob {self.name}.{key} must be of type {type(default).__name__}, but got {value!r}."
+                    f"knobs[{key!r}] of algorithm {self.name!r} must be of type {type(default).__name__}, "
+                    f"but got {value!r}.",
+                    argument="knobs",
                 )
             merged[key] = value
         for key, choices in self.knob_choices.items():
             if merged[key] not in choices:
                 raise ColltuneValueError(
-                    f"knob {self.name}.{key} must be one of {', '.join(choices)}, but got {merged[key]!r}."
+                    f"knobs[{key!r}] of algorithm {self.name!r} must be one of {', '.join(choices)}, "
+                    f"but got {merged[key]!r}.",
+                    argument="knobs",
                 )
         for key, (bound, exclusive) in self.knob_minimums.items():
             if merged[key] <= bound if exclusive else merged[key] < bound:
                 raise ColltuneValueError(
-                    f"knob {self.name}.{key} must be {'>' if exclusive else '>='} {bound:g}, but got {merged[key]}."
+                    f"knobs[{key!r}] of algorithm {self.name!r} must be {'>' if exclusive else '>='} {bound:g}, "
+                    f"but got {merged[key]}.",
+                    argument="knobs",
                 )
         return merged
 

@@ -21,7 +21,21 @@ __all__ = [
 
 
 class ColltuneError(Exception):
-    """Root of all colltune errors."""
+    """Root of all colltune errors.
+
+    Attributes:
+        argument: the name of the argument at fault (``"indices"``,
+            ``"knobs"``...), or ``None`` when no single argument is. The
+            metadata record carries it, so that the other ranks of a
+            collective can name it in their :class:`RemoteInputError`.
+    """
+
+    argument: str | None = None
+
+    def __init__(self, *args: object, argument: str | None = None) -> None:
+        super().__init__(*args)
+        if argument is not None:
+            self.argument = argument
 
 
 class ColltuneValueError(ColltuneError, ValueError):

@@ -367,9 +367,13 @@ def test_size_beyond_int32_uses_wide_indices(algorithm, width):
 # ------------------------------------------------------------------ the eager slot adapts per group
 
 
+class _FakeGroup:
+    """Stands for a process group: per-group state is held weakly, keyed by the group object."""
+
+
 class _FakeComm:
     def __init__(self, world_size):
-        self.world_size, self.group = world_size, object()
+        self.world_size, self.group = world_size, _FakeGroup()
 
 
 def test_eager_slot_grows_at_once_and_shrinks_only_after_a_run_of_small_calls():

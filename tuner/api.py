@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import operator
+import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -37,7 +40,7 @@ from algorithms._comm import Comm, Traffic
 from algorithms._sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
 from algorithms.allgather import eager_slot, slot_need
 from algorithms.base import SparseInput, SparseResult
-from algorithms.errors import ColltuneTypeError, ColltuneValueError
+from algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError
 from algorithms.state import TopkState
 from tuner.features import sketch_hashes
 
@@ -139,27 +142,148 @@ def _dtype_name(dtype: torch.dtype) -> str:
 _VALUE_NAMES = ", ".join(_dtype_name(d) for d in VALUE_DTYPES)
 
 
+def _bad(cls: type[ColltuneError], argument: str, message: str) -> ColltuneError:
+    """Return an error about ``argument``; the metadata record carries its name to the other ranks."""
+    return cls(message, argument=argument)
+
+
 def _check_common(op: Any, algorithm: Any) -> None:
-    if op not in OPS:
-        raise ColltuneValueError(f"op must be one of {', '.join(OPS)}, but got {op!r}.")
+    if not (isinstance(op, str) and op in OPS):
+        raise _bad(ColltuneValueError, "op", f"op must be one of {', '.join(OPS)}, but got {op!r}.")
     if algorithm != "auto":
-        algorithms.get(algorithm)
+        try:
+            algorithms.get(algorithm)
+        except ColltuneError as exc:
+            exc.argument = "algorithm"
+            raise
 
 
-def _comm_device(group: dist.ProcessGroup | None, hint: Any) -> torch.device:
-    if isinstance(hint, torch.Tensor):
-        return hint.device
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+#: Device types each backend's collectives move; other backends are trusted with any device but ``meta``.
+_BACKEND_DEVICES: dict[str, tuple[str, ...]] = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "local": ("cpu", "cuda")}
+
+
+def _backend_of(group: Any) -> str:
+    """Return the group's backend (``gloo``, ``nccl``...), or ``local`` without a process group.
+
+    Raises:
+        ColltuneTypeError: ``group`` is neither ``None`` nor a process group.
+        ColltuneValueError: this rank is not a member of ``group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return "local"
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise _bad(ColltuneTypeError, "group",
+                   f"group must be a torch.distributed.ProcessGroup or None, but got {type(group).__name__}.")
+    if group is not None and dist.get_rank(group) < 0:
+        raise _bad(ColltuneValueError, "group",
+                   f"this rank ({dist.get_rank()}) is not a member of the group it passed; call "
+                   "collectives only on the ranks of their group, as torch.distributed requires.")
+    return str(dist.get_backend(group)).lower()
+
+
+def _comm_device(group: Any, hint: Any) -> torch.device:
+    """Return where the call's collectives run: ``hint``'s device if the backend moves it, else the backend's own.
+
+    Never raises, so that even a rank whose arguments are unusable (a bad
+    group, a ``meta`` tensor, CUDA values on a backend without CUDA) joins
+    the metadata exchange and tells the others.
+    """
+    try:
+        backend = _backend_of(group)
+    except ColltuneError:
+        backend = "invalid"
+    if isinstance(hint, torch.Tensor) and hint.device.type in _BACKEND_DEVICES.get(backend, ("cpu", "cuda")):
+        if hint.device.type != "cuda" or torch.cuda.is_available():
+            return hint.device
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _check_backend_device(group: dist.ProcessGroup | None, device: torch.device, argument: str) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl" and device.type != "cuda":
-        raise ColltuneValueError(
-            f"{argument} is on {device}, but the group's backend is NCCL, which moves CUDA tensors only; "
-            f"move it with {argument}.cuda()."
+def _exchange_group(group: Any) -> Any:
+    """Return the group the metadata exchange runs on: ``group``, or the default group when ``group`` is unusable.
+
+    A rank that passed something that is not a process group still tells
+    the others, over the default group (the group they most likely passed).
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    return None
+
+
+def _check_tensor(t: Any, argument: str, what: str) -> None:
+    """Check that ``t`` is a strided torch.Tensor with data on a device the group's backend moves."""
+    if not isinstance(t, torch.Tensor):
+        raise _bad(ColltuneTypeError, argument, f"{argument} must be a torch.Tensor {what}, but got {type(t).__name__}.")
+    if t.is_nested:
+        raise _bad(ColltuneTypeError, argument, f"{argument} must be a regular tensor, but got a nested tensor; "
+                   f"concatenate its components with torch.cat(list({argument}.unbind())).")
+    if t.layout != torch.strided:
+        hint = (
+            f"for a sparse COO tensor t pass t.coalesce().indices()[0] as indices and t.coalesce().values() "
+            f"as values" if t.layout == torch.sparse_coo else f"convert it with {argument}.to_dense()"
         )
+        raise _bad(ColltuneTypeError, argument, f"{argument} must be a dense (strided) tensor, but got layout "
+                   f"{str(t.layout).replace('torch.', '')}; {hint}.")
+
+
+def _check_device(group: Any, device: torch.device, argument: str) -> None:
+    """Raise unless the group's backend moves tensors on ``device`` (and the device holds data)."""
+    if device.type == "meta":
+        raise _bad(ColltuneValueError, argument, f"{argument} is on the meta device, which holds no data; "
+                   f"pass a tensor with values (on cpu, or cuda with NCCL).")
+    backend = _backend_of(group)
+    allowed = _BACKEND_DEVICES.get(backend)
+    if allowed is not None and device.type not in allowed:
+        where = " or ".join(allowed)
+        raise _bad(ColltuneValueError, argument,
+                   f"{argument} is on {device}, but the group's backend {backend} moves {where} tensors only; "
+                   f"move it with {argument}.to({allowed[0]!r}) or use a group whose backend moves {device.type}.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _bad(ColltuneValueError, argument, f"{argument} is on {device}, but CUDA is not available here.")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+_VALUE_NAMES = ", ".join(_dtype_name(d) for d in VALUE_DTYPES)
+#: The largest ``size``: indices are int64 and the record carries sizes as int64.
+MAX_SIZE = (1 << 63) - 1
+
+
+def _as_int(x: Any) -> int | None:
+    """Return ``x`` as an int if it is an integer (``int``, NumPy or 0-d torch integers; not ``bool``), else ``None``."""
+    if isinstance(x, (bool, float)) or getattr(x, "dtype", None) == torch.bool:
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+def _check_size(size: Any, row_shape: tuple[int, ...]) -> int:
+    """Return ``n`` from ``size`` (an int or a shape ``(n, *row_shape)``)."""
+    if isinstance(size, (tuple, list, torch.Size)):
+        shape = tuple(_as_int(s) for s in size)
+        if not shape or any(s is None for s in shape):
+            raise _bad(ColltuneTypeError, "size",
+                       f"size must be an int or a shape (n, *row_shape) of ints, but got {size!r}.")
+        if shape[1:] != row_shape:
+            raise _bad(ColltuneValueError, "size",
+                       f"values rows have shape {row_shape}, but size {shape} says rows of shape {shape[1:]}; "
+                       f"pass size=({shape[0]}, *values.shape[1:]) or reshape values.")
+        n = shape[0]
+    elif _as_int(size) is not None:
+        n = _as_int(size)
+    else:
+        raise _bad(ColltuneTypeError, "size", f"size must be an int (the number of dense rows), but got {size!r}.")
+    if n < 1:
+        raise _bad(ColltuneValueError, "size", f"size must be >= 1, but got {n}.")
+    if n > MAX_SIZE:
+        raise _bad(ColltuneValueError, "size",
+                   f"size must be at most 2^63 - 1 (indices are int64), but got {n}; pass the number of dense rows.")
+    return n
 
 
 def _validate_sparse(
@@ -167,70 +291,76 @@ def _validate_sparse(
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
     """Check the arguments of ``sparse_allreduce``; return indices, values as ``[k, r]``, n and the row shape."""
     _check_common(op, algorithm)
-    if not isinstance(indices, torch.Tensor):
-        raise ColltuneTypeError(f"indices must be a torch.Tensor of int32 or int64, but got {type(indices).__name__}.")
-    if not isinstance(values, torch.Tensor):
-        raise ColltuneTypeError(f"values must be a torch.Tensor, but got {type(values).__name__}.")
+    _check_tensor(indices, "indices", "of int32 or int64")
+    _check_tensor(values, "values", "of floats")
     if indices.dtype not in INDEX_DTYPES:
         hint = " (indices must be whole row numbers)" if indices.is_floating_point() else ""
-        raise ColltuneTypeError(
-            f"indices must have dtype int32 or int64, but got {_dtype_name(indices.dtype)}{hint}; "
-            "convert them with indices.long()."
-        )
+        raise _bad(ColltuneTypeError, "indices",
+                   f"indices must have dtype int32 or int64, but got {_dtype_name(indices.dtype)}{hint}; "
+                   "convert them with indices.long().")
     if indices.dim() != 1:
-        raise ColltuneValueError(
-            f"indices must be 1-D (one row index per entry), but got shape {tuple(indices.shape)}; "
-            "for a COO tensor pass its row indices, e.g. t.indices()[0]."
-        )
+        raise _bad(ColltuneValueError, "indices",
+                   f"indices must be 1-D (one row index per entry), but got shape {tuple(indices.shape)}; "
+                   "for a COO tensor pass its row indices, e.g. t.indices()[0].")
     if values.dtype not in VALUE_DTYPES:
-        raise ColltuneTypeError(
-            f"values must have one of the dtypes {_VALUE_NAMES}, but got {_dtype_name(values.dtype)}; "
-            "convert them with values.float()."
-        )
+        raise _bad(ColltuneTypeError, "values",
+                   f"values must have one of the dtypes {_VALUE_NAMES}, but got {_dtype_name(values.dtype)}; "
+                   "convert them with values.float().")
     if values.dim() == 0:
-        raise ColltuneValueError(
-            "values must have shape [k] or [k, *row_shape], one row per index, but got a 0-d tensor."
-        )
+        raise _bad(ColltuneValueError, "values",
+                   "values must have shape [k] or [k, *row_shape], one row per index, but got a 0-d tensor.")
     if values.shape[0] != indices.shape[0]:
-        raise ColltuneValueError(
-            f"indices and values must have the same length (one value row per index), but got "
-            f"{indices.shape[0]} indices and {values.shape[0]} value rows."
-        )
+        raise _bad(ColltuneValueError, "values",
+                   f"indices and values must have the same length (one value row per index), but got "
+                   f"{indices.shape[0]} indices and {values.shape[0]} value rows.")
+    _check_device(group, values.device, "values")
     if indices.device != values.device:
-        raise ColltuneValueError(
-            f"indices and values must be on the same device, but got {indices.device} and {values.device}."
-        )
-    _check_backend_device(group, values.device, "values")
+        raise _bad(ColltuneValueError, "indices",
+                   f"indices and values must be on the same device, but got {indices.device} and {values.device}.")
     row_shape = tuple(values.shape[1:])
-    if isinstance(size, (tuple, list, torch.Size)):
-        shape = tuple(size)
-        if not shape or any(isinstance(s, bool) or not isinstance(s, int) for s in shape):
-            raise ColltuneTypeError(f"size must be an int or a shape (n, *row_shape) of ints, but got {size!r}.")
-        if shape[1:] != row_shape:
-            raise ColltuneValueError(
-                f"values rows have shape {row_shape}, but size {shape} says rows of shape {shape[1:]}; "
-                f"pass size=({shape[0]}, *values.shape[1:]) or reshape values."
-            )
-        n = shape[0]
-    elif isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    else:
-        raise ColltuneTypeError(f"size must be an int (the number of dense rows), but got {size!r}.")
-    if n < 1:
-        raise ColltuneValueError(f"size must be >= 1, but got {n}.")
+    n = _check_size(size, row_shape)
     if indices.numel():
         lo, hi = torch.aminmax(indices)
         lo, hi = int(lo), int(hi)
         if lo < 0:
-            raise ColltuneValueError(
-                f"indices must be in [0, size) = [0, {n}), but got a negative index {lo}; "
-                "wrap negative indices with indices % size if they count from the end."
-            )
+            raise _bad(ColltuneValueError, "indices",
+                       f"indices must be in [0, size) = [0, {n}), but got a negative index {lo}; "
+                       "wrap negative indices with indices % size if they count from the end.")
         if hi >= n:
-            raise ColltuneValueError(
-                f"indices must be in [0, size) = [0, {n}), but got index {hi}; pass a larger size or fix the indices."
-            )
+            raise _bad(ColltuneValueError, "indices",
+                       f"indices must be in [0, size) = [0, {n}), but got index {hi}; "
+                       "pass a larger size or fix the indices.")
     return indices, values.reshape(values.shape[0], int(torch.Size(row_shape).numel())), n, row_shape
+
+
+def _device_bytes(device: torch.device) -> int:
+    """Return the memory of ``device`` in bytes (physical memory for the CPU), cached."""
+    key = (device.type, device.index)
+    got = _DEVICE_BYTES.get(key)
+    if got is None:
+        if device.type == "cuda":
+            got = int(torch.cuda.get_device_properties(device).total_memory)
+        else:
+            try:
+                got = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):
+                got = 1 << 62  # unknown: do not refuse
+        _DEVICE_BYTES[key] = got
+    return got
+
+
+_DEVICE_BYTES: dict[tuple[str, int | None], int] = {}
+
+
+def _check_dense_fits(n: int, row_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise if ``dense``'s buffers (``n`` rows in the accumulation dtype, and a byte per row) exceed the device."""
+    need = n * (row_numel * torch.empty((), dtype=accum_dtype(dtype)).element_size() + 1)
+    have = _device_bytes(device)
+    if need > have:
+        raise _bad(ColltuneValueError, "size",
+                   f"algorithm 'dense' needs {need / 2**30:.3g} GiB for size {n} (rows of {row_numel} "
+                   f"{_dtype_name(accum_dtype(dtype))} and a mask byte each), more than the {have / 2**30:.3g} GiB "
+                   f"of {device.type}; use algorithm 'allgather', 'oktopk' or 'auto'.")
 
 
 # --------------------------------------------------------------------------- auto
@@ -243,33 +373,67 @@ def _selector_module() -> Any:
     return selector
 
 
-def _backend_name(group: dist.ProcessGroup | None) -> str:
-    """Return the group's backend (``gloo``, ``nccl``...), or ``local`` without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return "local"
-    return str(dist.get_backend(group)).lower()
-
-
 def _check_name(name: Any) -> None:
     if name is not None and not isinstance(name, str):
-        raise ColltuneTypeError(
-            f"name must be a str (the tensor's name, for policy rules and decision caching) or None, "
-            f"but got {type(name).__name__}."
-        )
+        raise _bad(ColltuneTypeError, "name",
+                   f"name must be a str (the tensor's name, for policy rules and decision caching) or None, "
+                   f"but got {type(name).__name__}.")
 
 
-def _policy_code(sel: Any, backend: str, name: str | None) -> int:
+def _policy_code(sel: Any, backend: str, name: str | None, knobs: dict[str, dict[str, Any]]) -> int:
     """Return what the metadata record's ``policy`` field carries for an auto call.
 
-    The selector's digest (policy, ``COLLTUNE_ALGO``, profile, settings) with
-    the tensor name folded in: ranks that would decide differently disagree
-    on this number, so every rank raises instead of hanging.
+    The selector's digest (policy, ``COLLTUNE_ALGO``, profile, settings),
+    the tensor name and the caller's knobs per algorithm: ranks that would
+    decide or run differently disagree on this number, so every rank raises
+    instead of hanging.
     """
-    code = sel.digest(backend)
-    if name is not None:
-        code ^= _meta.name_code(name) << 20
-    code &= (1 << 64) - 1
-    return code - (1 << 64) if code >= (1 << 63) else code
+    return _meta.digest(sel.digest(backend), name, sorted((a, sorted(k.items())) for a, k in knobs.items()))
+
+
+def _check_knobs_mapping(knobs: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(knobs, Mapping) or not all(isinstance(k, str) for k in knobs):
+        raise _bad(ColltuneTypeError, "knobs",
+                   f"knobs{what} must be a dict of knob names to values, e.g. {{'mode': 'pad'}}, but got "
+                   f"{type(knobs).__name__} {knobs!r:.80}.")
+    return knobs
+
+
+def _check_explicit_knobs(algo: algorithms.Algorithm, knobs: Any) -> dict[str, Any]:
+    """Return ``algo``'s knobs with the caller's applied, checked (errors name the argument ``knobs``)."""
+    try:
+        return algo.check_knobs(dict(_check_knobs_mapping(knobs, "")) if knobs else None)
+    except ColltuneError as exc:
+        exc.argument = "knobs"
+        raise
+
+
+def _auto_knobs(knobs: Any) -> dict[str, dict[str, Any]]:
+    """Return an auto call's knobs per algorithm, each checked against its algorithm.
+
+    ``knobs`` maps algorithm names to their knobs (``{"allgather": {"mode":
+    "pad"}}``), or names knobs directly (``{"mode": "pad"}``), each applied
+    to every algorithm that has it. A knob applies when its algorithm runs,
+    so a valid allgather knob never fails a call that auto sends to dense.
+    """
+    if not knobs:
+        return {}
+    per: dict[str, dict[str, Any]] = {}
+    names = algorithms.names()
+    for key, value in _check_knobs_mapping(knobs, " with algorithm 'auto'").items():
+        if key in names:
+            per.setdefault(key, {}).update(_check_knobs_mapping(value, f"[{key!r}]"))
+            continue
+        owners = [a for a in names if key in algorithms.get(a).knobs]
+        if not owners:
+            raise _bad(ColltuneValueError, "knobs",
+                       f"knob {key!r} is not a knob of any algorithm ({', '.join(names)}); give knobs per algorithm, "
+                       f"e.g. knobs={{'allgather': {{'mode': 'pad'}}}}, or remove it.")
+        for a in owners:
+            per.setdefault(a, {})[key] = value
+    for a, kn in per.items():
+        _check_explicit_knobs(algorithms.get(a), kn)
+    return per
 
 
 #: Per registered algorithm object: its default knobs, checked, and their code in the record.
@@ -277,15 +441,15 @@ _DEFAULT_KNOBS: dict[Any, tuple[dict[str, Any], int]] = {}
 
 
 def _resolve(
-    algorithm: str, knobs: dict[str, Any] | None, policy: Any, group: dist.ProcessGroup | None, name: Any
+    algorithm: str, knobs: Any, policy: Any, group: dist.ProcessGroup | None, name: Any
 ) -> tuple[dict[str, Any] | None, Any, str | None, int]:
-    """Check ``name`` and resolve the request before the metadata exchange.
+    """Check ``name`` and ``knobs`` and resolve the request before the metadata exchange.
 
-    Returns ``(knobs, selector, backend, code)``: the checked knobs of an
-    explicit algorithm (``None`` for ``auto``, decided after the exchange),
-    the selector and backend for ``auto`` (else ``None``), and the code the
-    record's ``policy`` field carries (for an explicit algorithm, a digest
-    of its knobs).
+    Returns ``(knobs, selector, backend, code)``: for an explicit algorithm
+    its checked knobs; for ``auto`` the caller's knobs per algorithm
+    (applied to the selector's choice after the exchange), the selector and
+    backend (else ``None``); and the code the record's ``policy`` field
+    carries, a digest of everything else the ranks must agree on.
     """
     _check_name(name)
     if algorithm != "auto":
@@ -295,24 +459,58 @@ def _resolve(
             default = _DEFAULT_KNOBS.get(algo)
             if default is None:
                 checked = algo.check_knobs(None)
-                default = _DEFAULT_KNOBS[algo] = (checked, _meta.name_code(repr(sorted(checked.items()))))
+                default = _DEFAULT_KNOBS[algo] = (checked, _meta.digest(sorted(checked.items())))
             return dict(default[0]), None, None, default[1]
-        checked = algo.check_knobs(knobs)
+        checked = _check_explicit_knobs(algo, knobs)
         # Knobs change the schedule (which messages, which refreshes): ranks
         # that pass different ones disagree on this code and raise.
-        return checked, None, None, _meta.name_code(repr(sorted(checked.items())))
-    sel = _selector_module().selector_for(policy)
-    backend = _backend_name(group)
-    return None, sel, backend, _policy_code(sel, backend, name)
+        return checked, None, None, _meta.digest(sorted(checked.items()))
+    per_algorithm = _auto_knobs(knobs)
+    try:
+        sel = _selector_module().selector_for(policy)
+    except ColltuneError as exc:
+        exc.argument = exc.argument or "policy"
+        raise
+    backend = _backend_of(group)
+    return per_algorithm, sel, backend, _policy_code(sel, backend, name, per_algorithm)
 
 
-def _decided_knobs(decision: Any, knobs: dict[str, Any] | None) -> dict[str, Any]:
-    """Return the knobs of the selector's choice: the policy's, overridden by the caller's."""
-    return algorithms.get(decision.algorithm).check_knobs({**decision.knobs, **knobs} if knobs else decision.knobs)
+def _decided_knobs(decision: Any, knobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Return the knobs of the selector's choice: the policy's, overridden by the caller's for that algorithm."""
+    own = knobs.get(decision.algorithm)
+    return algorithms.get(decision.algorithm).check_knobs({**decision.knobs, **own} if own else decision.knobs)
 
 
 def _group_key(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else id(group)
+
+
+def _open(group: Any, hint: Any) -> Comm:
+    """Return the call's view of its group, on the device its collectives run on.
+
+    Raises only for a rank outside ``group``, which no other rank waits for.
+    """
+    if isinstance(group, dist.ProcessGroup) and dist.is_initialized() and dist.get_rank(group) < 0:
+        _backend_of(group)  # raises the error that names the group
+    return Comm(_exchange_group(group), _comm_device(group, hint))
+
+
+def _input_error(exc: Exception) -> ColltuneError:
+    """Return ``exc`` as this rank's input error: colltune's own as they are, anything else wrapped.
+
+    An exception nobody anticipated (an ``AttributeError`` deep in a check,
+    an ``OverflowError``, a device error) still becomes a colltune error that
+    rides in the metadata record, so the other ranks raise with this one.
+    """
+    if isinstance(exc, ColltuneError):
+        return exc
+    wrapped = (ColltuneTypeError if isinstance(exc, TypeError) else ColltuneValueError)(
+        f"this rank's arguments could not be prepared for the collective: {type(exc).__name__}: {exc}; "
+        "the other ranks raised RemoteInputError. Check the arguments against the docstring.",
+        argument="unknown",
+    )
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 # --------------------------------------------------------------------------- sparse_allreduce
@@ -344,9 +542,11 @@ def sparse_allreduce(
             initialized process group the call is local (world size 1).
         algorithm: ``auto``, ``dense``, ``allgather`` or ``oktopk``.
         async_op: return an :class:`AsyncHandle` instead of waiting.
-        knobs: options of the chosen algorithm, e.g. ``{"mode": "alltoall"}``
-            for ``allgather``; unknown names are rejected. With ``auto`` they
-            are applied on top of the policy's knobs for the algorithm chosen.
+        knobs: options of the algorithm, e.g. ``{"mode": "alltoall"}`` for
+            ``allgather``; unknown names are rejected. With ``auto``, per
+            algorithm (``{"allgather": {"mode": "pad"}}``) or by knob name
+            (applied to every algorithm that has it), each applied on top of
+            the policy's knobs when its algorithm is chosen.
         name: the tensor's name: policy rules match it (globs), and
             decisions are cached per name (calls without one share a cache
             per size, row shape and dtype). Must be the same on every rank.
@@ -362,9 +562,10 @@ def sparse_allreduce(
 
     Raises:
         ColltuneTypeError, ColltuneValueError: this rank's arguments are invalid.
-        RemoteInputError: another rank's arguments are invalid.
-        RankMismatchError: ranks disagree on size, row shape, dtype, op or
-            algorithm, or (``auto``) on the policy, profile or name.
+        RemoteInputError: another rank's arguments are invalid; the message
+            names the rank and the argument.
+        RankMismatchError: ranks disagree on size, row shape, dtype, op,
+            algorithm or knobs, or (``auto``) on the policy, profile or name.
 
     Example:
         >>> res = tuner.sparse_allreduce(idx, vals, size=1_000_000, op="avg")  # doctest: +SKIP
@@ -386,7 +587,7 @@ def _sparse_allreduce(
     name: Any = None,
     policy: Any = None,
 ) -> SparseResult:
-    comm = Comm(group, _comm_device(group, values))
+    comm = _open(group, values)
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_SPARSE)}
     sel: Any = None
@@ -394,6 +595,8 @@ def _sparse_allreduce(
     try:
         idx, vals, n, row_shape = _validate_sparse(indices, values, size, op, algorithm, group)
         knobs_checked, sel, backend, code = _resolve(algorithm, knobs, policy, group, name)
+        if algorithm == "dense":
+            _check_dense_fits(n, vals.shape[1], values.dtype, comm.device)
         idx, vals = coalesce(idx, vals, accum_dtype(values.dtype))
         record.update(
             size=n,
@@ -441,8 +644,8 @@ def _sparse_allreduce(
             if parts:
                 slot = parts[0] if len(parts) == 1 else np.concatenate(parts)
         record["eager"], record["payload"] = eager, payload_bytes
-    except (TypeError, ValueError) as exc:
-        error, slot, eager, sketch_bytes, payload_bytes = exc, None, _meta.EAGER_NONE, 0, 0
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
+        error, slot, eager, sketch_bytes, payload_bytes = _input_error(exc), None, _meta.EAGER_NONE, 0, 0
     records, slots = _meta.exchange(comm, record, error, slot)
     counts = tuple(rec["count"] for rec in records)
     entries_at = payload_bytes + sketch_bytes
@@ -459,7 +662,7 @@ def _sparse_allreduce(
             dtype=values.dtype, counts=counts, indices=idx, sketches=sketches,
         )
         algorithm = decision.algorithm
-        knobs_checked = _decided_knobs(decision, knobs)
+        knobs_checked = _decided_knobs(decision, knobs_checked)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", n, max(counts), sum(counts),
                          comm.world_size, algorithm)
@@ -562,7 +765,7 @@ def topk_allreduce(
         algorithm: ``auto``, ``dense`` (no compression), ``allgather`` (TopkA)
             or ``oktopk``.
         async_op: return an :class:`AsyncHandle` instead of waiting.
-        knobs: options of the chosen algorithm (on top of the policy's with ``auto``).
+        knobs: options of the algorithm (with ``auto``, as for :func:`sparse_allreduce`).
         name: the tensor's name, for policy rules and the decision cache;
             the same on every rank.
         policy: for ``auto``: a policy, a policy file path or a
@@ -580,25 +783,21 @@ def topk_allreduce(
 
 def _validate_topk(tensor: Any, state: Any, op: Any, algorithm: Any, group: Any) -> None:
     _check_common(op, algorithm)
-    if not isinstance(tensor, torch.Tensor):
-        raise ColltuneTypeError(f"tensor must be a torch.Tensor, but got {type(tensor).__name__}.")
+    _check_tensor(tensor, "tensor", "of floats")
     if tensor.dtype not in VALUE_DTYPES:
-        raise ColltuneTypeError(
-            f"tensor must have one of the dtypes {_VALUE_NAMES}, but got {_dtype_name(tensor.dtype)}."
-        )
+        raise _bad(ColltuneTypeError, "tensor",
+                   f"tensor must have one of the dtypes {_VALUE_NAMES}, but got {_dtype_name(tensor.dtype)}.")
     if tensor.numel() == 0:
-        raise ColltuneValueError("tensor must have at least one element, but got an empty tensor.")
+        raise _bad(ColltuneValueError, "tensor", "tensor must have at least one element, but got an empty tensor.")
+    _check_device(group, tensor.device, "tensor")
     if not isinstance(state, TopkState):
-        raise ColltuneTypeError(
-            f"state must be a tuner.TopkState, but got {type(state).__name__}; create one with "
-            "tuner.TopkState(density=0.01) and keep it for this tensor."
-        )
+        raise _bad(ColltuneTypeError, "state",
+                   f"state must be a tuner.TopkState, but got {type(state).__name__}; create one with "
+                   "tuner.TopkState(density=0.01) and keep it for this tensor.")
     if state.residual is not None and state.residual.numel() != tensor.numel():
-        raise ColltuneValueError(
-            f"state holds a residual of {state.residual.numel()} elements, but tensor has {tensor.numel()}; "
-            "use one TopkState per tensor."
-        )
-    _check_backend_device(group, tensor.device, "tensor")
+        raise _bad(ColltuneValueError, "state",
+                   f"state holds a residual of {state.residual.numel()} elements, but tensor has "
+                   f"{tensor.numel()}; use one TopkState per tensor.")
 
 
 def _topk_allreduce(
@@ -611,7 +810,7 @@ def _topk_allreduce(
     name: Any = None,
     policy: Any = None,
 ) -> TopkResult:
-    comm = Comm(group, _comm_device(group, tensor))
+    comm = _open(group, tensor)
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_TOPK)}
     sel: Any = None
@@ -630,8 +829,8 @@ def _topk_allreduce(
             policy=code,
             count=k,
         )
-    except (TypeError, ValueError) as exc:
-        error = exc
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
+        error = _input_error(exc)
     _meta.exchange(comm, record, error)
     _meta.note_slot_use(comm, 0)  # top-k leaves the eager slot empty
     if sel is None:
@@ -643,7 +842,7 @@ def _topk_allreduce(
             dtype=tensor.dtype,
         )
         algorithm = decision.algorithm
-        knobs_checked = _decided_knobs(decision, knobs)
+        knobs_checked = _decided_knobs(decision, knobs_checked)
         _apply_state_knobs(state, decision)
     acc_dtype = accum_dtype(tensor.dtype)
     acc = tensor.detach().reshape(-1).to(acc_dtype)

@@ -85,6 +85,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
@@ -133,6 +134,9 @@ logger = logging.getLogger(__name__)
 SAFE_DEFAULT = "dense"
 #: The profile shipped for each backend (file names in :func:`profiles_dir`).
 SHIPPED_PROFILES: dict[str, str] = {"gloo": "cpu-gloo.yaml", "nccl": "analytic-nccl.yaml"}
+#: The most call sites (name, size, row width, dtype, group) a selector remembers; the least recently
+#: used is forgotten first, and decides afresh if it comes back.
+MAX_SITES = 4096
 
 Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "no-values", "requested"]
 
@@ -494,7 +498,7 @@ class Selector:
         self._policy_uses_overlap = any(r.overlap is not None for r in self.policy.rules)
         self._models: dict[str, _Model | None] = {}
         self._digests: dict[str, int] = {}
-        self._sites: dict[tuple, _Site] = {}
+        self._sites: OrderedDict[tuple, _Site] = OrderedDict()
         self._settings = _signed64(int.from_bytes(hashlib.blake2b(json.dumps(
             [self.reevaluate_every, self.margin, self.count_band, self.overlap_band, self.bitmap_seed]
         ).encode(), digest_size=8).digest(), "big"))
@@ -571,6 +575,11 @@ class Selector:
         site = self._sites.get(key)
         if site is None:
             site = self._sites[key] = _Site()
+            if len(self._sites) > MAX_SITES:
+                # Every rank sees the same calls, so every rank forgets the same site.
+                self._sites.popitem(last=False)
+        else:
+            self._sites.move_to_end(key)
         return site
 
     def _in_band(self, e: _Entry, k_max: int, k_sum: int, overlap: float | None) -> bool:
