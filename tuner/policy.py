@@ -58,6 +58,9 @@ Rules:
 - ``null`` for ``knobs``, ``rules``, ``when`` or an algorithm's knob mapping
   means empty (so a key whose entries are all commented out still loads).
 - Anchors, aliases and ``<<`` merge keys work; duplicate keys are errors.
+  Loading is bounded (:mod:`tuner._yaml`): a file over 16 MiB, aliases that
+  repeat more than 100,000 nodes, and nesting over 100 levels (or a
+  recursive alias) are errors.
 
 Matching unknown conditions
 ---------------------------
@@ -128,6 +131,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 import algorithms as _algorithms
 from algorithms.errors import ColltuneValueError
+from tuner import _yaml
 
 __all__ = [
     "AUTO",
@@ -756,7 +760,11 @@ class _Parser:
 
     def _parse(self) -> Policy:
         try:
-            root = self.loader.get_single_node()
+            # Composed, then checked by tuner._yaml before any value is built:
+            # aliases that repeat too much or nesting too deep are refused.
+            root = _yaml.compose(self.loader)
+        except _yaml.YamlLimitError as e:
+            raise PolicyError(e.problem, self.source, e.line, None, e.fix) from None
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             problem = e.problem or e.context or "invalid YAML"
@@ -1006,12 +1014,17 @@ def parse_policy(text: str, source: str = "<string>", *, base_dir: str | os.Path
         The validated :class:`Policy`.
 
     Raises:
-        PolicyError: on a YAML syntax error or any schema violation, naming
-            the source, the line, the key and what is allowed.
+        PolicyError: on a YAML syntax error, any schema violation, or text
+            over the limits of :mod:`tuner._yaml`, naming the source, the
+            line, the key and what is allowed.
     """
     if not isinstance(text, str):
         raise PolicyError(f"policy text must be a str, got {type(text).__name__}", source, None, None,
                           "decode bytes first, or use load_policy(path)")
+    try:
+        _yaml.check_text(text)
+    except _yaml.YamlLimitError as e:
+        raise PolicyError(f"the policy text is too large: {e.problem}", source, None, None, e.fix) from None
     policy = _Parser(text, source, None if base_dir is None else Path(base_dir)).parse()
     logger.debug("loaded policy %s: %d rules, default %s, digest %016x",
                  source, len(policy.rules), policy.default, policy.digest & 0xFFFFFFFFFFFFFFFF)
@@ -1030,18 +1043,21 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
         ``path`` as given.
 
     Raises:
-        PolicyError: if the file cannot be read or is invalid.
+        PolicyError: if the file cannot be read, is over 16 MiB or is invalid.
 
     Example:
         >>> policy = load_policy("profiles/policies/example.yaml")  # doctest: +SKIP
     """
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
+        # Read as bytes within the size limit; no newline translation is needed,
+        # as YAML reads \r\n and \r as line breaks itself.
+        text = _yaml.read_bytes(source).decode("utf-8")
     except OSError as e:
         raise PolicyError(f"cannot read the policy file: {e.strerror or e}", source, None, None,
                           "allowed: a path to a readable policy YAML file") from None
+    except _yaml.YamlLimitError as e:
+        raise PolicyError(f"the policy file is too large: {e.problem}", source, None, None, e.fix) from None
     except UnicodeDecodeError as e:
         raise PolicyError(f"the policy file is not UTF-8 text ({e.reason})", source, None, None,
                           "save it as UTF-8") from None

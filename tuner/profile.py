@@ -86,6 +86,7 @@ from typing import IO, Any, Callable, Literal, Mapping, Sequence
 import yaml
 
 from algorithms.errors import ColltuneError, ColltuneValueError
+from tuner import _yaml
 from tuner.features import DTYPE_BYTES, Features, index_bytes_for
 
 __all__ = [
@@ -121,7 +122,6 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
 }
 _TOP_KEYS = ("format", "version", "checksum", "kind", "meta", "primitives", "model", "measurements")
 
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
@@ -535,6 +535,9 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile file.
 
     Only a YAML safe loader is used: a profile can hold data, never code.
+    The load is bounded (see :mod:`tuner._yaml`): a file over 16 MiB, aliases
+    that repeat more than 100,000 nodes, or nesting over 100 levels are
+    refused before any value is built.
 
     Args:
         path: the YAML file.
@@ -543,22 +546,26 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
         The validated profile.
 
     Raises:
-        ProfileError: the file is unreadable, not YAML, truncated, of another
-            version, or has a missing or wrong field; the message names the
-            file and the field.
+        ProfileError: the file is unreadable, over a limit of
+            :mod:`tuner._yaml`, not YAML, truncated, of another version, or
+            has a missing or wrong field; the message names the file and the
+            field (or the line and the limit).
     """
     source = os.fspath(path)
     try:
-        with open(source, "rb") as fh:
-            raw = fh.read()
+        raw = _yaml.read_bytes(source)
     except OSError as exc:
         raise ProfileError(f"{source}: cannot read the profile: {exc.strerror or exc}.") from None
+    except _yaml.YamlLimitError as exc:
+        raise ProfileError(f"{source}: the file is too large for a profile: {exc}.") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProfileError(f"{source}: not UTF-8 text (byte {exc.start}); is this a colltune profile?") from None
     try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader (C or Python)
+        data = _yaml.load(text)  # a bounded safe loader (C parser where PyYAML has libyaml)
+    except _yaml.YamlLimitError as exc:
+        raise ProfileError(f"{source}: {exc}.") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
