@@ -31,7 +31,9 @@ all-gathers the tensors and sums them on every rank in rank order (the same
 bits on every rank); it sends ``(P-1) L``, counted as sent, so it is kept
 for tensors up to :data:`DIRECT_ALL_REDUCE_BYTES`. Groups of 2 keep the
 backend's calls: there the ring is one exchange already. NCCL keeps its own
-collectives. The README gives the measured effect and its command.
+collectives, and so does every backend on the device path
+(:func:`~algorithms._sparse.device_path`), which runs what NCCL would. The
+README gives the measured effect and its command.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from algorithms._sparse import offsets
+from algorithms._sparse import offsets, on_host
 
 __all__ = ["Traffic", "Comm"]
 
@@ -131,7 +133,8 @@ class Comm:
         traffic: where to count; a fresh :class:`Traffic` if omitted.
         direct: run ``all_gather``, ``all_to_all`` and small ``all_reduce``
             point to point with every peer at once (see the module
-            docstring); ``None`` (the default) does so for CPU tensors on
+            docstring); ``None`` (the default) does so for tensors on the
+            host path (:func:`~algorithms._sparse.on_host`) on
             :data:`DIRECT_BACKENDS` in groups of 3 ranks or more.
     """
 
@@ -149,11 +152,12 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             if direct is None:
-                # At P = 2 the ring is one exchange already, and the backend's own call is cheaper. CPU
-                # tensors only: gloo's point-to-point calls hand the backend raw host memory.
+                # At P = 2 the ring is one exchange already, and the backend's own call is cheaper. Host
+                # path only: gloo's point-to-point calls hand the backend raw host memory, and the device
+                # path runs the collectives NCCL runs.
                 direct = (
                     self.world_size > 2
-                    and device.type == "cpu"
+                    and on_host(device)
                     and str(dist.get_backend(group)).lower() in DIRECT_BACKENDS
                 )
         else:
@@ -162,6 +166,11 @@ class Comm:
         self.traffic = traffic if traffic is not None else Traffic()
         self.direct = bool(direct)
         self._meta = False
+
+    @property
+    def host(self) -> bool:
+        """True when this view's tensors take the host path (:func:`~algorithms._sparse.on_host` of its device)."""
+        return on_host(self.device)
 
     def meta(self) -> _MetaScope:
         """Count the traffic of the calls inside (a ``with`` block) as control data (see :class:`Traffic`)."""

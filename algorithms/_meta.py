@@ -278,7 +278,7 @@ def exchange(
     row = torch.from_numpy(host).to(comm.device)
     with comm.meta():
         table = comm.all_gather(row).view(comm.world_size, row.numel())
-    host_table = table.numpy() if table.device.type == "cpu" else table[:, :hbytes].cpu().numpy()
+    host_table = table.numpy() if comm.host else table[:, :hbytes].cpu().numpy()
     head = np.ascontiguousarray(host_table[:, :hbytes]).view(np.int64).tolist()
     slots = table[:, hbytes:]
     records = [dict(zip(FIELDS, r)) for r in head]

@@ -8,16 +8,32 @@ Determinism is the point of this module. Every cross-rank reduction goes
 through :func:`merge_sources`, which adds the sources in a fixed order with
 unique indices inside each source, so the same inputs give the same bits on
 every rank and on every backend (no atomics race, no arrival-order sums).
+
+Two code paths do the work. CPU tensors take the *host* path (NumPy: sorts,
+sums, selections and packing, fastest for a CPU's small calls); tensors on
+other devices take the *device* path (torch operations that also run on
+CUDA). :func:`on_host` chooses, and every module that branches on the device
+asks it. The switch :func:`device_path` (or ``COLLTUNE_DEVICE_PATH=1`` in the
+environment when this module is imported) sends CPU tensors down the device
+path too, with the backend's own collectives (:class:`~algorithms._comm.Comm`
+runs nothing direct there, as on NCCL), so that the code CUDA runs is tested,
+and compared bit for bit with the host path, on machines without a GPU.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 __all__ = [
+    "on_host",
+    "device_path",
+    "set_device_path",
     "VALUE_DTYPES",
     "INDEX_DTYPES",
     "accum_dtype",
@@ -57,6 +73,49 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
 
 _INT32_MAX = 2**31 - 1
 
+#: Whether CPU tensors take the device path (see the module docstring); read from the environment once.
+_device_path: bool = os.environ.get("COLLTUNE_DEVICE_PATH", "").strip() not in ("", "0")
+
+
+def on_host(where: torch.device | torch.Tensor) -> bool:
+    """True when work on ``where`` (a device, or a tensor's device) takes the host (NumPy) path.
+
+    That is on the CPU, unless the device path is switched on
+    (:func:`device_path`), which sends CPU tensors down the path CUDA tensors take.
+    """
+    if _device_path:
+        return False
+    device = where.device if isinstance(where, torch.Tensor) else where
+    return device.type == "cpu"
+
+
+def set_device_path(enabled: bool) -> bool:
+    """Send CPU tensors down the device path (``True``) or the host path (``False``); return the previous setting.
+
+    Process-wide, for tests and comparisons: every rank of a group must hold
+    the same setting, or their collectives differ.
+    """
+    global _device_path
+    before, _device_path = _device_path, bool(enabled)
+    return before
+
+
+@contextmanager
+def device_path(enabled: bool = True) -> Iterator[None]:
+    """Within the ``with`` block, CPU tensors take the device path (or, with ``enabled=False``, the host path).
+
+    Example:
+        >>> import torch
+        >>> with device_path():
+        ...     on_host(torch.zeros(1))
+        False
+    """
+    before = set_device_path(enabled)
+    try:
+        yield
+    finally:
+        set_device_path(before)
+
 
 def dtype_code(dtype: torch.dtype) -> int:
     """Return a small integer naming ``dtype``, for metadata records (0 if unknown)."""
@@ -91,7 +150,7 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> t
     vals = values.to(acc)
     if idx.numel() <= 1:
         return idx, vals
-    if idx.device.type == "cpu":
+    if on_host(idx):
         return _coalesce_host(idx, vals)
     if not bool((idx[1:] > idx[:-1]).all()):
         idx, order = torch.sort(idx, stable=True)
@@ -101,6 +160,8 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> t
             out = torch.zeros((uniq.numel(), vals.shape[1]), dtype=acc, device=vals.device)
             out.index_add_(0, inverse, vals)
             idx, vals = uniq, out
+        else:
+            vals = vals + 0.0  # 0 + v, as the host path's sums give (a lone -0.0 comes out +0.0); never in place
     return idx, vals
 
 
@@ -213,12 +274,25 @@ def pack(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_
     together and any split along dimension 0 is a split between entries.
     """
     k = idx.numel()
-    if k == 0:  # (an empty tensor may carry any strides, which a byte view refuses)
+    if k == 0:
         return torch.empty((0, entry_bytes(vals.shape[1], index_dtype, value_dtype)), dtype=torch.uint8,
                            device=vals.device)
-    ib = idx.to(index_dtype).contiguous().view(torch.uint8).view(k, index_dtype.itemsize)
-    vb = vals.to(value_dtype).contiguous().view(torch.uint8).view(k, vals.shape[1] * value_dtype.itemsize)
-    return torch.cat((ib, vb), dim=1)
+    return torch.cat((_byte_rows(idx.reshape(k, 1), index_dtype), _byte_rows(vals, value_dtype)), dim=1)
+
+
+def _byte_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return ``[k, w]`` ``t`` in ``dtype`` as ``uint8`` ``[k, w * itemsize]``, copied only where no byte view exists.
+
+    A byte view needs a unit stride along the last dimension, which torch
+    does not promise even of a tensor it calls contiguous (a dimension of
+    size 0 or 1 may carry any stride: a one-element slice, zero-width rows),
+    nor of sliced or expanded (stride 0) views: those are copied into
+    row-major storage first.
+    """
+    t = t.to(dtype)
+    if not t.is_contiguous() or t.stride(-1) != 1:
+        t = torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
+    return t.view(torch.uint8).view(t.shape[0], t.shape[1] * dtype.itemsize)
 
 
 #: Rows of at least this many bytes travel as separate index and value
@@ -303,7 +377,7 @@ def merge_sources(
         i, v = sources[0]
         return i, torch.zeros((), dtype=acc, device=device) + v.to(acc)
     total = sum(i.numel() for i, _ in sources)
-    if device.type == "cpu":
+    if on_host(device):
         return _merge_host(sources, size, total, acc)
     if size <= 6 * total:
         present = torch.zeros(size, dtype=torch.bool, device=device)
@@ -335,10 +409,10 @@ def merge_runs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_sources` of the runs ``[at[j], at[j+1])`` of one buffer (int64 ``idx``, ``[K, r]`` ``vals``).
 
-    On the CPU the buffer is merged in one host pass, with no copy into
-    sources; elsewhere each run is a source.
+    On the host path the buffer is merged in one pass, with no copy into
+    sources; on the device path each run is a source.
     """
-    if idx.device.type == "cpu":
+    if on_host(idx):
         return merge_host_pieces([(idx.numpy(), vals.to(acc).numpy())], size)
     sources = [(idx[at[j] : at[j + 1]], vals[at[j] : at[j + 1]]) for j in range(len(at) - 1)]
     return merge_sources(sources, size, vals.shape[1], acc, idx.device)
@@ -442,26 +516,38 @@ def merge_host(idx: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray
 class Magnitudes:
     """``|acc|`` of one top-k call's local selection: count, select and rank it by threshold.
 
-    On the CPU (fp32, fp64) the work runs in NumPy: its single-thread
+    A NaN's magnitude counts as +inf, the largest (``torch.topk`` also ranks
+    NaN largest): a NaN is selected before any finite value, so a NaN in a
+    gradient is delivered, and shows in the result, instead of staying in
+    the residual forever. A value is selected at ``threshold`` when its magnitude is
+    ``>= threshold``, or ``> 0`` for a threshold of 0. Of values tied at
+    the ``k``-th largest, :meth:`top_k_indices` takes those at the lowest
+    positions, so both paths select the same entries.
+
+    On the host (fp32, fp64) the work runs in NumPy: its single-thread
     elementwise kernels (abs, compare, count, nonzero) are 2 to 4 times
     faster than torch's on 2^20 values here, and its introselect
     (``np.partition``) finds the k-th largest in about 1.5 ms where
-    ``torch.topk`` takes 8 to 16 ms; both exact. Elsewhere, torch. A value is
-    selected at ``threshold`` when ``>= threshold``, or ``> 0`` for a
-    threshold of 0.
+    ``torch.topk`` takes 8 to 16 ms; both exact. Elsewhere, torch.
     """
 
     __slots__ = ("mag", "host")
 
     def __init__(self, acc: torch.Tensor) -> None:
-        self.host = acc.device.type == "cpu" and acc.dtype in (torch.float32, torch.float64)
-        self.mag = np.abs(acc.detach().reshape(-1).numpy()) if self.host else acc.detach().reshape(-1).abs()
+        flat = acc.detach().reshape(-1)
+        self.host = on_host(acc) and acc.dtype in (torch.float32, torch.float64)
+        if self.host:
+            self.mag = np.abs(flat.numpy())
+            if self.mag.size and np.isnan(self.mag.max()):  # a max propagates NaN: one cheap pass finds any
+                self.mag[np.isnan(self.mag)] = np.inf
+        else:
+            self.mag = torch.nan_to_num(flat.abs(), nan=math.inf, posinf=math.inf)
 
     def _mask(self, threshold: float) -> Any:
         return self.mag >= threshold if threshold > 0 else self.mag > 0
 
     def tensor(self) -> torch.Tensor:
-        """The magnitudes as a flat tensor (sharing memory on the CPU)."""
+        """The magnitudes as a flat tensor (sharing memory on the host)."""
         return torch.from_numpy(self.mag) if self.host else self.mag
 
     def mask(self, threshold: float) -> torch.Tensor:
@@ -487,9 +573,18 @@ class Magnitudes:
         return float(torch.topk(self.mag, k, sorted=False).values.min())
 
     def top_k_indices(self, k: int) -> torch.Tensor:
-        """Sorted int64 positions of ``k`` largest values (ties: any ``k`` of them)."""
+        """Sorted int64 positions of the ``k`` largest values (``1 <= k <= numel``); ties: the lowest positions.
+
+        All values above the ``k``-th largest, then as many of those equal
+        to it as complete ``k``, first positions first.
+        """
         if self.host:
-            part = np.argpartition(self.mag, self.mag.size - k)[self.mag.size - k :].astype(np.int64, copy=False)
-            part.sort()
-            return torch.from_numpy(part)
-        return torch.topk(self.mag, k, sorted=False).indices.sort().values
+            th = np.partition(self.mag, self.mag.size - k)[self.mag.size - k]
+            above = np.flatnonzero(self.mag > th)
+            out = np.concatenate((above, np.flatnonzero(self.mag == th)[: k - above.size])).astype(np.int64, copy=False)
+            out.sort()
+            return torch.from_numpy(out)
+        th = torch.topk(self.mag, k, sorted=False).values.min()
+        above = (self.mag > th).nonzero().view(-1)
+        tied = (self.mag == th).nonzero().view(-1)[: k - above.numel()]
+        return torch.cat((above, tied)).sort().values

@@ -36,6 +36,7 @@ from algorithms._sparse import (
     merge_runs,
     merge_sources,
     offsets,
+    on_host,
     pack,
     pack_host,
     unpack,
@@ -64,7 +65,7 @@ def gather_merge(
     mode = gather_mode(mode, r, wire_dtype)
     if mode == "p2p" and comm.world_size > 1:
         return gather_merge_p2p(comm, idx.to(comm.device), vals.to(comm.device), counts, size, wire_dtype)
-    if comm.device.type == "cpu":
+    if on_host(comm.device):
         buf = torch.from_numpy(pack_host(idx, vals, index_dtype, wire_dtype))
         pieces = comm.all_gather_v(buf, counts, mode)
         return merge_host_pieces([unpack_host(piece.numpy(), r, index_dtype, wire_dtype) for piece in pieces], size)
@@ -116,11 +117,11 @@ def eager_slot(
 ) -> torch.Tensor | np.ndarray:
     """Pack the first entries that fit in ``capacity`` bytes of the metadata record's eager slot.
 
-    Returns flat ``uint8``: a NumPy array for CPU tensors (the record is
-    built on the host), else a tensor on their device.
+    Returns flat ``uint8``: a NumPy array on the host path (the record is
+    built on the host), else a tensor on the entries' device.
     """
     m = min(idx.numel(), capacity // entry_bytes(vals.shape[1], wire_index_dtype(size), dtype))
-    if idx.device.type == "cpu":
+    if on_host(idx):
         return pack_host(idx[:m], vals[:m], wire_index_dtype(size), dtype).reshape(-1)
     return pack(idx[:m], vals[:m], wire_index_dtype(size), dtype).view(-1)
 
@@ -157,7 +158,7 @@ class Allgather(Algorithm):
                 inp.dtype, head, inp.eager.to(comm.device),
             )
         mu = max(head)
-        host = comm.device.type == "cpu"
+        host = on_host(comm.device)
         tail_buf = None
         if any(rest):
             i1, v1 = inp.indices[head[me] :], inp.values[head[me] :]

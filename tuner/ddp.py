@@ -73,6 +73,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import algorithms as _algorithms
+from algorithms._sparse import on_host
 from algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
 from algorithms.state import TopkState
 from tuner import api as _api
@@ -736,14 +737,15 @@ def sparse_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def _coalesce_rows(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the rows of duplicate indices (an embedding's gradient has one row per lookup).
 
-    Off the CPU the front door's coalesce permutes the values before summing;
-    this way skips that (one ``index_add_`` in lookup order, the same sums as
-    a stable sort), which matters when lookups outnumber distinct rows
-    several times over. On the CPU the front door's own host path already
-    sums in lookup order without permuting, so the rows are left to it, as
-    16-bit values are (summed in fp32 there).
+    On the device path the front door's coalesce permutes the values before
+    summing; this way skips that (one ``index_add_`` in lookup order, the
+    same sums as a stable sort), which matters when lookups outnumber
+    distinct rows several times over. On the host path
+    (:func:`~algorithms._sparse.on_host`) the front door already sums in
+    lookup order without permuting, so the rows are left to it, as 16-bit
+    values are (summed in fp32 there).
     """
-    if vals.dtype not in (torch.float32, torch.float64) or idx.numel() < 2 or idx.device.type == "cpu":
+    if vals.dtype not in (torch.float32, torch.float64) or idx.numel() < 2 or on_host(idx):
         return idx, vals
     uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
     if uniq.numel() == idx.numel():

@@ -695,8 +695,10 @@ def sketch_hashes(indices: "torch.Tensor", capacity: int, seed: int = 0) -> np.n
     """
     import torch
 
+    from algorithms._sparse import on_host
+
     s = _check_int("capacity", capacity, 0) // SKETCH_BYTES_PER_HASH
-    if indices.device.type == "cpu":
+    if on_host(indices):
         h = _hash32_host(indices.numpy().reshape(-1), seed)
         if h.size > s:
             h = np.partition(h, s - 1)[:s] if s else h[:0]

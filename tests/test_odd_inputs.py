@@ -1,0 +1,202 @@
+"""Awkward but valid inputs on every algorithm and both code paths, at P = 2.
+
+* zero-width rows (``values`` of shape ``[k, ..., 0, ...]``): nothing to sum,
+  but the result still holds the union of the indices;
+* values and indices with any strides: one-element views torch calls
+  contiguous whatever their stride, odd strides, sliced and expanded
+  (stride 0) views;
+* top-k mode with NaN and infinities: they are the largest magnitudes, so
+  every algorithm delivers them (a NaN in a gradient shows in the result,
+  instead of staying in the residual forever).
+
+Each rank builds every rank's input from its rank alone, so the parent
+computes the exact float64 reference from all ranks' inputs. The values are
+multiples of 1/8, so every sum is exact and the results are compared bit for
+bit with the reference, and across ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import pool
+from sparse_cases import ALGORITHMS
+
+from algorithms._sparse import device_path
+
+P = 2
+SIZE = 64
+PATHS = (False, True)
+
+# ------------------------------------------------------------------ inputs
+
+
+def _base(rank: int, k: int, width: int) -> torch.Tensor:
+    """``[k, width]`` float32 multiples of 1/8, different per rank."""
+    return ((torch.arange(k * width, dtype=torch.float32).view(k, width) * 3 + 5 * rank) % 17 - 8) / 8
+
+
+def _strided_inputs(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s ``(indices, values)`` for the strided case ``name``.
+
+    The indices are sorted and unique, so the views reach the algorithms as
+    they are (coalescing would replace them by fresh sums).
+    """
+    idx = torch.tensor([1, 5, 33, 60, 61]) + rank
+    if name == "one_element_strided_view":
+        return torch.tensor([7]), torch.tensor([[0.0, 0.5 + rank]])[:, 1]  # contiguous to torch, stride 2
+    if name == "one_row_odd_strides":  # contiguous to torch, last stride 5
+        return torch.tensor([7 + rank]), _base(rank, 4, 4).reshape(-1).as_strided((1, 3, 1), (7, 1, 5), 1)
+    if name == "rows_of_one_odd_stride":  # contiguous to torch, last stride 7
+        return idx, _base(rank, 4, 4).reshape(-1).as_strided((5, 1), (1, 7), 2)
+    if name == "one_element_strided_indices":
+        return torch.tensor([[3 + rank, 0]])[:, 0], torch.tensor([[1.5, -0.25]])
+    if name == "sliced_rows":
+        return idx, _base(rank, 5, 6)[:, 1::2]
+    if name == "strided_indices_and_transposed_rows":
+        return torch.stack((idx, idx), 1)[:, 1], _base(rank, 3, 5).t()
+    if name == "expanded_rows":
+        return idx, _base(rank, 1, 3).expand(5, 3)
+    if name == "expanded_scalars":
+        return idx, torch.tensor(0.375 - rank).expand(5)
+    if name == "expanded_wide_rows":  # rows of 32 bytes and more travel unpacked
+        return idx, _base(rank, 1, 16).expand(5, 16)
+    raise ValueError(name)
+
+
+STRIDED = [
+    "one_element_strided_view",
+    "one_row_odd_strides",
+    "rows_of_one_odd_stride",
+    "one_element_strided_indices",
+    "sliced_rows",
+    "strided_indices_and_transposed_rows",
+    "expanded_rows",
+    "expanded_scalars",
+    "expanded_wide_rows",
+]
+
+#: Row shapes with no elements, each with the same indices on every rank and with rank-specific ones.
+ZERO_WIDTH = [(shape, shared) for shape in [(0,), (3, 0), (0, 4), (2, 0, 3)] for shared in (True, False)]
+
+
+def _zero_width_inputs(case: tuple[tuple[int, ...], bool], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    row_shape, shared = case
+    idx = torch.tensor([2, 5, 2] if shared else [2, 5, 2, 40 + rank, 9 * rank])
+    return idx, torch.ones((idx.numel(),) + row_shape)
+
+
+# ------------------------------------------------------------------ rank functions
+
+
+def _run_sparse_cases(rank, world_size, kind, names):
+    import tuner
+
+    out = {}
+    for name in names:
+        idx, vals = _strided_inputs(name, rank) if kind == "strided" else _zero_width_inputs(name, rank)
+        for algorithm in ALGORITHMS:
+            for device in PATHS:
+                with device_path(device):
+                    res = tuner.sparse_allreduce(idx, vals, (SIZE,) + tuple(vals.shape[1:]), algorithm=algorithm)
+                out[name, algorithm, device] = (res.indices.clone(), res.values.clone())
+    return out
+
+
+def _run_topk_nan(rank, world_size, algorithm, calls):
+    import tuner
+
+    out = {}
+    for device in PATHS:
+        with device_path(device):
+            state = tuner.TopkState(k=4)
+            steps = []
+            for call in calls:
+                t = _base(rank, 1, 128).view(-1) / 64  # small: the specials below are what top-k must take
+                for pos, value, on_rank in call:
+                    if on_rank == rank:
+                        t[pos] = value
+                acc = t + state.residual if state.residual is not None else t.clone()
+                res = tuner.topk_allreduce(t, state, op="sum", algorithm=algorithm)
+                steps.append({"acc": acc, "sent": res.sent_indices.clone(), "indices": res.indices.clone(),
+                              "values": res.values.clone(), "residual": state.residual.clone()})
+            out[device] = steps
+    return out
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _check_exact(out: list[dict], key: tuple, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Check every rank's result for ``key`` against the exact fp64 sum of ``inputs`` (one per rank), bitwise."""
+    row_shape = tuple(inputs[0][1].shape[1:])
+    dense = torch.zeros((SIZE,) + row_shape, dtype=torch.float64)
+    for idx, vals in inputs:
+        dense.index_add_(0, idx.to(torch.int64), vals.to(torch.float64))
+    union = torch.unique(torch.cat([idx.to(torch.int64) for idx, _ in inputs]))
+    want = dense[union].to(torch.float32)
+    for r, o in enumerate(out):
+        idx, vals = o[key]
+        assert torch.equal(idx, union), f"{key} rank {r}: indices {idx.tolist()} != {union.tolist()}"
+        assert _same_bits(vals, want), f"{key} rank {r}: values {vals.tolist()} != {want.tolist()}"
+        assert torch.equal(idx, out[0][key][0]) and _same_bits(vals, out[0][key][1]), f"{key}: ranks differ"
+
+
+def test_zero_width_rows_on_every_algorithm():
+    out = pool(P).run(_run_sparse_cases, "zero_width", ZERO_WIDTH)
+    for case in ZERO_WIDTH:
+        inputs = [_zero_width_inputs(case, r) for r in range(P)]
+        for algorithm in ALGORITHMS:
+            for device in PATHS:
+                _check_exact(out, (case, algorithm, device), inputs)
+
+
+def test_values_and_indices_of_any_strides_on_every_algorithm():
+    out = pool(P).run(_run_sparse_cases, "strided", STRIDED)
+    for name in STRIDED:
+        inputs = [_strided_inputs(name, r) for r in range(P)]
+        if "odd_stride" in name or name == "one_element_strided_view":
+            assert all(v.is_contiguous() and v.stride(-1) != 1 for _, v in inputs), f"{name}: not the layout it names"
+        for algorithm in ALGORITHMS:
+            for device in PATHS:
+                _check_exact(out, (name, algorithm, device), inputs)
+
+
+#: Per call, the special values: ``(position, value, rank)``. The first call
+#: selects exactly (fresh thresholds), the second reuses the thresholds.
+NAN_CALLS = [
+    [(3, float("nan"), 0), (7, float("inf"), 1)],
+    [(40, float("nan"), 1), (7, float("inf"), 0), (9, -float("inf"), 1), (50, float("nan"), 0), (50, 1.0, 1)],
+    [],
+]
+
+
+@pytest.mark.parametrize("algorithm", ["oktopk", "allgather"])
+def test_topk_delivers_nan_and_infinities(algorithm):
+    out = pool(P).run(_run_topk_nan, algorithm, NAN_CALLS)
+    for device in PATHS:
+        for step, call in enumerate(NAN_CALLS):
+            recs = [o[device][step] for o in out]
+            where = f"{algorithm} {'device' if device else 'host'} path, call {step}"
+            for pos, _, rank in call:
+                assert pos in recs[rank]["sent"].tolist(), f"{where}: rank {rank} kept position {pos} back"
+            for r, rec in enumerate(recs):
+                assert not rec["residual"].isnan().any() and not rec["residual"].isinf().any(), f"{where} rank {r}"
+            # The exact reference: the fp64 sum over ranks of what each delivered.
+            ref = torch.zeros(128, dtype=torch.float64)
+            for rec in recs:
+                ref.index_add_(0, rec["sent"], rec["acc"][rec["sent"]].to(torch.float64))
+            want = ref[recs[0]["indices"]].to(torch.float32)
+            for r, rec in enumerate(recs):
+                got = rec["values"]
+                assert torch.equal(got.isnan(), want.isnan()), f"{where} rank {r}: NaN at {got.isnan().nonzero()}"
+                assert torch.equal(got[~got.isnan()], want[~want.isnan()]), f"{where} rank {r}: {got} != {want}"
+                assert torch.equal(rec["indices"], recs[0]["indices"]), f"{where}: ranks differ"
+                assert _same_bits(got, recs[0]["values"]), f"{where}: ranks differ"
+            specials = {pos for pos, _, _ in call}
+            assert specials <= set(recs[0]["indices"].tolist()), f"{where}: {specials} not all delivered"
