@@ -49,6 +49,8 @@ owner, and then copied to everyone.
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -77,15 +79,18 @@ __all__ = ["OkTopk", "split_reduce", "radix_kth_largest"]
 class _ExactState:
     """One group's Ok-Topk state for one size in exact mode; every rank holds the same, having made the same calls."""
 
-    __slots__ = ("group", "bounds", "last")
+    __slots__ = ("bounds", "last")
 
-    def __init__(self, group: Any, refresh: int) -> None:
-        self.group = group  # the group object itself: a new group may reuse a dead one's id()
+    def __init__(self, refresh: int) -> None:
         self.bounds = BoundaryState(refresh)
         self.last: list[int] | None = None  # owners' reduced sizes on the last call (room of the eager gather)
 
 
-_exact_state: dict[tuple[int, int], _ExactState] = {}
+#: The most sizes whose state one group keeps; the least recently run is forgotten first (and refreshes
+#: its boundaries if it comes back). Every rank runs the same calls, so every rank forgets the same size.
+MAX_SIZES = 1024
+#: Per process group, for as long as the group lives: each size's state, least recently run first.
+_exact_state: weakref.WeakKeyDictionary[Any, OrderedDict[int, _ExactState]] = weakref.WeakKeyDictionary()
 
 
 def _group_object(comm: Comm) -> Any:
@@ -93,10 +98,14 @@ def _group_object(comm: Comm) -> Any:
 
 
 def _exact_entry(comm: Comm, size: int, refresh: int | None = None) -> _ExactState | None:
-    """Return this group's state for ``size`` (for ``refresh`` calls between boundary refreshes, if given), or ``None``."""
-    group = _group_object(comm)
-    st = _exact_state.get((id(group), size))
-    if st is None or st.group is not group or (refresh is not None and st.bounds.refresh != refresh):
+    """Return this group's state for ``size`` (for ``refresh`` calls between boundary refreshes, if given), or ``None``.
+
+    A lookup only: it runs before the metadata exchange, where a rank with
+    bad input skips it, so it must not change what the ranks keep.
+    """
+    sizes = _exact_state.get(_group_object(comm))
+    st = None if sizes is None else sizes.get(size)
+    if st is None or (refresh is not None and st.bounds.refresh != refresh):
         return None
     return st
 
@@ -439,10 +448,15 @@ class OkTopk(Algorithm):
     def _state(comm: Comm, size: int, knobs: dict[str, Any]) -> _ExactState:
         """Return this (group, size)'s state, made afresh for a new group or another refresh period."""
         refresh = knobs["boundary_refresh"]
-        st = _exact_entry(comm, size, refresh)
-        if st is None:
-            group = _group_object(comm)
-            st = _exact_state[(id(group), size)] = _ExactState(group, refresh)
+        sizes = _exact_state.get(_group_object(comm))
+        if sizes is None:
+            sizes = _exact_state[_group_object(comm)] = OrderedDict()
+        st = sizes.get(size)
+        if st is None or st.bounds.refresh != refresh:
+            st = sizes[size] = _ExactState(refresh)
+            if len(sizes) > MAX_SIZES:
+                sizes.popitem(last=False)
+        sizes.move_to_end(size)
         return st
 
     def eager_payload(

@@ -65,3 +65,43 @@ def test_name_codes_stop_growing_at_their_bound(monkeypatch):
     codes = [_meta.name_code(f"shape-{i}") for i in range(50)]
     assert len(_meta._codes) == _meta._MAX_NAMES
     assert codes == [_meta.name_code(f"shape-{i}") for i in range(50)]  # still stable past the bound
+
+
+def _rank_oktopk_sizes(rank: int, world_size: int, sizes: int, cap: int) -> dict:
+    import tuner
+    from algorithms import oktopk
+
+    before = len(oktopk._exact_state)
+    group = dist.new_group(list(range(world_size)))
+    old, oktopk.MAX_SIZES = oktopk.MAX_SIZES, cap
+    try:
+        dense = []
+        for n in range(100, 100 + sizes):
+            res = tuner.sparse_allreduce(torch.tensor([rank, n - 1]), torch.ones(2), n, group=group, algorithm="oktopk")
+            dense.append(res.to_dense())
+        kept = len(oktopk._exact_state[group])
+        # The first size again, long forgotten: it refreshes its boundaries, the same way on every rank.
+        again = tuner.sparse_allreduce(torch.tensor([rank, 99]), torch.ones(2), 100, group=group, algorithm="oktopk")
+    finally:
+        oktopk.MAX_SIZES = old
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    return {"kept": kept, "dense": dense, "again": again.to_dense(), "before": before,
+            "after": len(oktopk._exact_state)}
+
+
+def test_oktopk_keeps_state_for_a_bounded_number_of_sizes_per_living_group():
+    out = pool(2).run(_rank_oktopk_sizes, 12, 4)
+    for o in out:
+        assert o["kept"] == 4
+        for i, d in enumerate(o["dense"]):
+            want = torch.zeros(100 + i)
+            want[0] += 1
+            want[1] += 1
+            want[99 + i] += 2
+            assert torch.equal(d, want)
+        assert o["again"][99] == 2.0 and o["again"][0] == 1.0
+    assert torch.equal(out[0]["again"], out[1]["again"])
+    for o in out:
+        assert o["after"] == o["before"], "the destroyed group's state outlived it"
