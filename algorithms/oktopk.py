@@ -93,8 +93,17 @@ MAX_SIZES = 1024
 _exact_state: weakref.WeakKeyDictionary[Any, OrderedDict[int, _ExactState]] = weakref.WeakKeyDictionary()
 
 
+class _NoGroup:
+    """Stands for the group of a call made without a process group (world size 1)."""
+
+
+_NO_GROUP = _NoGroup()
+
+
 def _group_object(comm: Comm) -> Any:
-    return comm.group if comm.group is not None else dist.group.WORLD
+    if comm.group is not None:
+        return comm.group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else _NO_GROUP
 
 
 def _exact_entry(comm: Comm, size: int, refresh: int | None = None) -> _ExactState | None:

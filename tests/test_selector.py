@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from harness import expect_error, pool
 from tuner.features import (
@@ -492,12 +493,13 @@ def _rank_first_call(rank, world_size, n, k, overlap):
     from tuner.workloads import Workload
 
     tuner.configure(selector=Selector(environ={}))
+    group = dist.new_group(list(range(world_size)))  # fresh: no algorithm state from earlier calls in the pool
     try:
         w = Workload(n, k, world_size, overlap, seed=5)
         idx, vals = w.make(rank)
         out = []
         for _ in range(2):
-            res = tuner.sparse_allreduce(idx, vals, n, name="first")
+            res = tuner.sparse_allreduce(idx, vals, n, name="first", group=group)
             d = res.decision
             reduces = res.traffic.by_primitive.get("all_reduce", {}).get("calls", 0)
             out.append((res.algorithm, d.overlap_source, round(d.overlap, 6), reduces,
@@ -505,6 +507,7 @@ def _rank_first_call(rank, world_size, n, k, overlap):
         return out, w.overlap
     finally:
         tuner.configure()
+        dist.destroy_process_group(group)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
