@@ -28,6 +28,8 @@ from algorithms.errors import (
     ColltuneValueError,
     RankMismatchError,
     RemoteInputError,
+    CollectiveError,
+    AbandonedCallError,
 )
 from algorithms.oktopk import OkTopk
 from algorithms.state import BoundaryState, TopkState
@@ -44,6 +46,8 @@ __all__ = [
     "OkTopk",
     "RankMismatchError",
     "RemoteInputError",
+    "CollectiveError",
+    "AbandonedCallError",
     "SparseInput",
     "SparseResult",
     "TopkOutput",

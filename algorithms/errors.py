@@ -17,6 +17,8 @@ __all__ = [
     "ColltuneTypeError",
     "RankMismatchError",
     "RemoteInputError",
+    "CollectiveError",
+    "AbandonedCallError",
 ]
 
 
@@ -59,4 +61,23 @@ class RemoteInputError(ColltuneError, ValueError):
 
     The rank whose input was bad raises the specific error; the other ranks
     raise this one, naming that rank, instead of hanging.
+    """
+
+
+class CollectiveError(ColltuneError, RuntimeError):
+    """A collective failed in the backend: a peer rank died, or did not answer within the process group's timeout.
+
+    Raised on the ranks that notice; ``__cause__`` is the backend's own error.
+    The process group cannot run collectives after it: restart the job.
+    """
+
+
+class AbandonedCallError(ColltuneError, RuntimeError):
+    """A queued call that was not run because a call queued before it failed out of step with the other ranks.
+
+    A call that fails in the backend (a peer rank died, a collective timed
+    out) stops each rank at a different message, so the ranks are no longer
+    in step. The calls queued behind it on this process would pair their
+    messages with another call's, or wait a whole process-group timeout
+    each; they raise this at once instead. ``__cause__`` is that failure.
     """

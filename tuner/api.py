@@ -40,7 +40,13 @@ from algorithms._comm import Comm, Traffic
 from algorithms._sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
 from algorithms.allgather import eager_slot, slot_need
 from algorithms.base import SparseInput, SparseResult
-from algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError
+from algorithms.errors import (
+    AbandonedCallError,
+    CollectiveError,
+    ColltuneError,
+    ColltuneTypeError,
+    ColltuneValueError,
+)
 from algorithms.state import TopkState
 from tuner.features import sketch_hashes
 
@@ -71,7 +77,10 @@ class AsyncHandle:
 
     Calls run in submission order on one worker thread per process, so ranks
     issue their collectives in the same order; a synchronous call made while
-    asynchronous ones are pending waits its turn behind them.
+    asynchronous ones are pending waits its turn behind them. When a call
+    fails out of step with the other ranks (a peer died, a timeout), the
+    calls queued behind it raise :class:`AbandonedCallError` without
+    running, so ``wait()`` on every pending handle returns promptly.
     """
 
     __slots__ = ("_future", "_torch_future")
@@ -105,6 +114,81 @@ class AsyncHandle:
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _pending = 0
 _lock = threading.Lock()
+#: Calls of this process that failed out of step with the other ranks, and the latest such failure.
+_out_of_step = 0
+_out_of_step_by: BaseException | None = None
+
+
+#: Backend messages that mean a peer rank is gone or silent (gloo's and NCCL's wording), not a bug in the call.
+_PEER_FAILURE = (
+    "Connection closed by peer", "Connection reset", "Broken pipe", "Socket closed", "Read error", "Write error",
+    "Timed out", "timed out", "pair closure", "NCCL communicator was aborted",
+)
+
+
+def _pg_timeout_s() -> float | None:
+    """Return the default group's timeout in seconds, when its backend tells (gloo and NCCL do)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - no backend for the device, or a torch without these (private) names
+            continue
+    return None
+
+
+def _collective_error(exc: BaseException) -> CollectiveError | None:
+    """Return ``exc`` as a :class:`CollectiveError` when it is the backend's report of a dead or silent peer."""
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if not (isinstance(exc, dist.DistError)
+            or (isinstance(exc, RuntimeError) and any(s in said for s in _PEER_FAILURE))):
+        return None
+    if said.startswith("[") and "] " in said:  # gloo's source location
+        said = said.split("] ", 1)[1]
+    said = said.split(". ", 1)[0].rstrip(".")[:300]
+    timeout = _pg_timeout_s()
+    where = f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "this rank"
+    return CollectiveError(
+        f"a collective of this call failed on {where}: a peer rank died, or did not answer within the process "
+        f"group's timeout{f' ({timeout:g} s)' if timeout is not None else ''}. The backend said: {said}. Look for "
+        "the first error in the other ranks' logs. The process group cannot run collectives any more: restart "
+        "the job. To give slow peers longer, pass dist.init_process_group(..., "
+        "timeout=datetime.timedelta(seconds=...))."
+    )
+
+
+def _run(fn: Callable[[], Any]) -> Any:
+    """Run one call; count a failure that may have left this rank out of step with the others."""
+    global _out_of_step, _out_of_step_by
+    try:
+        return fn()
+    except ColltuneError:
+        raise  # raised by every rank at the same call (the metadata exchange): the ranks stay in step
+    except BaseException as exc:
+        wrapped = _collective_error(exc)
+        with _lock:
+            _out_of_step += 1
+            _out_of_step_by = wrapped or exc
+        if wrapped is not None:
+            raise wrapped from exc
+        raise
+
+
+def _abandoned(cause: BaseException) -> AbandonedCallError:
+    """Return the error of a queued call dropped because of ``cause``."""
+    lines = str(cause).strip().splitlines()
+    said = lines[0] if lines else ""
+    if said.startswith("[") and "] " in said:  # gloo's source location
+        said = said.split("] ", 1)[1]
+    said = said.split(". ", 1)[0].rstrip(".")[:300]
+    err = AbandonedCallError(
+        f"this call was not run: a colltune call queued before it failed ({type(cause).__name__}: {said}) "
+        "out of step with the other ranks (a peer rank died, a collective timed out, or this rank raised "
+        "where the others did not), so the calls queued behind it were dropped. Wait on the earlier "
+        "handle for its error; restart the job (or re-create the process group) before calling "
+        "collectives again."
+    )
+    err.__cause__ = cause
+    return err
 
 
 def _submit(fn: Callable[[], Any], async_op: bool) -> Any:
@@ -117,13 +201,19 @@ def _submit(fn: Callable[[], Any], async_op: bool) -> Any:
             if _executor is None:
                 _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colltune")
             _pending += 1
+        seen = _out_of_step
     if run_inline:
-        return fn()
+        return _run(fn)
 
     def _task() -> Any:
         global _pending
         try:
-            return fn()
+            with _lock:
+                cause = _out_of_step_by if _out_of_step != seen else None
+            if cause is not None:
+                # A call queued before this one failed after this one was submitted: drop it.
+                raise _abandoned(cause)
+            return _run(fn)
         finally:
             with _lock:
                 _pending -= 1
@@ -566,6 +656,9 @@ def sparse_allreduce(
             names the rank and the argument.
         RankMismatchError: ranks disagree on size, row shape, dtype, op,
             algorithm or knobs, or (``auto``) on the policy, profile or name.
+        CollectiveError: a peer rank died or timed out during the call.
+        AbandonedCallError: (asynchronous calls) a call queued before this
+            one failed out of step with the other ranks; this one did not run.
 
     Example:
         >>> res = tuner.sparse_allreduce(idx, vals, size=1_000_000, op="avg")  # doctest: +SKIP
