@@ -27,10 +27,10 @@ import sys
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from harness import pool
-from sparse_cases import ALGORITHMS, DTYPES, case, make_input, reference
+from sparse_cases import ALGORITHMS, DTYPES, make_input, reference
+from test_property import _lay_out, exact_cases
 from test_sparse_allreduce import SCENARIOS, _result_record, check_results
 from test_topk import check_topk, make_tensor, topk_cfg
 
@@ -250,35 +250,11 @@ def test_scenarios_give_the_host_bits_on_the_device_path(world_size):
 # ------------------------------------------------------------------ property cases, both paths
 
 
-@st.composite
-def exact_cases(draw):
-    """As tests/test_property.py's, on 1 to 4 ranks: small integers, so every sum is exact in every dtype."""
-    world_size = draw(st.integers(1, 4))
-    size = draw(st.one_of(st.integers(1, 64), st.sampled_from([1000, 1 << 20])))
-    row_shape = draw(st.sampled_from([(), (2,), (2, 3), (9,)]))
-    rn = math.prod(row_shape)
-    indices, values = [], []
-    for _ in range(world_size):
-        idx = draw(st.lists(st.integers(0, size - 1), max_size=20))
-        values.append(draw(st.lists(st.integers(-4, 4), min_size=len(idx) * rn, max_size=len(idx) * rn)))
-        indices.append(idx)
-    c = case(
-        pattern="explicit",
-        size=size,
-        row_shape=row_shape,
-        indices=indices,
-        values=values,
-        dtype=draw(st.sampled_from(list(DTYPES))),
-        index_dtype=draw(st.sampled_from(["int32", "int64"])),
-        op=draw(st.sampled_from(["sum", "avg"])),
-    )
-    return world_size, c
-
-
 def _run_all_algorithms_both_paths(rank, world_size, c):
     import tuner
 
     idx, vals = make_input(c, rank, world_size)
+    idx, vals = _lay_out(idx, c["layout"]), _lay_out(vals, c["layout"])
     out = {}
     for algorithm in ALGORITHMS:
         for device in (False, True):
