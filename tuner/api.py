@@ -225,13 +225,6 @@ def _submit(fn: Callable[[], Any], async_op: bool) -> Any:
 # --------------------------------------------------------------------------- validation
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-_VALUE_NAMES = ", ".join(_dtype_name(d) for d in VALUE_DTYPES)
-
-
 def _bad(cls: type[ColltuneError], argument: str, message: str) -> ColltuneError:
     """Return an error about ``argument``; the metadata record carries its name to the other ranks."""
     return cls(message, argument=argument)
@@ -333,10 +326,7 @@ def _check_device(group: Any, device: torch.device, argument: str) -> None:
         raise _bad(ColltuneValueError, argument, f"{argument} is on {device}, but CUDA is not available here.")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
+_dtype_name = _meta.dtype_name
 _VALUE_NAMES = ", ".join(_dtype_name(d) for d in VALUE_DTYPES)
 #: The largest ``size``: indices are int64 and the record carries sizes as int64.
 MAX_SIZE = (1 << 63) - 1
