@@ -10,19 +10,19 @@ name            what it does
 
 Example:
     >>> import algorithms
-    >>> algorithms.names()
+    >>> colltune.algorithms.names()
     ('dense', 'allgather', 'oktopk')
-    >>> algorithms.get("oktopk").name
+    >>> colltune.algorithms.get("oktopk").name
     'oktopk'
 """
 
 from __future__ import annotations
 
-from algorithms._comm import Comm, Traffic
-from algorithms.allgather import Allgather
-from algorithms.base import Algorithm, SparseInput, SparseResult, TopkOutput
-from algorithms.dense import Dense
-from algorithms.errors import (
+from colltune.algorithms._comm import Comm, Traffic
+from colltune.algorithms.allgather import Allgather
+from colltune.algorithms.base import Algorithm, SparseInput, SparseResult, TopkOutput
+from colltune.algorithms.dense import Dense
+from colltune.algorithms.errors import (
     ColltuneError,
     ColltuneTypeError,
     ColltuneValueError,
@@ -31,8 +31,8 @@ from algorithms.errors import (
     CollectiveError,
     AbandonedCallError,
 )
-from algorithms.oktopk import OkTopk
-from algorithms.state import BoundaryState, TopkState
+from colltune.algorithms.oktopk import OkTopk
+from colltune.algorithms.state import BoundaryState, TopkState
 
 __all__ = [
     "Algorithm",

@@ -9,12 +9,12 @@ never leaves one rank waiting in a collective the others skipped.
 
 Local validation errors ride along too: a rank whose input is invalid still
 joins the exchange with its error code set, then raises its own error, while
-the others raise :class:`~algorithms.errors.RemoteInputError` naming it.
+the others raise :class:`~colltune.algorithms.errors.RemoteInputError` naming it.
 
 The record ends with an *eager slot*. It starts with the payload of the
 algorithm likeliest to run, if that algorithm has one (field ``payload``
 says how many bytes: Ok-Topk's counts per region, see
-:meth:`~algorithms.base.Algorithm.eager_payload`). A sparse call may put
+:meth:`~colltune.algorithms.base.Algorithm.eager_payload`). A sparse call may put
 its entries in the rest; when every rank's entries fit, ``allgather`` needs no second
 collective, which decides its speed below a few hundred KiB: on gloo each
 collective costs a fixed hand-off (a few hundred microseconds on a loaded
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from algorithms._comm import Comm
-from algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
+from colltune.algorithms._comm import Comm
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
 
 __all__ = [
     "FIELDS",
@@ -88,7 +88,7 @@ SHARED_FIELDS: tuple[str, ...] = (
 #: What the eager slot of a record holds after its payload (field ``eager``):
 #: nothing, the first entries, or an overlap sketch then entries. Field
 #: ``payload`` says how many bytes at the slot's start are an algorithm's
-#: own payload (:meth:`~algorithms.base.Algorithm.eager_payload`).
+#: own payload (:meth:`~colltune.algorithms.base.Algorithm.eager_payload`).
 EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}

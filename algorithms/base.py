@@ -3,9 +3,9 @@
 Life of one exact sparse allreduce (``sparse_allreduce``):
 
 1. The front door validates the arguments and coalesces the local input
-   (:func:`algorithms._sparse.coalesce`).
+   (:func:`colltune.algorithms._sparse.coalesce`).
 2. It exchanges one small metadata record per rank
-   (:func:`algorithms._meta.exchange`), so every rank learns every rank's
+   (:func:`colltune.algorithms._meta.exchange`), so every rank learns every rank's
    entry count and that all ranks agree on size, dtype, op and algorithm.
 3. It calls :meth:`Algorithm.sparse_allreduce` with a :class:`SparseInput`
    that holds the coalesced local entries and those global counts.
@@ -30,9 +30,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from algorithms._comm import Comm, Traffic
-from algorithms._sparse import accum_dtype, wire_index_dtype
-from algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.algorithms._comm import Comm, Traffic
+from colltune.algorithms._sparse import accum_dtype, wire_index_dtype
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 
 __all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Algorithm"]
 
@@ -52,7 +52,7 @@ class SparseInput:
         counts: entries per rank after coalescing, for every rank, in rank order.
         eager: every rank's eager slot from the metadata exchange, one
             ``uint8`` row per rank (``[P, slot_bytes]``), holding its first
-            entries packed as :func:`algorithms.allgather.eager_slot` packs
+            entries packed as :func:`colltune.algorithms.allgather.eager_slot` packs
             them, or ``None`` when the caller did not fill the slots.
         op: ``sum`` or ``avg``; read only by algorithms that set
             :attr:`Algorithm.applies_avg`.
@@ -155,8 +155,8 @@ class Algorithm(abc.ABC):
 
     Subclasses set :attr:`name` and :attr:`knobs` and implement both calls.
     Instances hold no per-call state: thresholds and residuals live in
-    :class:`algorithms.state.TopkState`, boundary caches in
-    :class:`algorithms.state.BoundaryState`.
+    :class:`colltune.algorithms.state.TopkState`, boundary caches in
+    :class:`colltune.algorithms.state.BoundaryState`.
 
     Every method is called collectively: all ranks of ``comm`` call it with
     the same algorithm, the same shared fields and in the same order, which
@@ -248,6 +248,6 @@ class Algorithm(abc.ABC):
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         """Select entries of the flat accumulated tensor ``acc`` and sum the selection over ranks.
 
-        ``state`` is the caller's :class:`~algorithms.state.TopkState`; the
+        ``state`` is the caller's :class:`~colltune.algorithms.state.TopkState`; the
         algorithm may update its thresholds and boundaries but not its residual.
         """

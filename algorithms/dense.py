@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from algorithms._comm import Comm
-from algorithms.base import Algorithm, SparseInput, TopkOutput
+from colltune.algorithms._comm import Comm
+from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 
 __all__ = ["Dense"]
 

@@ -3,7 +3,7 @@
 Exact mode (``sparse_allreduce``):
 
 1. **Boundaries.** The rows are cut into ``P`` regions that balance the
-   ranks' entries, not the coordinates (:class:`~algorithms.state.BoundaryState`,
+   ranks' entries, not the coordinates (:class:`~colltune.algorithms.state.BoundaryState`,
    refreshed every ``boundary_refresh`` calls per group and size).
 2. **Split and reduce.** Counts go first: while the boundaries are
    cached, every rank's count per region rides in the metadata record
@@ -57,8 +57,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from algorithms._comm import Comm
-from algorithms._sparse import (
+from colltune.algorithms._comm import Comm
+from colltune.algorithms._sparse import (
     entry_bytes,
     gather_mode,
     Magnitudes,
@@ -71,8 +71,8 @@ from algorithms._sparse import (
     unpack,
     wire_index_dtype,
 )
-from algorithms.base import Algorithm, SparseInput, TopkOutput
-from algorithms.state import BoundaryState
+from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
+from colltune.algorithms.state import BoundaryState
 
 __all__ = ["OkTopk", "split_reduce", "radix_kth_largest"]
 
@@ -156,7 +156,7 @@ def split_reduce(
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
         values in ``acc``, summed over source ranks in rank order.
 
-    Wide rows (:func:`~algorithms._sparse.split_layout`) travel as two messages per peer, the
+    Wide rows (:func:`~colltune.algorithms._sparse.split_layout`) travel as two messages per peer, the
     indices and the value rows, each sent from a slice of the input and
     received straight into its place in one buffer per kind: no packing,
     unpacking or concatenation of the rows, which are most of the bytes.
@@ -257,7 +257,7 @@ def _gather_regions(
     padding, packing or concatenation; only when no region travels dense);
     ``pad`` and ``alltoall`` pack the regions and gather them as
     :meth:`Comm.all_gather_v` does; ``auto`` takes ``p2p`` for wide rows
-    (:func:`~algorithms._sparse.split_layout`) when no region is dense; for
+    (:func:`~colltune.algorithms._sparse.split_layout`) when no region is dense; for
     packed entries, when ``last`` (every owner's size on the group's last
     call) is known and sent no region dense, the eager gather
     (:func:`_gather_regions_eager`: sizes and entries in one exchange); else

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from algorithms._comm import Comm
-from algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.algorithms._comm import Comm
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 
 __all__ = ["BoundaryState", "TopkState"]
 
@@ -141,7 +141,7 @@ class TopkState:
 
     Example:
         >>> state = TopkState(density=0.01)
-        >>> res = tuner.topk_allreduce(grad, state, op="avg")  # doctest: +SKIP
+        >>> res = colltune.topk_allreduce(grad, state, op="avg")  # doctest: +SKIP
     """
 
     __slots__ = (

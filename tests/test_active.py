@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from test_cli_report import synthetic_profile
-from tuner import active
-from tuner.profile import load_profile
+from colltune import active
+from colltune.profile import load_profile
 
 
 def test_expected_regret_is_largest_where_the_choice_is_close_and_uncertain():
@@ -26,7 +26,7 @@ def test_the_chooser_measures_where_the_prior_is_torn(tmp_path):
     chooser = active.ActiveChooser(cands, prof.primitives, trials=24, seed=0, init=0)
     first = chooser.choose([], set())
     # With nothing measured, the alpha-beta prior decides: the pick is a near tie of its predictions.
-    from tuner.cost_model import AnalyticModel
+    from colltune.cost_model import AnalyticModel
 
     model = AnalyticModel(prof.primitives)
 
@@ -68,7 +68,7 @@ def test_the_first_choices_fill_the_space(tmp_path):
 
 
 def test_live_active_profiling_measures_what_it_chooses(tmp_path, capsys):
-    from tuner import cli
+    from colltune import cli
 
     out = tmp_path / "active.yaml"
     argv = ["profile", "--active", "--measurements", "2", "--world-size", "2", "--n", "2^10", "--density", "1e-2",

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from algorithms._sparse import device_path
+from colltune.algorithms._sparse import device_path
 from harness import expect_error, pool
 
 SIZE = 64
@@ -48,7 +48,7 @@ def _values(rank: int) -> torch.Tensor:
 
 
 def _policy(text: str) -> Any:
-    from tuner.policy import parse_policy
+    from colltune.policy import parse_policy
 
     return parse_policy("version: 1\n" + text)
 
@@ -255,9 +255,9 @@ def _reference(case: Case, algorithm: str, world_size: int) -> torch.Tensor:
 
 
 def _recovery(rank: int, world_size: int, group: Any) -> bool:
-    import tuner
+    import colltune
 
-    res = tuner.sparse_allreduce(torch.tensor([rank, 7]), torch.tensor([1.0, float(rank)]), 10, group=group,
+    res = colltune.sparse_allreduce(torch.tensor([rank, 7]), torch.tensor([1.0, float(rank)]), 10, group=group,
                                  algorithm="allgather")
     want = torch.zeros(10)
     for r in range(world_size):
@@ -267,10 +267,10 @@ def _recovery(rank: int, world_size: int, group: Any) -> bool:
 
 
 def _run_call(kw: dict) -> Any:
-    import tuner
+    import colltune
 
     kw = dict(kw)
-    return tuner.sparse_allreduce(kw.pop("indices"), kw.pop("values"), kw.pop("size"), **kw)
+    return colltune.sparse_allreduce(kw.pop("indices"), kw.pop("values"), kw.pop("size"), **kw)
 
 
 def _wait(kw: dict) -> Any:
@@ -382,11 +382,11 @@ def test_bad_input_battery(name: str, algorithm: str, async_op: bool) -> None:
 
 
 def _topk_call(rank: int, algorithm: str, override: dict | None = None, everyone: bool = False) -> dict:
-    import tuner
+    import colltune
 
     kw: dict[str, Any] = {
         "tensor": torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)),
-        "state": tuner.TopkState(k=12),
+        "state": colltune.TopkState(k=12),
         "algorithm": algorithm,
     }
     if override is not None and (everyone or rank == 1):
@@ -395,9 +395,9 @@ def _topk_call(rank: int, algorithm: str, override: dict | None = None, everyone
 
 
 def _state_of(numel: int) -> Any:
-    import tuner
+    import colltune
 
-    st = tuner.TopkState(k=12)
+    st = colltune.TopkState(k=12)
     st.residual = torch.zeros(numel)
     return st
 
@@ -414,7 +414,7 @@ TOPK_CASES: dict[str, tuple[Callable[[int, str], dict], str, str]] = {
     "op_max": (lambda r, a: _topk_call(r, a, {"op": "max"}), "bad", "op"),
     "knobs_list": (lambda r, a: _topk_call(r, a, {"knobs": [("mode", "pad")]}), "bad", "knobs"),
     "shape_differs": (lambda r, a: _topk_call(r, a, {"tensor": lambda: torch.randn(16, 8)}), "mismatch", ""),
-    "k_differs": (lambda r, a: _topk_call(r, a, {"state": lambda: __import__("tuner").TopkState(k=13)}), "mismatch",
+    "k_differs": (lambda r, a: _topk_call(r, a, {"state": lambda: __import__("colltune").TopkState(k=13)}), "mismatch",
                   ""),
     "nan_and_inf": (lambda r, a: _topk_call(r, a, {"tensor": lambda: torch.tensor(
         [float("nan"), float("inf"), -float("inf")] + [0.01] * 125).view(8, 16)}, everyone=True), "ok", ""),
@@ -422,13 +422,13 @@ TOPK_CASES: dict[str, tuple[Callable[[int, str], dict], str, str]] = {
 
 
 def _rank_topk_case(rank: int, world_size: int, name: str, algorithm: str) -> dict:
-    import tuner
+    import colltune
 
     build, expect, _ = TOPK_CASES[name]
     group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
         kw = build(rank, algorithm)
-        call = lambda: tuner.topk_allreduce(group=group, **kw)  # noqa: E731
+        call = lambda: colltune.topk_allreduce(group=group, **kw)  # noqa: E731
         out: dict[str, Any] = {}
         if expect == "ok":
             res = call()
@@ -466,11 +466,11 @@ def test_topk_bad_input_battery(name: str, algorithm: str) -> None:
 def _rank_other_groups(rank: int, world_size: int, timeout_s: float) -> dict:
     import time
 
-    import tuner
+    import colltune
 
     groups = [dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s)) for _ in range(2)]
     t0 = time.monotonic()
-    raised = expect_error(tuner.sparse_allreduce, _indices(rank), _values(rank), SIZE, group=groups[rank % 2],
+    raised = expect_error(colltune.sparse_allreduce, _indices(rank), _values(rank), SIZE, group=groups[rank % 2],
                           algorithm="allgather")
     raised.elapsed = time.monotonic() - t0
     for g in groups:

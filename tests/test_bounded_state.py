@@ -11,18 +11,18 @@ from harness import pool
 
 
 def _rank_many_names(rank: int, world_size: int, names: int, cap: int) -> dict:
-    import tuner
-    from tuner import selector
+    import colltune
+    from colltune import selector
 
     sel = selector.Selector()
     old, selector.MAX_SITES = selector.MAX_SITES, cap
     try:
         sums = []
         for i in range(names):
-            res = tuner.sparse_allreduce(torch.tensor([i % 7, 9]), torch.ones(2), 16, name=f"table{i}", policy=sel)
+            res = colltune.sparse_allreduce(torch.tensor([i % 7, 9]), torch.ones(2), 16, name=f"table{i}", policy=sel)
             sums.append(float(res.values.sum()))
         # The first name again, long forgotten: it decides afresh, the same way on every rank.
-        again = tuner.sparse_allreduce(torch.tensor([1, 9]), torch.ones(2), 16, name="table0", policy=sel)
+        again = colltune.sparse_allreduce(torch.tensor([1, 9]), torch.ones(2), 16, name="table0", policy=sel)
     finally:
         selector.MAX_SITES = old
     return {"sites": len(sel._sites), "sums": sums, "again": again.to_dense()}
@@ -38,13 +38,13 @@ def test_decision_cache_forgets_the_least_recently_used_site():
 
 
 def _rank_group_lifetime(rank: int, world_size: int) -> dict:
-    import tuner
-    from algorithms import _meta
+    import colltune
+    from colltune.algorithms import _meta
 
     before = len(_meta._slot_state)
     for _ in range(3):
         group = dist.new_group(list(range(world_size)))
-        tuner.sparse_allreduce(torch.tensor([rank]), torch.ones(1), 4, group=group, algorithm="allgather")
+        colltune.sparse_allreduce(torch.tensor([rank]), torch.ones(1), 4, group=group, algorithm="allgather")
         during = len(_meta._slot_state)
         dist.destroy_process_group(group)
         del group
@@ -59,7 +59,7 @@ def test_eager_slot_state_lives_as_long_as_its_group():
 
 
 def test_name_codes_stop_growing_at_their_bound(monkeypatch):
-    from algorithms import _meta
+    from colltune.algorithms import _meta
 
     monkeypatch.setattr(_meta, "_MAX_NAMES", len(_meta._codes) + 5)
     codes = [_meta.name_code(f"shape-{i}") for i in range(50)]
@@ -68,8 +68,8 @@ def test_name_codes_stop_growing_at_their_bound(monkeypatch):
 
 
 def _rank_oktopk_sizes(rank: int, world_size: int, sizes: int, cap: int) -> dict:
-    import tuner
-    from algorithms import oktopk
+    import colltune
+    from colltune.algorithms import oktopk
 
     before = len(oktopk._exact_state)
     group = dist.new_group(list(range(world_size)))
@@ -77,11 +77,11 @@ def _rank_oktopk_sizes(rank: int, world_size: int, sizes: int, cap: int) -> dict
     try:
         dense = []
         for n in range(100, 100 + sizes):
-            res = tuner.sparse_allreduce(torch.tensor([rank, n - 1]), torch.ones(2), n, group=group, algorithm="oktopk")
+            res = colltune.sparse_allreduce(torch.tensor([rank, n - 1]), torch.ones(2), n, group=group, algorithm="oktopk")
             dense.append(res.to_dense())
         kept = len(oktopk._exact_state[group])
         # The first size again, long forgotten: it refreshes its boundaries, the same way on every rank.
-        again = tuner.sparse_allreduce(torch.tensor([rank, 99]), torch.ones(2), 100, group=group, algorithm="oktopk")
+        again = colltune.sparse_allreduce(torch.tensor([rank, 99]), torch.ones(2), 100, group=group, algorithm="oktopk")
     finally:
         oktopk.MAX_SIZES = old
     dist.destroy_process_group(group)

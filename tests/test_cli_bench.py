@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from tuner import bench, cli
+from colltune import bench, cli
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_cli(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    """Run ``python -m tuner.cli`` in a fresh process (a fresh forkserver, output captured)."""
+    """Run ``python -m colltune.cli`` in a fresh process (a fresh forkserver, output captured)."""
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
-        [sys.executable, "-m", "tuner.cli", *argv],
+        [sys.executable, "-m", "colltune.cli", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tuner import cli, profiling
-from tuner.profile import load_profile
+from colltune import cli, profiling
+from colltune.profile import load_profile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "1e-1", "--overlap", "0", "1",
@@ -81,7 +81,7 @@ def _journal_configs(path):
 def test_a_killed_run_resumes_without_measuring_again(tmp_path):
     out = tmp_path / "killed.yaml"
     journal = profiling.journal_path(out)
-    argv = [sys.executable, "-m", "tuner.cli", "profile", "--world-size", "2", "--n", "2^12", "2^13",
+    argv = [sys.executable, "-m", "colltune.cli", "profile", "--world-size", "2", "--n", "2^12", "2^13",
             "--density", "1e-3", "1e-2", "5e-2", "1e-1", "--overlap", "0", "1", "--repeats", "3",
             "--no-progress", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -180,7 +180,7 @@ def test_bad_options_exit_2_with_a_message(argv, needle, capsys):
 
 
 def test_unwritable_outputs_exit_2_before_any_rank_starts(tiny_profile, tmp_path, capsys, monkeypatch):
-    from tuner import launch, report
+    from colltune import launch, report
 
     def _too_late(*a, **k):
         raise AssertionError("the output path must be refused before any rank starts or any work is done")
@@ -217,7 +217,7 @@ def test_a_missing_profile_exits_2(tmp_path, capsys):
 
 def test_the_journal_keeps_every_round_and_refuses_a_corrupt_middle(tmp_path):
     cfg = profiling.ProfileConfig(2, 1024, 10, 5)
-    from tuner.profile import Measurement
+    from colltune.profile import Measurement
 
     m = Measurement.from_features(cfg.features(), "dense", time_us=30.0, spread_us=20.0, repeats=5, bytes_sent=8)
     path = str(tmp_path / "j.jsonl")

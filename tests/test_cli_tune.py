@@ -5,8 +5,8 @@ from __future__ import annotations
 import optuna
 from optuna.trial import TrialState
 
-from tuner import autotune, cli
-from tuner.policy import load_policy
+from colltune import autotune, cli
+from colltune.policy import load_policy
 
 TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "--rounds", "2", "--quiet"]
 

@@ -1,4 +1,4 @@
-"""Training integration (``tuner.ddp``): the DDP comm hook and the sparse-gradient synchronizer.
+"""Training integration (``colltune.ddp``): the DDP comm hook and the sparse-gradient synchronizer.
 
 Each distributed check runs in the shared rank pools and compares with what
 plain ``DistributedDataParallel`` computes on the same data:
@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harness import pool
-from algorithms.errors import ColltuneTypeError, ColltuneValueError
-from tuner.ddp import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
-from tuner.policy import parse_policy
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.ddp import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
+from colltune.policy import parse_policy
 
 ROWS, DIM = 200, 8
 KEEP_FC1_DENSE = """

@@ -2,7 +2,7 @@
 
 CUDA tensors take other code than CPU tensors (torch operations where the
 CPU runs NumPy, and the backend's own collectives where gloo runs direct).
-:func:`algorithms._sparse.device_path` sends CPU tensors down that code, so
+:func:`colltune.algorithms._sparse.device_path` sends CPU tensors down that code, so
 here every rank runs each call twice, once per path, on the same input, and
 the parent checks the device path's result against the float64 reference
 and bit for bit (values compared as integers, so -0.0 and NaN count)
@@ -34,7 +34,7 @@ from test_property import _lay_out, exact_cases
 from test_sparse_allreduce import SCENARIOS, _result_record, check_results
 from test_topk import check_topk, make_tensor, topk_cfg
 
-from algorithms._sparse import (
+from colltune.algorithms._sparse import (
     Magnitudes,
     coalesce,
     device_path,
@@ -84,7 +84,7 @@ def test_switch_sends_cpu_tensors_down_the_device_path():
 
 
 def test_environment_variable_turns_the_device_path_on_at_import():
-    code = "import torch; from algorithms._sparse import on_host; print(on_host(torch.zeros(1)))"
+    code = "import torch; from colltune.algorithms._sparse import on_host; print(on_host(torch.zeros(1)))"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, COLLTUNE_DEVICE_PATH="1", PYTHONPATH=root)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=root)
@@ -92,7 +92,7 @@ def test_environment_variable_turns_the_device_path_on_at_import():
 
 
 def _comm_modes(rank, world_size):
-    from algorithms._comm import Comm
+    from colltune.algorithms._comm import Comm
 
     modes = []
     for device in (False, True):
@@ -170,8 +170,8 @@ def test_coalesce_and_merge_give_the_host_bits():
 
 
 def test_sketches_and_embedding_row_sums_give_the_host_bits():
-    from tuner.ddp import _coalesce_rows
-    from tuner.features import sketch_hashes
+    from colltune.ddp import _coalesce_rows
+    from colltune.features import sketch_hashes
 
     g = torch.Generator().manual_seed(11)
     for k, high in ((0, 10), (5, 10**12), (3000, 500)):
@@ -215,7 +215,7 @@ def test_magnitudes_select_the_same_entries_on_both_paths(dtype):
 
 
 def _run_scenarios_both_paths(rank, world_size, names):
-    import tuner
+    import colltune
 
     out = {}
     for name in names:
@@ -224,7 +224,7 @@ def _run_scenarios_both_paths(rank, world_size, names):
         for algorithm in ALGORITHMS:
             for device in (False, True):
                 with device_path(device):
-                    res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+                    res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
                 out[name, algorithm, device] = _result_record(res, small=c["size"] <= 5000)
     return out
 
@@ -251,7 +251,7 @@ def test_scenarios_give_the_host_bits_on_the_device_path(world_size):
 
 
 def _run_all_algorithms_both_paths(rank, world_size, c):
-    import tuner
+    import colltune
 
     idx, vals = make_input(c, rank, world_size)
     idx, vals = _lay_out(idx, c["layout"]), _lay_out(vals, c["layout"])
@@ -259,7 +259,7 @@ def _run_all_algorithms_both_paths(rank, world_size, c):
     for algorithm in ALGORITHMS:
         for device in (False, True):
             with device_path(device):
-                res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+                res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
             out[algorithm, device] = (res.indices.clone(), res.values.clone())
     return out
 
@@ -289,18 +289,18 @@ def test_property_cases_give_the_same_bits_on_both_paths(example):
 
 
 def _run_topk_both_paths(rank, world_size, c):
-    import tuner
+    import colltune
 
     out = {}
     for device in (False, True):
         with device_path(device):
-            state = tuner.TopkState(k=c["k"], density=c["density"], **c["state_kw"])
+            state = colltune.TopkState(k=c["k"], density=c["density"], **c["state_kw"])
             steps = []
             for step in range(c["steps"]):
                 t = make_tensor(c, rank, step)
                 acc = t.reshape(-1).to(torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype)
                 acc = acc + state.residual if state.residual is not None else acc.clone()
-                res = tuner.topk_allreduce(t, state, op=c["op"], algorithm=c["algorithm"])
+                res = colltune.topk_allreduce(t, state, op=c["op"], algorithm=c["algorithm"])
                 sent = res.sent_indices
                 mask = torch.zeros(acc.numel(), dtype=torch.bool)
                 mask[slice(None) if sent is None else sent] = True

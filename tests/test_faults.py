@@ -37,10 +37,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import tuner
-from algorithms.errors import ColltuneValueError
-from tuner import api
-from tuner.launch import Outcome, failure_report, launch_ranks
+import colltune
+from colltune.algorithms.errors import ColltuneValueError
+from colltune import api
+from colltune.launch import Outcome, failure_report, launch_ranks
 
 #: Process-group timeout in the ranks of these tests, in seconds.
 PG_TIMEOUT_S = 5.0
@@ -62,12 +62,12 @@ def _calls(rank: int) -> list[tuple[str, Callable[..., Any]]]:
     vals = torch.randn(k, generator=g)
     rows = torch.randn(k, 4, generator=g)  # embedding rows for one of the sparse calls
     grad = torch.randn(64, 64, generator=g)
-    states = {a: tuner.TopkState(density=0.02) for a in ALGORITHMS}
+    states = {a: colltune.TopkState(density=0.02) for a in ALGORITHMS}
     calls: list[tuple[str, Callable[..., Any]]] = []
     for a in ALGORITHMS:
         values = rows if a == "allgather" else vals
-        calls.append((f"sparse_allreduce/{a}", partial(tuner.sparse_allreduce, idx, values, n, algorithm=a)))
-        calls.append((f"topk_allreduce/{a}", partial(tuner.topk_allreduce, grad, states[a], algorithm=a)))
+        calls.append((f"sparse_allreduce/{a}", partial(colltune.sparse_allreduce, idx, values, n, algorithm=a)))
+        calls.append((f"topk_allreduce/{a}", partial(colltune.topk_allreduce, grad, states[a], algorithm=a)))
     return calls
 
 
@@ -267,13 +267,13 @@ def test_calls_queued_behind_a_failed_call_are_dropped():
     gist = r"queued before it failed \(CollectiveError: a collective of this call failed .*\) out of step"
     with pytest.raises(api.AbandonedCallError, match=gist):
         api._submit(lambda: ran.append("sync"), False)  # a synchronous call waits its turn behind them
-    with pytest.raises(tuner.CollectiveError, match="The backend said: Connection closed by peer") as info:
+    with pytest.raises(colltune.CollectiveError, match="The backend said: Connection closed by peer") as info:
         first.wait(10)
     assert isinstance(info.value.__cause__, RuntimeError) and "restart the job" in str(info.value)
     with pytest.raises(api.AbandonedCallError) as dropped:
         queued.wait(10)
     assert dropped.value.__cause__ is info.value
-    assert isinstance(dropped.value, RuntimeError) and isinstance(dropped.value, tuner.ColltuneError)
+    assert isinstance(dropped.value, RuntimeError) and isinstance(dropped.value, colltune.ColltuneError)
     assert ran == ["fails"]
     assert api._submit(lambda: 7, True).wait(10) == 7
     assert api._submit(lambda: 8, False) == 8

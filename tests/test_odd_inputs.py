@@ -23,7 +23,7 @@ import torch
 from harness import pool
 from sparse_cases import ALGORITHMS
 
-from algorithms._sparse import device_path
+from colltune.algorithms._sparse import device_path
 
 P = 2
 SIZE = 64
@@ -91,7 +91,7 @@ def _zero_width_inputs(case: tuple[tuple[int, ...], bool], rank: int) -> tuple[t
 
 
 def _run_sparse_cases(rank, world_size, kind, names):
-    import tuner
+    import colltune
 
     out = {}
     for name in names:
@@ -99,18 +99,18 @@ def _run_sparse_cases(rank, world_size, kind, names):
         for algorithm in ALGORITHMS:
             for device in PATHS:
                 with device_path(device):
-                    res = tuner.sparse_allreduce(idx, vals, (SIZE,) + tuple(vals.shape[1:]), algorithm=algorithm)
+                    res = colltune.sparse_allreduce(idx, vals, (SIZE,) + tuple(vals.shape[1:]), algorithm=algorithm)
                 out[name, algorithm, device] = (res.indices.clone(), res.values.clone())
     return out
 
 
 def _run_topk_nan(rank, world_size, algorithm, calls):
-    import tuner
+    import colltune
 
     out = {}
     for device in PATHS:
         with device_path(device):
-            state = tuner.TopkState(k=4)
+            state = colltune.TopkState(k=4)
             steps = []
             for call in calls:
                 t = _base(rank, 1, 128).view(-1) / 64  # small: the specials below are what top-k must take
@@ -118,7 +118,7 @@ def _run_topk_nan(rank, world_size, algorithm, calls):
                     if on_rank == rank:
                         t[pos] = value
                 acc = t + state.residual if state.residual is not None else t.clone()
-                res = tuner.topk_allreduce(t, state, op="sum", algorithm=algorithm)
+                res = colltune.topk_allreduce(t, state, op="sum", algorithm=algorithm)
                 steps.append({"acc": acc, "sent": res.sent_indices.clone(), "indices": res.indices.clone(),
                               "values": res.values.clone(), "residual": state.residual.clone()})
             out[device] = steps

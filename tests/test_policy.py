@@ -1,4 +1,4 @@
-"""Tests of tuner.policy: parsing, matching, errors, digests, environment (no process group)."""
+"""Tests of colltune.policy: parsing, matching, errors, digests, environment (no process group)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-import algorithms
-from algorithms.errors import ColltuneError, ColltuneValueError
-from tuner import policy as P
-from tuner.policy import (
+from colltune import algorithms
+from colltune.algorithms.errors import ColltuneError, ColltuneValueError
+from colltune import policy as P
+from colltune.policy import (
     DEFAULT_POLICY,
     KNOBS,
     Overrides,
@@ -285,7 +285,7 @@ def test_decision_as_dict_is_json_ready() -> None:
 def test_bool_knob_round_trips_and_is_applied() -> None:
     import yaml
 
-    from tuner.selector import _knobs_for
+    from colltune.selector import _knobs_for
 
     p = parse(
         """\
@@ -633,7 +633,7 @@ def test_knob_table_covers_the_builtin_algorithms() -> None:
     # The table and the algorithms' own knobs must not drift apart: every knob a
     # policy may set is an algorithm knob or a top-k state knob, and every
     # algorithm knob is settable, with the kind of its default.
-    import algorithms
+    from colltune import algorithms
 
     state_knobs = {"local_refresh", "global_refresh"}
     kinds = {bool: "bool", int: "int", float: "float", str: "choice"}

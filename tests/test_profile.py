@@ -1,4 +1,4 @@
-"""Tests of tuner.profile: the profile file format, its validation and atomic saving."""
+"""Tests of colltune.profile: the profile file format, its validation and atomic saving."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-import tuner.profile as profile_mod
-from algorithms.errors import ColltuneError, ColltuneValueError
-from tuner.features import Features
-from tuner.profile import (
+import colltune.profile as profile_mod
+from colltune.algorithms.errors import ColltuneError, ColltuneValueError
+from colltune.features import Features
+from colltune.profile import (
     Measurement,
     Primitive,
     Profile,

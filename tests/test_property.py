@@ -80,13 +80,13 @@ def _lay_out(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def _run_all_algorithms(rank, world_size, c):
-    import tuner
+    import colltune
 
     idx, vals = make_input(c, rank, world_size)
     idx, vals = _lay_out(idx, c["layout"]), _lay_out(vals, c["layout"])
     out = {}
     for algorithm in ALGORITHMS:
-        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+        res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
         out[algorithm] = (res.indices.clone(), res.values.clone())
     return out
 

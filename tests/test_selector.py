@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from harness import expect_error, pool
-from tuner.features import (
+from colltune.features import (
     Features,
     bitmap_indices,
     bitmap_positions_torch,
@@ -25,9 +25,9 @@ from tuner.features import (
     make_bitmap_torch,
     overlap_bitmap_bits,
 )
-from tuner.policy import parse_policy
-from tuner.profile import Primitive, Profile
-from tuner.selector import ALGORITHMS, SAFE_DEFAULT, Selector, profiles_dir, shipped_profile
+from colltune.policy import parse_policy
+from colltune.profile import Primitive, Profile
+from colltune.selector import ALGORITHMS, SAFE_DEFAULT, Selector, profiles_dir, shipped_profile
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -75,7 +75,7 @@ def _decide(sel: Selector, n: int, counts, overlap: float, site=("sparse", "w", 
 
 
 def test_candidates_match_the_cost_model():
-    from tuner.cost_model import ALGORITHMS as MODEL_ALGORITHMS
+    from colltune.cost_model import ALGORITHMS as MODEL_ALGORITHMS
 
     assert ALGORITHMS == MODEL_ALGORITHMS
 
@@ -196,10 +196,10 @@ def test_shipped_profiles_are_found_and_usable():
 def test_decision_log_lines_and_jsonl(tmp_path, caplog):
     path = tmp_path / "decisions-%r.jsonl"
     sel = Selector(profile=SYNTHETIC, environ={"COLLTUNE_LOG_FILE": str(path)})
-    with caplog.at_level(logging.DEBUG, logger="tuner.selector"):
+    with caplog.at_level(logging.DEBUG, logger="colltune.selector"):
         _decide(sel, 2**20, [20972] * 8, 1.0)
         _decide(sel, 2**20, [20972] * 8, 1.0)  # cached: a DEBUG line, no new JSON line
-    lines = [r.getMessage() for r in caplog.records if r.name == "tuner.selector" and " -> " in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.name == "colltune.selector" and " -> " in r.getMessage()]
     assert len(lines) == 2 and "oktopk" in lines[0] and "cost model" in lines[0] and "cached" in lines[1]
     records = [json.loads(x) for x in (tmp_path / "decisions-0.jsonl").read_text().splitlines()]
     assert len(records) == 1
@@ -233,7 +233,7 @@ def test_a_cached_decision_is_cheap(monkeypatch):
 
 
 def test_bad_settings_are_rejected():
-    from algorithms.errors import ColltuneTypeError, ColltuneValueError
+    from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 
     with pytest.raises(ColltuneValueError, match="reevaluate_every"):
         Selector(environ={}, reevaluate_every=0)
@@ -265,9 +265,9 @@ def test_overlap_bitmap_bits_is_a_shared_power_of_two():
 
 
 def _rank_estimate(rank, world_size, cases):
-    from algorithms._comm import Comm
-    from tuner.features import estimate_union_collective
-    from tuner.workloads import Workload
+    from colltune.algorithms._comm import Comm
+    from colltune.features import estimate_union_collective
+    from colltune.workloads import Workload
 
     out = []
     for n, k, overlap in cases:
@@ -292,10 +292,10 @@ def test_collective_overlap_estimate_is_within_005(world_size):
 
 
 def _rank_uneven(rank, world_size, n):
-    import tuner
-    from tuner.selector import Selector
+    import colltune
+    from colltune.selector import Selector
 
-    tuner.configure(selector=Selector(environ={}))
+    colltune.configure(selector=Selector(environ={}))
     try:
         gen = torch.Generator().manual_seed(100 + rank)
         seen = []
@@ -305,14 +305,14 @@ def _rank_uneven(rank, world_size, n):
             common = torch.arange(0, n, 7)[: k // 2]
             own = torch.randperm(n, generator=gen)[: k - common.numel()]
             idx = torch.cat((common, own))
-            res = tuner.sparse_allreduce(idx, torch.ones(idx.numel()), n, name="uneven")
+            res = colltune.sparse_allreduce(idx, torch.ones(idx.numel()), n, name="uneven")
             d = res.decision
             seen.append((res.algorithm, d.source, d.reason, d.cached, d.overlap,
                          None if d.predicted_us is None else sorted(d.predicted_us.items()),
                          int(res.indices.numel()), float(res.values.sum())))
         return seen
     finally:
-        tuner.configure()
+        colltune.configure()
 
 
 def test_decisions_are_identical_across_ranks_when_k_differs_widely():
@@ -325,19 +325,19 @@ def test_decisions_are_identical_across_ranks_when_k_differs_widely():
 
 
 def _rank_policies(rank, world_size, texts, env_algo):
-    import tuner
-    from tuner.selector import Selector
+    import colltune
+    from colltune.selector import Selector
 
     text = texts[rank % len(texts)]
     environ = {"COLLTUNE_ALGO": env_algo[rank]} if env_algo and env_algo[rank] else {}
-    tuner.configure(selector=Selector(parse_policy(text, source=f"rank{rank}.yaml"), environ=environ))
+    colltune.configure(selector=Selector(parse_policy(text, source=f"rank{rank}.yaml"), environ=environ))
     try:
-        raised = expect_error(tuner.sparse_allreduce, torch.tensor([rank, 5]), torch.ones(2), 64)
+        raised = expect_error(colltune.sparse_allreduce, torch.tensor([rank, 5]), torch.ones(2), 64)
     finally:
-        tuner.configure(selector=Selector(environ={}))
-    named = expect_error(tuner.sparse_allreduce, torch.tensor([1]), torch.ones(1), 64, name=f"t{rank}")
-    after = tuner.sparse_allreduce(torch.tensor([rank, 5]), torch.ones(2), 64)  # all ranks agree again
-    tuner.configure()
+        colltune.configure(selector=Selector(environ={}))
+    named = expect_error(colltune.sparse_allreduce, torch.tensor([1]), torch.ones(1), 64, name=f"t{rank}")
+    after = colltune.sparse_allreduce(torch.tensor([rank, 5]), torch.ones(2), 64)  # all ranks agree again
+    colltune.configure()
     return raised, named, after.indices.tolist()
 
 
@@ -358,8 +358,8 @@ def test_ranks_with_different_configurations_raise_on_every_rank(how):
 
 
 def _rank_policy_end_to_end(rank, world_size, log_dir):
-    import tuner
-    from tuner.selector import Selector
+    import colltune
+    from colltune.selector import Selector
 
     policy = parse_policy(
         "version: 1\nrules:\n"
@@ -369,11 +369,11 @@ def _rank_policy_end_to_end(rank, world_size, log_dir):
     )
     sel = Selector(policy, environ={"COLLTUNE_LOG_FILE": os.path.join(log_dir, "d-%r.jsonl")})
     idx = torch.arange(rank, 4000, 3)
-    emb = tuner.sparse_allreduce(idx, torch.ones(idx.numel()), 4000, name="emb.weight", policy=sel)
-    other = tuner.sparse_allreduce(idx, torch.ones(idx.numel()), 4000, name="fc.weight", policy=sel)
-    other2 = tuner.sparse_allreduce(idx, torch.ones(idx.numel()), 4000, name="fc.weight", policy=sel)
-    state = tuner.TopkState(k=40)
-    topk = [tuner.topk_allreduce(torch.randn(4000, generator=torch.Generator().manual_seed(s)), state, name="g",
+    emb = colltune.sparse_allreduce(idx, torch.ones(idx.numel()), 4000, name="emb.weight", policy=sel)
+    other = colltune.sparse_allreduce(idx, torch.ones(idx.numel()), 4000, name="fc.weight", policy=sel)
+    other2 = colltune.sparse_allreduce(idx, torch.ones(idx.numel()), 4000, name="fc.weight", policy=sel)
+    state = colltune.TopkState(k=40)
+    topk = [colltune.topk_allreduce(torch.randn(4000, generator=torch.Generator().manual_seed(s)), state, name="g",
                                  policy=sel) for s in range(3)]
     return {
         "emb": (emb.algorithm, emb.decision.source, emb.decision.rule, dict(emb.decision.knobs)),
@@ -398,7 +398,7 @@ def test_policy_and_decision_end_to_end(tmp_path):
 
 
 def test_explain_prints_the_table(capsys):
-    from tuner import cli
+    from colltune import cli
 
     rc = cli.main(["explain", "--numel", "2^20", "--density", "1e-2", "--world-size", "4", "--overlap", "0.5"])
     out = capsys.readouterr().out
@@ -410,7 +410,7 @@ def test_explain_prints_the_table(capsys):
 
 
 def test_explain_json_and_policy(tmp_path, capsys):
-    from tuner import cli
+    from colltune import cli
 
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nrules:\n  - name: pin\n    when: {world_size: 8}\n    use: oktopk\n")
@@ -423,7 +423,7 @@ def test_explain_json_and_policy(tmp_path, capsys):
 
 
 def test_explain_rejects_bad_options(capsys):
-    from tuner import cli
+    from colltune import cli
 
     assert cli.main(["explain", "--numel", "2^20", "--density", "2", "--world-size", "4", "--overlap", "0"]) == 2
     assert "density" in capsys.readouterr().err
@@ -460,7 +460,7 @@ def _sets(p: int, k: int, overlap: float, seed: int = 0) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("overlap, expected, collectives", [(0.9, "oktopk", 0), (0.0, "allgather", 0), (0.13, None, 1)])
 def test_first_call_decides_from_the_sketch_unless_the_band_straddles_a_boundary(overlap, expected, collectives):
-    from tuner.features import sketch_hashes
+    from colltune.features import sketch_hashes
 
     # SYNTHETIC at n = 2^20, density 2e-2, P = 8: allgather below overlap ~0.13, oktopk above.
     p, n = 8, 2**20
@@ -489,24 +489,24 @@ def test_no_sketch_when_the_algorithm_is_forced_or_there_is_nothing_to_predict()
 
 
 def _rank_first_call(rank, world_size, n, k, overlap):
-    import tuner
-    from tuner.workloads import Workload
+    import colltune
+    from colltune.workloads import Workload
 
-    tuner.configure(selector=Selector(environ={}))
+    colltune.configure(selector=Selector(environ={}))
     group = dist.new_group(list(range(world_size)))  # fresh: no algorithm state from earlier calls in the pool
     try:
         w = Workload(n, k, world_size, overlap, seed=5)
         idx, vals = w.make(rank)
         out = []
         for _ in range(2):
-            res = tuner.sparse_allreduce(idx, vals, n, name="first", group=group)
+            res = colltune.sparse_allreduce(idx, vals, n, name="first", group=group)
             d = res.decision
             reduces = res.traffic.by_primitive.get("all_reduce", {}).get("calls", 0)
             out.append((res.algorithm, d.overlap_source, round(d.overlap, 6), reduces,
                         int(res.indices.numel()), d.cached))
         return out, w.overlap
     finally:
-        tuner.configure()
+        colltune.configure()
         dist.destroy_process_group(group)
 
 

@@ -2,7 +2,7 @@
 
 Each test sends one case to a pool of ranks (tests/harness.py) that stays up
 between tests; every rank builds its own input from the case (and the parent
-builds the reference from the same case), calls ``tuner.sparse_allreduce``
+builds the reference from the same case), calls ``colltune.sparse_allreduce``
 and returns the result; the parent checks it.
 """
 
@@ -87,7 +87,7 @@ def _result_record(res, small: bool) -> dict:
 
 
 def _run_sparse(rank, world_size, c, algorithm, repeat=1, fresh_group=False):
-    import tuner
+    import colltune
 
     # A fresh group starts with the smallest eager slot, whatever earlier tests ran on the default one.
     group = dist.new_group() if fresh_group and world_size > 1 else None
@@ -95,37 +95,37 @@ def _run_sparse(rank, world_size, c, algorithm, repeat=1, fresh_group=False):
     idx_before, vals_before = raw(idx), raw(vals)
     out = []
     for _ in range(repeat):
-        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, group=group)
+        res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, group=group)
         out.append(_result_record(res, small=c["size"] <= 5000))
     return {"results": out, "inputs_unchanged": raw(idx) == idx_before and raw(vals) == vals_before}
 
 
 def _run_sparse_subgroups(rank, world_size, c, algorithm, groups):
-    import tuner
+    import colltune
 
     handles = [dist.new_group(g) for g in groups]  # every rank creates every group, in the same order
     idx, vals = make_input(c, rank, world_size)
     out = {}
     for gi, (members, g) in enumerate(zip(groups, handles)):
         if rank in members:
-            res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], group=g, algorithm=algorithm)
+            res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], group=g, algorithm=algorithm)
             out[gi] = _result_record(res, small=True)
     return out
 
 
 def _run_async(rank, world_size, c, algorithm):
-    import tuner
+    import colltune
 
     idx, vals = make_input(c, rank, world_size)
-    h1 = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, async_op=True)
-    h2 = tuner.sparse_allreduce(idx, vals * 2, c["size"], op=c["op"], algorithm=algorithm, async_op=True)
+    h1 = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, async_op=True)
+    h2 = colltune.sparse_allreduce(idx, vals * 2, c["size"], op=c["op"], algorithm=algorithm, async_op=True)
     completed_type = type(h1.is_completed()).__name__
     r2 = h2.wait()
     r1 = h1.wait()
     fut = h1.get_future()
     fut_res = fut.wait()
     assert h1.is_completed() and h2.is_completed()
-    sync = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+    sync = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
     return {
         "completed_type": completed_type,
         "first": _result_record(r1, small=True),
@@ -140,7 +140,7 @@ def _run_async(rank, world_size, c, algorithm):
 
 def check_results(c: dict, world_size: int, records: list[dict], algorithm: str, ranks=None, check_traffic=True):
     """Check per-rank result records of one call against the reference and across ranks."""
-    import algorithms
+    from colltune import algorithms
 
     ref = reference(c, world_size, ranks)
     dtype = DTYPES[c["dtype"]]
@@ -220,14 +220,14 @@ def test_scenarios_have_the_overlap_they_claim():
 
 def test_single_rank_without_a_process_group():
     """World size 1 works in a process that never initialized torch.distributed."""
-    import tuner
+    import colltune
 
     assert not (dist.is_available() and dist.is_initialized())
     for name in ("random_dups_int64", "embedding_rows", "bfloat16", "avg_float32", "all_empty"):
         c = SCENARIOS[name](1)
         idx, vals = make_input(c, 0, 1)
         for algorithm in ALGORITHMS:
-            res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
+            res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
             rec = _result_record(res, small=True)
             check_results(c, 1, [rec], algorithm)
 
@@ -260,12 +260,12 @@ def test_async_op(world_size, algorithm):
 
 
 def _run_gather_modes(rank, world_size, c, modes):
-    import tuner
+    import colltune
 
     idx, vals = make_input(c, rank, world_size)
     out = {}
     for mode in modes:
-        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm="oktopk", knobs={"gather_mode": mode})
+        res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm="oktopk", knobs={"gather_mode": mode})
         out[mode] = _result_record(res, small=True)
     return out
 
@@ -284,11 +284,11 @@ def test_oktopk_gather_modes_give_the_same_bits(world_size, row_shape):
 
 
 def _run_avg_and_sum(rank, world_size, c, algorithm):
-    import tuner
+    import colltune
 
     idx, vals = make_input(c, rank, world_size)
-    avg = tuner.sparse_allreduce(idx, vals, c["size"], op="avg", algorithm=algorithm)
-    total = tuner.sparse_allreduce(idx, vals, c["size"], op="sum", algorithm=algorithm)
+    avg = colltune.sparse_allreduce(idx, vals, c["size"], op="avg", algorithm=algorithm)
+    total = colltune.sparse_allreduce(idx, vals, c["size"], op="sum", algorithm=algorithm)
     acc = torch.float32 if vals.dtype in (torch.float16, torch.bfloat16) else vals.dtype
     return {"avg": avg.values, "sum": total.values, "acc": acc}
 
@@ -333,14 +333,14 @@ def test_oktopk_sends_well_below_allgather_at_full_overlap():
 
 
 def _run_huge_size(rank, world_size, size, algorithm, width=2):
-    import tuner
+    import colltune
 
     g = torch.Generator().manual_seed(70 + rank)
     idx = torch.randint(0, size, (60,), generator=g)
     idx[:6] = torch.arange(6) * (size // 6)  # shared by every rank
     idx[6] = size - 1
     vals = torch.randn(60, width, generator=g)
-    res = tuner.sparse_allreduce(idx, vals, size, algorithm=algorithm)
+    res = colltune.sparse_allreduce(idx, vals, size, algorithm=algorithm)
     return {"idx": idx, "vals": vals, "res": _result_record(res, small=False)}
 
 
@@ -377,7 +377,7 @@ class _FakeComm:
 
 
 def test_eager_slot_grows_at_once_and_shrinks_only_after_a_run_of_small_calls():
-    from algorithms import _meta
+    from colltune.algorithms import _meta
 
     comm = _FakeComm(4)
     base, limit = _meta.eager_capacity(4), _meta.slot_limit(4)
@@ -400,15 +400,15 @@ def test_eager_slot_grows_at_once_and_shrinks_only_after_a_run_of_small_calls():
 
 def _run_slot_sequence(rank, world_size, steps):
     """Run calls of several algorithms and sizes on one fresh group; return results and collective counts."""
-    import tuner
-    from algorithms import _meta
-    from algorithms._comm import Comm
+    import colltune
+    from colltune.algorithms import _meta
+    from colltune.algorithms._comm import Comm
 
     group = dist.new_group()
     out = []
     for c, algorithm in steps:
         idx, vals = make_input(c, rank, world_size)
-        res = tuner.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, group=group)
+        res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm, group=group)
         rec = _result_record(res, small=False)
         rec["collectives"] = sum(v["calls"] for v in res.traffic.by_primitive.values())
         rec["slot"] = _meta.slot_bytes(Comm(group, torch.device("cpu")))
@@ -435,15 +435,15 @@ def test_allgather_becomes_one_collective_once_the_slot_has_grown(world_size):
 
 
 def _run_slot_then_mismatch(rank, world_size):
-    import tuner
-    from algorithms.errors import RankMismatchError
+    import colltune
+    from colltune.algorithms.errors import RankMismatchError
 
     group = dist.new_group()
     c = case(seed=73, size=50_000, counts=[800] * world_size)
     idx, vals = make_input(c, rank, world_size)
-    tuner.sparse_allreduce(idx, vals, c["size"], algorithm="allgather", group=group)
+    colltune.sparse_allreduce(idx, vals, c["size"], algorithm="allgather", group=group)
     try:  # ranks now disagree on the algorithm: both must raise, neither may hang or crash
-        tuner.sparse_allreduce(idx, vals, c["size"], algorithm="allgather" if rank else "dense", group=group)
+        colltune.sparse_allreduce(idx, vals, c["size"], algorithm="allgather" if rank else "dense", group=group)
     except RankMismatchError as exc:
         return str(exc)
     return None
@@ -458,14 +458,14 @@ def test_ranks_that_disagree_after_the_slot_grew_still_raise():
 
 
 def _run_oktopk_refresh_cycle(rank, world_size, calls, refresh):
-    import tuner
+    import colltune
 
     group = dist.new_group()  # fresh boundary state
     c = case(seed=75, size=40_000, counts=[600, 0, 900, 300][:world_size], pattern="random")
     idx, vals = make_input(c, rank, world_size)
     out = []
     for _ in range(calls):
-        res = tuner.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group,
+        res = colltune.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group,
                                      knobs={"boundary_refresh": refresh})
         out.append({"primitives": sorted(res.traffic.by_primitive), "indices": res.indices,
                     "values": raw(res.values)})
@@ -487,12 +487,12 @@ def test_oktopk_counts_ride_in_the_metadata_record_while_boundaries_are_cached(w
 def _run_different_knobs(rank, world_size):
     from harness import expect_error
 
-    import tuner
+    import colltune
 
     c = case(seed=76, size=5_000, counts=[50] * world_size)
     idx, vals = make_input(c, rank, world_size)
     knobs = {"boundary_refresh": 1 + rank}  # ranks would refresh at different calls
-    return expect_error(tuner.sparse_allreduce, idx, vals, c["size"], algorithm="oktopk", knobs=knobs)
+    return expect_error(colltune.sparse_allreduce, idx, vals, c["size"], algorithm="oktopk", knobs=knobs)
 
 
 def test_ranks_that_pass_different_knobs_raise():
@@ -513,14 +513,14 @@ def _eager_cases(world_size):
 
 
 def _run_eager_sequence(rank, world_size):
-    import tuner
+    import colltune
 
     group = dist.new_group()  # no sizes from earlier calls
     out = []
     for c in _eager_cases(world_size):
         idx, vals = make_input(c, rank, world_size)
-        res = tuner.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group)
-        ref = tuner.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group,
+        res = colltune.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group)
+        ref = colltune.sparse_allreduce(idx, vals, c["size"], algorithm="oktopk", group=group,
                                      knobs={"gather_mode": "pad"})  # sizes first, then one gather
         rec = _result_record(res, small=True)
         rec["pad_values"], rec["pad_indices"] = raw(ref.values), ref.indices
@@ -545,22 +545,22 @@ def test_oktopk_eager_gather_matches_the_sized_gather_as_sizes_change(world_size
 
 
 def _run_auto_oktopk_counts(rank, world_size, calls):
-    import tuner
-    from tuner.selector import Selector
+    import colltune
+    from colltune.selector import Selector
 
-    tuner.configure(selector=Selector(environ={"COLLTUNE_ALGO": "oktopk"}))  # auto, decided as oktopk
+    colltune.configure(selector=Selector(environ={"COLLTUNE_ALGO": "oktopk"}))  # auto, decided as oktopk
     try:
         group = dist.new_group()
         c = case(seed=78, size=30_000, counts=[500, 700, 0, 300][:world_size], pattern="random")
         idx, vals = make_input(c, rank, world_size)
         out = []
         for _ in range(calls):
-            res = tuner.sparse_allreduce(idx, vals, c["size"], group=group, name="emb")
+            res = colltune.sparse_allreduce(idx, vals, c["size"], group=group, name="emb")
             out.append((res.algorithm, sorted(res.traffic.by_primitive), raw(res.values)))
-        forced = tuner.sparse_allreduce(idx, vals, c["size"], group=group, algorithm="oktopk")
+        forced = colltune.sparse_allreduce(idx, vals, c["size"], group=group, algorithm="oktopk")
         return out, raw(forced.values)
     finally:
-        tuner.configure()
+        colltune.configure()
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

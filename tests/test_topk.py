@@ -73,16 +73,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _run_topk(rank, world_size, c):
-    import tuner
+    import colltune
 
-    state = tuner.TopkState(k=c["k"], density=c["density"], **c["state_kw"])
+    state = colltune.TopkState(k=c["k"], density=c["density"], **c["state_kw"])
     steps = []
     for step in range(c["steps"]):
         t = make_tensor(c, rank, step)
         old = None if state.residual is None else state.residual.clone()
         acc = t.reshape(-1).to(_acc_dtype(t.dtype))
         acc = acc + old if old is not None else acc.clone()
-        res = tuner.topk_allreduce(t, state, op=c["op"], algorithm=c["algorithm"])
+        res = colltune.topk_allreduce(t, state, op=c["op"], algorithm=c["algorithm"])
         new = state.residual
         sent = res.sent_indices
         mask = torch.zeros(acc.numel(), dtype=torch.bool)
@@ -302,14 +302,14 @@ def test_oktopk_traffic_within_eq3_bound_at_p4(correlated):
 
 
 def _run_drifting_topk(rank, world_size, steps):
-    import tuner
+    import colltune
 
-    state = tuner.TopkState(density=1e-2)
+    state = colltune.TopkState(density=1e-2)
     g = torch.Generator().manual_seed(100 + rank)
     out = []
     for _ in range(steps):
         # Fresh gradients with error feedback: the residual grows, so the global threshold drifts up every call.
-        res = tuner.topk_allreduce(torch.randn(2**16, generator=g), state, algorithm="oktopk")
+        res = colltune.topk_allreduce(torch.randn(2**16, generator=g), state, algorithm="oktopk")
         reduces = res.traffic.by_primitive.get("all_reduce", {}).get("calls", 0)
         out.append({"all_reduce_calls": reduces, "global_count": res.global_count, "k": state.k_for(2**16)})
     return out
@@ -331,20 +331,20 @@ def test_oktopk_nudges_a_drifting_global_threshold_without_exact_selects(world_s
 
 
 def _run_state_roundtrip(rank, world_size, c):
-    import tuner
+    import colltune
 
-    a = tuner.TopkState(k=c["k"])
+    a = colltune.TopkState(k=c["k"])
     b = None
     outs_a, outs_b = [], []
     for step in range(c["steps"]):
         t = make_tensor(c, rank, step)
         if step == c["steps"] // 2:
-            b = tuner.TopkState(k=1)
+            b = colltune.TopkState(k=1)
             b.load_state_dict(a.state_dict())
-        ra = tuner.topk_allreduce(t, a, op="avg", algorithm=c["algorithm"])
+        ra = colltune.topk_allreduce(t, a, op="avg", algorithm=c["algorithm"])
         outs_a.append(raw(ra.values))
         if b is not None:
-            rb = tuner.topk_allreduce(t, b, op="avg", algorithm=c["algorithm"])
+            rb = colltune.topk_allreduce(t, b, op="avg", algorithm=c["algorithm"])
             outs_b.append(raw(rb.values))
     return outs_a[c["steps"] // 2 :], outs_b
 

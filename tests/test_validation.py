@@ -89,16 +89,16 @@ MISMATCH_BASE = {"row_shape_same_numel": {"values": lambda: torch.ones(4, 3, 2)}
 
 
 def _call(kw):
-    import tuner
+    import colltune
 
-    return tuner.sparse_allreduce(kw["indices"], kw["values"], kw["size"], op=kw["op"], algorithm=kw["algorithm"])
+    return colltune.sparse_allreduce(kw["indices"], kw["values"], kw["size"], op=kw["op"], algorithm=kw["algorithm"])
 
 
 def _recovery_call(rank, world_size):
     """A valid call after the error: returns the dense result so the parent can check it."""
-    import tuner
+    import colltune
 
-    res = tuner.sparse_allreduce(torch.tensor([rank, 7]), torch.tensor([1.0, float(rank)]), 10, algorithm="dense")
+    res = colltune.sparse_allreduce(torch.tensor([rank, 7]), torch.tensor([1.0, float(rank)]), 10, algorithm="dense")
     return res.to_dense()
 
 
@@ -129,7 +129,7 @@ def _rank_mismatch(rank, world_size, name):
 
 
 def _rank_topk_mismatch(rank, world_size, what):
-    import tuner
+    import colltune
 
     shape, dtype, k = (32, 8), torch.float32, 10
     if rank == 1:
@@ -141,25 +141,25 @@ def _rank_topk_mismatch(rank, world_size, what):
             dtype = torch.float64
         elif what == "k":
             k = 11
-    state = tuner.TopkState(k=k)
+    state = colltune.TopkState(k=k)
     t = torch.randn(shape, generator=torch.Generator().manual_seed(rank)).to(dtype)
-    raised = expect_error(tuner.topk_allreduce, t, state, op="avg", algorithm="oktopk")
+    raised = expect_error(colltune.topk_allreduce, t, state, op="avg", algorithm="oktopk")
     return {"raised": raised, "after": _recovery_call(rank, world_size)}
 
 
 def _rank_topk_bad(rank, world_size, what):
-    import tuner
+    import colltune
 
-    state = tuner.TopkState(k=10)
+    state = colltune.TopkState(k=10)
     t = torch.randn(64)
     if rank == 1:
         if what == "int_tensor":
             t = torch.arange(64)
         elif what == "unknown_algorithm":
-            return {"raised": expect_error(tuner.topk_allreduce, t, state, algorithm="ring"), "after": _recovery_call(rank, world_size)}
+            return {"raised": expect_error(colltune.topk_allreduce, t, state, algorithm="ring"), "after": _recovery_call(rank, world_size)}
         elif what == "op_max":
-            return {"raised": expect_error(tuner.topk_allreduce, t, state, op="max"), "after": _recovery_call(rank, world_size)}
-    raised = expect_error(tuner.topk_allreduce, t, state, algorithm="allgather")
+            return {"raised": expect_error(colltune.topk_allreduce, t, state, op="max"), "after": _recovery_call(rank, world_size)}
+    raised = expect_error(colltune.topk_allreduce, t, state, algorithm="allgather")
     return {"raised": raised, "after": _recovery_call(rank, world_size)}
 
 
@@ -308,21 +308,20 @@ def test_topk_bad_input_on_one_rank(what, cls, word):
 
 
 def test_registry():
-    import algorithms
-    import tuner
+    import colltune
 
-    assert algorithms.names() == ("dense", "allgather", "oktopk")
-    for name in algorithms.names():
-        assert algorithms.get(name).name == name
-    raised = expect_error(algorithms.get, "ring")
+    assert colltune.algorithms.names() == ("dense", "allgather", "oktopk")
+    for name in colltune.algorithms.names():
+        assert colltune.algorithms.get(name).name == name
+    raised = expect_error(colltune.algorithms.get, "ring")
     assert raised.isa("ColltuneValueError")
-    for known in algorithms.names():
+    for known in colltune.algorithms.names():
         assert known in raised.message
-    assert issubclass(tuner.RankMismatchError, RuntimeError)
-    assert issubclass(tuner.RemoteInputError, ValueError)
-    assert issubclass(tuner.ColltuneValueError, ValueError) and issubclass(tuner.ColltuneTypeError, TypeError)
-    for cls in (tuner.RankMismatchError, tuner.RemoteInputError, tuner.ColltuneValueError, tuner.ColltuneTypeError):
-        assert issubclass(cls, tuner.ColltuneError)
+    assert issubclass(colltune.RankMismatchError, RuntimeError)
+    assert issubclass(colltune.RemoteInputError, ValueError)
+    assert issubclass(colltune.ColltuneValueError, ValueError) and issubclass(colltune.ColltuneTypeError, TypeError)
+    for cls in (colltune.RankMismatchError, colltune.RemoteInputError, colltune.ColltuneValueError, colltune.ColltuneTypeError):
+        assert issubclass(cls, colltune.ColltuneError)
 
 
 @pytest.mark.parametrize(
@@ -337,30 +336,30 @@ def test_registry():
     ],
 )
 def test_topk_state_arguments(kwargs, cls):
-    import tuner
+    import colltune
 
-    raised = expect_error(tuner.TopkState, **kwargs)
+    raised = expect_error(colltune.TopkState, **kwargs)
     assert raised.isa(cls), f"TopkState(**{kwargs}) raised {raised.type}: {raised.message}"
     assert ("k" in raised.message) or ("density" in raised.message)
 
 
 def test_topk_single_rank_without_process_group_bad_tensor():
-    import tuner
+    import colltune
 
     assert not (dist.is_available() and dist.is_initialized())
-    raised = expect_error(tuner.topk_allreduce, torch.arange(10), tuner.TopkState(k=2))
+    raised = expect_error(colltune.topk_allreduce, torch.arange(10), colltune.TopkState(k=2))
     assert raised.isa("ColltuneTypeError") and "tensor" in raised.message
-    raised = expect_error(tuner.topk_allreduce, torch.randn(10), "not a state")
+    raised = expect_error(colltune.topk_allreduce, torch.randn(10), "not a state")
     assert raised.isa("ColltuneTypeError") and "state" in raised.message
 
 
 def _rank_async_mismatch(rank, world_size):
-    import tuner
+    import colltune
 
     kw = _good()
     if rank == 1:
         kw["op"] = "avg"
-    h = tuner.sparse_allreduce(kw["indices"], kw["values"], kw["size"], op=kw["op"], algorithm="allgather", async_op=True)
+    h = colltune.sparse_allreduce(kw["indices"], kw["values"], kw["size"], op=kw["op"], algorithm="allgather", async_op=True)
     raised = expect_error(h.wait)
     fut = expect_error(h.get_future().wait)
     return {"raised": raised, "future": fut, "after": _recovery_call(rank, world_size)}

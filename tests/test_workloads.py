@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from algorithms.errors import ColltuneValueError
-from tuner.workloads import Workload, k_for_density, shared_count
+from colltune.algorithms.errors import ColltuneValueError
+from colltune.workloads import Workload, k_for_density, shared_count
 
 
 def _measured_overlap(w: Workload) -> float:

@@ -9,9 +9,9 @@ import time
 import pytest
 import yaml
 
-from tuner import _yaml
-from tuner.policy import PolicyError, load_policy, parse_policy
-from tuner.profile import ProfileError, load_profile
+from colltune import _yaml
+from colltune.policy import PolicyError, load_policy, parse_policy
+from colltune.profile import ProfileError, load_profile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 #: Refusing takes milliseconds; this only catches a return of the old behaviour

@@ -2,7 +2,7 @@
 
 On tiny inputs a call's time is not its bytes but its operations: Python,
 torch dispatch, and the hand-offs to the backend's threads. This tool runs
-``tuner.sparse_allreduce`` (an explicit algorithm, default ``allgather``)
+``colltune.sparse_allreduce`` (an explicit algorithm, default ``allgather``)
 and ``dist.all_reduce`` of a ``torch.sparse_coo_tensor`` on the same random
 input on local gloo ranks, interleaved, each call after a barrier, and
 reports per call, as medians over the calls:
@@ -43,8 +43,8 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import tuner  # noqa: E402
-from tuner import launch  # noqa: E402
+import colltune  # noqa: E402
+from colltune import launch  # noqa: E402
 
 #: Calls per contender before timing (the record's eager slot settles, the caches fill).
 WARMUP = 20
@@ -61,7 +61,7 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
         vals = torch.randn(k, generator=g)
         sp = torch.sparse_coo_tensor(idx.view(1, -1), vals, (n,), check_invariants=False)
         calls = {
-            "colltune": lambda: tuner.sparse_allreduce(idx, vals, n, algorithm=algorithm),
+            "colltune": lambda: colltune.sparse_allreduce(idx, vals, n, algorithm=algorithm),
             "torch": lambda: dist.all_reduce(sp.clone()),
         }
         rows: dict[str, dict[str, list[float]]] = {c: {"thread": [], "process": [], "wall": []} for c in calls}

@@ -52,8 +52,8 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import tuner  # noqa: E402
-from tuner import launch  # noqa: E402
+import colltune  # noqa: E402
+from colltune import launch  # noqa: E402
 
 ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
 #: Scenario -> (mode, index of the call before which the victim dies).
@@ -77,11 +77,11 @@ def _calls(rank: int) -> list[tuple[str, Callable[..., Any]]]:
     idx = torch.randint(0, n, (k,), generator=g)
     vals = torch.randn(k, 4, generator=g)
     grad = torch.randn(64, 64, generator=g)
-    states = {a: tuner.TopkState(density=0.02) for a in ALGORITHMS}
+    states = {a: colltune.TopkState(density=0.02) for a in ALGORITHMS}
     calls: list[tuple[str, Callable[..., Any]]] = []
     for a in ALGORITHMS:
-        calls.append((f"sparse/{a}", partial(tuner.sparse_allreduce, idx, vals, n, algorithm=a)))
-        calls.append((f"topk/{a}", partial(tuner.topk_allreduce, grad, states[a], algorithm=a)))
+        calls.append((f"sparse/{a}", partial(colltune.sparse_allreduce, idx, vals, n, algorithm=a)))
+        calls.append((f"topk/{a}", partial(colltune.topk_allreduce, grad, states[a], algorithm=a)))
     return calls
 
 

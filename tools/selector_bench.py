@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tuner import bench, launch  # noqa: E402
+from colltune import bench, launch  # noqa: E402
 
 ALGORITHMS = ("dense", "allgather", "oktopk")
 #: The held-out grid: between the profile's grid points (2^12..2^20 every 4x; 1e-4, 1e-3, 1e-2, 5e-2, 0.2; 0, .5, 1).
@@ -61,11 +61,11 @@ HELD_WORLD = (2, 4, 8)
 
 
 def _choices_rank(rank: int, world_size: int, configs: list, profile: str | None) -> list[dict] | None:
-    import tuner
-    from tuner.selector import Selector
+    import colltune
+    from colltune.selector import Selector
 
     if profile:
-        tuner.configure(profile=profile)
+        colltune.configure(profile=profile)
     # Decides afresh at every call, with no hysteresis: its second call at a
     # site decides from the exact overlap the first call revealed.
     again = Selector(profile=profile, reevaluate_every=1, margin=0.0)
@@ -73,9 +73,9 @@ def _choices_rank(rank: int, world_size: int, configs: list, profile: str | None
     for i, cfg in enumerate(configs):
         idx, vals = cfg.workload().make(rank)
         name = f"heldout-{world_size}-{i}"
-        cold = tuner.sparse_allreduce(idx, vals, cfg.n, name=name)  # a fresh site: the sketch estimate
-        tuner.sparse_allreduce(idx, vals, cfg.n, name=name, policy=again)
-        warm = tuner.sparse_allreduce(idx, vals, cfg.n, name=name, policy=again)
+        cold = colltune.sparse_allreduce(idx, vals, cfg.n, name=name)  # a fresh site: the sketch estimate
+        colltune.sparse_allreduce(idx, vals, cfg.n, name=name, policy=again)
+        warm = colltune.sparse_allreduce(idx, vals, cfg.n, name=name, policy=again)
         out.append({
             "cold": cold.algorithm, "cold_source": cold.decision.source, "cold_overlap": cold.decision.overlap,
             "cold_overlap_source": cold.decision.overlap_source,
@@ -88,11 +88,11 @@ def _choices_rank(rank: int, world_size: int, configs: list, profile: str | None
 def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap: float, rounds: int) -> dict | None:
     import itertools
 
-    import tuner
-    from algorithms._comm import Comm
-    from algorithms._sparse import coalesce
-    from tuner.features import estimate_union_collective, overlap_bitmap_bits
-    from tuner.workloads import Workload, k_for_density
+    import colltune
+    from colltune.algorithms._comm import Comm
+    from colltune.algorithms._sparse import coalesce
+    from colltune.features import estimate_union_collective, overlap_bitmap_bits
+    from colltune.workloads import Workload, k_for_density
 
     w = Workload(n, k_for_density(n, density), world_size, overlap, seed=1)
     idx, vals = w.make(rank)
@@ -100,14 +100,14 @@ def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap
     counts = [int(cidx.numel())] * world_size
     name = "overhead"
     for _ in range(2):
-        tuner.sparse_allreduce(idx, vals, n, name=name)  # warm the site: later calls are cached
+        colltune.sparse_allreduce(idx, vals, n, name=name)  # warm the site: later calls are cached
     comm = Comm(None, torch.device("cpu"))
-    fixed = tuner.sparse_allreduce(idx, vals, n, name=name).algorithm
+    fixed = colltune.sparse_allreduce(idx, vals, n, name=name).algorithm
     fresh = itertools.count()  # the same names on every rank: each "first" call is at a new call site
     calls = {
-        "first": lambda: tuner.sparse_allreduce(idx, vals, n, name=f"first-{next(fresh)}"),
-        "cached": lambda: tuner.sparse_allreduce(idx, vals, n, name=name),
-        "fixed": lambda: tuner.sparse_allreduce(idx, vals, n, algorithm=fixed),
+        "first": lambda: colltune.sparse_allreduce(idx, vals, n, name=f"first-{next(fresh)}"),
+        "cached": lambda: colltune.sparse_allreduce(idx, vals, n, name=name),
+        "fixed": lambda: colltune.sparse_allreduce(idx, vals, n, algorithm=fixed),
         "bitmap": lambda: estimate_union_collective(comm, cidx, counts),
     }
     names = list(calls)
@@ -156,7 +156,7 @@ def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap
 
 def cached_decision_us(profile: str | None, calls: int = 20000) -> dict:
     """Return the CPU cost of a cached decision (decide + observe), in microseconds."""
-    from tuner.selector import Selector
+    from colltune.selector import Selector
 
     class _Comm:
         world_size, rank = 4, 0

@@ -16,4 +16,4 @@ fi
 extra=""
 if [[ "${1:-}" == "--test" ]]; then extra="[test]"; fi
 "$PY" -m pip install --quiet -e ".${extra}"
-"$PY" -c "import torch, algorithms, tuner; print(f'setup: colltune ready (torch {torch.__version__})')"
+"$PY" -c "import torch, colltune; print(f'setup: colltune ready (torch {torch.__version__})')"

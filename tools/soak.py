@@ -11,7 +11,7 @@ a generator of its own (what each rank contributes):
   over the rows or crowded into a hot range (overlapping ranks); ``sum`` or
   ``avg``;
 - ``topk_allreduce`` (about 30 %): six gradient tensors, each with a
-  :class:`tuner.TopkState` per algorithm kept for the whole run.
+  :class:`colltune.TopkState` per algorithm kept for the whole run.
 
 About a third of the calls are asynchronous, with up to four handles in
 flight before the oldest is waited on. Every result (indices, values and
@@ -54,8 +54,8 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import tuner  # noqa: E402
-from tuner import launch  # noqa: E402
+import colltune  # noqa: E402
+from colltune import launch  # noqa: E402
 
 ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
 SIZES = (1000, 2**14, 100_000, 2**19)
@@ -139,7 +139,7 @@ def _hash_result(res: Any) -> bytes:
     return _digest(res.algorithm, res.indices, res.values)
 
 
-def _call(spec: dict[str, Any], data: torch.Generator, states: dict[tuple[int, str], tuner.TopkState]) -> Any:
+def _call(spec: dict[str, Any], data: torch.Generator, states: dict[tuple[int, str], colltune.TopkState]) -> Any:
     """Make the call ``spec`` describes on this rank's own random inputs."""
     algorithm, async_op, op = spec["algorithm"], spec["async"], spec["op"]
     if spec["kind"] == "sparse":
@@ -148,13 +148,13 @@ def _call(spec: dict[str, Any], data: torch.Generator, states: dict[tuple[int, s
         span = min(n, 4 * spec["k_max"]) if spec["hot"] else n  # a hot range makes the ranks overlap
         idx = torch.randint(0, span, (k,), generator=data).to(spec["index_dtype"])
         vals = torch.randn((k,) + row_shape, generator=data).to(spec["dtype"])
-        return tuner.sparse_allreduce(idx, vals, n, op=op, algorithm=algorithm, async_op=async_op)
+        return colltune.sparse_allreduce(idx, vals, n, op=op, algorithm=algorithm, async_op=async_op)
     shape, dtype, density = TOPK_TENSORS[spec["tensor"]]
     state = states.get((spec["tensor"], algorithm))
     if state is None:
-        state = states[(spec["tensor"], algorithm)] = tuner.TopkState(density=density)
+        state = states[(spec["tensor"], algorithm)] = colltune.TopkState(density=density)
     grad = torch.randn(shape, generator=data).to(dtype)
-    return tuner.topk_allreduce(grad, state, op=op, algorithm=algorithm, async_op=async_op,
+    return colltune.topk_allreduce(grad, state, op=op, algorithm=algorithm, async_op=async_op,
                                 name=f"grad{spec['tensor']}")
 
 
@@ -162,7 +162,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     plan = random.Random(cfg["seed"])
     data = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + rank + 1)
-    states: dict[tuple[int, str], tuner.TopkState] = {}
+    states: dict[tuple[int, str], colltune.TopkState] = {}
     in_flight: deque[tuple[int, Any]] = deque()
     digests: dict[int, bytes] = {}
     kinds: Counter[str] = Counter()

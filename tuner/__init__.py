@@ -3,21 +3,21 @@
 The front door:
 
 >>> import tuner
->>> res = tuner.sparse_allreduce(indices, values, size, op="sum")   # doctest: +SKIP
->>> state = tuner.TopkState(density=0.01)                             # doctest: +SKIP
->>> res = tuner.topk_allreduce(grad, state, op="avg")                 # doctest: +SKIP
+>>> res = colltune.sparse_allreduce(indices, values, size, op="sum")   # doctest: +SKIP
+>>> state = colltune.TopkState(density=0.01)                             # doctest: +SKIP
+>>> res = colltune.topk_allreduce(grad, state, op="avg")                 # doctest: +SKIP
 
-``algorithm="auto"`` (the default) asks the selector (:mod:`tuner.selector`);
+``algorithm="auto"`` (the default) asks the selector (:mod:`colltune.selector`);
 :func:`configure` sets its policy and profile for the whole process:
 
->>> tuner.configure(policy="my-policy.yaml", profile="my-cluster.yaml")  # doctest: +SKIP
+>>> colltune.configure(policy="my-policy.yaml", profile="my-cluster.yaml")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from algorithms import (
+from colltune.algorithms import (
     ColltuneError,
     ColltuneTypeError,
     ColltuneValueError,
@@ -29,11 +29,11 @@ from algorithms import (
     TopkState,
     Traffic,
 )
-from algorithms import names as algorithm_names
-from tuner.api import AsyncHandle, TopkResult, sparse_allreduce, topk_allreduce
+from colltune.algorithms import names as algorithm_names
+from colltune.api import AsyncHandle, TopkResult, sparse_allreduce, topk_allreduce
 
 if TYPE_CHECKING:
-    from tuner.selector import Selector
+    from colltune.selector import Selector
 
 __version__ = "0.1.0"
 
@@ -71,16 +71,16 @@ def configure(
     Call it identically on every rank. Without arguments it rebuilds the
     default selector from the environment (``COLLTUNE_POLICY``,
     ``COLLTUNE_ALGO``...) and forgets every cached decision. See
-    :func:`tuner.selector.configure` for the arguments.
+    :func:`colltune.selector.configure` for the arguments.
     """
-    from tuner import selector as _selector
+    from colltune import selector as _selector
 
     return _selector.configure(policy, profile, selector=selector, **settings)
 
 
 def get_selector() -> "Selector":
     """Return the selector ``auto`` calls use (built from the environment on first use)."""
-    from tuner import selector as _selector
+    from colltune import selector as _selector
 
     return _selector.get_selector()
 
@@ -88,7 +88,7 @@ def get_selector() -> "Selector":
 def __getattr__(name: str) -> Any:
     # The selector module loads policies and profiles: imported when first asked for.
     if name == "Selector":
-        from tuner.selector import Selector
+        from colltune.selector import Selector
 
         return Selector
-    raise AttributeError(f"module 'tuner' has no attribute {name!r}")
+    raise AttributeError(f"module 'colltune' has no attribute {name!r}")

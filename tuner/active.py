@@ -23,7 +23,7 @@ their recorded spread, at least 5%); the expected log-regret of choosing
 It is large where predicted times are close (small ``m``) and where the
 ensemble disagrees (large ``s``), and near zero where one algorithm wins by
 far more than the model's uncertainty. Before anything is measured, the
-alpha-beta model of the profile's primitives (:class:`~tuner.cost_model.AnalyticModel`)
+alpha-beta model of the profile's primitives (:class:`~colltune.cost_model.AnalyticModel`)
 predicts, with a wide prior uncertainty.
 
 Optuna chooses the configuration: each step runs a small study whose trials
@@ -37,7 +37,7 @@ Two ways to run it
 ------------------
 
 * **Live** (``colltune profile --active``): the candidates are the grid's
-  configurations, measuring is :func:`tuner.profiling.measure_config` on the
+  configurations, measuring is :func:`colltune.profiling.measure_config` on the
   ranks (rank 0 chooses, every rank measures), each measurement goes to the
   journal, and the profile holds what was measured.
 * **Simulated** (``colltune profile --active --simulate PROFILE``): a profile
@@ -54,7 +54,7 @@ Two ways to run it
   the stored medians carry.
 
 Example:
-    >>> from tuner.active import simulate
+    >>> from colltune.active import simulate
     >>> result = simulate(load_profile("profiles/cpu-gloo-grid.yaml"), seeds=3)  # doctest: +SKIP
     >>> result["summary"]["ratio_median"]                                       # doctest: +SKIP
 """
@@ -73,7 +73,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tuner.profile import Measurement, Primitive, Profile, load_profile
+from colltune.profile import Measurement, Primitive, Profile, load_profile
 
 __all__ = [
     "Candidate",
@@ -100,11 +100,11 @@ class Candidate:
     """One configuration that can be measured.
 
     Attributes:
-        key: its stable name (:attr:`tuner.profiling.ProfileConfig.key`).
-        features: the call's :class:`~tuner.features.Features` (exact union).
+        key: its stable name (:attr:`colltune.profiling.ProfileConfig.key`).
+        features: the call's :class:`~colltune.features.Features` (exact union).
         coords: ``(world_size, log2 n, log10 density, overlap, dtype)``, what Optuna suggests.
         measured: simulation only: its stored measurement per algorithm.
-        config: live only: the :class:`~tuner.profiling.ProfileConfig` to measure.
+        config: live only: the :class:`~colltune.profiling.ProfileConfig` to measure.
         truth: simulation only: the times (us) regret is scored against, per
             algorithm; ``None`` scores against ``measured``.
     """
@@ -123,7 +123,7 @@ def _coords(f: Any) -> tuple[int, float, float, float, str]:
 
 def candidates_from_profile(profile: Profile, algorithms: Sequence[str] = _ALGS) -> list[Candidate]:
     """Group a profile's measurements by configuration; keep those measured with every algorithm."""
-    from tuner.profiling import _measurement_key
+    from colltune.profiling import _measurement_key
 
     by: dict[str, dict[str, Measurement]] = {}
     for m in profile.measurements:
@@ -138,7 +138,7 @@ def candidates_from_profile(profile: Profile, algorithms: Sequence[str] = _ALGS)
 
 
 def candidates_from_configs(configs: Sequence[Any]) -> list[Candidate]:
-    """Return the candidates of live profiling: one per :class:`~tuner.profiling.ProfileConfig`."""
+    """Return the candidates of live profiling: one per :class:`~colltune.profiling.ProfileConfig`."""
     out = []
     for c in configs:
         f = c.features()
@@ -150,14 +150,14 @@ def candidates_from_configs(configs: Sequence[Any]) -> list[Candidate]:
 
 
 def _model(primitives: Mapping[str, Primitive], **kw: Any) -> Any:
-    from tuner.cost_model import LearnedCostModel
+    from colltune.cost_model import LearnedCostModel
 
     return LearnedCostModel(primitives={k: p.to_dict() for k, p in primitives.items()}, **kw)
 
 
 def _log_predictions(model: Any, feats: Sequence[Any], algorithms: Sequence[str]) -> np.ndarray:
     """Return ``log(predicted time)``, shape ``(len(feats), len(algorithms))``."""
-    from tuner.cost_model import AnalyticModel
+    from colltune.cost_model import AnalyticModel
 
     if isinstance(model, AnalyticModel):
         rows = [model.predict(f) for f in feats]
@@ -186,7 +186,7 @@ def selection_regret(model: Any, cands: Sequence[Candidate], algorithms: Sequenc
 
 
 def _fit(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive], **kw: Any) -> Any:
-    from tuner.cost_model import AnalyticModel
+    from colltune.cost_model import AnalyticModel
 
     if not measurements:
         return AnalyticModel(primitives)
@@ -234,7 +234,7 @@ class ActiveChooser:
             keeps seeing the whole space while the acquisition refines the
             boundaries.
         seed: seed of the bootstrap and of the sampler.
-        member_kw: keyword arguments of the ensemble members' :class:`~tuner.cost_model.LearnedCostModel`.
+        member_kw: keyword arguments of the ensemble members' :class:`~colltune.cost_model.LearnedCostModel`.
 
     Call :meth:`choose` with what was measured so far; it returns a candidate
     not measured yet (``None`` when none is left).
@@ -294,10 +294,10 @@ class ActiveChooser:
     def _models(self, measured: Sequence[Measurement], model: Any) -> tuple[Any, list[Any]]:
         """Return the model (fitted on everything measured) and the bootstrap members (resampled configurations)."""
         if not measured:
-            from tuner.cost_model import AnalyticModel
+            from colltune.cost_model import AnalyticModel
 
             return AnalyticModel(self.primitives), []
-        from tuner.profiling import _measurement_key
+        from colltune.profiling import _measurement_key
 
         by: dict[str, list[Measurement]] = {}
         for m in measured:
@@ -461,7 +461,7 @@ def simulate(
         ensemble: bootstrap members of the active strategy's uncertainty.
         world_sizes: keep only these world sizes (default all).
         progress: called with a status line after each seed.
-        model_kw: arguments of the :class:`~tuner.cost_model.LearnedCostModel`
+        model_kw: arguments of the :class:`~colltune.cost_model.LearnedCostModel`
             every strategy is scored with (default: its defaults, as ``colltune fit``).
         member_kw: arguments of the active strategy's bootstrap members.
         truth: ``measured``: the stored medians are both what a strategy
@@ -478,9 +478,9 @@ def simulate(
         "summary": ...}``; curves are lists of ``[m, regret_geomean]``.
 
     Raises:
-        tuner.profiling.ProfilingError: fewer than 20 configurations measured with every algorithm.
+        colltune.profiling.ProfilingError: fewer than 20 configurations measured with every algorithm.
     """
-    from tuner.profiling import ProfilingError
+    from colltune.profiling import ProfilingError
 
     cands = candidates_from_profile(profile)
     if world_sizes:
@@ -691,7 +691,7 @@ def _active_rank(rank: int, world_size: int, candidates: Sequence[Candidate], co
     """The rank function of live active profiling at one world size: rank 0 chooses, every rank measures."""
     import torch.distributed as dist
 
-    from tuner import profiling
+    from colltune import profiling
 
     device = profiling._setup_device(backend)
     jr = profiling.Journal(journal, header) if rank == 0 else None
@@ -729,7 +729,7 @@ def _active_rank(rank: int, world_size: int, candidates: Sequence[Candidate], co
 
 def _merge(previous: Sequence[Measurement], journal: Any) -> list[Measurement]:
     """Return the previous profile's measurements with the journal's added (the journal wins a tie)."""
-    from tuner.profiling import _measurement_key
+    from colltune.profiling import _measurement_key
 
     by = {(_measurement_key(m), m.algorithm): m for m in previous}
     for key, ms in journal.configs.items():
@@ -743,15 +743,15 @@ def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | No
              timeout: float = 6 * 3600.0) -> Any:
     """Measure ``count`` configurations of ``grid`` chosen actively (split evenly over the world sizes); write the profile.
 
-    The primitives are measured first (by :func:`tuner.profiling.run_profile`,
+    The primitives are measured first (by :func:`colltune.profiling.run_profile`,
     which also keeps the journal); every measurement is journaled at once, so
     ``resume`` continues an interrupted run.
 
     Returns:
-        The :class:`tuner.profiling.ProfileResult`.
+        The :class:`colltune.profiling.ProfileResult`.
     """
-    from tuner import launch, profiling
-    from tuner.profile import profile_from_measurements, save_profile
+    from colltune import launch, profiling
+    from colltune.profile import profile_from_measurements, save_profile
 
     if launch.in_torchrun():
         raise profiling.ProfilingError("--active starts its own ranks; run it without torchrun.")
@@ -802,7 +802,7 @@ def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | No
 
 def run_command(args: argparse.Namespace) -> int:
     """``colltune profile --active [--simulate PROFILE]``."""
-    from tuner import profiling
+    from colltune import profiling
 
     if args.simulate:
         if args.json:

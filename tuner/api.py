@@ -14,7 +14,7 @@ with the same size, dtype, op and algorithm. Each call
 
 Example:
     >>> import torch, tuner
-    >>> res = tuner.sparse_allreduce(torch.tensor([3, 1, 3]), torch.ones(3), size=8)
+    >>> res = colltune.sparse_allreduce(torch.tensor([3, 1, 3]), torch.ones(3), size=8)
     >>> res.indices.tolist(), res.values.tolist()
     ([1, 3], [1.0, 2.0])
 """
@@ -34,21 +34,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import algorithms
-from algorithms import _meta
-from algorithms._comm import Comm, Traffic
-from algorithms._sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
-from algorithms.allgather import eager_slot, slot_need
-from algorithms.base import SparseInput, SparseResult
-from algorithms.errors import (
+from colltune import algorithms
+from colltune.algorithms import _meta
+from colltune.algorithms._comm import Comm, Traffic
+from colltune.algorithms._sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
+from colltune.algorithms.allgather import eager_slot, slot_need
+from colltune.algorithms.base import SparseInput, SparseResult
+from colltune.algorithms.errors import (
     AbandonedCallError,
     CollectiveError,
     ColltuneError,
     ColltuneTypeError,
     ColltuneValueError,
 )
-from algorithms.state import TopkState
-from tuner.features import sketch_hashes
+from colltune.algorithms.state import TopkState
+from colltune.features import sketch_hashes
 
 __all__ = ["sparse_allreduce", "topk_allreduce", "SparseResult", "TopkResult", "AsyncHandle", "OPS"]
 
@@ -448,7 +448,7 @@ def _check_dense_fits(n: int, row_numel: int, dtype: torch.dtype, device: torch.
 
 def _selector_module() -> Any:
     # Imported on the first auto call: explicit algorithms never load policies or profiles.
-    from tuner import selector
+    from colltune import selector
 
     return selector
 
@@ -630,9 +630,9 @@ def sparse_allreduce(
         name: the tensor's name: policy rules match it (globs), and
             decisions are cached per name (calls without one share a cache
             per size, row shape and dtype). Must be the same on every rank.
-        policy: for ``auto``: a :class:`tuner.policy.Policy`, a policy file
-            path or a :class:`tuner.Selector`; ``None`` uses the process-wide
-            selector (:func:`tuner.configure`, else the environment and the
+        policy: for ``auto``: a :class:`colltune.policy.Policy`, a policy file
+            path or a :class:`colltune.Selector`; ``None`` uses the process-wide
+            selector (:func:`colltune.configure`, else the environment and the
             profile shipped for the backend).
 
     Returns:
@@ -651,7 +651,7 @@ def sparse_allreduce(
             one failed out of step with the other ranks; this one did not run.
 
     Example:
-        >>> res = tuner.sparse_allreduce(idx, vals, size=1_000_000, op="avg")  # doctest: +SKIP
+        >>> res = colltune.sparse_allreduce(idx, vals, size=1_000_000, op="avg")  # doctest: +SKIP
         >>> grad = res.to_dense()  # doctest: +SKIP
     """
     return _submit(
@@ -852,14 +852,14 @@ def topk_allreduce(
         name: the tensor's name, for policy rules and the decision cache;
             the same on every rank.
         policy: for ``auto``: a policy, a policy file path or a
-            :class:`tuner.Selector`; ``None`` for the process-wide selector.
+            :class:`colltune.Selector`; ``None`` for the process-wide selector.
 
     Returns:
         A :class:`TopkResult` (or a handle to one), identical on every rank.
 
     Example:
-        >>> state = tuner.TopkState(density=0.01)  # doctest: +SKIP
-        >>> grad.copy_(tuner.topk_allreduce(grad, state).to_dense())  # doctest: +SKIP
+        >>> state = colltune.TopkState(density=0.01)  # doctest: +SKIP
+        >>> grad.copy_(colltune.topk_allreduce(grad, state).to_dense())  # doctest: +SKIP
     """
     return _submit(lambda: _topk_allreduce(tensor, state, op, group, algorithm, knobs, name, policy), async_op)
 
@@ -875,8 +875,8 @@ def _validate_topk(tensor: Any, state: Any, op: Any, algorithm: Any, group: Any)
     _check_device(group, tensor.device, "tensor")
     if not isinstance(state, TopkState):
         raise _bad(ColltuneTypeError, "state",
-                   f"state must be a tuner.TopkState, but got {type(state).__name__}; create one with "
-                   "tuner.TopkState(density=0.01) and keep it for this tensor.")
+                   f"state must be a colltune.TopkState, but got {type(state).__name__}; create one with "
+                   "colltune.TopkState(density=0.01) and keep it for this tensor.")
     if state.residual is not None and state.residual.numel() != tensor.numel():
         raise _bad(ColltuneValueError, "state",
                    f"state holds a residual of {state.residual.numel()} elements, but tensor has "

@@ -38,7 +38,7 @@ Output
 ------
 
 A table of the trials, the best one marked ``<== BEST``, and a policy YAML
-(``--out``, valid for :func:`tuner.policy.load_policy`) with the best knobs
+(``--out``, valid for :func:`colltune.policy.load_policy`) with the best knobs
 of each algorithm tuned, for example::
 
     # colltune tune: study 'tune-exact-P4-n1048576-d0.01-o0.5-float32' (tune.journal)
@@ -63,10 +63,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from algorithms.allgather import Allgather
-from algorithms.oktopk import OkTopk
-from algorithms.state import TopkState
-from tuner._io import write_text_atomic
+from colltune.algorithms.allgather import Allgather
+from colltune.algorithms.oktopk import OkTopk
+from colltune.algorithms.state import TopkState
+from colltune._io import write_text_atomic
 
 __all__ = ["Workload", "SPACE", "suggest", "run_study", "policy_text", "format_trials", "TuneCommand"]
 
@@ -174,14 +174,14 @@ def _measure(rank: int, world_size: int, w: Workload, setting: Mapping[str, Any]
     import torch
     import torch.distributed as dist
 
-    import tuner
-    from tuner import bench
-    from tuner.profiling import _sync
+    import colltune
+    from colltune import bench
+    from colltune.profiling import _sync
 
     alg = setting["algorithm"]
     tuned, base = dict(setting["knobs"]), _defaults(w.mode, alg, world_size)
     if w.mode == "exact":
-        from tuner.workloads import Workload as Inputs, k_for_density
+        from colltune.workloads import Workload as Inputs, k_for_density
 
         inp = Inputs(w.n, k_for_density(w.n, w.density), world_size, w.overlap, dtype=getattr(torch, w.dtype),
                      seed=w.seed)
@@ -190,7 +190,7 @@ def _measure(rank: int, world_size: int, w: Workload, setting: Mapping[str, Any]
 
         def call_of(knobs: dict[str, Any]) -> Any:
             def call() -> Any:
-                out = tuner.sparse_allreduce(idx, vals, w.n, algorithm=alg, knobs=knobs)
+                out = colltune.sparse_allreduce(idx, vals, w.n, algorithm=alg, knobs=knobs)
                 _sync(device)
                 return out
 
@@ -200,7 +200,7 @@ def _measure(rank: int, world_size: int, w: Workload, setting: Mapping[str, Any]
         grads = [torch.randn(w.n, generator=gen).to(device) for _ in range(4)]
 
         def state_of(knobs: dict[str, Any]) -> Any:
-            return tuner.TopkState(density=w.density, local_refresh=knobs["local_refresh"],
+            return colltune.TopkState(density=w.density, local_refresh=knobs["local_refresh"],
                                    global_refresh=knobs["global_refresh"], boundary_refresh=knobs["boundary_refresh"],
                                    peers_in_flight=knobs["peers_in_flight"])
 
@@ -209,7 +209,7 @@ def _measure(rank: int, world_size: int, w: Workload, setting: Mapping[str, Any]
 
             def call() -> Any:
                 for s in range(w.steps):
-                    out = tuner.topk_allreduce(grads[s % len(grads)], state, op="avg", algorithm="oktopk")
+                    out = colltune.topk_allreduce(grads[s % len(grads)], state, op="avg", algorithm="oktopk")
                 _sync(device)
                 return out
 
@@ -231,7 +231,7 @@ def _tune_rank(rank: int, world_size: int, w: Workload, algorithms: Sequence[str
     """The rank function: rank 0 owns the study and asks; every rank measures each trial."""
     import torch.distributed as dist
 
-    from tuner.profiling import _setup_device
+    from colltune.profiling import _setup_device
 
     device = _setup_device(backend)
     study = _open_study(storage_path, w, algorithms, seed) if rank == 0 else None
@@ -309,7 +309,7 @@ def study_name(w: Workload, algorithms: Sequence[str]) -> str:
 def run_study(w: Workload, algorithms: Sequence[str], trials: int, storage_path: str, *, seed: int = 0,
               show: bool = True, backend: str = "gloo", timeout: float = 6 * 3600.0) -> Any:
     """Run the study until it holds ``trials`` finished trials (local ranks, or torchrun's); return it on rank 0."""
-    from tuner import launch
+    from colltune import launch
 
     if launch.in_torchrun():
         got = launch.run_here(_tune_rank, w, tuple(algorithms), trials, storage_path, seed, show, backend,
@@ -366,10 +366,10 @@ def format_trials(study: Any, algorithms: Sequence[str]) -> str:
 
 
 def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profile: str | None = None) -> str:
-    """Return the policy YAML holding the best knobs of each algorithm tuned (validated by :mod:`tuner.policy`)."""
+    """Return the policy YAML holding the best knobs of each algorithm tuned (validated by :mod:`colltune.policy`)."""
     import yaml
 
-    from tuner.policy import parse_policy
+    from colltune.policy import parse_policy
 
     best = best_per_algorithm(study, algorithms)
     overall = min(best.values(), key=lambda t: t.value) if best else None
@@ -404,13 +404,13 @@ def _write_text(path: str, text: str) -> None:
 
 
 class TuneCommand:
-    """``colltune tune``: an Optuna study over the knobs (registered in :data:`tuner.cli.COMMANDS`)."""
+    """``colltune tune``: an Optuna study over the knobs (registered in :data:`colltune.cli.COMMANDS`)."""
 
     name = "tune"
     help = "tune the algorithms' knobs with Optuna on a workload (resumable); write them as a policy"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        from tuner import cli
+        from colltune import cli
 
         parser.add_argument("--world-size", "-P", type=cli._parse_world, default=None, metavar="P",
                             help="ranks to start (default 4; under torchrun: the running ranks)")
@@ -441,8 +441,8 @@ class TuneCommand:
         parser.add_argument("--quiet", action="store_true", help="no line per trial")
 
     def run(self, args: argparse.Namespace) -> int:
-        from tuner import launch
-        from tuner.profiling import ProfilingError, check_output_path
+        from colltune import launch
+        from colltune.profiling import ProfilingError, check_output_path
 
         is_root = True
         if launch.in_torchrun():
@@ -459,7 +459,7 @@ class TuneCommand:
             if os.path.exists(args.storage) and os.path.getsize(args.storage) > 0:
                 _check_storage(args.storage)
             if args.profile is not None:
-                from tuner.profile import load_profile
+                from colltune.profile import load_profile
 
                 load_profile(args.profile)
         mode = "topk" if args.topk else "exact"
@@ -469,7 +469,7 @@ class TuneCommand:
         algorithms = ("oktopk",) if args.topk else (("allgather", "oktopk") if args.algorithm == "all"
                                                     else (args.algorithm,))
         w = Workload(mode, args.n, args.density, args.overlap, args.dtype, world, args.rounds, args.steps, args.seed)
-        from tuner.workloads import k_for_density
+        from colltune.workloads import k_for_density
 
         if w.world_size > 1 and mode == "exact" and k_for_density(w.n, w.density) > w.n:
             raise ProfilingError("--density is too high for --n.")
@@ -491,7 +491,7 @@ def _check_storage(path: str) -> None:
     """Refuse a storage file that is not an Optuna journal (before any rank starts)."""
     import json
 
-    from tuner.profiling import ProfilingError
+    from colltune.profiling import ProfilingError
 
     try:
         with open(path, "rb") as fh:

@@ -1,7 +1,7 @@
 """Benchmark the algorithms, and PyTorch's gloo sparse ``all_reduce`` as the peer, on the same inputs.
 
 For every configuration (rows ``n``, density, overlap, world size ``P``) every
-rank builds its input from a shared seed (:class:`~tuner.workloads.Workload`:
+rank builds its input from a shared seed (:class:`~colltune.workloads.Workload`:
 ``k = round(density * n)`` entries per rank, a controlled index overlap), then
 
 1. **warms up** each contender and checks its result against the reference
@@ -17,7 +17,7 @@ rank builds its input from a shared seed (:class:`~tuner.workloads.Workload`:
    and the bytes each rank sent (mean and max over ranks).
 
 Contenders: ``dense``, ``allgather``, ``oktopk`` (through
-:func:`tuner.sparse_allreduce` with the algorithm forced, so the metadata
+:func:`colltune.sparse_allreduce` with the algorithm forced, so the metadata
 exchange is included), and ``torch``: ``dist.all_reduce`` of a
 ``torch.sparse_coo_tensor`` and a ``coalesce()``. PyTorch does not count its
 traffic; its bytes per rank are the model estimate ``(P-1) k (8 + row bytes)``
@@ -53,11 +53,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
 import torch
 import torch.distributed as dist
 
-import algorithms
-import tuner
-from algorithms.errors import ColltuneValueError
-from tuner import launch
-from tuner.workloads import Workload, k_for_density
+import colltune
+from colltune.algorithms.errors import ColltuneValueError
+from colltune import launch
+from colltune.workloads import Workload, k_for_density
 
 __all__ = [
     "CONTENDERS",
@@ -88,7 +87,7 @@ def _has_selector() -> bool:
     """Return whether ``algorithm="auto"`` has a selector behind it (``tuner/selector.py``)."""
     import importlib.util
 
-    return importlib.util.find_spec("tuner.selector") is not None
+    return importlib.util.find_spec("colltune.selector") is not None
 
 
 if _has_selector():
@@ -221,7 +220,7 @@ def contender_group(name: str) -> Any:
 
     Each contender runs on its own group so that what one leaves in its
     group's state (the size of the metadata record's eager slot, see
-    :func:`algorithms._meta.slot_bytes`) never changes another's timing:
+    :func:`colltune.algorithms._meta.slot_bytes`) never changes another's timing:
     each is measured as it runs when a call site keeps to one algorithm.
     Every rank must ask for the same names in the same order.
     """
@@ -246,7 +245,7 @@ def _make_call(name: str, idx: torch.Tensor, vals: torch.Tensor, n: int) -> Call
         return call
 
     def ours() -> Any:
-        return tuner.sparse_allreduce(idx, vals, n, algorithm=name, group=group)
+        return colltune.sparse_allreduce(idx, vals, n, algorithm=name, group=group)
 
     return ours
 
@@ -531,7 +530,7 @@ def _bench_rank(
 ) -> list[dict[str, Any]] | None:
     """The rank function: run the tasks (``("exact" | "topk", config, contenders)``) of one world size.
 
-    With ``profile``, ``auto`` calls use it (:func:`tuner.configure`); otherwise
+    With ``profile``, ``auto`` calls use it (:func:`colltune.configure`); otherwise
     the selector's default (the environment, or the profile shipped for the backend).
 
     Rank 0 prints one line per task and appends each record to ``journal``
@@ -541,7 +540,7 @@ def _bench_rank(
     """
     stream = sys.stdout if (show and rank == 0) else None
     if profile is not None:
-        tuner.configure(profile=profile)
+        colltune.configure(profile=profile)
     bar = None
     if rank == 0 and progress is not None:
         bar = _progress(progress[1], progress[0], f"bench P={world_size}")
@@ -577,11 +576,11 @@ def _topk_one(
 ) -> dict[str, Any]:
     n, p = cfg.n, world_size
     names = list(contenders)
-    states = {name: tuner.TopkState(density=cfg.density) for name in names}
-    k = tuner.TopkState(density=cfg.density).k_for(n)
+    states = {name: colltune.TopkState(density=cfg.density) for name in names}
+    k = colltune.TopkState(density=cfg.density).k_for(n)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1 + rank)
     guard = guard or _Guard(None, 0)
-    calls = {name: guard.wrap(name, tuner.topk_allreduce) for name in names}
+    calls = {name: guard.wrap(name, colltune.topk_allreduce) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     words: dict[str, list[float]] = {name: [] for name in names}
     meta: dict[str, list[float]] = {name: [] for name in names}
@@ -637,11 +636,11 @@ def _topk_one(
 
 def _environment() -> dict[str, Any]:
     return {
-        "colltune": tuner.__version__,
+        "colltune": colltune.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "algorithms": list(algorithms.names()),
+        "algorithms": list(colltune.algorithms.names()),
     }
 
 
@@ -657,10 +656,10 @@ def run(
     on_partial: Callable[[dict[str, Any]], None] | None = None,
     profile: str | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; return the report (see the module docstring of :mod:`tuner.cli` for its format).
+    """Run the benchmark; return the report (see the module docstring of :mod:`colltune.cli` for its format).
 
     Configurations are grouped by world size; each group runs in one launch
-    of local ranks (:func:`tuner.launch.run_local`), or, under ``torchrun``,
+    of local ranks (:func:`colltune.launch.run_local`), or, under ``torchrun``,
     in the ranks already started (only the configurations of that world size).
 
     Args:
@@ -677,7 +676,7 @@ def run(
     Raises:
         ColltuneValueError: an unknown contender, or (under ``torchrun``) no
             configuration for the running world size.
-        tuner.launch.RankError: a rank failed.
+        colltune.launch.RankError: a rank failed.
     """
     contenders = tuple(contenders)
     unknown = [c for c in contenders if c not in CONTENDERS]
@@ -827,7 +826,7 @@ def _stub(kind: str, cfg: Any, p: int) -> dict[str, Any]:
             "overlap": w.overlap, "k": w.k, "union": w.union, "row_shape": list(w.row_shape),
             "dtype": cfg.dtype, "seed": cfg.seed, "repeats": 0, "reference": None,
         }
-    k = tuner.TopkState(density=cfg.density).k_for(cfg.n)
+    k = colltune.TopkState(density=cfg.density).k_for(cfg.n)
     return {"n": cfg.n, "density": cfg.density, "world_size": p, "k": k, "steps": cfg.steps,
             "bound_words": 6 * k * (p - 1) / p, "lower_bound_words": 2 * k * (p - 1) / p}
 

@@ -111,7 +111,7 @@ finishes; ``--resume`` measures only what is missing::
     colltune profile --grid quick --world-size 2 4 --out profiles/local.yaml   # about a minute
     colltune profile --grid full --world-size 2 4 --out profiles/grid.yaml --budget 30
     colltune profile --grid full --world-size 2 4 --out profiles/grid.yaml --resume
-    torchrun --nproc-per-node 8 -m tuner.cli -- profile --backend nccl --out profiles/a100.yaml
+    torchrun --nproc-per-node 8 -m colltune.cli -- profile --backend nccl --out profiles/a100.yaml
     colltune profile --active --measurements 60 --world-size 2 4 --out profiles/active.yaml
     colltune profile --active --simulate profiles/cpu-gloo-grid.yaml --seeds 5 --json active.json
     colltune profile --active --simulate profiles/cpu-gloo-grid.yaml --truth model --noise 0.1 --seeds 5
@@ -180,11 +180,11 @@ import os
 import sys
 from typing import Any, ClassVar, Sequence
 
-from algorithms.errors import ColltuneError
-from tuner.autotune import TuneCommand
-from tuner.explain import ExplainCommand
-from tuner.profiling import DemoCommand, FitCommand, ProfileCommand
-from tuner.report import ReportCommand
+from colltune.algorithms.errors import ColltuneError
+from colltune.autotune import TuneCommand
+from colltune.explain import ExplainCommand
+from colltune.profiling import DemoCommand, FitCommand, ProfileCommand
+from colltune.report import ReportCommand
 
 __all__ = ["main", "Command", "COMMANDS", "UsageError"]
 
@@ -298,7 +298,7 @@ class BenchCommand(Command):
     help = "time dense, allgather, oktopk and PyTorch's gloo sparse all_reduce on the same inputs"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        from tuner import bench
+        from colltune import bench
 
         g = parser.add_argument_group("grid (each takes one or more values; defaults: the full grid)")
         g.add_argument("--world-size", "-P", type=_parse_world, nargs="+", metavar="P",
@@ -347,11 +347,11 @@ class BenchCommand(Command):
                        help="the profile auto decides with (colltune profile); default: the selector's default")
 
     def run(self, args: argparse.Namespace) -> int:
-        from tuner import bench, launch
+        from colltune import bench, launch
 
         _check_writable(args.json)
         if args.profile is not None:
-            from tuner.profile import load_profile
+            from colltune.profile import load_profile
 
             load_profile(args.profile)  # a bad profile is a usage error before any rank starts
         quick = args.quick
@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``colltune`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
-    from tuner.launch import RankError
+    from colltune.launch import RankError
 
     parser = build_parser()
     try:

@@ -52,7 +52,7 @@ per peer, and the rotated point-to-point exchange ``P-1`` messages in
 ``local`` primitive: ``alpha`` per kernel, ``beta`` per byte of memory traffic.
 
 Example:
-    >>> from tuner.features import Features
+    >>> from colltune.features import Features
     >>> f = Features.build(numel=1 << 20, row_numel=1, dtype="float32",
     ...                    k_per_rank=[1000] * 8, union=7000.0)
     >>> model = AnalyticModel(DEFAULT_PRIMITIVES)
@@ -70,11 +70,11 @@ from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
 import numpy as np
 from sklearn.base import BaseEstimator, clone
 
-from algorithms import _meta, _sparse
-from algorithms.oktopk import OkTopk
-from algorithms.errors import ColltuneTypeError, ColltuneValueError
-from tuner.features import Features
-from tuner.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
+from colltune.algorithms import _meta, _sparse
+from colltune.algorithms.oktopk import OkTopk
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.features import Features
+from colltune.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
 
 __all__ = [
     "ALGORITHMS",

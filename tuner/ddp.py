@@ -7,7 +7,7 @@ Two ways to put colltune under a training loop without changing the loop:
     through colltune: dense allreduce during a warm-up of
     ``start_compression_iter`` steps (as PowerSGD does), then top-k
     compression with error feedback (``allgather`` = TopkA, or ``oktopk``,
-    or ``auto``), one :class:`~algorithms.state.TopkState` per bucket (per
+    or ``auto``), one :class:`~colltune.algorithms.state.TopkState` per bucket (per
     compressed part of a bucket, keyed by its parameters).
     Parameters a policy pins to ``dense`` (or smaller than
     ``min_compress_numel``) stay dense inside a compressed bucket.
@@ -17,7 +17,7 @@ Two ways to put colltune under a training loop without changing the loop:
     ``nn.EmbeddingBag(sparse=True)``), which DDP cannot reduce on NCCL at
     all (on gloo it falls back to an allgather of every rank's rows). Before every ``optimizer.step()`` (or when
     :meth:`SparseGradSync.synchronize` is called after backward), each
-    sparse gradient goes through :func:`tuner.sparse_allreduce` (``avg``,
+    sparse gradient goes through :func:`colltune.sparse_allreduce` (``avg``,
     ``auto`` by default) and comes back as a coalesced sparse gradient, so
     ``torch.optim.SGD`` and ``torch.optim.SparseAdam`` work unchanged. Dense
     gradients are averaged by one bucketed allreduce, compressed with top-k
@@ -31,7 +31,7 @@ from the process group, in PowerSGD's style, and round-trip it through
 ``state_dict()`` / ``load_state_dict()`` for checkpoints.
 
 Routing, per parameter, the same on every rank (checked once with one small
-collective; ranks that disagree raise :class:`~algorithms.errors.RankMismatchError`):
+collective; ranks that disagree raise :class:`~colltune.algorithms.errors.RankMismatchError`):
 
 1. ``COLLTUNE_ALGO`` (the environment) overrides everything below.
 2. A policy rule (or a policy ``default``) that names an algorithm: ``dense``
@@ -43,10 +43,10 @@ collective; ranks that disagree raise :class:`~algorithms.errors.RankMismatchErr
 
 Example (sparse embedding beside DDP over the dense tower)::
 
-    import tuner.ddp
+    import colltune.ddp
 
     model.mlp = DistributedDataParallel(model.mlp)       # DDP: dense part only
-    sync = tuner.ddp.SparseGradSync(model)                # the embedding: colltune
+    sync = colltune.ddp.SparseGradSync(model)                # the embedding: colltune
     sync.attach(optimizer)                                # before every step()
     for batch in loader:                                  # the loop is unchanged
         loss = model(batch).mean(); loss.backward()
@@ -54,8 +54,8 @@ Example (sparse embedding beside DDP over the dense tower)::
 
 Example (top-k compression of a DDP model)::
 
-    state = tuner.ddp.ColltuneHookState(model=ddp_model, density=0.01, start_compression_iter=100)
-    ddp_model.register_comm_hook(state, tuner.ddp.colltune_hook)
+    state = colltune.ddp.ColltuneHookState(model=ddp_model, density=0.01, start_compression_iter=100)
+    ddp_model.register_comm_hook(state, colltune.ddp.colltune_hook)
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import algorithms as _algorithms
-from algorithms._sparse import on_host
-from algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
-from algorithms.state import TopkState
-from tuner import api as _api
-from tuner.policy import AUTO, DEFAULT_POLICY, Decision, Overrides, Policy, load_policy, policy_from_env
+from colltune import algorithms as _algorithms
+from colltune.algorithms._sparse import on_host
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
+from colltune.algorithms.state import TopkState
+from colltune import api as _api
+from colltune.policy import AUTO, DEFAULT_POLICY, Decision, Overrides, Policy, load_policy, policy_from_env
 
 __all__ = [
     "ColltuneHookState",
@@ -153,7 +153,7 @@ def _resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
     policy when the selector exists, else ``COLLTUNE_POLICY`` or no rules.
     """
     try:
-        from tuner import selector as _selector
+        from colltune import selector as _selector
     except ImportError:  # an older tree without the selector: read the policy ourselves
         _selector = None  # type: ignore[assignment]
     if _selector is not None and (policy is None or isinstance(policy, (Policy, str, os.PathLike, _selector.Selector))):
@@ -167,7 +167,7 @@ def _resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
     if isinstance(policy, (str, os.PathLike)):
         return env_policy or load_policy(policy), overrides, policy
     raise ColltuneTypeError(
-        f"policy must be a tuner.policy.Policy, a path to a policy YAML file, a tuner.Selector or None, "
+        f"policy must be a colltune.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
         f"but got {type(policy).__name__}."
     )
 
@@ -371,9 +371,9 @@ class ColltuneHookState:
         min_compress_numel: parameters with fewer elements stay dense.
         algorithm: top-k algorithm where the policy says ``auto``:
             ``auto`` (the selector decides), ``allgather`` (TopkA) or ``oktopk``.
-        policy: a :class:`~tuner.policy.Policy`, a policy file path, a
-            :class:`tuner.Selector`, or ``None`` for the process-wide one.
-        topk_options: extra :class:`~algorithms.state.TopkState` options
+        policy: a :class:`~colltune.policy.Policy`, a policy file path, a
+            :class:`colltune.Selector`, or ``None`` for the process-wide one.
+        topk_options: extra :class:`~colltune.algorithms.state.TopkState` options
             (``local_refresh``, ``band``, ...), applied to every bucket.
 
     Raises:
@@ -605,8 +605,8 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
     hook does. Afterwards each parameter of the bucket is routed (policy,
     size): the dense parts are averaged together in one allreduce, and the
     compressed parts, concatenated in the model's parameter order, go
-    through :func:`tuner.topk_allreduce` with their
-    :class:`~algorithms.state.TopkState` (what is not sent stays in its
+    through :func:`colltune.topk_allreduce` with their
+    :class:`~colltune.algorithms.state.TopkState` (what is not sent stays in its
     residual). DDP hands over gradients that are not pre-divided: they are
     averaged here (``avg``).
 
@@ -741,7 +741,7 @@ def _coalesce_rows(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor,
     summing; this way skips that (one ``index_add_`` in lookup order, the
     same sums as a stable sort), which matters when lookups outnumber
     distinct rows several times over. On the host path
-    (:func:`~algorithms._sparse.on_host`) the front door already sums in
+    (:func:`~colltune.algorithms._sparse.on_host`) the front door already sums in
     lookup order without permuting, so the rows are left to it, as 16-bit
     values are (summed in fp32 there).
     """
@@ -773,7 +773,7 @@ class SparseGradSync:
     What each gradient goes through (see the module docstring for the precedence):
 
     * sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``):
-      :func:`tuner.sparse_allreduce` with ``op="avg"``, exact; the result
+      :func:`colltune.sparse_allreduce` with ``op="avg"``, exact; the result
       is put back as a coalesced sparse gradient. Works on gloo and NCCL.
     * dense gradients: ``dense="allreduce"`` averages them in one bucketed
       allreduce; ``dense="topk"`` compresses those with at least
@@ -797,10 +797,10 @@ class SparseGradSync:
         min_compress_numel: for top-k: smaller parameters stay dense.
         topk_algorithm: for top-k where the policy says ``auto``:
             ``auto``, ``allgather`` (TopkA) or ``oktopk``.
-        policy: a :class:`~tuner.policy.Policy`, a policy file path, a
-            :class:`tuner.Selector`, or ``None`` for the process-wide one.
+        policy: a :class:`~colltune.policy.Policy`, a policy file path, a
+            :class:`colltune.Selector`, or ``None`` for the process-wide one.
         bucket_cap_mb: dense gradients are allreduced in buckets of about this size.
-        topk_options: extra :class:`~algorithms.state.TopkState` options.
+        topk_options: extra :class:`~colltune.algorithms.state.TopkState` options.
 
     Raises:
         ColltuneTypeError, ColltuneValueError: an option is invalid, or

@@ -41,14 +41,14 @@ import argparse
 import json
 from typing import ClassVar
 
-from algorithms.errors import ColltuneValueError
+from colltune.algorithms.errors import ColltuneValueError
 
 __all__ = ["ExplainCommand"]
 
 
 def _parse_n(text: str) -> int:
-    """Parse ``1048576``, ``2^20``, ``2**20`` or ``1e6`` (:func:`tuner.cli._parse_n`)."""
-    from tuner.cli import _parse_n as parse
+    """Parse ``1048576``, ``2^20``, ``2**20`` or ``1e6`` (:func:`colltune.cli._parse_n`)."""
+    from colltune.cli import _parse_n as parse
 
     return parse(text, scientific=True)
 
@@ -67,14 +67,14 @@ def _parse_unit(low_open: bool):  # noqa: ANN202
 
 
 class ExplainCommand:
-    """``colltune explain``: each algorithm's predicted time, the choice, and why (a ``tuner.cli`` command)."""
+    """``colltune explain``: each algorithm's predicted time, the choice, and why (a ``colltune.cli`` command)."""
 
     name: ClassVar[str] = "explain"
     help: ClassVar[str] = "show each algorithm's predicted time for a call, the selector's choice, and why"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add the options of ``explain`` to ``parser``."""
-        from tuner.cli import _parse_world
+        from colltune.cli import _parse_world
 
         g = parser.add_argument_group("the call")
         g.add_argument("--numel", "--n", type=_parse_n, required=True, metavar="N",
@@ -97,9 +97,9 @@ class ExplainCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         """Print the explanation; return 0."""
-        from tuner.features import Features
-        from tuner.selector import Selector, format_explanation
-        from tuner.workloads import shared_count
+        from colltune.features import Features
+        from colltune.selector import Selector, format_explanation
+        from colltune.workloads import shared_count
 
         n, p = args.numel, args.world_size
         k = max(1, min(n, int(round(args.density * n))))

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 
 if TYPE_CHECKING:
     import torch
@@ -615,7 +615,7 @@ def estimate_union_collective(
     the counts alone (one rank, or at most one rank with entries).
 
     Args:
-        comm: the group, an :class:`algorithms.Comm` (its traffic counts the
+        comm: the group, an :class:`colltune.algorithms.Comm` (its traffic counts the
             bitmap as control data).
         indices: this rank's row indices after coalescing (unique; duplicates
             are harmless), ``counts[comm.rank]`` of them.
@@ -695,7 +695,7 @@ def sketch_hashes(indices: "torch.Tensor", capacity: int, seed: int = 0) -> np.n
     """
     import torch
 
-    from algorithms._sparse import on_host
+    from colltune.algorithms._sparse import on_host
 
     s = _check_int("capacity", capacity, 0) // SKETCH_BYTES_PER_HASH
     if on_host(indices):

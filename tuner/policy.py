@@ -58,7 +58,7 @@ Rules:
 - ``null`` for ``knobs``, ``rules``, ``when`` or an algorithm's knob mapping
   means empty (so a key whose entries are all commented out still loads).
 - Anchors, aliases and ``<<`` merge keys work; duplicate keys are errors.
-  Loading is bounded (:mod:`tuner._yaml`): a file over 16 MiB, aliases that
+  Loading is bounded (:mod:`colltune._yaml`): a file over 16 MiB, aliases that
   repeat more than 100,000 nodes, and nesting over 100 levels (or a
   recursive alias) are errors.
 
@@ -129,9 +129,9 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-import algorithms as _algorithms
-from algorithms.errors import ColltuneValueError
-from tuner import _yaml
+from colltune import algorithms as _algorithms
+from colltune.algorithms.errors import ColltuneValueError
+from colltune import _yaml
 
 __all__ = [
     "AUTO",
@@ -313,7 +313,7 @@ KNOBS: dict[str, dict[str, KnobSpec]] = {
 def known_algorithms() -> tuple[str, ...]:
     """Return the algorithm names a policy may use (``auto`` excluded).
 
-    The names come from the algorithm registry (``algorithms.names()``) when
+    The names come from the algorithm registry (``colltune.algorithms.names()``) when
     it offers them, else from the built-in list ``dense, allgather, oktopk``.
     """
     names = getattr(_algorithms, "names", None)
@@ -760,7 +760,7 @@ class _Parser:
 
     def _parse(self) -> Policy:
         try:
-            # Composed, then checked by tuner._yaml before any value is built:
+            # Composed, then checked by colltune._yaml before any value is built:
             # aliases that repeat too much or nesting too deep are refused.
             root = _yaml.compose(self.loader)
         except _yaml.YamlLimitError as e:
@@ -1015,7 +1015,7 @@ def parse_policy(text: str, source: str = "<string>", *, base_dir: str | os.Path
 
     Raises:
         PolicyError: on a YAML syntax error, any schema violation, or text
-            over the limits of :mod:`tuner._yaml`, naming the source, the
+            over the limits of :mod:`colltune._yaml`, naming the source, the
             line, the key and what is allowed.
     """
     if not isinstance(text, str):

@@ -85,9 +85,9 @@ from typing import IO, Any, Callable, Literal, Mapping, Sequence
 
 import yaml
 
-from algorithms.errors import ColltuneError, ColltuneValueError
-from tuner import _yaml
-from tuner.features import DTYPE_BYTES, Features, index_bytes_for
+from colltune.algorithms.errors import ColltuneError, ColltuneValueError
+from colltune import _yaml
+from colltune.features import DTYPE_BYTES, Features, index_bytes_for
 
 __all__ = [
     "FORMAT",
@@ -535,7 +535,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile file.
 
     Only a YAML safe loader is used: a profile can hold data, never code.
-    The load is bounded (see :mod:`tuner._yaml`): a file over 16 MiB, aliases
+    The load is bounded (see :mod:`colltune._yaml`): a file over 16 MiB, aliases
     that repeat more than 100,000 nodes, or nesting over 100 levels are
     refused before any value is built.
 
@@ -547,7 +547,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
     Raises:
         ProfileError: the file is unreadable, over a limit of
-            :mod:`tuner._yaml`, not YAML, truncated, of another version, or
+            :mod:`colltune._yaml`, not YAML, truncated, of another version, or
             has a missing or wrong field; the message names the file and the
             field (or the line and the limit).
     """

@@ -3,7 +3,7 @@
 ``colltune profile`` runs :func:`run_profile`; ``colltune fit`` refits and
 cross-validates a profile (:func:`fit_profile`); ``colltune demo`` profiles
 this machine quickly and benchmarks the result. Active profiling (measuring
-only where the decision is uncertain) lives in :mod:`tuner.active`.
+only where the decision is uncertain) lives in :mod:`colltune.active`.
 
 What one profiling run does
 ---------------------------
@@ -12,12 +12,12 @@ What one profiling run does
    ``all_gather``, ``all_to_all``, one point-to-point step and a local copy
    over a few message sizes (interleaved, medians), and a non-negative
    least-squares fit gives each primitive's ``launch_us``, ``alpha_us`` and
-   ``beta_us_per_byte`` under the schedules :mod:`tuner.cost_model` prices.
+   ``beta_us_per_byte`` under the schedules :mod:`colltune.cost_model` prices.
 2. **Sweep.** For each configuration of the grid (rows ``n``, density,
    overlap, dtype) every rank builds its input from a shared seed with
-   :class:`~tuner.workloads.Workload` (exact, controlled overlap), warms each
+   :class:`~colltune.workloads.Workload` (exact, controlled overlap), warms each
    algorithm up, then times rounds in which every algorithm runs once, in an
-   order rotated each round (:mod:`tuner.bench`'s engine). A call's time is
+   order rotated each round (:mod:`colltune.bench`'s engine). A call's time is
    the max over ranks; the median over rounds (``--statistic``: or their
    lower quartile) is recorded as ``time_us`` with the interquartile range
    as ``spread_us``, and the statistic used as the profile's
@@ -32,11 +32,11 @@ What one profiling run does
 4. **Fit and write.** The learned cost model is fitted on the measurements
    with the measured primitives as its prior, and the profile (metadata,
    primitives, measurements, model) is written to a temporary file and
-   renamed (:func:`tuner.profile.save_profile`). The journal is removed once
+   renamed (:func:`colltune.profile.save_profile`). The journal is removed once
    the whole grid is in the profile.
 
 Example:
-    >>> from tuner.profiling import Grid, run_profile
+    >>> from colltune.profiling import Grid, run_profile
     >>> grid = Grid.preset("quick")
     >>> result = run_profile("profiles/local.yaml", [2, 4], grid)  # doctest: +SKIP
     >>> result.profile.meta["world_sizes"]                         # doctest: +SKIP
@@ -61,9 +61,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from algorithms.errors import ColltuneValueError
-from tuner._io import write_text_atomic
-from tuner.profile import (
+from colltune.algorithms.errors import ColltuneValueError
+from colltune._io import write_text_atomic
+from colltune.profile import (
     Measurement,
     Primitive,
     Profile,
@@ -173,7 +173,7 @@ class Grid:
         rounding, same shared count after the overlap is raised to fit) are
         measured once.
         """
-        from tuner.workloads import k_for_density, shared_count
+        from colltune.workloads import k_for_density, shared_count
 
         out: dict[str, ProfileConfig] = {}
         for dtype in self.dtype:
@@ -215,7 +215,7 @@ class ProfileConfig:
     """One call to measure: every rank holds ``k`` entries of ``n`` rows, ``shared`` of them common to all ranks.
 
     The overlap is ``shared / k`` and the union ``shared + P (k - shared)``
-    (:class:`~tuner.workloads.Workload`).
+    (:class:`~colltune.workloads.Workload`).
     """
 
     world_size: int
@@ -250,7 +250,7 @@ class ProfileConfig:
         """Return the input generator of this call."""
         import torch
 
-        from tuner.workloads import Workload
+        from colltune.workloads import Workload
 
         row_shape = () if self.row_numel == 1 else (self.row_numel,)
         w = Workload(self.n, self.k, self.world_size, self.shared / self.k, row_shape=row_shape,
@@ -260,8 +260,8 @@ class ProfileConfig:
         return w
 
     def features(self) -> Any:
-        """Return the :class:`~tuner.features.Features` of this call (exact union)."""
-        from tuner.features import Features
+        """Return the :class:`~colltune.features.Features` of this call (exact union)."""
+        from colltune.features import Features
 
         return Features.build(numel=self.n, row_numel=self.row_numel, dtype=self.dtype,
                               k_per_rank=[self.k] * self.world_size, union=float(self.union))
@@ -295,7 +295,7 @@ class TimingPlan:
         return cls(1, 3, 9, 0.4, 0.08) if name == "quick" else cls()
 
     def bench_plan(self) -> Any:
-        from tuner.bench import Plan
+        from colltune.bench import Plan
 
         return Plan(warmup=self.warmup, min_repeats=self.min_repeats, max_repeats=self.max_repeats,
                     budget_s=self.budget_s)
@@ -319,7 +319,7 @@ def timed_rounds(calls: Mapping[str, Callable[[], Any]], plan: TimingPlan) -> tu
     Returns:
         The times (seconds, max over ranks) per call, and the last output of each.
     """
-    from tuner import bench
+    from colltune import bench
 
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -499,7 +499,7 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
         raw: if given, filled on rank 0 with every round's time per algorithm (us).
 
     Returns:
-        On rank 0, one :class:`~tuner.profile.Measurement` mapping per
+        On rank 0, one :class:`~colltune.profile.Measurement` mapping per
         algorithm (``time_us`` the median; :func:`run_profile` replaces it by
         the lower quartile of the rounds the journal keeps when its
         ``statistic`` asks so); ``None`` on the other ranks.
@@ -510,8 +510,8 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
     import torch
     import torch.distributed as dist
 
-    import tuner
-    from tuner import bench
+    import colltune
+    from colltune import bench
 
     device = device or torch.device("cpu")
     w = cfg.workload()
@@ -522,7 +522,7 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
         group = bench.contender_group(name)  # its own group: no other algorithm sizes its eager slot
 
         def call() -> Any:
-            out = tuner.sparse_allreduce(idx, vals, cfg.n, algorithm=name, group=group)
+            out = colltune.sparse_allreduce(idx, vals, cfg.n, algorithm=name, group=group)
             _sync(device)
             return out
 
@@ -578,7 +578,7 @@ def _primitive_calls(world_size: int, nbytes: int, device: Any) -> dict[str, tup
     import torch
     import torch.distributed as dist
 
-    from algorithms._comm import Comm
+    from colltune.algorithms._comm import Comm
 
     p = world_size
     comm = Comm(None, device)
@@ -612,11 +612,11 @@ def measure_primitives(rank: int, world_size: int, sizes: Sequence[int], plan: T
     """Time the collective primitives at ``sizes`` bytes (collective); return the samples on rank 0.
 
     Each sample is ``{"primitive", "size", "calls", "steps", "bytes", "time_us", "spread_us", "repeats"}``
-    with ``calls``, ``steps`` and ``bytes`` as :mod:`tuner.cost_model` counts them.
+    with ``calls``, ``steps`` and ``bytes`` as :mod:`colltune.cost_model` counts them.
     """
     import torch
 
-    from tuner import bench
+    from colltune import bench
 
     device = device or torch.device("cpu")
     samples: list[dict[str, Any]] = []
@@ -635,7 +635,7 @@ def measure_primitives(rank: int, world_size: int, sizes: Sequence[int], plan: T
         for fn in calls.values():  # warm-up
             fn()
         bplan = plan.bench_plan()
-        from tuner.bench import Plan
+        from colltune.bench import Plan
 
         bplan = Plan(warmup=0, min_repeats=max(5, bplan.min_repeats), max_repeats=max(11, bplan.max_repeats),
                      budget_s=bplan.budget_s)
@@ -779,14 +779,14 @@ def fit_primitives(samples: Iterable[Mapping[str, Any]], prior: Mapping[str, Pri
     Args:
         samples: as :func:`measure_primitives` returns them (any world sizes).
         prior: constants for primitives without samples (default
-            :data:`tuner.cost_model.DEFAULT_PRIMITIVES`).
+            :data:`colltune.cost_model.DEFAULT_PRIMITIVES`).
 
     Returns:
         Constants for ``all_reduce``, ``all_gather``, ``all_to_all``, ``p2p`` and ``local``.
     """
     from scipy.optimize import lsq_linear
 
-    from tuner.cost_model import DEFAULT_PRIMITIVES
+    from colltune.cost_model import DEFAULT_PRIMITIVES
 
     by: dict[str, list[Mapping[str, Any]]] = {}
     for s in samples:
@@ -808,8 +808,8 @@ def fit_primitives(samples: Iterable[Mapping[str, Any]], prior: Mapping[str, Pri
 
 
 def fit_model(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive] | None = None) -> Any:
-    """Return a :class:`~tuner.cost_model.LearnedCostModel` fitted on ``measurements`` with ``primitives`` as its prior."""
-    from tuner.cost_model import LearnedCostModel
+    """Return a :class:`~colltune.cost_model.LearnedCostModel` fitted on ``measurements`` with ``primitives`` as its prior."""
+    from colltune.cost_model import LearnedCostModel
 
     prior = None if primitives is None else {k: p.to_dict() for k, p in primitives.items()}
     return LearnedCostModel(primitives=prior).fit(list(measurements))
@@ -818,7 +818,7 @@ def fit_model(measurements: Sequence[Measurement], primitives: Mapping[str, Prim
 def _meta(backend: str, world_sizes: Sequence[int], grid: Grid | None, notes: str) -> dict[str, Any]:
     import torch
 
-    from tuner import launch
+    from colltune import launch
 
     if launch.in_torchrun():
         ws = int(os.environ["WORLD_SIZE"])
@@ -931,7 +931,7 @@ def run_profile(
     """Measure ``grid`` at each world size, fit the model and write the profile to ``out``.
 
     Local ranks are started for each world size
-    (:func:`tuner.launch.run_local`); under ``torchrun`` the running ranks are
+    (:func:`colltune.launch.run_local`); under ``torchrun`` the running ranks are
     used, and ``world_sizes`` must be their number or empty.
 
     Args:
@@ -962,9 +962,9 @@ def run_profile(
     Raises:
         ProfilingError: a journal exists without ``resume``, or is unusable;
             ``out`` cannot be written.
-        tuner.launch.RankError: a rank failed (what was measured stays in the journal).
+        colltune.launch.RankError: a rank failed (what was measured stays in the journal).
     """
-    from tuner import launch
+    from colltune import launch
 
     started = time.monotonic()
     plan = plan or TimingPlan()
@@ -1098,7 +1098,7 @@ def fit_profile(profile: Profile, *, folds: int | None = 5, estimator: str = "gb
     Args:
         profile: a measured profile.
         folds: ``GroupKFold`` folds over configurations (``None``: leave one configuration out).
-        estimator: the correction regressor of :class:`~tuner.cost_model.LearnedCostModel`.
+        estimator: the correction regressor of :class:`~colltune.cost_model.LearnedCostModel`.
 
     Returns:
         The profile with ``model`` set (plain data) and the report:
@@ -1108,7 +1108,7 @@ def fit_profile(profile: Profile, *, folds: int | None = 5, estimator: str = "gb
     Raises:
         ProfilingError: the profile has too few measurements or configurations.
     """
-    from tuner.cost_model import LearnedCostModel, cross_validate, default_group
+    from colltune.cost_model import LearnedCostModel, cross_validate, default_group
 
     ms = list(profile.measurements)
     groups = {default_group(m) for m in ms}
@@ -1161,7 +1161,7 @@ def format_fit_report(report: Mapping[str, Any]) -> str:
 
 
 def _cli() -> Any:
-    from tuner import cli
+    from colltune import cli
 
     return cli
 
@@ -1219,7 +1219,7 @@ def _profile_summary(res: ProfileResult) -> str:
 
 
 class ProfileCommand:
-    """``colltune profile``: measure this cluster and write a profile (registered in :data:`tuner.cli.COMMANDS`)."""
+    """``colltune profile``: measure this cluster and write a profile (registered in :data:`colltune.cli.COMMANDS`)."""
 
     name = "profile"
     help = "measure every algorithm over a grid of calls on local ranks (or torchrun's) and write a profile"
@@ -1272,12 +1272,12 @@ class ProfileCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         if args.simulate or args.active:
-            from tuner import active
+            from colltune import active
 
             return active.run_command(args)
         grid, plan = _grid_from_args(args)
         out = args.out or os.path.join("profiles", f"{args.backend}-local.yaml")
-        from tuner import launch
+        from colltune import launch
 
         worlds = args.world_size or ([] if launch.in_torchrun() else [2, 4])
         res = run_profile(out, worlds, grid, backend=args.backend, plan=plan, budget_s=args.budget, resume=args.resume,
@@ -1301,7 +1301,7 @@ def _parse_minutes(text: str) -> float:
 
 
 class FitCommand:
-    """``colltune fit``: cross-validate and fit the learned model of a profile (registered in :data:`tuner.cli.COMMANDS`)."""
+    """``colltune fit``: cross-validate and fit the learned model of a profile (registered in :data:`colltune.cli.COMMANDS`)."""
 
     name = "fit"
     help = "fit the learned cost model on a profile; print cross-validated error and regret; store the model"

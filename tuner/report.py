@@ -23,7 +23,7 @@ Files written to the output directory:
 Plots use matplotlib's Agg backend (no display needed).
 
 Example:
-    >>> from tuner.report import write_report
+    >>> from colltune.report import write_report
     >>> files = write_report("profiles/local.yaml", "report/")  # doctest: +SKIP
 """
 
@@ -36,8 +36,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tuner._io import atomic_path, write_text_atomic
-from tuner.profile import Profile, load_profile
+from colltune._io import atomic_path, write_text_atomic
+from colltune.profile import Profile, load_profile
 
 __all__ = ["COLORS", "model_of", "decision_grid", "write_report", "ReportCommand"]
 
@@ -48,7 +48,7 @@ COLORS: dict[str, str] = {"dense": "#4C72B0", "allgather": "#DD8452", "oktopk": 
 
 def model_of(profile: Profile) -> tuple[Any, str]:
     """Return the profile's cost model and a label: its stored learned model, one fitted on its measurements, or alpha-beta."""
-    from tuner.cost_model import AnalyticModel, LearnedCostModel
+    from colltune.cost_model import AnalyticModel, LearnedCostModel
 
     if profile.model is not None:
         try:
@@ -64,7 +64,7 @@ def model_of(profile: Profile) -> tuple[Any, str]:
 
 def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
     """Return predicted times (us), shape ``(len(feats), 3)`` in :data:`_ALGS` order (inf for an algorithm never fitted)."""
-    from tuner.cost_model import AnalyticModel
+    from colltune.cost_model import AnalyticModel
 
     if isinstance(model, AnalyticModel):
         return np.array([[model.predict(f)[a] for a in _ALGS] for f in feats])
@@ -77,8 +77,8 @@ def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
 
 
 def _features(n: int, density: float, p: int, overlap: float, dtype: str) -> Any:
-    from tuner.features import Features
-    from tuner.workloads import k_for_density, shared_count
+    from colltune.features import Features
+    from colltune.workloads import k_for_density, shared_count
 
     k = k_for_density(n, density)
     s = k if p == 1 else shared_count(n, k, p, overlap)
@@ -157,7 +157,7 @@ def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.nda
     """
     from sklearn.model_selection import GroupKFold
 
-    from tuner.cost_model import LearnedCostModel, default_group
+    from colltune.cost_model import LearnedCostModel, default_group
 
     ms = list(profile.measurements)
     groups = [default_group(m) for m in ms]
@@ -179,8 +179,8 @@ def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.nda
 
 
 def _cv_summary(ms: Sequence[Any], pred: np.ndarray, every: np.ndarray, folds: int) -> dict[str, Any] | None:
-    """Return the cross-validated error per algorithm and the selection regret (as :func:`tuner.cost_model.cross_validate`)."""
-    from tuner.cost_model import default_group
+    """Return the cross-validated error per algorithm and the selection regret (as :func:`colltune.cost_model.cross_validate`)."""
+    from colltune.cost_model import default_group
 
     if folds == 0:
         return None
@@ -246,7 +246,7 @@ def write_report(
         ``{"name": path}`` of the files written.
 
     Raises:
-        tuner.profile.ProfileError: the profile is unreadable.
+        colltune.profile.ProfileError: the profile is unreadable.
     """
     profile = load_profile(profile_path)
     os.makedirs(out_dir, exist_ok=True)
@@ -333,7 +333,7 @@ def _write_text(path: str, text: str) -> None:
 
 def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mapping[str, Any] | None, n: int,
                 overlap: float, dtype: str, files: Mapping[str, str]) -> str:
-    from tuner.active import candidates_from_profile
+    from colltune.active import candidates_from_profile
 
     meta = profile.meta
     lines = [f"# colltune profile report: `{os.path.basename(source)}`", ""]
@@ -389,13 +389,13 @@ def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mappi
 
 
 class ReportCommand:
-    """``colltune report``: draw a profile (registered in :data:`tuner.cli.COMMANDS`)."""
+    """``colltune report``: draw a profile (registered in :data:`colltune.cli.COMMANDS`)."""
 
     name = "report"
     help = "draw decision maps and predicted-versus-measured plots of a profile; write a markdown summary"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        from tuner import cli
+        from colltune import cli
 
         parser.add_argument("profile", metavar="PROFILE", help="a profile (colltune profile / fit)")
         parser.add_argument("--out", "-o", required=True, metavar="DIR", help="directory for the PNG files and summary.md")
@@ -409,7 +409,7 @@ class ReportCommand:
                             help="cross-validation folds (default 5)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from tuner.profiling import ProfilingError
+        from colltune.profiling import ProfilingError
 
         out = args.out
         if os.path.exists(out) and not os.path.isdir(out):

@@ -22,16 +22,16 @@ What a decision sees, identical on every rank
 * every rank's entry count (the metadata exchange every call makes);
 * the overlap: on the first call at a call site, an estimate from the
   sketches that ride in the metadata record (each rank's smallest index
-  hashes, :func:`tuner.features.sketch_hashes`): exact when every rank's
+  hashes, :func:`colltune.features.sketch_hashes`): exact when every rank's
   indices fit, else within a band of about two standard errors, and no
   collective of its own. Only when the decision changes inside that band
   does one collective refine it (a hashed bitmap per rank, combined by
-  ``all_reduce`` MAX, :func:`tuner.features.estimate_union_collective`).
+  ``all_reduce`` MAX, :func:`colltune.features.estimate_union_collective`).
   Afterwards, the exact overlap of the previous call at that site, which
   every rank reads off the identical result (``u = len(result.indices)``);
 * the policy, the profile and the selector's settings, whose hash rides in
   the metadata record (its ``policy`` field), so that a rank configured
-  differently makes every rank raise :class:`~algorithms.errors.RankMismatchError`
+  differently makes every rank raise :class:`~colltune.algorithms.errors.RankMismatchError`
   instead of running another algorithm and hanging. The tensor ``name`` is
   folded into the same hash, since rules and caches depend on it.
 
@@ -49,7 +49,7 @@ algorithm the site ran last is kept as long as its predicted time is within
 Predicted times are rounded to 6 significant digits before they are
 compared, so ranks agree even if their floating point differs in the last bits.
 
-Environment (read by :func:`tuner.policy.policy_from_env` when a selector is
+Environment (read by :func:`colltune.policy.policy_from_env` when a selector is
 built; pass ``environ={}`` to ignore it)
 --------------------------------------------------------------------------
 
@@ -60,7 +60,7 @@ built; pass ``environ={}`` to ignore it)
     The policy file; it replaces a policy passed in code (the environment
     overrides the code, as NCCL's variables do).
 ``COLLTUNE_DEBUG``
-    ``info`` or ``debug``: attach a stderr handler to the ``tuner`` logger at
+    ``info`` or ``debug``: attach a stderr handler to the ``colltune`` logger at
     that level if it has none. Decisions are logged at DEBUG, one line each,
     with their reason.
 ``COLLTUNE_LOG_FILE``
@@ -69,8 +69,8 @@ built; pass ``environ={}`` to ignore it)
 
 Example:
     >>> import tuner
-    >>> sel = tuner.configure(policy="profiles/policies/example.yaml")   # doctest: +SKIP
-    >>> res = tuner.sparse_allreduce(idx, vals, n, name="emb.weight")     # doctest: +SKIP
+    >>> sel = colltune.configure(policy="profiles/policies/example.yaml")   # doctest: +SKIP
+    >>> res = colltune.sparse_allreduce(idx, vals, n, name="emb.weight")     # doctest: +SKIP
     >>> res.algorithm, res.decision.reason                                # doctest: +SKIP
     ('allgather', 'cost model (learned, cpu-gloo.yaml): allgather 1.2 ms < ...')
 """
@@ -90,16 +90,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
-import algorithms as _algorithms
-from algorithms.errors import ColltuneTypeError, ColltuneValueError
-from tuner.features import (
+from colltune import algorithms as _algorithms
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.features import (
     Features,
     estimate_union_collective,
     normalize_dtype,
     overlap_from_sketches,
     overlap_from_union,
 )
-from tuner.policy import (
+from colltune.policy import (
     AUTO,
     DEFAULT_POLICY,
     Decision,
@@ -109,10 +109,10 @@ from tuner.policy import (
     load_policy,
     policy_from_env,
 )
-from tuner.profile import Profile, ProfileError, load_profile
+from colltune.profile import Profile, ProfileError, load_profile
 
 if TYPE_CHECKING:  # the cost models pull in scikit-learn: imported when a profile is first used
-    from tuner.cost_model import AnalyticModel, LearnedCostModel
+    from colltune.cost_model import AnalyticModel, LearnedCostModel
 
 __all__ = [
     "SAFE_DEFAULT",
@@ -140,7 +140,7 @@ MAX_SITES = 4096
 
 Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "no-values", "requested"]
 
-#: The candidates, in tie-breaking order: ``tuner.cost_model.ALGORITHMS``
+#: The candidates, in tie-breaking order: ``colltune.cost_model.ALGORITHMS``
 #: (repeated here so that importing the selector does not import scikit-learn).
 ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
 _ORDER = {a: i for i, a in enumerate(ALGORITHMS)}
@@ -200,7 +200,7 @@ def profiles_dir() -> Path | None:
 
     An installed package carries them as ``tuner/profiles/`` (package data);
     a source checkout or an editable install finds ``profiles/`` next to the
-    ``tuner`` package.
+    ``colltune`` package.
     """
     here = Path(__file__).resolve().parent
     for cand in (here / "profiles", here.parent / "profiles"):
@@ -347,7 +347,7 @@ def model_for_profile(profile: Profile, label: str = "<profile>") -> _Model:
     measured profile without one is fitted once (deterministic); an analytic
     profile gives the alpha-beta model of its primitives.
     """
-    from tuner.cost_model import AnalyticModel, LearnedCostModel
+    from colltune.cost_model import AnalyticModel, LearnedCostModel
 
     if profile.model is not None:
         try:
@@ -402,7 +402,7 @@ def _as_policy(policy: Policy | str | os.PathLike[str] | None) -> Policy | None:
     if isinstance(policy, (str, os.PathLike)):
         return load_policy(policy)
     raise ColltuneTypeError(
-        f"policy must be a tuner.policy.Policy, a path to a policy YAML file, a Selector or None, "
+        f"policy must be a colltune.policy.Policy, a path to a policy YAML file, a Selector or None, "
         f"but got {type(policy).__name__}."
     )
 
@@ -415,7 +415,7 @@ def _as_profile(profile: Profile | str | os.PathLike[str] | None) -> tuple[Profi
     if isinstance(profile, (str, os.PathLike)):
         return load_profile(profile), os.path.basename(os.fspath(profile))
     raise ColltuneTypeError(
-        f"profile must be a tuner.profile.Profile, a path to a profile YAML file or None, "
+        f"profile must be a colltune.profile.Profile, a path to a profile YAML file or None, "
         f"but got {type(profile).__name__}."
     )
 
@@ -424,9 +424,9 @@ _LOGGING_SET = False
 
 
 def _enable_logging(level: int) -> None:
-    """Give the ``tuner`` logger a stderr handler at ``level`` unless logging is configured already."""
+    """Give the ``colltune`` logger a stderr handler at ``level`` unless logging is configured already."""
     global _LOGGING_SET
-    root = logging.getLogger("tuner")
+    root = logging.getLogger("colltune")
     if level is not None and (root.level == logging.NOTSET or root.level > level):
         root.setLevel(level)
     if not _LOGGING_SET and not root.handlers and not logging.getLogger().handlers:
@@ -440,10 +440,10 @@ class Selector:
     """Decide which algorithm runs each ``auto`` call, the same on every rank.
 
     Args:
-        policy: a :class:`~tuner.policy.Policy` or a path to a policy file;
+        policy: a :class:`~colltune.policy.Policy` or a path to a policy file;
             ``None`` for ``COLLTUNE_POLICY`` or else no rules. A policy set in
             the environment replaces this one.
-        profile: a :class:`~tuner.profile.Profile` or a path; ``None`` for the
+        profile: a :class:`~colltune.profile.Profile` or a path; ``None`` for the
             policy's ``profile``, else the profile shipped for the group's
             backend. Without any, the safe default ``dense`` runs.
         reevaluate_every: decide again after a decision served this many calls.
@@ -555,7 +555,7 @@ class Selector:
         """Return the signed 64-bit hash of everything that must agree across ranks.
 
         It covers the policy, ``COLLTUNE_ALGO``, the profile in use on
-        ``backend`` and the selector's settings; :func:`tuner.sparse_allreduce`
+        ``backend`` and the selector's settings; :func:`colltune.sparse_allreduce`
         sends it (with the tensor name folded in) in the metadata record.
         """
         d = self._digests.get(backend)
@@ -612,7 +612,7 @@ class Selector:
 
         Args:
             site_key: the call site (see the module docstring); every rank the same.
-            comm: the group (:class:`algorithms.Comm`).
+            comm: the group (:class:`colltune.algorithms.Comm`).
             backend: the group's backend name (picks the shipped profile).
             name: the tensor's name for policy globs, or ``None``.
             size: rows ``n``.
@@ -621,7 +621,7 @@ class Selector:
             counts: every rank's entry count after coalescing.
             indices: this rank's coalesced indices.
             sketches: every rank's overlap sketch from the metadata record
-                (:func:`tuner.features.sketch_hashes`), when :meth:`wants_sketch`
+                (:func:`colltune.features.sketch_hashes`), when :meth:`wants_sketch`
                 asked for them, else ``None``.
 
         Returns:
@@ -927,7 +927,7 @@ class Selector:
                            self.policy.source, name)
 
 
-#: Policy knobs of ``oktopk`` that belong to the top-k state (:class:`algorithms.TopkState`).
+#: Policy knobs of ``oktopk`` that belong to the top-k state (:class:`colltune.algorithms.TopkState`).
 STATE_KNOBS: tuple[str, ...] = ("local_refresh", "global_refresh")
 
 
@@ -942,7 +942,7 @@ def _knobs_for(decision: Decision, algorithm: str) -> dict[str, Any]:
     """Return the policy's knobs for ``algorithm`` that the algorithm itself takes.
 
     Knobs of the top-k state (``local_refresh``, ``global_refresh``) are
-    applied by :func:`tuner.topk_allreduce` to the state, not passed here.
+    applied by :func:`colltune.topk_allreduce` to the state, not passed here.
     """
     knobs = decision.knobs.get(algorithm)
     if not knobs:
@@ -1085,7 +1085,7 @@ def configure(
     """Set the selector every ``auto`` call of this process uses; return it.
 
     Call it the same way on every rank (ranks configured differently raise
-    :class:`~algorithms.errors.RankMismatchError` at their next ``auto`` call).
+    :class:`~colltune.algorithms.errors.RankMismatchError` at their next ``auto`` call).
     With no arguments it rebuilds the default selector from the environment
     and forgets every cached decision.
 
@@ -1097,7 +1097,7 @@ def configure(
         **settings: :class:`Selector` keyword arguments (``reevaluate_every``, ``margin``...).
 
     Example:
-        >>> tuner.configure(policy="my-policy.yaml", profile="my-cluster.yaml")  # doctest: +SKIP
+        >>> colltune.configure(policy="my-policy.yaml", profile="my-cluster.yaml")  # doctest: +SKIP
     """
     global _global
     if selector is not None:
@@ -1107,7 +1107,7 @@ def configure(
                 "build the Selector with those arguments instead."
             )
         if not isinstance(selector, Selector):
-            raise ColltuneTypeError(f"selector must be a tuner.Selector, but got {type(selector).__name__}.")
+            raise ColltuneTypeError(f"selector must be a colltune.Selector, but got {type(selector).__name__}.")
         new = selector
     else:
         new = Selector(policy, profile, **settings)
@@ -1133,7 +1133,7 @@ def selector_for(policy: Any) -> Selector:
     """Return the selector a call's ``policy=`` argument stands for.
 
     ``None`` is the process-wide selector; a :class:`Selector` is itself; a
-    :class:`~tuner.policy.Policy` or a path gets a selector of its own, kept
+    :class:`~colltune.policy.Policy` or a path gets a selector of its own, kept
     (with its cache) for later calls with the same policy.
     """
     if policy is None:
@@ -1146,7 +1146,7 @@ def selector_for(policy: Any) -> Selector:
         key = ("path", os.path.abspath(os.fspath(policy)))
     else:
         raise ColltuneTypeError(
-            f"policy must be a tuner.policy.Policy, a path to a policy YAML file, a tuner.Selector or None, "
+            f"policy must be a colltune.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
             f"but got {type(policy).__name__}."
         )
     sel = _by_policy.get(key)

@@ -13,7 +13,7 @@ raised to the least feasible value and :attr:`Workload.overlap` reports the
 overlap achieved, which the caller must report instead of the one requested.
 
 Example:
-    >>> from tuner.workloads import Workload
+    >>> from colltune.workloads import Workload
     >>> w = Workload(n=1000, k=100, world_size=4, overlap=0.5)
     >>> w.shared, w.overlap
     (50, 0.5)
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import torch
 
-from algorithms.errors import ColltuneValueError
+from colltune.algorithms.errors import ColltuneValueError
 
 __all__ = ["Workload", "shared_count", "k_for_density"]
 
