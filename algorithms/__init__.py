@@ -1,5 +1,11 @@
 """Sparse allreduce algorithms on ``torch.distributed``, registered by name.
 
+Public names are re-exported from their modules (``base``: the contract;
+``comm``: the counting comm layer; ``meta``: the metadata record;
+``sparse``: COO helpers; ``state``: thresholds and boundaries; ``registry``:
+the table of algorithms) and imported on first use, so that the errors and
+the registry can be read without loading torch.
+
 ==============  =============================================================
 name            what it does
 ==============  =============================================================
@@ -9,35 +15,57 @@ name            what it does
 ==============  =============================================================
 
 Example:
-    >>> import algorithms
-    >>> colltune.algorithms.names()
+    >>> from colltune import algorithms
+    >>> algorithms.names()
     ('dense', 'allgather', 'oktopk')
-    >>> colltune.algorithms.get("oktopk").name
+    >>> algorithms.get("oktopk").name
     'oktopk'
 """
 
 from __future__ import annotations
 
-from colltune.algorithms._comm import Comm, Traffic
-from colltune.algorithms.allgather import Allgather
-from colltune.algorithms.base import Algorithm, SparseInput, SparseResult, TopkOutput
-from colltune.algorithms.dense import Dense
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from colltune.algorithms.errors import (
+    AbandonedCallError,
+    CollectiveError,
     ColltuneError,
     ColltuneTypeError,
     ColltuneValueError,
     RankMismatchError,
     RemoteInputError,
-    CollectiveError,
-    AbandonedCallError,
 )
-from colltune.algorithms.oktopk import OkTopk
-from colltune.algorithms.state import BoundaryState, TopkState
+from colltune.algorithms.registry import get, names, register, unregister
+
+if TYPE_CHECKING:
+    from colltune.algorithms.allgather import Allgather
+    from colltune.algorithms.base import Algorithm, SparseInput, SparseResult, TopkOutput
+    from colltune.algorithms.comm import Comm, Traffic
+    from colltune.algorithms.dense import Dense
+    from colltune.algorithms.oktopk import OkTopk
+    from colltune.algorithms.state import BoundaryState, TopkState
+
+_LAZY: dict[str, str] = {
+    "Algorithm": "base",
+    "SparseInput": "base",
+    "SparseResult": "base",
+    "TopkOutput": "base",
+    "Comm": "comm",
+    "Traffic": "comm",
+    "Dense": "dense",
+    "Allgather": "allgather",
+    "OkTopk": "oktopk",
+    "BoundaryState": "state",
+    "TopkState": "state",
+}
 
 __all__ = [
+    "AbandonedCallError",
     "Algorithm",
     "Allgather",
     "BoundaryState",
+    "CollectiveError",
     "ColltuneError",
     "ColltuneTypeError",
     "ColltuneValueError",
@@ -46,8 +74,6 @@ __all__ = [
     "OkTopk",
     "RankMismatchError",
     "RemoteInputError",
-    "CollectiveError",
-    "AbandonedCallError",
     "SparseInput",
     "SparseResult",
     "TopkOutput",
@@ -55,25 +81,18 @@ __all__ = [
     "Traffic",
     "get",
     "names",
+    "register",
+    "unregister",
 ]
 
-_REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Dense(), Allgather(), OkTopk())}
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"colltune.algorithms.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'colltune.algorithms' has no attribute {name!r}")
 
 
-def names() -> tuple[str, ...]:
-    """Return the names of the registered algorithms."""
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> Algorithm:
-    """Return the algorithm registered as ``name``.
-
-    Raises:
-        ColltuneValueError: ``name`` is not registered; the message lists the known names.
-    """
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ColltuneValueError(
-            f"algorithm must be one of {', '.join(_REGISTRY)} (or 'auto'), but got {name!r}."
-        ) from None
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,13 +6,13 @@ reduction on the way, but each rank receives ``(P-1) k`` entries and merges
 collective moves both. Unequal counts are either padded to the largest
 (``all_gather``) or sent exactly (``all_to_all_single`` with splits); the
 ``mode`` knob chooses, ``auto`` pads unless padding adds more than a quarter.
-Wide rows (embedding rows, :func:`~colltune.algorithms._sparse.split_layout`) are not
+Wide rows (embedding rows, :func:`~colltune.algorithms.sparse.split_layout`) are not
 packed: under ``auto`` (or ``p2p``) each rank sends its indices and its rows
 to every peer point to point, and they land in place in one buffer per kind,
 already in rank order for the merge.
 
 Entries travel in the eager slot of the metadata record
-(:func:`colltune.algorithms._meta.slot_bytes` per rank, sized from the group's recent
+(:func:`colltune.algorithms.meta.slot_bytes` per rank, sized from the group's recent
 calls): when every rank's entries fit, the whole allreduce is a single
 collective.
 
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from colltune.algorithms._comm import Comm
-from colltune.algorithms._sparse import (
+from colltune.algorithms.comm import Comm
+from colltune.algorithms.sparse import (
     Magnitudes,
     accum_dtype,
     entry_bytes,
@@ -43,6 +43,7 @@ from colltune.algorithms._sparse import (
     unpack_host,
     wire_index_dtype,
 )
+from colltune.algorithms.registry import register
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 
 __all__ = ["Allgather", "gather_merge", "eager_slot", "slot_need"]
@@ -131,6 +132,7 @@ def slot_need(counts: Any, row_numel: int, size: int, dtype: torch.dtype) -> int
     return max(counts, default=0) * entry_bytes(row_numel, wire_index_dtype(size), dtype)
 
 
+@register
 class Allgather(Algorithm):
     """Gather every rank's packed entries, then merge them in rank order."""
 

@@ -3,9 +3,9 @@
 Life of one exact sparse allreduce (``sparse_allreduce``):
 
 1. The front door validates the arguments and coalesces the local input
-   (:func:`colltune.algorithms._sparse.coalesce`).
+   (:func:`colltune.algorithms.sparse.coalesce`).
 2. It exchanges one small metadata record per rank
-   (:func:`colltune.algorithms._meta.exchange`), so every rank learns every rank's
+   (:func:`colltune.algorithms.meta.exchange`), so every rank learns every rank's
    entry count and that all ranks agree on size, dtype, op and algorithm.
 3. It calls :meth:`Algorithm.sparse_allreduce` with a :class:`SparseInput`
    that holds the coalesced local entries and those global counts.
@@ -30,8 +30,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from colltune.algorithms._comm import Comm, Traffic
-from colltune.algorithms._sparse import accum_dtype, wire_index_dtype
+from colltune.algorithms.comm import Comm, Traffic
+from colltune.algorithms.sparse import accum_dtype, wire_index_dtype
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 
 __all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Algorithm"]

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-from colltune.algorithms._comm import Comm
+from colltune.algorithms.comm import Comm
+from colltune.algorithms.registry import register
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 
 __all__ = ["Dense"]
 
 
+@register
 class Dense(Algorithm):
     """Densify, ``all_reduce``, and extract the rows of the union."""
 

@@ -57,8 +57,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from colltune.algorithms._comm import Comm
-from colltune.algorithms._sparse import (
+from colltune.algorithms.comm import Comm
+from colltune.algorithms.sparse import (
     entry_bytes,
     gather_mode,
     Magnitudes,
@@ -71,6 +71,7 @@ from colltune.algorithms._sparse import (
     unpack,
     wire_index_dtype,
 )
+from colltune.algorithms.registry import register
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.state import BoundaryState
 
@@ -156,7 +157,7 @@ def split_reduce(
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
         values in ``acc``, summed over source ranks in rank order.
 
-    Wide rows (:func:`~colltune.algorithms._sparse.split_layout`) travel as two messages per peer, the
+    Wide rows (:func:`~colltune.algorithms.sparse.split_layout`) travel as two messages per peer, the
     indices and the value rows, each sent from a slice of the input and
     received straight into its place in one buffer per kind: no packing,
     unpacking or concatenation of the rows, which are most of the bytes.
@@ -257,7 +258,7 @@ def _gather_regions(
     padding, packing or concatenation; only when no region travels dense);
     ``pad`` and ``alltoall`` pack the regions and gather them as
     :meth:`Comm.all_gather_v` does; ``auto`` takes ``p2p`` for wide rows
-    (:func:`~colltune.algorithms._sparse.split_layout`) when no region is dense; for
+    (:func:`~colltune.algorithms.sparse.split_layout`) when no region is dense; for
     packed entries, when ``last`` (every owner's size on the group's last
     call) is known and sent no region dense, the eager gather
     (:func:`_gather_regions_eager`: sizes and entries in one exchange); else
@@ -438,6 +439,7 @@ def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm, total_bound: int |
 GLOBAL_NUDGES = 8
 
 
+@register
 class OkTopk(Algorithm):
     """Split and reduce over balanced regions, then all-gather the reduced regions."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from colltune.algorithms._comm import Comm
+from colltune.algorithms.comm import Comm
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 
 __all__ = ["BoundaryState", "TopkState"]

@@ -23,7 +23,7 @@ Rank functions must be module-level (they are pickled by reference) and return
 something picklable (tensors included). Each rank runs with one intra-op thread
 on gloo with a short process-group timeout.
 
-The rank bootstrap is the package's launcher (:mod:`colltune.launch`, the engine
+The rank bootstrap is the package's launcher (:mod:`colltune.offline.launch`, the engine
 of ``run_local``); this module adds the ``AssertionError`` reports, the cases
 driver, the persistent pool and :func:`expect_error`.
 
@@ -50,8 +50,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from colltune.launch import GRACE_S, Outcome, exit_rank, failure_report, kill_ranks, launch_ranks, rank_context
-from colltune.launch import read_errors, setup_rank, short_repr as _short, write_error
+from colltune.offline.launch import GRACE_S, Outcome, exit_rank, failure_report, kill_ranks, launch_ranks, rank_context
+from colltune.offline.launch import read_errors, setup_rank, short_repr as _short, write_error
 
 __all__ = [
     "PG_TIMEOUT_S",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from test_cli_report import synthetic_profile
-from colltune import active
-from colltune.profile import load_profile
+from colltune.offline import active
+from colltune.model.profile import load_profile
 
 
 def test_expected_regret_is_largest_where_the_choice_is_close_and_uncertain():
@@ -26,7 +26,7 @@ def test_the_chooser_measures_where_the_prior_is_torn(tmp_path):
     chooser = active.ActiveChooser(cands, prof.primitives, trials=24, seed=0, init=0)
     first = chooser.choose([], set())
     # With nothing measured, the alpha-beta prior decides: the pick is a near tie of its predictions.
-    from colltune.cost_model import AnalyticModel
+    from colltune.model.cost_model import AnalyticModel
 
     model = AnalyticModel(prof.primitives)
 

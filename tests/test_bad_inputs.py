@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colltune.algorithms._sparse import device_path
+from colltune.algorithms.sparse import device_path
 from harness import expect_error, pool
 
 SIZE = 64
@@ -48,7 +48,7 @@ def _values(rank: int) -> torch.Tensor:
 
 
 def _policy(text: str) -> Any:
-    from colltune.policy import parse_policy
+    from colltune.model.policy import parse_policy
 
     return parse_policy("version: 1\n" + text)
 

@@ -12,7 +12,7 @@ from harness import pool
 
 def _rank_many_names(rank: int, world_size: int, names: int, cap: int) -> dict:
     import colltune
-    from colltune import selector
+    from colltune.select import selector
 
     sel = selector.Selector()
     old, selector.MAX_SITES = selector.MAX_SITES, cap
@@ -39,7 +39,7 @@ def test_decision_cache_forgets_the_least_recently_used_site():
 
 def _rank_group_lifetime(rank: int, world_size: int) -> dict:
     import colltune
-    from colltune.algorithms import _meta
+    from colltune.algorithms import meta as _meta
 
     before = len(_meta._slot_state)
     for _ in range(3):
@@ -59,7 +59,7 @@ def test_eager_slot_state_lives_as_long_as_its_group():
 
 
 def test_name_codes_stop_growing_at_their_bound(monkeypatch):
-    from colltune.algorithms import _meta
+    from colltune.algorithms import meta as _meta
 
     monkeypatch.setattr(_meta, "_MAX_NAMES", len(_meta._codes) + 5)
     codes = [_meta.name_code(f"shape-{i}") for i in range(50)]

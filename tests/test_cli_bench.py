@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
-from colltune import bench, cli
+from colltune.offline import bench
+
+from colltune import cli
+from colltune.cli import common
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -168,7 +171,7 @@ def test_unwritable_json_path_exits_2_before_running(tmp_path, capsys):
 
 
 def test_n_accepts_powers():
-    assert cli._parse_n("2^20") == cli._parse_n("2**20") == cli._parse_n("1048576") == 2**20
+    assert common.parse_n("2^20") == common.parse_n("2**20") == common.parse_n("1048576") == 2**20
 
 
 def test_every_command_is_registered_once():

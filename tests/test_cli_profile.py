@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from colltune import cli, profiling
-from colltune.profile import load_profile
+from colltune import cli
+
+from colltune.offline import profiling
+from colltune.model.profile import load_profile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "1e-1", "--overlap", "0", "1",
@@ -108,7 +110,7 @@ def test_a_killed_run_resumes_without_measuring_again(tmp_path):
     assert len(prof.measurements) == 16 * 3
     by_key = {}
     for m in prof.measurements:
-        by_key.setdefault(profiling._measurement_key(m), {})[m.algorithm] = m.to_dict()
+        by_key.setdefault(profiling.measurement_key(m), {})[m.algorithm] = m.to_dict()
     assert len(by_key) == 16
     for key, ms in before.items():  # the first run's medians, untouched: not measured again
         assert {m["algorithm"]: m for m in ms} == by_key[key]
@@ -180,7 +182,7 @@ def test_bad_options_exit_2_with_a_message(argv, needle, capsys):
 
 
 def test_unwritable_outputs_exit_2_before_any_rank_starts(tiny_profile, tmp_path, capsys, monkeypatch):
-    from colltune import launch, report
+    from colltune.offline import launch, report
 
     def _too_late(*a, **k):
         raise AssertionError("the output path must be refused before any rank starts or any work is done")
@@ -217,7 +219,7 @@ def test_a_missing_profile_exits_2(tmp_path, capsys):
 
 def test_the_journal_keeps_every_round_and_refuses_a_corrupt_middle(tmp_path):
     cfg = profiling.ProfileConfig(2, 1024, 10, 5)
-    from colltune.profile import Measurement
+    from colltune.model.profile import Measurement
 
     m = Measurement.from_features(cfg.features(), "dense", time_us=30.0, spread_us=20.0, repeats=5, bytes_sent=8)
     path = str(tmp_path / "j.jsonl")
@@ -226,7 +228,7 @@ def test_the_journal_keeps_every_round_and_refuses_a_corrupt_middle(tmp_path):
     again = profiling.Journal(path, {"backend": "gloo"})
     assert [x.time_us for x in again.measurements()] == [30.0]
     assert [x.time_us for x in again.measurements("lower-quartile")] == [20.0]
-    assert profiling._measurement_key(again.measurements()[0]) == cfg.key
+    assert profiling.measurement_key(again.measurements()[0]) == cfg.key
     with pytest.raises(profiling.ProfilingError, match="backend"):
         profiling.Journal(path, {"backend": "nccl"})
     lines = open(path).read().splitlines()

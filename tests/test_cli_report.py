@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from colltune import cli
-from colltune.cost_model import DEFAULT_PRIMITIVES, AnalyticModel
-from colltune.features import Features
-from colltune.profile import Measurement, profile_from_measurements, save_profile
+from colltune.model.cost_model import DEFAULT_PRIMITIVES, AnalyticModel
+from colltune.model.features import Features
+from colltune.model.profile import Measurement, profile_from_measurements, save_profile
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -65,7 +65,7 @@ def test_report_writes_valid_pngs_and_a_summary(profile_path, tmp_path, capsys):
         assert len(colours) > 50, name
     # The decision map shows more than one algorithm: the alpha-beta times cross over the grid.
     world = mpimg.imread(str(out / names[0]))[..., :3]
-    from colltune.report import COLORS
+    from colltune.offline.report import COLORS
 
     present = [a for a, hexc in COLORS.items()
                if np.any(np.all(np.abs(world - np.array([int(hexc[i:i + 2], 16) / 255 for i in (1, 3, 5)])) < 0.02,

@@ -1,4 +1,4 @@
-"""The collective primitives of :class:`colltune.algorithms._comm.Comm`: direct (point to point) against the backend's own.
+"""The collective primitives of :class:`colltune.algorithms.comm.Comm`: direct (point to point) against the backend's own.
 
 On gloo, groups of 3 or more ranks run ``all_gather``, ``all_to_all`` and
 small ``all_reduce`` calls direct; these tests check that both ways give the
@@ -15,7 +15,7 @@ from harness import pool
 
 
 def _run_primitives(rank, world_size):
-    from colltune.algorithms._comm import DIRECT_ALL_REDUCE_BYTES, Comm
+    from colltune.algorithms.comm import DIRECT_ALL_REDUCE_BYTES, Comm
 
     p = world_size
     out = {"default_direct": Comm(None, torch.device("cpu")).direct}
@@ -42,7 +42,7 @@ def _run_primitives(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_direct_primitives_match_the_backend(world_size):
-    from colltune.algorithms._comm import DIRECT_ALL_REDUCE_BYTES
+    from colltune.algorithms.comm import DIRECT_ALL_REDUCE_BYTES
 
     p = world_size
     out = pool(p).run(_run_primitives)

@@ -12,7 +12,7 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
-from colltune.cost_model import (
+from colltune.model.cost_model import (
     ALGORITHMS,
     DEFAULT_PRIMITIVES,
     FEATURE_NAMES,
@@ -25,8 +25,8 @@ from colltune.cost_model import (
     default_group,
     feature_vector,
 )
-from colltune.features import Features
-from colltune.profile import Measurement, Primitive, load_profile, profile_from_measurements, save_profile
+from colltune.model.features import Features
+from colltune.model.profile import Measurement, Primitive, load_profile, profile_from_measurements, save_profile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_allgather_switches_to_all_to_all_when_padding_is_wasteful() -> None:
 
 
 def test_allgather_entries_that_fit_the_grown_slot_ride_in_the_record() -> None:
-    from colltune.algorithms import _meta
+    from colltune.algorithms import meta as _meta
 
     model = AnalyticModel(DEFAULT_PRIMITIVES)
     f = Features.build(numel=10**6, row_numel=1, dtype="float32", k_per_rank=[1000] * 4, union=4000)

@@ -1,4 +1,4 @@
-"""Training integration (``colltune.ddp``): the DDP comm hook and the sparse-gradient synchronizer.
+"""Training integration (``colltune.train.ddp``): the DDP comm hook and the sparse-gradient synchronizer.
 
 Each distributed check runs in the shared rank pools and compares with what
 plain ``DistributedDataParallel`` computes on the same data:
@@ -26,8 +26,8 @@ import torch.nn as nn
 
 from harness import pool
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
-from colltune.ddp import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
-from colltune.policy import parse_policy
+from colltune.train.ddp import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
+from colltune.model.policy import parse_policy
 
 ROWS, DIM = 200, 8
 KEEP_FC1_DENSE = """

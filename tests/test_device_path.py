@@ -2,7 +2,7 @@
 
 CUDA tensors take other code than CPU tensors (torch operations where the
 CPU runs NumPy, and the backend's own collectives where gloo runs direct).
-:func:`colltune.algorithms._sparse.device_path` sends CPU tensors down that code, so
+:func:`colltune.algorithms.sparse.device_path` sends CPU tensors down that code, so
 here every rank runs each call twice, once per path, on the same input, and
 the parent checks the device path's result against the float64 reference
 and bit for bit (values compared as integers, so -0.0 and NaN count)
@@ -34,7 +34,7 @@ from test_property import _lay_out, exact_cases
 from test_sparse_allreduce import SCENARIOS, _result_record, check_results
 from test_topk import check_topk, make_tensor, topk_cfg
 
-from colltune.algorithms._sparse import (
+from colltune.algorithms.sparse import (
     Magnitudes,
     coalesce,
     device_path,
@@ -84,7 +84,7 @@ def test_switch_sends_cpu_tensors_down_the_device_path():
 
 
 def test_environment_variable_turns_the_device_path_on_at_import():
-    code = "import torch; from colltune.algorithms._sparse import on_host; print(on_host(torch.zeros(1)))"
+    code = "import torch; from colltune.algorithms.sparse import on_host; print(on_host(torch.zeros(1)))"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, COLLTUNE_DEVICE_PATH="1", PYTHONPATH=root)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=root)
@@ -92,7 +92,7 @@ def test_environment_variable_turns_the_device_path_on_at_import():
 
 
 def _comm_modes(rank, world_size):
-    from colltune.algorithms._comm import Comm
+    from colltune.algorithms.comm import Comm
 
     modes = []
     for device in (False, True):
@@ -170,8 +170,8 @@ def test_coalesce_and_merge_give_the_host_bits():
 
 
 def test_sketches_and_embedding_row_sums_give_the_host_bits():
-    from colltune.ddp import _coalesce_rows
-    from colltune.features import sketch_hashes
+    from colltune.train.ddp import _coalesce_rows
+    from colltune.model.features import sketch_hashes
 
     g = torch.Generator().manual_seed(11)
     for k, high in ((0, 10), (5, 10**12), (3000, 500)):

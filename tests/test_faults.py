@@ -40,7 +40,7 @@ import torch.distributed as dist
 import colltune
 from colltune.algorithms.errors import ColltuneValueError
 from colltune import api
-from colltune.launch import Outcome, failure_report, launch_ranks
+from colltune.offline.launch import Outcome, failure_report, launch_ranks
 
 #: Process-group timeout in the ranks of these tests, in seconds.
 PG_TIMEOUT_S = 5.0

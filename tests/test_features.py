@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError
-from colltune.features import (
+from colltune.model.features import (
     DTYPE_BYTES,
     Features,
     bitmap_indices,
@@ -268,7 +268,7 @@ def test_consecutive_indices_count_as_well_as_random_ones() -> None:
 def test_sketch_hash_is_the_same_in_numpy_and_torch() -> None:
     import torch
 
-    from colltune.features import _hash32_host, _hash32_torch
+    from colltune.model.features import _hash32_host, _hash32_torch
 
     idx = np.random.default_rng(9).integers(0, 2**62, 5000)
     for seed in (0, 7):
@@ -278,7 +278,7 @@ def test_sketch_hash_is_the_same_in_numpy_and_torch() -> None:
 def test_sketch_keeps_the_smallest_hashes_in_order() -> None:
     import torch
 
-    from colltune.features import _hash32_host, sketch_hashes
+    from colltune.model.features import _hash32_host, sketch_hashes
 
     idx = np.arange(0, 30000, 7)
     got = sketch_hashes(torch.from_numpy(idx), 1024)
@@ -293,7 +293,7 @@ def test_sketch_keeps_the_smallest_hashes_in_order() -> None:
 def test_sketch_overlap_is_close_and_its_band_holds_the_exact_one(p: int, k: int) -> None:
     import torch
 
-    from colltune.features import overlap_from_sketches, sketch_hashes
+    from colltune.model.features import overlap_from_sketches, sketch_hashes
 
     errors, misses = [], 0
     for overlap in (0.0, 0.25, 0.5, 0.75, 1.0):
@@ -315,7 +315,7 @@ def test_sketch_overlap_is_close_and_its_band_holds_the_exact_one(p: int, k: int
 def test_sketch_overlap_is_exact_when_every_rank_fits() -> None:
     import torch
 
-    from colltune.features import overlap_from_sketches, sketch_hashes
+    from colltune.model.features import overlap_from_sketches, sketch_hashes
 
     sets = [np.arange(0, 200), np.arange(100, 300), np.arange(150, 250)]
     sketches = [sketch_hashes(torch.from_numpy(s), 1024) for s in sets]

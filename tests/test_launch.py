@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from colltune.algorithms.errors import ColltuneValueError
-from colltune.launch import PARENT_POLL_S, RankError, _process_alive, in_torchrun, run_here, run_local
+from colltune.offline.launch import PARENT_POLL_S, RankError, _process_alive, in_torchrun, run_here, run_local
 
 
 def _sum_of_ranks(rank, world_size, offset):
@@ -48,7 +48,7 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
         import sys
         sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]
         from test_launch import _note_pid_and_hang
-        from colltune.launch import run_local
+        from colltune.offline.launch import run_local
         if __name__ == "__main__":
             run_local(_note_pid_and_hang, 2, {str(tmp_path)!r}, timeout=300)
     """))

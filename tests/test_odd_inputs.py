@@ -23,7 +23,7 @@ import torch
 from harness import pool
 from sparse_cases import ALGORITHMS
 
-from colltune.algorithms._sparse import device_path
+from colltune.algorithms.sparse import device_path
 
 P = 2
 SIZE = 64

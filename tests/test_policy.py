@@ -13,8 +13,8 @@ import pytest
 
 from colltune import algorithms
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
-from colltune import policy as P
-from colltune.policy import (
+from colltune.model import policy as P
+from colltune.model.policy import (
     DEFAULT_POLICY,
     KNOBS,
     Overrides,
@@ -285,7 +285,7 @@ def test_decision_as_dict_is_json_ready() -> None:
 def test_bool_knob_round_trips_and_is_applied() -> None:
     import yaml
 
-    from colltune.selector import _knobs_for
+    from colltune.select.selector import _knobs_for
 
     p = parse(
         """\

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-import colltune.profile as profile_mod
+from colltune.model import profile as profile_mod
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
-from colltune.features import Features
-from colltune.profile import (
+from colltune.model.features import Features
+from colltune.model.profile import (
     Measurement,
     Primitive,
     Profile,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from harness import expect_error, pool
-from colltune.features import (
+from colltune.model.features import (
     Features,
     bitmap_indices,
     bitmap_positions_torch,
@@ -25,9 +25,9 @@ from colltune.features import (
     make_bitmap_torch,
     overlap_bitmap_bits,
 )
-from colltune.policy import parse_policy
-from colltune.profile import Primitive, Profile
-from colltune.selector import ALGORITHMS, SAFE_DEFAULT, Selector, profiles_dir, shipped_profile
+from colltune.model.policy import parse_policy
+from colltune.model.profile import Primitive, Profile
+from colltune.select.selector import ALGORITHMS, SAFE_DEFAULT, Selector, profiles_dir, shipped_profile
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -75,7 +75,7 @@ def _decide(sel: Selector, n: int, counts, overlap: float, site=("sparse", "w", 
 
 
 def test_candidates_match_the_cost_model():
-    from colltune.cost_model import ALGORITHMS as MODEL_ALGORITHMS
+    from colltune.model.cost_model import ALGORITHMS as MODEL_ALGORITHMS
 
     assert ALGORITHMS == MODEL_ALGORITHMS
 
@@ -196,10 +196,10 @@ def test_shipped_profiles_are_found_and_usable():
 def test_decision_log_lines_and_jsonl(tmp_path, caplog):
     path = tmp_path / "decisions-%r.jsonl"
     sel = Selector(profile=SYNTHETIC, environ={"COLLTUNE_LOG_FILE": str(path)})
-    with caplog.at_level(logging.DEBUG, logger="colltune.selector"):
+    with caplog.at_level(logging.DEBUG, logger="colltune.select.selector"):
         _decide(sel, 2**20, [20972] * 8, 1.0)
         _decide(sel, 2**20, [20972] * 8, 1.0)  # cached: a DEBUG line, no new JSON line
-    lines = [r.getMessage() for r in caplog.records if r.name == "colltune.selector" and " -> " in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.name == "colltune.select.selector" and " -> " in r.getMessage()]
     assert len(lines) == 2 and "oktopk" in lines[0] and "cost model" in lines[0] and "cached" in lines[1]
     records = [json.loads(x) for x in (tmp_path / "decisions-0.jsonl").read_text().splitlines()]
     assert len(records) == 1
@@ -265,9 +265,9 @@ def test_overlap_bitmap_bits_is_a_shared_power_of_two():
 
 
 def _rank_estimate(rank, world_size, cases):
-    from colltune.algorithms._comm import Comm
-    from colltune.features import estimate_union_collective
-    from colltune.workloads import Workload
+    from colltune.algorithms.comm import Comm
+    from colltune.model.features import estimate_union_collective
+    from colltune.offline.workloads import Workload
 
     out = []
     for n, k, overlap in cases:
@@ -293,7 +293,7 @@ def test_collective_overlap_estimate_is_within_005(world_size):
 
 def _rank_uneven(rank, world_size, n):
     import colltune
-    from colltune.selector import Selector
+    from colltune.select.selector import Selector
 
     colltune.configure(selector=Selector(environ={}))
     try:
@@ -326,7 +326,7 @@ def test_decisions_are_identical_across_ranks_when_k_differs_widely():
 
 def _rank_policies(rank, world_size, texts, env_algo):
     import colltune
-    from colltune.selector import Selector
+    from colltune.select.selector import Selector
 
     text = texts[rank % len(texts)]
     environ = {"COLLTUNE_ALGO": env_algo[rank]} if env_algo and env_algo[rank] else {}
@@ -359,7 +359,7 @@ def test_ranks_with_different_configurations_raise_on_every_rank(how):
 
 def _rank_policy_end_to_end(rank, world_size, log_dir):
     import colltune
-    from colltune.selector import Selector
+    from colltune.select.selector import Selector
 
     policy = parse_policy(
         "version: 1\nrules:\n"
@@ -460,7 +460,7 @@ def _sets(p: int, k: int, overlap: float, seed: int = 0) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("overlap, expected, collectives", [(0.9, "oktopk", 0), (0.0, "allgather", 0), (0.13, None, 1)])
 def test_first_call_decides_from_the_sketch_unless_the_band_straddles_a_boundary(overlap, expected, collectives):
-    from colltune.features import sketch_hashes
+    from colltune.model.features import sketch_hashes
 
     # SYNTHETIC at n = 2^20, density 2e-2, P = 8: allgather below overlap ~0.13, oktopk above.
     p, n = 8, 2**20
@@ -490,7 +490,7 @@ def test_no_sketch_when_the_algorithm_is_forced_or_there_is_nothing_to_predict()
 
 def _rank_first_call(rank, world_size, n, k, overlap):
     import colltune
-    from colltune.workloads import Workload
+    from colltune.offline.workloads import Workload
 
     colltune.configure(selector=Selector(environ={}))
     group = dist.new_group(list(range(world_size)))  # fresh: no algorithm state from earlier calls in the pool

@@ -377,7 +377,7 @@ class _FakeComm:
 
 
 def test_eager_slot_grows_at_once_and_shrinks_only_after_a_run_of_small_calls():
-    from colltune.algorithms import _meta
+    from colltune.algorithms import meta as _meta
 
     comm = _FakeComm(4)
     base, limit = _meta.eager_capacity(4), _meta.slot_limit(4)
@@ -401,8 +401,8 @@ def test_eager_slot_grows_at_once_and_shrinks_only_after_a_run_of_small_calls():
 def _run_slot_sequence(rank, world_size, steps):
     """Run calls of several algorithms and sizes on one fresh group; return results and collective counts."""
     import colltune
-    from colltune.algorithms import _meta
-    from colltune.algorithms._comm import Comm
+    from colltune.algorithms import meta as _meta
+    from colltune.algorithms.comm import Comm
 
     group = dist.new_group()
     out = []
@@ -546,7 +546,7 @@ def test_oktopk_eager_gather_matches_the_sized_gather_as_sizes_change(world_size
 
 def _run_auto_oktopk_counts(rank, world_size, calls):
     import colltune
-    from colltune.selector import Selector
+    from colltune.select.selector import Selector
 
     colltune.configure(selector=Selector(environ={"COLLTUNE_ALGO": "oktopk"}))  # auto, decided as oktopk
     try:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from colltune.algorithms._sparse import Magnitudes, _sorted_order, merge_host, split_layout, sum_by_index
+from colltune.algorithms.sparse import Magnitudes, _sorted_order, merge_host, split_layout, sum_by_index
 
 
 def _reference(idx: np.ndarray, vals: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from colltune.algorithms.errors import ColltuneValueError
-from colltune.workloads import Workload, k_for_density, shared_count
+from colltune.offline.workloads import Workload, k_for_density, shared_count
 
 
 def _measured_overlap(w: Workload) -> float:

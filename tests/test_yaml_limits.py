@@ -1,4 +1,4 @@
-"""Bounded YAML loading (tuner/_yaml.py) for profiles and policies: no process group needed."""
+"""Bounded YAML loading (colltune.model.yamlsafe) for profiles and policies: no process group needed."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 import pytest
 import yaml
 
-from colltune import _yaml
-from colltune.policy import PolicyError, load_policy, parse_policy
-from colltune.profile import ProfileError, load_profile
+from colltune.model import yamlsafe
+from colltune.model.policy import PolicyError, load_policy, parse_policy
+from colltune.model.profile import ProfileError, load_profile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 #: Refusing takes milliseconds; this only catches a return of the old behaviour
@@ -99,8 +99,8 @@ def test_billion_laughs_through_merge_keys_is_refused(tmp_path: pathlib.Path) ->
 
 @pytest.mark.parametrize("text", ["a: &a [1, *a]\n", "a: &a {b: *a}\n", "a: &a [1, &b [*a]]\n"])
 def test_recursive_alias_is_refused(tmp_path: pathlib.Path, text: str) -> None:
-    with pytest.raises(_yaml.YamlLimitError, match="recursive structure"):
-        _yaml.load(text)
+    with pytest.raises(yamlsafe.YamlLimitError, match="recursive structure"):
+        yamlsafe.load(text)
     meta = "  " + text.replace("\n", "\n  ").rstrip() + "\n"
     with pytest.raises(ProfileError, match=r"rec\.yaml: line 6: collections nested more than 100 deep through aliases"):
         load_profile(_write(tmp_path, _profile_text(meta), "rec.yaml"))
@@ -111,11 +111,11 @@ def test_recursive_alias_is_refused(tmp_path: pathlib.Path, text: str) -> None:
 def test_alias_limit_is_on_repeated_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     # b repeats a (a sequence of 3): 4 nodes per use.
     text = "a: &a [1, 2, 3]\nb: [*a, *a, *a]\n"
-    monkeypatch.setattr(_yaml, "MAX_ALIAS_NODES", 12)
-    assert _yaml.load(text) == {"a": [1, 2, 3], "b": [[1, 2, 3]] * 3}
-    monkeypatch.setattr(_yaml, "MAX_ALIAS_NODES", 11)
-    with pytest.raises(_yaml.YamlLimitError, match="line 1: aliases repeat more than 11 nodes"):
-        _yaml.load(text)
+    monkeypatch.setattr(yamlsafe, "MAX_ALIAS_NODES", 12)
+    assert yamlsafe.load(text) == {"a": [1, 2, 3], "b": [[1, 2, 3]] * 3}
+    monkeypatch.setattr(yamlsafe, "MAX_ALIAS_NODES", 11)
+    with pytest.raises(yamlsafe.YamlLimitError, match="line 1: aliases repeat more than 11 nodes"):
+        yamlsafe.load(text)
 
 
 def test_modest_aliases_still_load(tmp_path: pathlib.Path) -> None:
@@ -138,7 +138,7 @@ def test_merge_keys_with_defaults_still_work() -> None:
 
 
 def test_nesting_limit(tmp_path: pathlib.Path) -> None:
-    assert _yaml.load("[" * 100 + "]" * 100) is not None
+    assert yamlsafe.load("[" * 100 + "]" * 100) is not None
     with pytest.raises(ProfileError, match=r"deep\.yaml: line 6: collections nested more than 100 deep"):
         load_profile(_write(tmp_path, _profile_text("  notes: " + "[" * 101 + "]" * 101 + "\n"), "deep.yaml"))
     with pytest.raises(PolicyError, match=r"p\.yaml:4: collections nested more than 100 deep"):
@@ -149,7 +149,7 @@ def test_nesting_limit(tmp_path: pathlib.Path) -> None:
 def test_very_deep_nesting_is_an_error_not_a_crash(tmp_path: pathlib.Path, deep: str) -> None:
     # 100,000 levels overflow the C stack in yaml.CSafeLoader (the process
     # dies) and raise RecursionError from yaml.SafeLoader.
-    assert not _yaml._c_composer_safe(deep)
+    assert not yamlsafe._c_composer_safe(deep)
     meta = f"  notes: {deep}\n" if deep.startswith("[") else f"  notes:\n  {deep}\n"
     with pytest.raises(ProfileError, match=r"deep\.yaml: collections nested more than 100 deep"):
         load_profile(_write(tmp_path, _profile_text(meta), "deep.yaml"))
@@ -163,28 +163,28 @@ def test_very_deep_nesting_is_an_error_not_a_crash(tmp_path: pathlib.Path, deep:
 def test_oversized_profile_is_refused_before_reading(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "huge.yaml"
     with open(path, "wb") as fh:  # sparse: no disk space, nothing to read
-        fh.truncate(_yaml.MAX_BYTES + 1)
+        fh.truncate(yamlsafe.MAX_BYTES + 1)
     with pytest.raises(ProfileError) as info:
         load_profile(path)
     message = str(info.value)
-    for fragment in ("huge.yaml", "too large", f"got {_yaml.MAX_BYTES + 1:,} bytes", f"limit is {_yaml.MAX_BYTES:,} bytes (16 MiB)", "right file"):
+    for fragment in ("huge.yaml", "too large", f"got {yamlsafe.MAX_BYTES + 1:,} bytes", f"limit is {yamlsafe.MAX_BYTES:,} bytes (16 MiB)", "right file"):
         assert fragment in message, message
     with pytest.raises(PolicyError, match="huge.yaml: the policy file is too large"):
         load_policy(path)
 
 
 def test_oversized_text_and_streams_are_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_yaml, "MAX_BYTES", 1000)
+    monkeypatch.setattr(yamlsafe, "MAX_BYTES", 1000)
     text = "version: 1\n" + "# padding\n" * 200
     with pytest.raises(PolicyError, match=r"<string>: the policy text is too large: the limit is 1,000 bytes .*got 2,011 bytes"):
         parse_policy(text)
     with pytest.raises(ProfileError, match="pad.yaml: the file is too large"):
         load_profile(_write(tmp_path, _profile_text() + "#" * 1000 + "\n", "pad.yaml"))
-    with pytest.raises(_yaml.YamlLimitError, match="got 2,400 bytes"):
-        _yaml.load("é" * 1200)  # counted in UTF-8 bytes, not characters
+    with pytest.raises(yamlsafe.YamlLimitError, match="got 2,400 bytes"):
+        yamlsafe.load("é" * 1200)  # counted in UTF-8 bytes, not characters
     if os.path.exists("/dev/zero"):  # reports size 0: read one byte past the limit
-        with pytest.raises(_yaml.YamlLimitError, match="got more than that"):
-            _yaml.read_bytes("/dev/zero")
+        with pytest.raises(yamlsafe.YamlLimitError, match="got more than that"):
+            yamlsafe.read_bytes("/dev/zero")
 
 
 # --------------------------------------------------------------------------- normal files
@@ -208,13 +208,13 @@ def test_profiles_keep_the_c_composer_and_read_the_same() -> None:
         pytest.skip("PyYAML is built without libyaml")
     for path in sorted((REPO / "profiles").glob("*.yaml")):
         text = path.read_text(encoding="utf-8")
-        assert _yaml._c_composer_safe(text), path
+        assert yamlsafe._c_composer_safe(text), path
         if path.stat().st_size < 100_000:
-            assert _yaml.load(text) == yaml.load(text, Loader=yaml.CSafeLoader)  # noqa: S506 - a safe loader
+            assert yamlsafe.load(text) == yaml.load(text, Loader=yaml.CSafeLoader)  # noqa: S506 - a safe loader
 
 
 def test_loading_stays_code_free(tmp_path: pathlib.Path) -> None:
     marker = tmp_path / "ran"
     with pytest.raises(yaml.constructor.ConstructorError):
-        _yaml.load(f"!!python/object/apply:os.system ['touch {marker}']\n")
+        yamlsafe.load(f"!!python/object/apply:os.system ['touch {marker}']\n")
     assert not marker.exists()

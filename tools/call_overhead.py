@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import colltune  # noqa: E402
-from colltune import launch  # noqa: E402
+from colltune.offline import launch  # noqa: E402
 
 #: Calls per contender before timing (the record's eager slot settles, the caches fill).
 WARMUP = 20

@@ -1,15 +1,15 @@
 """Measure the CPU/gloo profile shipped as ``profiles/cpu-gloo.yaml`` and fit its cost model.
 
 The measuring run first times the collective primitives at a few message
-sizes per world size (:func:`colltune.profiling.measure_primitives`) and fits
+sizes per world size (:func:`colltune.offline.profiling.measure_primitives`) and fits
 their alpha-beta constants: the profile's ``primitives``, and the prior of the
 cost model. Then it times ``dense``, ``allgather`` and ``oktopk`` with the
-benchmark engine (:func:`colltune.bench.run`: interleaved rounds, the max over
+benchmark engine (:func:`colltune.offline.bench.run`: interleaved rounds, the max over
 ranks per call, medians) on a grid of rows ``n``, density, overlap and world
 size ``P`` in 2, 4, 8, on local CPU ranks over gloo, and writes every
 configuration as a profile measurement with its exact union size. The fit
 learns the per-algorithm correction of the alpha-beta prediction
-(:class:`colltune.cost_model.LearnedCostModel`, settings :data:`MODEL`), stored
+(:class:`colltune.model.cost_model.LearnedCostModel`, settings :data:`MODEL`), stored
 in the profile as plain numbers, so loading it costs no refit.
 
 Usage::
@@ -49,11 +49,11 @@ if _ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from colltune import bench, launch, profiling  # noqa: E402
-from colltune.cost_model import LearnedCostModel, cross_validate  # noqa: E402
-from colltune.features import Features  # noqa: E402
-from colltune.profile import Measurement, Primitive, Profile  # noqa: E402
-from colltune.profile import load_profile, profile_from_measurements, save_profile  # noqa: E402
+from colltune.offline import bench, launch, profiling  # noqa: E402
+from colltune.model.cost_model import LearnedCostModel, cross_validate  # noqa: E402
+from colltune.model.features import Features  # noqa: E402
+from colltune.model.profile import Measurement, Primitive, Profile  # noqa: E402
+from colltune.model.profile import load_profile, profile_from_measurements, save_profile  # noqa: E402
 
 #: The measured grid.
 GRID_N = (2**12, 2**14, 2**16, 2**18, 2**20)

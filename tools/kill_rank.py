@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import colltune  # noqa: E402
-from colltune import launch  # noqa: E402
+from colltune.offline import launch  # noqa: E402
 
 ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
 #: Scenario -> (mode, index of the call before which the victim dies).

@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from colltune import bench, launch  # noqa: E402
+from colltune.offline import bench, launch  # noqa: E402
 
 ALGORITHMS = ("dense", "allgather", "oktopk")
 #: The held-out grid: between the profile's grid points (2^12..2^20 every 4x; 1e-4, 1e-3, 1e-2, 5e-2, 0.2; 0, .5, 1).
@@ -62,7 +62,7 @@ HELD_WORLD = (2, 4, 8)
 
 def _choices_rank(rank: int, world_size: int, configs: list, profile: str | None) -> list[dict] | None:
     import colltune
-    from colltune.selector import Selector
+    from colltune.select.selector import Selector
 
     if profile:
         colltune.configure(profile=profile)
@@ -89,10 +89,10 @@ def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap
     import itertools
 
     import colltune
-    from colltune.algorithms._comm import Comm
-    from colltune.algorithms._sparse import coalesce
-    from colltune.features import estimate_union_collective, overlap_bitmap_bits
-    from colltune.workloads import Workload, k_for_density
+    from colltune.algorithms.comm import Comm
+    from colltune.algorithms.sparse import coalesce
+    from colltune.model.features import estimate_union_collective, overlap_bitmap_bits
+    from colltune.offline.workloads import Workload, k_for_density
 
     w = Workload(n, k_for_density(n, density), world_size, overlap, seed=1)
     idx, vals = w.make(rank)
@@ -156,7 +156,7 @@ def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap
 
 def cached_decision_us(profile: str | None, calls: int = 20000) -> dict:
     """Return the CPU cost of a cached decision (decide + observe), in microseconds."""
-    from colltune.selector import Selector
+    from colltune.select.selector import Selector
 
     class _Comm:
         world_size, rank = 4, 0

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import colltune  # noqa: E402
-from colltune import launch  # noqa: E402
+from colltune.offline import launch  # noqa: E402
 
 ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
 SIZES = (1000, 2**14, 100_000, 2**19)

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from colltune import algorithms
-from colltune.algorithms import _meta
-from colltune.algorithms._comm import Comm, Traffic
-from colltune.algorithms._sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
+from colltune.algorithms import meta as _meta
+from colltune.algorithms.comm import Comm, Traffic
+from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
 from colltune.algorithms.allgather import eager_slot, slot_need
 from colltune.algorithms.base import SparseInput, SparseResult
 from colltune.algorithms.errors import (
@@ -48,7 +48,7 @@ from colltune.algorithms.errors import (
     ColltuneValueError,
 )
 from colltune.algorithms.state import TopkState
-from colltune.features import sketch_hashes
+from colltune.model.features import sketch_hashes
 
 __all__ = ["sparse_allreduce", "topk_allreduce", "SparseResult", "TopkResult", "AsyncHandle", "OPS"]
 
@@ -303,8 +303,8 @@ def _check_tensor(t: Any, argument: str, what: str) -> None:
                    f"concatenate its components with torch.cat(list({argument}.unbind())).")
     if t.layout != torch.strided:
         hint = (
-            f"for a sparse COO tensor t pass t.coalesce().indices()[0] as indices and t.coalesce().values() "
-            f"as values" if t.layout == torch.sparse_coo else f"convert it with {argument}.to_dense()"
+            "for a sparse COO tensor t pass t.coalesce().indices()[0] as indices and t.coalesce().values() "
+            "as values" if t.layout == torch.sparse_coo else f"convert it with {argument}.to_dense()"
         )
         raise _bad(ColltuneTypeError, argument, f"{argument} must be a dense (strided) tensor, but got layout "
                    f"{str(t.layout).replace('torch.', '')}; {hint}.")
@@ -448,7 +448,7 @@ def _check_dense_fits(n: int, row_numel: int, dtype: torch.dtype, device: torch.
 
 def _selector_module() -> Any:
     # Imported on the first auto call: explicit algorithms never load policies or profiles.
-    from colltune import selector
+    from colltune.select import selector
 
     return selector
 
@@ -630,7 +630,7 @@ def sparse_allreduce(
         name: the tensor's name: policy rules match it (globs), and
             decisions are cached per name (calls without one share a cache
             per size, row shape and dtype). Must be the same on every rank.
-        policy: for ``auto``: a :class:`colltune.policy.Policy`, a policy file
+        policy: for ``auto``: a :class:`colltune.model.policy.Policy`, a policy file
             path or a :class:`colltune.Selector`; ``None`` uses the process-wide
             selector (:func:`colltune.configure`, else the environment and the
             profile shipped for the backend).

@@ -42,18 +42,17 @@ import json
 from typing import ClassVar
 
 from colltune.algorithms.errors import ColltuneValueError
+from colltune.cli.common import parse_n, parse_world
 
 __all__ = ["ExplainCommand"]
 
 
-def _parse_n(text: str) -> int:
-    """Parse ``1048576``, ``2^20``, ``2**20`` or ``1e6`` (:func:`colltune.cli._parse_n`)."""
-    from colltune.cli import _parse_n as parse
-
-    return parse(text, scientific=True)
+def parse_numel(text: str) -> int:
+    """Parse ``1048576``, ``2^20``, ``2**20`` or ``1e6`` (:func:`colltune.cli.common.parse_n`)."""
+    return parse_n(text, scientific=True)
 
 
-def _parse_unit(low_open: bool):  # noqa: ANN202
+def parse_unit(low_open: bool):  # noqa: ANN202
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -74,17 +73,15 @@ class ExplainCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add the options of ``explain`` to ``parser``."""
-        from colltune.cli import _parse_world
-
         g = parser.add_argument_group("the call")
-        g.add_argument("--numel", "--n", type=_parse_n, required=True, metavar="N",
+        g.add_argument("--numel", "--n", type=parse_numel, required=True, metavar="N",
                        help="dense rows n, e.g. 1048576 or 2^20")
-        g.add_argument("--density", type=_parse_unit(True), required=True, metavar="D",
+        g.add_argument("--density", type=parse_unit(True), required=True, metavar="D",
                        help="entries per rank over n, in (0, 1]")
-        g.add_argument("--world-size", "-P", type=_parse_world, required=True, metavar="P", help="ranks")
-        g.add_argument("--overlap", type=_parse_unit(False), required=True, metavar="O",
+        g.add_argument("--world-size", "-P", type=parse_world, required=True, metavar="P", help="ranks")
+        g.add_argument("--overlap", type=parse_unit(False), required=True, metavar="O",
                        help="index overlap between ranks, 0 (disjoint) to 1 (identical)")
-        g.add_argument("--row-numel", type=_parse_n, default=1, metavar="R",
+        g.add_argument("--row-numel", type=parse_numel, default=1, metavar="R",
                        help="elements per row (embedding width; default 1)")
         g.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
         g.add_argument("--name", help="tensor name, for policy rules")
@@ -97,9 +94,9 @@ class ExplainCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         """Print the explanation; return 0."""
-        from colltune.features import Features
-        from colltune.selector import Selector, format_explanation
-        from colltune.workloads import shared_count
+        from colltune.model.features import Features
+        from colltune.select.selector import Selector, format_explanation
+        from colltune.offline.workloads import shared_count
 
         n, p = args.numel, args.world_size
         k = max(1, min(n, int(round(args.density * n))))

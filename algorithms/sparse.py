@@ -15,7 +15,7 @@ other devices take the *device* path (torch operations that also run on
 CUDA). :func:`on_host` chooses, and every module that branches on the device
 asks it. The switch :func:`device_path` (or ``COLLTUNE_DEVICE_PATH=1`` in the
 environment when this module is imported) sends CPU tensors down the device
-path too, with the backend's own collectives (:class:`~colltune.algorithms._comm.Comm`
+path too, with the backend's own collectives (:class:`~colltune.algorithms.comm.Comm`
 runs nothing direct there, as on NCCL), so that the code CUDA runs is tested,
 and compared bit for bit with the host path, on machines without a GPU.
 """
@@ -313,7 +313,7 @@ def gather_mode(mode: str, row_numel: int, wire_dtype: torch.dtype) -> str:
 
     Returns ``p2p`` when the entries move point to point, unpacked (asked
     for, or ``auto`` with rows of :data:`SPLIT_MIN_ROW_BYTES` or more);
-    otherwise the mode :meth:`~colltune.algorithms._comm.Comm.all_gather_v` takes.
+    otherwise the mode :meth:`~colltune.algorithms.comm.Comm.all_gather_v` takes.
     """
     if mode == "p2p" or (mode == "auto" and split_layout(row_numel, wire_dtype)):
         return "p2p"

@@ -1,7 +1,7 @@
 """Benchmark the algorithms, and PyTorch's gloo sparse ``all_reduce`` as the peer, on the same inputs.
 
 For every configuration (rows ``n``, density, overlap, world size ``P``) every
-rank builds its input from a shared seed (:class:`~colltune.workloads.Workload`:
+rank builds its input from a shared seed (:class:`~colltune.offline.workloads.Workload`:
 ``k = round(density * n)`` entries per rank, a controlled index overlap), then
 
 1. **warms up** each contender and checks its result against the reference
@@ -55,8 +55,8 @@ import torch.distributed as dist
 
 import colltune
 from colltune.algorithms.errors import ColltuneValueError
-from colltune import launch
-from colltune.workloads import Workload, k_for_density
+from colltune.offline import launch
+from colltune.offline.workloads import Workload, k_for_density
 
 __all__ = [
     "CONTENDERS",
@@ -84,10 +84,10 @@ FIXED: tuple[str, ...] = ("dense", "allgather", "oktopk")
 
 
 def _has_selector() -> bool:
-    """Return whether ``algorithm="auto"`` has a selector behind it (``tuner/selector.py``)."""
+    """Return whether ``algorithm="auto"`` has a selector behind it (``colltune.select.selector``)."""
     import importlib.util
 
-    return importlib.util.find_spec("colltune.selector") is not None
+    return importlib.util.find_spec("colltune.select.selector") is not None
 
 
 if _has_selector():
@@ -220,7 +220,7 @@ def contender_group(name: str) -> Any:
 
     Each contender runs on its own group so that what one leaves in its
     group's state (the size of the metadata record's eager slot, see
-    :func:`colltune.algorithms._meta.slot_bytes`) never changes another's timing:
+    :func:`colltune.algorithms.meta.slot_bytes`) never changes another's timing:
     each is measured as it runs when a call site keeps to one algorithm.
     Every rank must ask for the same names in the same order.
     """
@@ -659,7 +659,7 @@ def run(
     """Run the benchmark; return the report (see the module docstring of :mod:`colltune.cli` for its format).
 
     Configurations are grouped by world size; each group runs in one launch
-    of local ranks (:func:`colltune.launch.run_local`), or, under ``torchrun``,
+    of local ranks (:func:`colltune.offline.launch.run_local`), or, under ``torchrun``,
     in the ranks already started (only the configurations of that world size).
 
     Args:
@@ -676,7 +676,7 @@ def run(
     Raises:
         ColltuneValueError: an unknown contender, or (under ``torchrun``) no
             configuration for the running world size.
-        colltune.launch.RankError: a rank failed.
+        colltune.offline.launch.RankError: a rank failed.
     """
     contenders = tuple(contenders)
     unknown = [c for c in contenders if c not in CONTENDERS]
@@ -872,15 +872,15 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
         if "median_ms" in cs.get("allgather", {}) and "median_ms" in cs.get("torch", {}):
             ratio = cs["allgather"]["median_ms"] / cs["torch"]["median_ms"]
             rows.append((c, ratio))
-    a_fail_10 = [(_cfg_name(c), r) for c, r in rows if r > 1.10]
+    a_fail_10 = [(config_name(c), r) for c, r in rows if r > 1.10]
     a_dense = [(c, r) for c, r in rows if c["density"] >= 1e-2]
-    a_fail_fast = [(_cfg_name(c), r) for c, r in a_dense if r >= 1.0]
+    a_fail_fast = [(config_name(c), r) for c, r in a_dense if r >= 1.0]
     out["a"] = {
         "what": "allgather time / torch time <= 1.10 everywhere, < 1 at density >= 1e-2",
         "holds": None if not rows else (not a_fail_10 and not a_fail_fast),
         "configs": len(rows),
         "worst_ratio": max((r for _, r in rows), default=None),
-        "worst_config": _cfg_name(max(rows, key=lambda x: x[1])[0]) if rows else None,
+        "worst_config": config_name(max(rows, key=lambda x: x[1])[0]) if rows else None,
         "worst_ratio_density_ge_1e-2": max((r for _, r in a_dense), default=None),
         "median_ratio": statistics.median([r for _, r in rows]) if rows else None,
         "over_1.10": [{"config": n, "ratio": r} for n, r in a_fail_10],
@@ -898,7 +898,7 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
         ):
             b_rows.append(
                 {
-                    "config": _cfg_name(c),
+                    "config": config_name(c),
                     "bytes_ratio": cs["oktopk"]["bytes_per_rank_max"] / max(1.0, cs["allgather"]["bytes_per_rank_max"]),
                     "time_ratio": cs["oktopk"]["median_ms"] / cs["allgather"]["median_ms"],
                 }
@@ -944,7 +944,7 @@ def _n_name(n: int) -> str:
     return f"2^{e}" if n == 1 << e else str(n)
 
 
-def _cfg_name(c: dict[str, Any]) -> str:
+def config_name(c: dict[str, Any]) -> str:
     return f"n={_n_name(c['n'])} density={c['density']:g} P={c['world_size']} overlap={c['overlap']:.2f}"
 
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from colltune.algorithms._comm import Comm
+from colltune.algorithms.comm import Comm
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
 
 __all__ = [

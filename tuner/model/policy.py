@@ -58,7 +58,7 @@ Rules:
 - ``null`` for ``knobs``, ``rules``, ``when`` or an algorithm's knob mapping
   means empty (so a key whose entries are all commented out still loads).
 - Anchors, aliases and ``<<`` merge keys work; duplicate keys are errors.
-  Loading is bounded (:mod:`colltune._yaml`): a file over 16 MiB, aliases that
+  Loading is bounded (:mod:`colltune.model.yamlsafe`): a file over 16 MiB, aliases that
   repeat more than 100,000 nodes, and nesting over 100 levels (or a
   recursive alias) are errors.
 
@@ -131,7 +131,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from colltune import algorithms as _algorithms
 from colltune.algorithms.errors import ColltuneValueError
-from colltune import _yaml
+from colltune.model import yamlsafe
 
 __all__ = [
     "AUTO",
@@ -760,10 +760,10 @@ class _Parser:
 
     def _parse(self) -> Policy:
         try:
-            # Composed, then checked by colltune._yaml before any value is built:
+            # Composed, then checked by colltune.yamlsafe before any value is built:
             # aliases that repeat too much or nesting too deep are refused.
-            root = _yaml.compose(self.loader)
-        except _yaml.YamlLimitError as e:
+            root = yamlsafe.compose(self.loader)
+        except yamlsafe.YamlLimitError as e:
             raise PolicyError(e.problem, self.source, e.line, None, e.fix) from None
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
@@ -1015,15 +1015,15 @@ def parse_policy(text: str, source: str = "<string>", *, base_dir: str | os.Path
 
     Raises:
         PolicyError: on a YAML syntax error, any schema violation, or text
-            over the limits of :mod:`colltune._yaml`, naming the source, the
+            over the limits of :mod:`colltune.model.yamlsafe`, naming the source, the
             line, the key and what is allowed.
     """
     if not isinstance(text, str):
         raise PolicyError(f"policy text must be a str, got {type(text).__name__}", source, None, None,
                           "decode bytes first, or use load_policy(path)")
     try:
-        _yaml.check_text(text)
-    except _yaml.YamlLimitError as e:
+        yamlsafe.check_text(text)
+    except yamlsafe.YamlLimitError as e:
         raise PolicyError(f"the policy text is too large: {e.problem}", source, None, None, e.fix) from None
     policy = _Parser(text, source, None if base_dir is None else Path(base_dir)).parse()
     logger.debug("loaded policy %s: %d rules, default %s, digest %016x",
@@ -1052,11 +1052,11 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
     try:
         # Read as bytes within the size limit; no newline translation is needed,
         # as YAML reads \r\n and \r as line breaks itself.
-        text = _yaml.read_bytes(source).decode("utf-8")
+        text = yamlsafe.read_bytes(source).decode("utf-8")
     except OSError as e:
         raise PolicyError(f"cannot read the policy file: {e.strerror or e}", source, None, None,
                           "allowed: a path to a readable policy YAML file") from None
-    except _yaml.YamlLimitError as e:
+    except yamlsafe.YamlLimitError as e:
         raise PolicyError(f"the policy file is too large: {e.problem}", source, None, None, e.fix) from None
     except UnicodeDecodeError as e:
         raise PolicyError(f"the policy file is not UTF-8 text ({e.reason})", source, None, None,

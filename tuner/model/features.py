@@ -695,7 +695,7 @@ def sketch_hashes(indices: "torch.Tensor", capacity: int, seed: int = 0) -> np.n
     """
     import torch
 
-    from colltune.algorithms._sparse import on_host
+    from colltune.algorithms.sparse import on_host
 
     s = _check_int("capacity", capacity, 0) // SKETCH_BYTES_PER_HASH
     if on_host(indices):

@@ -38,7 +38,7 @@ Output
 ------
 
 A table of the trials, the best one marked ``<== BEST``, and a policy YAML
-(``--out``, valid for :func:`colltune.policy.load_policy`) with the best knobs
+(``--out``, valid for :func:`colltune.model.policy.load_policy`) with the best knobs
 of each algorithm tuned, for example::
 
     # colltune tune: study 'tune-exact-P4-n1048576-d0.01-o0.5-float32' (tune.journal)
@@ -55,20 +55,17 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from colltune.algorithms.allgather import Allgather
 from colltune.algorithms.oktopk import OkTopk
 from colltune.algorithms.state import TopkState
-from colltune._io import write_text_atomic
 
-__all__ = ["Workload", "SPACE", "suggest", "run_study", "policy_text", "format_trials", "TuneCommand"]
+__all__ = ["Workload", "SPACE", "suggest", "run_study", "policy_text", "format_trials"]
 
 #: Default knobs of the algorithms (what trial 0 measures): the algorithms' own.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -175,13 +172,13 @@ def _measure(rank: int, world_size: int, w: Workload, setting: Mapping[str, Any]
     import torch.distributed as dist
 
     import colltune
-    from colltune import bench
-    from colltune.profiling import _sync
+    from colltune.offline import bench
+    from colltune.offline.profiling import _sync
 
     alg = setting["algorithm"]
     tuned, base = dict(setting["knobs"]), _defaults(w.mode, alg, world_size)
     if w.mode == "exact":
-        from colltune.workloads import Workload as Inputs, k_for_density
+        from colltune.offline.workloads import Workload as Inputs, k_for_density
 
         inp = Inputs(w.n, k_for_density(w.n, w.density), world_size, w.overlap, dtype=getattr(torch, w.dtype),
                      seed=w.seed)
@@ -231,7 +228,7 @@ def _tune_rank(rank: int, world_size: int, w: Workload, algorithms: Sequence[str
     """The rank function: rank 0 owns the study and asks; every rank measures each trial."""
     import torch.distributed as dist
 
-    from colltune.profiling import _setup_device
+    from colltune.offline.profiling import _setup_device
 
     device = _setup_device(backend)
     study = _open_study(storage_path, w, algorithms, seed) if rank == 0 else None
@@ -309,7 +306,7 @@ def study_name(w: Workload, algorithms: Sequence[str]) -> str:
 def run_study(w: Workload, algorithms: Sequence[str], trials: int, storage_path: str, *, seed: int = 0,
               show: bool = True, backend: str = "gloo", timeout: float = 6 * 3600.0) -> Any:
     """Run the study until it holds ``trials`` finished trials (local ranks, or torchrun's); return it on rank 0."""
-    from colltune import launch
+    from colltune.offline import launch
 
     if launch.in_torchrun():
         got = launch.run_here(_tune_rank, w, tuple(algorithms), trials, storage_path, seed, show, backend,
@@ -322,7 +319,7 @@ def run_study(w: Workload, algorithms: Sequence[str], trials: int, storage_path:
     return _open_study(storage_path, w, algorithms, seed)
 
 
-def _complete(study: Any) -> list[Any]:
+def completed_trials(study: Any) -> list[Any]:
     from optuna.trial import TrialState
 
     return [t for t in study.trials if t.state == TrialState.COMPLETE]
@@ -337,7 +334,7 @@ def _setting_of(t: Any, algorithms: Sequence[str]) -> tuple[str, dict[str, Any]]
 def best_per_algorithm(study: Any, algorithms: Sequence[str]) -> dict[str, Any]:
     """Return the best complete trial of each algorithm tuned."""
     out: dict[str, Any] = {}
-    for t in _complete(study):
+    for t in completed_trials(study):
         alg, _ = _setting_of(t, algorithms)
         if alg not in out or t.value < out[alg].value:
             out[alg] = t
@@ -346,7 +343,7 @@ def best_per_algorithm(study: Any, algorithms: Sequence[str]) -> dict[str, Any]:
 
 def format_trials(study: Any, algorithms: Sequence[str]) -> str:
     """Return every complete trial as a table; the best is marked ``<== BEST``."""
-    trials = _complete(study)
+    trials = completed_trials(study)
     if not trials:
         return "no complete trial"
     best = min(trials, key=lambda t: t.value)
@@ -366,10 +363,10 @@ def format_trials(study: Any, algorithms: Sequence[str]) -> str:
 
 
 def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profile: str | None = None) -> str:
-    """Return the policy YAML holding the best knobs of each algorithm tuned (validated by :mod:`colltune.policy`)."""
+    """Return the policy YAML holding the best knobs of each algorithm tuned (validated by :mod:`colltune.model.policy`)."""
     import yaml
 
-    from colltune.policy import parse_policy
+    from colltune.model.policy import parse_policy
 
     best = best_per_algorithm(study, algorithms)
     overall = min(best.values(), key=lambda t: t.value) if best else None
@@ -399,106 +396,3 @@ def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profil
     return text
 
 
-def _write_text(path: str, text: str) -> None:
-    write_text_atomic(path, text, ".yaml")
-
-
-class TuneCommand:
-    """``colltune tune``: an Optuna study over the knobs (registered in :data:`colltune.cli.COMMANDS`)."""
-
-    name = "tune"
-    help = "tune the algorithms' knobs with Optuna on a workload (resumable); write them as a policy"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        from colltune import cli
-
-        parser.add_argument("--world-size", "-P", type=cli._parse_world, default=None, metavar="P",
-                            help="ranks to start (default 4; under torchrun: the running ranks)")
-        parser.add_argument("--trials", type=cli._parse_positive_int, default=30, metavar="N",
-                            help="finished trials the study should hold (default 30); a resumed study runs the rest")
-        parser.add_argument("--storage", default="colltune-tune.journal", metavar="FILE",
-                            help="Optuna journal file of the study (default colltune-tune.journal); run again to resume")
-        parser.add_argument("--out", "-o", default="tuned-policy.yaml", metavar="FILE",
-                            help="the policy to write (default tuned-policy.yaml)")
-        parser.add_argument("--algorithm", choices=("all", "allgather", "oktopk"), default="all",
-                            help="whose knobs to tune (default all: allgather and oktopk; --topk: oktopk)")
-        parser.add_argument("--topk", action="store_true",
-                            help="tune topk_allreduce (Ok-Topk's threshold and boundary refresh intervals, peers in "
-                                 "flight) instead of sparse_allreduce")
-        parser.add_argument("--n", type=cli._parse_n, default=2**20, metavar="N", help="rows n (default 2^20)")
-        parser.add_argument("--density", type=cli._parse_density, default=1e-2, metavar="D",
-                            help="entries per rank over n (default 1e-2)")
-        parser.add_argument("--overlap", type=cli._parse_overlap, default=0.5, metavar="O",
-                            help="overlap of the ranks' indices (default 0.5)")
-        parser.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
-        parser.add_argument("--rounds", type=cli._parse_positive_int, default=9, metavar="R",
-                            help="timed rounds per trial, each with the defaults interleaved (default 9)")
-        parser.add_argument("--steps", type=cli._parse_positive_int, default=16, metavar="S",
-                            help="--topk: calls per round (default 16)")
-        parser.add_argument("--profile", metavar="FILE", help="name this profile in the policy written")
-        parser.add_argument("--seed", type=cli._parse_nonneg_int, default=0, help="sampler and input seed (default 0)")
-        parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-        parser.add_argument("--quiet", action="store_true", help="no line per trial")
-
-    def run(self, args: argparse.Namespace) -> int:
-        from colltune import launch
-        from colltune.profiling import ProfilingError, check_output_path
-
-        is_root = True
-        if launch.in_torchrun():
-            r, here = launch.torchrun_rank()
-            if args.world_size not in (None, here):
-                raise ProfilingError(f"--world-size {args.world_size} does not match the {here} ranks torchrun "
-                                     f"started; omit it or pass --world-size {here}.")
-            world, is_root = here, r == 0
-        else:
-            world = args.world_size or 4
-        if is_root:
-            check_output_path(args.out)
-            check_output_path(args.storage, "--storage")
-            if os.path.exists(args.storage) and os.path.getsize(args.storage) > 0:
-                _check_storage(args.storage)
-            if args.profile is not None:
-                from colltune.profile import load_profile
-
-                load_profile(args.profile)
-        mode = "topk" if args.topk else "exact"
-        if args.topk and args.algorithm == "allgather":
-            raise ProfilingError("--topk tunes Ok-Topk's refresh intervals; allgather (TopkA) has no top-k knobs. "
-                                 "Drop --algorithm or pass --algorithm oktopk.")
-        algorithms = ("oktopk",) if args.topk else (("allgather", "oktopk") if args.algorithm == "all"
-                                                    else (args.algorithm,))
-        w = Workload(mode, args.n, args.density, args.overlap, args.dtype, world, args.rounds, args.steps, args.seed)
-        from colltune.workloads import k_for_density
-
-        if w.world_size > 1 and mode == "exact" and k_for_density(w.n, w.density) > w.n:
-            raise ProfilingError("--density is too high for --n.")
-        t0 = time.monotonic()
-        study = run_study(w, algorithms, args.trials, args.storage, seed=args.seed, show=not args.quiet,
-                          backend=args.backend)
-        if study is None:
-            return 0
-        print()
-        print(format_trials(study, algorithms))
-        text = policy_text(study, algorithms, args.storage, args.profile)
-        _write_text(args.out, text)
-        print(f"\nwrote {args.out} (the best knobs as a policy; study {study.study_name!r} in {args.storage}, "
-              f"{len(_complete(study))} trials; {time.monotonic() - t0:.0f} s)")
-        return 0
-
-
-def _check_storage(path: str) -> None:
-    """Refuse a storage file that is not an Optuna journal (before any rank starts)."""
-    import json
-
-    from colltune.profiling import ProfilingError
-
-    try:
-        with open(path, "rb") as fh:
-            first = fh.readline()
-        rec = json.loads(first.decode("utf-8"))
-        if not isinstance(rec, dict) or "op_code" not in rec:
-            raise ValueError
-    except (OSError, ValueError, UnicodeDecodeError):
-        raise ProfilingError(f"--storage {path!r} is not an Optuna journal file; pass a new path (it is created) or "
-                             "the file of an earlier colltune tune run.") from None

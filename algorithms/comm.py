@@ -32,7 +32,7 @@ bits on every rank); it sends ``(P-1) L``, counted as sent, so it is kept
 for tensors up to :data:`DIRECT_ALL_REDUCE_BYTES`. Groups of 2 keep the
 backend's calls: there the ring is one exchange already. NCCL keeps its own
 collectives, and so does every backend on the device path
-(:func:`~colltune.algorithms._sparse.device_path`), which runs what NCCL would. The
+(:func:`~colltune.algorithms.sparse.device_path`), which runs what NCCL would. The
 README gives the measured effect and its command.
 """
 
@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from colltune.algorithms._sparse import offsets, on_host
+from colltune.algorithms.sparse import offsets, on_host
 
 __all__ = ["Traffic", "Comm"]
 
@@ -134,7 +134,7 @@ class Comm:
         direct: run ``all_gather``, ``all_to_all`` and small ``all_reduce``
             point to point with every peer at once (see the module
             docstring); ``None`` (the default) does so for tensors on the
-            host path (:func:`~colltune.algorithms._sparse.on_host`) on
+            host path (:func:`~colltune.algorithms.sparse.on_host`) on
             :data:`DIRECT_BACKENDS` in groups of 3 ranks or more.
     """
 
@@ -169,7 +169,7 @@ class Comm:
 
     @property
     def host(self) -> bool:
-        """True when this view's tensors take the host path (:func:`~colltune.algorithms._sparse.on_host` of its device)."""
+        """True when this view's tensors take the host path (:func:`~colltune.algorithms.sparse.on_host` of its device)."""
         return on_host(self.device)
 
     def meta(self) -> _MetaScope:

@@ -3,7 +3,7 @@
 ``colltune profile`` runs :func:`run_profile`; ``colltune fit`` refits and
 cross-validates a profile (:func:`fit_profile`); ``colltune demo`` profiles
 this machine quickly and benchmarks the result. Active profiling (measuring
-only where the decision is uncertain) lives in :mod:`colltune.active`.
+only where the decision is uncertain) lives in :mod:`colltune.offline.active`.
 
 What one profiling run does
 ---------------------------
@@ -12,12 +12,12 @@ What one profiling run does
    ``all_gather``, ``all_to_all``, one point-to-point step and a local copy
    over a few message sizes (interleaved, medians), and a non-negative
    least-squares fit gives each primitive's ``launch_us``, ``alpha_us`` and
-   ``beta_us_per_byte`` under the schedules :mod:`colltune.cost_model` prices.
+   ``beta_us_per_byte`` under the schedules :mod:`colltune.model.cost_model` prices.
 2. **Sweep.** For each configuration of the grid (rows ``n``, density,
    overlap, dtype) every rank builds its input from a shared seed with
-   :class:`~colltune.workloads.Workload` (exact, controlled overlap), warms each
+   :class:`~colltune.offline.workloads.Workload` (exact, controlled overlap), warms each
    algorithm up, then times rounds in which every algorithm runs once, in an
-   order rotated each round (:mod:`colltune.bench`'s engine). A call's time is
+   order rotated each round (:mod:`colltune.offline.bench`'s engine). A call's time is
    the max over ranks; the median over rounds (``--statistic``: or their
    lower quartile) is recorded as ``time_us`` with the interquartile range
    as ``spread_us``, and the statistic used as the profile's
@@ -32,7 +32,7 @@ What one profiling run does
 4. **Fit and write.** The learned cost model is fitted on the measurements
    with the measured primitives as its prior, and the profile (metadata,
    primitives, measurements, model) is written to a temporary file and
-   renamed (:func:`colltune.profile.save_profile`). The journal is removed once
+   renamed (:func:`colltune.model.profile.save_profile`). The journal is removed once
    the whole grid is in the profile.
 
 Example:
@@ -45,7 +45,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as _dt
 import json
@@ -62,8 +61,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from colltune.algorithms.errors import ColltuneValueError
-from colltune._io import write_text_atomic
-from colltune.profile import (
+from colltune.model.profile import (
     Measurement,
     Primitive,
     Profile,
@@ -94,9 +92,6 @@ __all__ = [
     "format_fit_report",
     "journal_path",
     "check_output_path",
-    "ProfileCommand",
-    "FitCommand",
-    "DemoCommand",
 ]
 
 logger = logging.getLogger(__name__)
@@ -105,7 +100,7 @@ logger = logging.getLogger(__name__)
 ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
 #: First line of a journal; a journal of another format is refused.
 JOURNAL_FORMAT = "colltune-profile-journal/1"
-_DTYPES = ("float32", "float64", "float16", "bfloat16")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 class ProfilingError(ColltuneValueError):
@@ -150,8 +145,8 @@ class Grid:
             if not 0.0 <= o <= 1.0:
                 raise ProfilingError(f"grid overlap must be in [0, 1], but got {o!r}.")
         for t in self.dtype:
-            if t not in _DTYPES:
-                raise ProfilingError(f"grid dtype must be among {', '.join(_DTYPES)}, but got {t!r}.")
+            if t not in DTYPES:
+                raise ProfilingError(f"grid dtype must be among {', '.join(DTYPES)}, but got {t!r}.")
         if self.row_numel < 1:
             raise ProfilingError(f"grid row_numel must be >= 1, but got {self.row_numel}.")
 
@@ -173,7 +168,7 @@ class Grid:
         rounding, same shared count after the overlap is raised to fit) are
         measured once.
         """
-        from colltune.workloads import k_for_density, shared_count
+        from colltune.offline.workloads import k_for_density, shared_count
 
         out: dict[str, ProfileConfig] = {}
         for dtype in self.dtype:
@@ -215,7 +210,7 @@ class ProfileConfig:
     """One call to measure: every rank holds ``k`` entries of ``n`` rows, ``shared`` of them common to all ranks.
 
     The overlap is ``shared / k`` and the union ``shared + P (k - shared)``
-    (:class:`~colltune.workloads.Workload`).
+    (:class:`~colltune.offline.workloads.Workload`).
     """
 
     world_size: int
@@ -250,7 +245,7 @@ class ProfileConfig:
         """Return the input generator of this call."""
         import torch
 
-        from colltune.workloads import Workload
+        from colltune.offline.workloads import Workload
 
         row_shape = () if self.row_numel == 1 else (self.row_numel,)
         w = Workload(self.n, self.k, self.world_size, self.shared / self.k, row_shape=row_shape,
@@ -260,8 +255,8 @@ class ProfileConfig:
         return w
 
     def features(self) -> Any:
-        """Return the :class:`~colltune.features.Features` of this call (exact union)."""
-        from colltune.features import Features
+        """Return the :class:`~colltune.model.features.Features` of this call (exact union)."""
+        from colltune.model.features import Features
 
         return Features.build(numel=self.n, row_numel=self.row_numel, dtype=self.dtype,
                               k_per_rank=[self.k] * self.world_size, union=float(self.union))
@@ -295,7 +290,7 @@ class TimingPlan:
         return cls(1, 3, 9, 0.4, 0.08) if name == "quick" else cls()
 
     def bench_plan(self) -> Any:
-        from colltune.bench import Plan
+        from colltune.offline.bench import Plan
 
         return Plan(warmup=self.warmup, min_repeats=self.min_repeats, max_repeats=self.max_repeats,
                     budget_s=self.budget_s)
@@ -319,7 +314,7 @@ def timed_rounds(calls: Mapping[str, Callable[[], Any]], plan: TimingPlan) -> tu
     Returns:
         The times (seconds, max over ranks) per call, and the last output of each.
     """
-    from colltune import bench
+    from colltune.offline import bench
 
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -499,7 +494,7 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
         raw: if given, filled on rank 0 with every round's time per algorithm (us).
 
     Returns:
-        On rank 0, one :class:`~colltune.profile.Measurement` mapping per
+        On rank 0, one :class:`~colltune.model.profile.Measurement` mapping per
         algorithm (``time_us`` the median; :func:`run_profile` replaces it by
         the lower quartile of the rounds the journal keeps when its
         ``statistic`` asks so); ``None`` on the other ranks.
@@ -511,7 +506,7 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
     import torch.distributed as dist
 
     import colltune
-    from colltune import bench
+    from colltune.offline import bench
 
     device = device or torch.device("cpu")
     w = cfg.workload()
@@ -570,7 +565,7 @@ def summarize(times_us: Sequence[float], statistic: str = "median") -> tuple[flo
 
 #: Message sizes (bytes) the primitives are timed at.
 PRIMITIVE_SIZES: tuple[int, ...] = (64, 4096, 65536, 1 << 20, 4 << 20)
-_PRIMITIVE_SIZES_QUICK: tuple[int, ...] = (64, 16384, 1 << 20)
+PRIMITIVE_SIZES_QUICK: tuple[int, ...] = (64, 16384, 1 << 20)
 
 
 def _primitive_calls(world_size: int, nbytes: int, device: Any) -> dict[str, tuple[Callable[[], Any], dict[str, float]]]:
@@ -578,7 +573,7 @@ def _primitive_calls(world_size: int, nbytes: int, device: Any) -> dict[str, tup
     import torch
     import torch.distributed as dist
 
-    from colltune.algorithms._comm import Comm
+    from colltune.algorithms.comm import Comm
 
     p = world_size
     comm = Comm(None, device)
@@ -612,11 +607,11 @@ def measure_primitives(rank: int, world_size: int, sizes: Sequence[int], plan: T
     """Time the collective primitives at ``sizes`` bytes (collective); return the samples on rank 0.
 
     Each sample is ``{"primitive", "size", "calls", "steps", "bytes", "time_us", "spread_us", "repeats"}``
-    with ``calls``, ``steps`` and ``bytes`` as :mod:`colltune.cost_model` counts them.
+    with ``calls``, ``steps`` and ``bytes`` as :mod:`colltune.model.cost_model` counts them.
     """
     import torch
 
-    from colltune import bench
+    from colltune.offline import bench
 
     device = device or torch.device("cpu")
     samples: list[dict[str, Any]] = []
@@ -635,7 +630,7 @@ def measure_primitives(rank: int, world_size: int, sizes: Sequence[int], plan: T
         for fn in calls.values():  # warm-up
             fn()
         bplan = plan.bench_plan()
-        from colltune.bench import Plan
+        from colltune.offline.bench import Plan
 
         bplan = Plan(warmup=0, min_repeats=max(5, bplan.min_repeats), max_repeats=max(11, bplan.max_repeats),
                      budget_s=bplan.budget_s)
@@ -705,15 +700,15 @@ class _Progress:
             el = time.monotonic() - self.start
             rate = (self.done - self.start_done) / el if el > 0 else 0.0
             eta = (self.total - self.done) / rate if rate > 0 else float("nan")
-            print(f"{self.desc}: {self.done}/{self.total} configurations, {_fmt_s(el)} elapsed, "
-                  f"ETA {_fmt_s(eta)}", file=sys.stderr, flush=True)
+            print(f"{self.desc}: {self.done}/{self.total} configurations, {format_seconds(el)} elapsed, "
+                  f"ETA {format_seconds(eta)}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-def _fmt_s(s: float) -> str:
+def format_seconds(s: float) -> str:
     if not math.isfinite(s):
         return "?"
     s = int(round(s))
@@ -779,14 +774,14 @@ def fit_primitives(samples: Iterable[Mapping[str, Any]], prior: Mapping[str, Pri
     Args:
         samples: as :func:`measure_primitives` returns them (any world sizes).
         prior: constants for primitives without samples (default
-            :data:`colltune.cost_model.DEFAULT_PRIMITIVES`).
+            :data:`colltune.model.cost_model.DEFAULT_PRIMITIVES`).
 
     Returns:
         Constants for ``all_reduce``, ``all_gather``, ``all_to_all``, ``p2p`` and ``local``.
     """
     from scipy.optimize import lsq_linear
 
-    from colltune.cost_model import DEFAULT_PRIMITIVES
+    from colltune.model.cost_model import DEFAULT_PRIMITIVES
 
     by: dict[str, list[Mapping[str, Any]]] = {}
     for s in samples:
@@ -808,8 +803,8 @@ def fit_primitives(samples: Iterable[Mapping[str, Any]], prior: Mapping[str, Pri
 
 
 def fit_model(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive] | None = None) -> Any:
-    """Return a :class:`~colltune.cost_model.LearnedCostModel` fitted on ``measurements`` with ``primitives`` as its prior."""
-    from colltune.cost_model import LearnedCostModel
+    """Return a :class:`~colltune.model.cost_model.LearnedCostModel` fitted on ``measurements`` with ``primitives`` as its prior."""
+    from colltune.model.cost_model import LearnedCostModel
 
     prior = None if primitives is None else {k: p.to_dict() for k, p in primitives.items()}
     return LearnedCostModel(primitives=prior).fit(list(measurements))
@@ -818,7 +813,7 @@ def fit_model(measurements: Sequence[Measurement], primitives: Mapping[str, Prim
 def _meta(backend: str, world_sizes: Sequence[int], grid: Grid | None, notes: str) -> dict[str, Any]:
     import torch
 
-    from colltune import launch
+    from colltune.offline import launch
 
     if launch.in_torchrun():
         ws = int(os.environ["WORLD_SIZE"])
@@ -902,7 +897,7 @@ def _previous_profile(out: str, backend: str) -> tuple[list[Measurement], dict[s
     return list(prof.measurements), dict(prof.primitives), timed
 
 
-def _measurement_key(m: Measurement) -> str:
+def measurement_key(m: Measurement) -> str:
     # The workloads give every rank k entries, s of them shared: u = s + P (k - s).
     p, k = m.world_size, m.k_max
     s = round((p * k - m.union) / (p - 1)) if p > 1 else k
@@ -931,7 +926,7 @@ def run_profile(
     """Measure ``grid`` at each world size, fit the model and write the profile to ``out``.
 
     Local ranks are started for each world size
-    (:func:`colltune.launch.run_local`); under ``torchrun`` the running ranks are
+    (:func:`colltune.offline.launch.run_local`); under ``torchrun`` the running ranks are
     used, and ``world_sizes`` must be their number or empty.
 
     Args:
@@ -962,9 +957,9 @@ def run_profile(
     Raises:
         ProfilingError: a journal exists without ``resume``, or is unusable;
             ``out`` cannot be written.
-        colltune.launch.RankError: a rank failed (what was measured stays in the journal).
+        colltune.offline.launch.RankError: a rank failed (what was measured stays in the journal).
     """
-    from colltune import launch
+    from colltune.offline import launch
 
     started = time.monotonic()
     plan = plan or TimingPlan()
@@ -1002,7 +997,7 @@ def run_profile(
         if resume:
             previous, previous_prims, previous_ps = _previous_profile(out, backend)
         journal = Journal(jpath, header)
-        done_keys = set(journal.configs) | {_measurement_key(m) for m in previous}
+        done_keys = set(journal.configs) | {measurement_key(m) for m in previous}
         done_prims = set(journal.primitives) | (set(previous_ps) if resume else set())
     else:
         journal, done_keys, done_prims = None, set(), set()  # type: ignore[assignment]
@@ -1050,9 +1045,9 @@ def run_profile(
     journal = Journal(jpath, header)  # re-read: the ranks appended to it
     by_key: dict[str, Measurement] = {}
     for m in previous:
-        by_key[f"{_measurement_key(m)}/{m.algorithm}"] = m
+        by_key[f"{measurement_key(m)}/{m.algorithm}"] = m
     for m in journal.measurements(statistic):
-        by_key[f"{_measurement_key(m)}/{m.algorithm}"] = m
+        by_key[f"{measurement_key(m)}/{m.algorithm}"] = m
     measurements = sorted(by_key.values(), key=lambda m: (m.world_size, m.dtype, m.numel, m.density, m.overlap,
                                                           ALGORITHMS.index(m.algorithm)))
     samples = [s for ss in journal.primitives.values() for s in ss]
@@ -1098,7 +1093,7 @@ def fit_profile(profile: Profile, *, folds: int | None = 5, estimator: str = "gb
     Args:
         profile: a measured profile.
         folds: ``GroupKFold`` folds over configurations (``None``: leave one configuration out).
-        estimator: the correction regressor of :class:`~colltune.cost_model.LearnedCostModel`.
+        estimator: the correction regressor of :class:`~colltune.model.cost_model.LearnedCostModel`.
 
     Returns:
         The profile with ``model`` set (plain data) and the report:
@@ -1108,7 +1103,7 @@ def fit_profile(profile: Profile, *, folds: int | None = 5, estimator: str = "gb
     Raises:
         ProfilingError: the profile has too few measurements or configurations.
     """
-    from colltune.cost_model import LearnedCostModel, cross_validate, default_group
+    from colltune.model.cost_model import LearnedCostModel, cross_validate, default_group
 
     ms = list(profile.measurements)
     groups = {default_group(m) for m in ms}
@@ -1160,228 +1155,3 @@ def format_fit_report(report: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- commands
 
 
-def _cli() -> Any:
-    from colltune import cli
-
-    return cli
-
-
-def _add_grid_options(parser: argparse.ArgumentParser, default_grid: str = "quick") -> None:
-    cli = _cli()
-    g = parser.add_argument_group("grid")
-    g.add_argument("--grid", choices=tuple(GRIDS), default=default_grid,
-                   help=f"built-in grid (default {default_grid}): quick (18 configurations per world size, about "
-                        "a minute at P=2 and 4 on two cores), full (about 400 per world size)")
-    g.add_argument("--n", type=cli._parse_n, nargs="+", metavar="N", help="replace the grid's rows n (2^16 or 65536)")
-    g.add_argument("--density", type=cli._parse_density, nargs="+", metavar="D", help="replace the grid's densities")
-    g.add_argument("--overlap", type=cli._parse_overlap, nargs="+", metavar="O", help="replace the grid's overlaps")
-    g.add_argument("--dtype", nargs="+", choices=_DTYPES, metavar="DTYPE",
-                   help=f"replace the grid's value dtypes ({', '.join(_DTYPES)})")
-    g.add_argument("--row-shape", type=cli._parse_positive_int, nargs="+", metavar="D", default=[],
-                   help="shape of one value row, e.g. 64 for embedding rows of width 64 (default: scalars); the "
-                        "profile records the row's element count, which the cost model takes as a feature")
-    g.add_argument("--seed", type=cli._parse_nonneg_int, default=0, help="input seed and measuring order (default 0)")
-    t = parser.add_argument_group("timing")
-    t.add_argument("--repeats", "-R", type=cli._parse_positive_int, metavar="R",
-                   help="timed rounds per configuration at most (default 41; quick: 9); rounds stop earlier once "
-                        "every median is known to 4%% (quick: 8%%) or after 1.5 s (quick: 0.4 s)")
-    t.add_argument("--warmup", type=cli._parse_nonneg_int, metavar="W", help="untimed calls per algorithm (default 1)")
-
-
-def _grid_from_args(args: argparse.Namespace) -> tuple[Grid, TimingPlan]:
-    grid = Grid.preset(args.grid, n=args.n, density=args.density, overlap=args.overlap, dtype=args.dtype,
-                       row_numel=math.prod(args.row_shape) if args.row_shape else None, seed=args.seed)
-    base = TimingPlan.for_grid(args.grid)
-    max_r = args.repeats or base.max_repeats
-    plan = TimingPlan(warmup=base.warmup if args.warmup is None else args.warmup,
-                      min_repeats=min(base.min_repeats, max_r), max_repeats=max_r, budget_s=base.budget_s,
-                      precision=base.precision)
-    return grid, plan
-
-
-def _profile_summary(res: ProfileResult) -> str:
-    prof = res.profile
-    algs = sorted({m.algorithm for m in prof.measurements}, key=ALGORITHMS.index)
-    n_cfg = len({_measurement_key(m) for m in prof.measurements})
-    lines = [
-        f"wrote {res.path}: {len(prof.measurements)} measurements ({n_cfg} configurations x "
-        f"{', '.join(algs)}) at P={','.join(map(str, res.world_sizes))}; "
-        f"{res.configs_measured} measured now, {res.configs_resumed} resumed; {_fmt_s(res.elapsed_s)}",
-    ]
-    if not res.complete:
-        lines.append(f"incomplete: {res.configs_total - res.configs_resumed - res.configs_measured} configurations "
-                     f"left; run the same command with --resume to measure them (journal {res.journal})")
-    p = prof.primitives
-    lines.append("primitives (launch + alpha per step + beta per byte): " + "; ".join(
-        f"{k} {v.launch_us:.1f}+{v.alpha_us:.1f} us, {1 / v.beta_us_per_byte / 1e3:.2f} GB/s"
-        if v.beta_us_per_byte > 0 else f"{k} {v.launch_us:.1f}+{v.alpha_us:.1f} us" for k, v in p.items()))
-    return "\n".join(lines)
-
-
-class ProfileCommand:
-    """``colltune profile``: measure this cluster and write a profile (registered in :data:`colltune.cli.COMMANDS`)."""
-
-    name = "profile"
-    help = "measure every algorithm over a grid of calls on local ranks (or torchrun's) and write a profile"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        cli = _cli()
-        parser.add_argument("--world-size", "-P", type=cli._parse_world, nargs="+", metavar="P",
-                            help="ranks to start, one run per value (default 2 4; under torchrun: the running ranks)")
-        parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                            help="gloo: CPU tensors (default); nccl: CUDA tensors, one GPU per rank")
-        parser.add_argument("--out", "-o", default=None, metavar="FILE",
-                            help="the profile to write (default profiles/<backend>-local.yaml)")
-        parser.add_argument("--budget", type=_parse_minutes, metavar="MINUTES",
-                            help="start no configuration after this many minutes; the profile holds what was "
-                                 "measured and --resume continues")
-        parser.add_argument("--resume", action="store_true",
-                            help="continue an interrupted run from its journal (OUT.journal.jsonl); nothing "
-                                 "measured is measured again")
-        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-        parser.add_argument("--statistic", choices=STATISTICS, default="median",
-                            help="what a configuration's time is: the median of its rounds (default), or their "
-                                 "lower quartile, robust on a machine shared with other jobs (their load only adds "
-                                 "time); the journal keeps every round, so a complete run can be re-summarized with "
-                                 "--resume --keep-journal")
-        parser.add_argument("--notes", default="", metavar="TEXT", help="free text for the profile's meta.notes")
-        parser.add_argument("--keep-journal", action="store_true",
-                            help="keep OUT.journal.jsonl (every round's time) after a complete run")
-        parser.add_argument("--timeout", type=cli._parse_seconds, default=6 * 3600.0,
-                            help="kill the ranks of one world size after this many seconds (default 21600)")
-        _add_grid_options(parser)
-        a = parser.add_argument_group("active profiling (see tuner/active.py)")
-        a.add_argument("--active", action="store_true",
-                       help="measure only where the decision is uncertain (Optuna picks each next configuration) "
-                            "instead of walking the grid")
-        a.add_argument("--measurements", type=cli._parse_positive_int, metavar="M",
-                       help="--active: configurations to measure (default: a sixth of the grid)")
-        a.add_argument("--simulate", metavar="PROFILE",
-                       help="--active: do not measure; replay the fixed grid and the active strategy against the "
-                            "measurements stored in PROFILE and compare their regret on held-out configurations")
-        a.add_argument("--json", metavar="FILE", help="--simulate: also write the curves as JSON")
-        a.add_argument("--seeds", type=cli._parse_positive_int, default=5, metavar="S",
-                       help="--simulate: repetitions with different held-out sets and seeds (default 5)")
-        a.add_argument("--truth", choices=("measured", "model"), default="measured",
-                       help="--simulate: score regret against the stored medians (default), or against a model "
-                            "fitted on the whole profile, measuring it with --noise (semi-synthetic)")
-        a.add_argument("--explore-every", type=cli._parse_nonneg_int, default=0, metavar="K",
-                       help="--active: every K-th choice is a space-filling point instead (default 0: never)")
-        a.add_argument("--noise", type=_parse_fraction, default=0.1, metavar="SIGMA",
-                       help="--simulate --truth model: log-normal timing noise of a measurement (default 0.1)")
-
-    def run(self, args: argparse.Namespace) -> int:
-        if args.simulate or args.active:
-            from colltune import active
-
-            return active.run_command(args)
-        grid, plan = _grid_from_args(args)
-        out = args.out or os.path.join("profiles", f"{args.backend}-local.yaml")
-        from colltune import launch
-
-        worlds = args.world_size or ([] if launch.in_torchrun() else [2, 4])
-        res = run_profile(out, worlds, grid, backend=args.backend, plan=plan, budget_s=args.budget, resume=args.resume,
-                          progress=not args.no_progress, timeout=args.timeout,
-                          primitive_sizes=_PRIMITIVE_SIZES_QUICK if args.grid == "quick" else PRIMITIVE_SIZES,
-                          statistic=args.statistic, keep_journal=args.keep_journal, notes=args.notes)
-        if res is None:
-            return 0
-        print(_profile_summary(res), flush=True)
-        return 0
-
-
-def _parse_fraction(text: str) -> float:
-    return _cli()._number_type(float, lambda v: 0.0 <= v < 10.0, "a number >= 0 such as 0.1", "in [0, 10)",
-                               "_parse_fraction")(text)
-
-
-def _parse_minutes(text: str) -> float:
-    return _cli()._number_type(float, lambda v: v > 0 and math.isfinite(v), "a number of minutes > 0", "> 0 minutes",
-                               "_parse_minutes", scale=60.0)(text)
-
-
-class FitCommand:
-    """``colltune fit``: cross-validate and fit the learned model of a profile (registered in :data:`colltune.cli.COMMANDS`)."""
-
-    name = "fit"
-    help = "fit the learned cost model on a profile; print cross-validated error and regret; store the model"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        cli = _cli()
-        parser.add_argument("profile", metavar="PROFILE", help="a measured profile (colltune profile)")
-        parser.add_argument("--out", "-o", metavar="FILE", help="where to write the fitted profile (default: PROFILE, in place)")
-        parser.add_argument("--folds", type=cli._parse_positive_int, default=5, metavar="K",
-                            help="cross-validation folds over configurations (default 5; 1: leave one out)")
-        parser.add_argument("--estimator", choices=("gbr", "rf", "ridge", "none"), default="gbr",
-                            help="correction regressor of the learned model (default gbr)")
-        parser.add_argument("--json", metavar="FILE", help="also write the cross-validation report as JSON")
-
-    def run(self, args: argparse.Namespace) -> int:
-        out = args.out or args.profile
-        check_output_path(out)
-        if args.json:
-            check_output_path(args.json, "--json")
-        prof = load_profile(args.profile)
-        if prof.kind != "measured" or not prof.measurements:
-            raise ProfilingError(f"{args.profile}: a {prof.kind} profile without measurements has nothing to fit; "
-                                 "measure one with colltune profile.")
-        fitted, report = fit_profile(prof, folds=None if args.folds == 1 else args.folds, estimator=args.estimator)
-        print(format_fit_report(report))
-        save_profile(fitted, out)
-        if args.json:
-            _write_json(args.json, report)
-        print(f"\nwrote the fitted model to {out} ({report['fit_s']:.1f} s)")
-        return 0
-
-
-def _write_json(path: str, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
-class DemoCommand:
-    """``colltune demo``: profile this machine quickly, then benchmark auto against every fixed choice."""
-
-    name = "demo"
-    help = "profile this machine quickly (local gloo ranks), then bench auto, each algorithm, the oracle and torch"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        cli = _cli()
-        parser.add_argument("--world-size", "-P", type=cli._parse_world, nargs="+", metavar="P", default=[2, 4],
-                            help="ranks to profile (default 2 4); the bench runs at the largest")
-        parser.add_argument("--out", "-o", default=os.path.join("profiles", "local.yaml"), metavar="FILE",
-                            help="the profile to write (default profiles/local.yaml)")
-        parser.add_argument("--json", default="colltune-bench.json", metavar="FILE",
-                            help="the bench results (default colltune-bench.json)")
-        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    def run(self, args: argparse.Namespace) -> int:
-        cli = _cli()
-        directory = os.path.dirname(os.path.abspath(args.out))
-        if args.out == os.path.join("profiles", "local.yaml") and not os.path.isdir(directory):
-            os.makedirs(directory, exist_ok=True)  # the default, outside a checkout: make its directory
-        check_output_path(args.out)
-        check_output_path(args.json, "--json")
-        jpath = journal_path(args.out)
-        if os.path.exists(jpath):
-            os.remove(jpath)  # the demo always starts afresh
-        print(f"== 1/2 profile this machine: quick grid at P={','.join(map(str, args.world_size))} "
-              f"(gloo, local ranks) -> {args.out}", flush=True)
-        res = run_profile(args.out, args.world_size, Grid.preset("quick"), plan=TimingPlan.for_grid("quick"),
-                          progress=not args.no_progress, primitive_sizes=_PRIMITIVE_SIZES_QUICK)
-        assert res is not None
-        print(_profile_summary(res), flush=True)
-        print(f"\n== 2/2 bench on the profile: auto, each algorithm, the oracle, torch (P={max(args.world_size)})",
-              flush=True)
-        argv = ["bench", "--quick", "--world-size", str(max(args.world_size)), "--profile", args.out,
-                "--json", args.json] + (["--no-progress"] if args.no_progress else [])
-        return cli.main(argv)

@@ -29,17 +29,16 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from colltune._io import atomic_path, write_text_atomic
-from colltune.profile import Profile, load_profile
+from colltune.model.files import atomic_path, write_text_atomic
+from colltune.model.profile import Profile, load_profile
 
-__all__ = ["COLORS", "model_of", "decision_grid", "write_report", "ReportCommand"]
+__all__ = ["COLORS", "model_of", "decision_grid", "write_report"]
 
 _ALGS: tuple[str, ...] = ("dense", "allgather", "oktopk")
 #: One colour per algorithm, the same in every picture.
@@ -48,7 +47,7 @@ COLORS: dict[str, str] = {"dense": "#4C72B0", "allgather": "#DD8452", "oktopk": 
 
 def model_of(profile: Profile) -> tuple[Any, str]:
     """Return the profile's cost model and a label: its stored learned model, one fitted on its measurements, or alpha-beta."""
-    from colltune.cost_model import AnalyticModel, LearnedCostModel
+    from colltune.model.cost_model import AnalyticModel, LearnedCostModel
 
     if profile.model is not None:
         try:
@@ -64,7 +63,7 @@ def model_of(profile: Profile) -> tuple[Any, str]:
 
 def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
     """Return predicted times (us), shape ``(len(feats), 3)`` in :data:`_ALGS` order (inf for an algorithm never fitted)."""
-    from colltune.cost_model import AnalyticModel
+    from colltune.model.cost_model import AnalyticModel
 
     if isinstance(model, AnalyticModel):
         return np.array([[model.predict(f)[a] for a in _ALGS] for f in feats])
@@ -77,8 +76,8 @@ def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
 
 
 def _features(n: int, density: float, p: int, overlap: float, dtype: str) -> Any:
-    from colltune.features import Features
-    from colltune.workloads import k_for_density, shared_count
+    from colltune.model.features import Features
+    from colltune.offline.workloads import k_for_density, shared_count
 
     k = k_for_density(n, density)
     s = k if p == 1 else shared_count(n, k, p, overlap)
@@ -157,7 +156,7 @@ def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.nda
     """
     from sklearn.model_selection import GroupKFold
 
-    from colltune.cost_model import LearnedCostModel, default_group
+    from colltune.model.cost_model import LearnedCostModel, default_group
 
     ms = list(profile.measurements)
     groups = [default_group(m) for m in ms]
@@ -179,8 +178,8 @@ def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.nda
 
 
 def _cv_summary(ms: Sequence[Any], pred: np.ndarray, every: np.ndarray, folds: int) -> dict[str, Any] | None:
-    """Return the cross-validated error per algorithm and the selection regret (as :func:`colltune.cost_model.cross_validate`)."""
-    from colltune.cost_model import default_group
+    """Return the cross-validated error per algorithm and the selection regret (as :func:`colltune.model.cost_model.cross_validate`)."""
+    from colltune.model.cost_model import default_group
 
     if folds == 0:
         return None
@@ -246,7 +245,7 @@ def write_report(
         ``{"name": path}`` of the files written.
 
     Raises:
-        colltune.profile.ProfileError: the profile is unreadable.
+        colltune.model.profile.ProfileError: the profile is unreadable.
     """
     profile = load_profile(profile_path)
     os.makedirs(out_dir, exist_ok=True)
@@ -333,7 +332,7 @@ def _write_text(path: str, text: str) -> None:
 
 def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mapping[str, Any] | None, n: int,
                 overlap: float, dtype: str, files: Mapping[str, str]) -> str:
-    from colltune.active import candidates_from_profile
+    from colltune.offline.active import candidates_from_profile
 
     meta = profile.meta
     lines = [f"# colltune profile report: `{os.path.basename(source)}`", ""]
@@ -388,41 +387,3 @@ def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mappi
     return "\n".join(lines) + "\n"
 
 
-class ReportCommand:
-    """``colltune report``: draw a profile (registered in :data:`colltune.cli.COMMANDS`)."""
-
-    name = "report"
-    help = "draw decision maps and predicted-versus-measured plots of a profile; write a markdown summary"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        from colltune import cli
-
-        parser.add_argument("profile", metavar="PROFILE", help="a profile (colltune profile / fit)")
-        parser.add_argument("--out", "-o", required=True, metavar="DIR", help="directory for the PNG files and summary.md")
-        parser.add_argument("--n", type=cli._parse_n, metavar="N", help="rows of the decision maps (default: the "
-                            "largest measured n up to 2^20)")
-        parser.add_argument("--overlap", type=cli._parse_overlap, default=0.5, metavar="O",
-                            help="overlap of the density x world-size map (default 0.5)")
-        parser.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32",
-                            help="value dtype of the maps (default float32)")
-        parser.add_argument("--folds", type=cli._parse_positive_int, default=5, metavar="K",
-                            help="cross-validation folds (default 5)")
-
-    def run(self, args: argparse.Namespace) -> int:
-        from colltune.profiling import ProfilingError
-
-        out = args.out
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise ProfilingError(f"--out {out!r} is a file; pass a directory (it is created if missing).")
-        parent = os.path.dirname(os.path.abspath(out))
-        target = out if os.path.isdir(out) else parent
-        if not os.path.isdir(target) or not os.access(target, os.W_OK):
-            raise ProfilingError(f"--out {out!r} cannot be written (no writable directory {target!r}); pass a path in "
-                                 "a writable directory.")
-        profile = load_profile(args.profile)  # refuse a bad profile before creating anything
-        del profile
-        files = write_report(args.profile, out, n=args.n, overlap=args.overlap, dtype=args.dtype,
-                             folds=max(2, args.folds))
-        for key, path in files.items():
-            print(f"wrote {path}")
-        return 0

@@ -86,8 +86,8 @@ from typing import IO, Any, Callable, Literal, Mapping, Sequence
 import yaml
 
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
-from colltune import _yaml
-from colltune.features import DTYPE_BYTES, Features, index_bytes_for
+from colltune.model import yamlsafe
+from colltune.model.features import DTYPE_BYTES, Features, index_bytes_for
 
 __all__ = [
     "FORMAT",
@@ -338,7 +338,7 @@ def _type_name(value: Any) -> str:
 def _get(mapping: Mapping[str, Any], key: str, source: str, where: str, required: bool = True) -> Any:
     if key not in mapping:
         if required:
-            raise _err(source, where, "is missing; it is required (see the profile format in tuner/profile.py).")
+            raise _err(source, where, "is missing; it is required (see the profile format in colltune.model.profile).")
         return None
     return mapping[key]
 
@@ -535,7 +535,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile file.
 
     Only a YAML safe loader is used: a profile can hold data, never code.
-    The load is bounded (see :mod:`colltune._yaml`): a file over 16 MiB, aliases
+    The load is bounded (see :mod:`colltune.model.yamlsafe`): a file over 16 MiB, aliases
     that repeat more than 100,000 nodes, or nesting over 100 levels are
     refused before any value is built.
 
@@ -547,24 +547,24 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
     Raises:
         ProfileError: the file is unreadable, over a limit of
-            :mod:`colltune._yaml`, not YAML, truncated, of another version, or
+            :mod:`colltune.model.yamlsafe`, not YAML, truncated, of another version, or
             has a missing or wrong field; the message names the file and the
             field (or the line and the limit).
     """
     source = os.fspath(path)
     try:
-        raw = _yaml.read_bytes(source)
+        raw = yamlsafe.read_bytes(source)
     except OSError as exc:
         raise ProfileError(f"{source}: cannot read the profile: {exc.strerror or exc}.") from None
-    except _yaml.YamlLimitError as exc:
+    except yamlsafe.YamlLimitError as exc:
         raise ProfileError(f"{source}: the file is too large for a profile: {exc}.") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProfileError(f"{source}: not UTF-8 text (byte {exc.start}); is this a colltune profile?") from None
     try:
-        data = _yaml.load(text)  # a bounded safe loader (C parser where PyYAML has libyaml)
-    except _yaml.YamlLimitError as exc:
+        data = yamlsafe.load(text)  # a bounded safe loader (C parser where PyYAML has libyaml)
+    except yamlsafe.YamlLimitError as exc:
         raise ProfileError(f"{source}: {exc}.") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -582,7 +582,7 @@ def _dump_text(profile: Profile) -> str:
     head = {"format": doc.pop("format"), "version": doc.pop("version"), "checksum": f"{checked.digest:016x}"}
     head.update(doc)
     text = yaml.dump(head, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=10**9, allow_unicode=True)
-    return "# colltune profile: data only; see tuner/profile.py for the format.\n" + text
+    return "# colltune profile: data only; see colltune.model.profile for the format.\n" + text
 
 
 def _write_text(fh: IO[str], text: str) -> None:

@@ -23,7 +23,7 @@ their recorded spread, at least 5%); the expected log-regret of choosing
 It is large where predicted times are close (small ``m``) and where the
 ensemble disagrees (large ``s``), and near zero where one algorithm wins by
 far more than the model's uncertainty. Before anything is measured, the
-alpha-beta model of the profile's primitives (:class:`~colltune.cost_model.AnalyticModel`)
+alpha-beta model of the profile's primitives (:class:`~colltune.model.cost_model.AnalyticModel`)
 predicts, with a wide prior uncertainty.
 
 Optuna chooses the configuration: each step runs a small study whose trials
@@ -37,7 +37,7 @@ Two ways to run it
 ------------------
 
 * **Live** (``colltune profile --active``): the candidates are the grid's
-  configurations, measuring is :func:`colltune.profiling.measure_config` on the
+  configurations, measuring is :func:`colltune.offline.profiling.measure_config` on the
   ranks (rank 0 chooses, every rank measures), each measurement goes to the
   journal, and the profile holds what was measured.
 * **Simulated** (``colltune profile --active --simulate PROFILE``): a profile
@@ -61,7 +61,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -73,7 +72,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from colltune.profile import Measurement, Primitive, Profile, load_profile
+from colltune.model.profile import Measurement, Primitive, Profile, load_profile
 
 __all__ = [
     "Candidate",
@@ -83,7 +82,6 @@ __all__ = [
     "simulate",
     "format_simulation",
     "run_live",
-    "run_command",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,11 +98,11 @@ class Candidate:
     """One configuration that can be measured.
 
     Attributes:
-        key: its stable name (:attr:`colltune.profiling.ProfileConfig.key`).
-        features: the call's :class:`~colltune.features.Features` (exact union).
+        key: its stable name (:attr:`colltune.offline.profiling.ProfileConfig.key`).
+        features: the call's :class:`~colltune.model.features.Features` (exact union).
         coords: ``(world_size, log2 n, log10 density, overlap, dtype)``, what Optuna suggests.
         measured: simulation only: its stored measurement per algorithm.
-        config: live only: the :class:`~colltune.profiling.ProfileConfig` to measure.
+        config: live only: the :class:`~colltune.offline.profiling.ProfileConfig` to measure.
         truth: simulation only: the times (us) regret is scored against, per
             algorithm; ``None`` scores against ``measured``.
     """
@@ -123,11 +121,11 @@ def _coords(f: Any) -> tuple[int, float, float, float, str]:
 
 def candidates_from_profile(profile: Profile, algorithms: Sequence[str] = _ALGS) -> list[Candidate]:
     """Group a profile's measurements by configuration; keep those measured with every algorithm."""
-    from colltune.profiling import _measurement_key
+    from colltune.offline.profiling import measurement_key
 
     by: dict[str, dict[str, Measurement]] = {}
     for m in profile.measurements:
-        by.setdefault(_measurement_key(m), {})[m.algorithm] = m
+        by.setdefault(measurement_key(m), {})[m.algorithm] = m
     out = []
     for key in sorted(by):
         ms = by[key]
@@ -138,7 +136,7 @@ def candidates_from_profile(profile: Profile, algorithms: Sequence[str] = _ALGS)
 
 
 def candidates_from_configs(configs: Sequence[Any]) -> list[Candidate]:
-    """Return the candidates of live profiling: one per :class:`~colltune.profiling.ProfileConfig`."""
+    """Return the candidates of live profiling: one per :class:`~colltune.offline.profiling.ProfileConfig`."""
     out = []
     for c in configs:
         f = c.features()
@@ -150,14 +148,14 @@ def candidates_from_configs(configs: Sequence[Any]) -> list[Candidate]:
 
 
 def _model(primitives: Mapping[str, Primitive], **kw: Any) -> Any:
-    from colltune.cost_model import LearnedCostModel
+    from colltune.model.cost_model import LearnedCostModel
 
     return LearnedCostModel(primitives={k: p.to_dict() for k, p in primitives.items()}, **kw)
 
 
 def _log_predictions(model: Any, feats: Sequence[Any], algorithms: Sequence[str]) -> np.ndarray:
     """Return ``log(predicted time)``, shape ``(len(feats), len(algorithms))``."""
-    from colltune.cost_model import AnalyticModel
+    from colltune.model.cost_model import AnalyticModel
 
     if isinstance(model, AnalyticModel):
         rows = [model.predict(f) for f in feats]
@@ -186,7 +184,7 @@ def selection_regret(model: Any, cands: Sequence[Candidate], algorithms: Sequenc
 
 
 def _fit(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive], **kw: Any) -> Any:
-    from colltune.cost_model import AnalyticModel
+    from colltune.model.cost_model import AnalyticModel
 
     if not measurements:
         return AnalyticModel(primitives)
@@ -234,7 +232,7 @@ class ActiveChooser:
             keeps seeing the whole space while the acquisition refines the
             boundaries.
         seed: seed of the bootstrap and of the sampler.
-        member_kw: keyword arguments of the ensemble members' :class:`~colltune.cost_model.LearnedCostModel`.
+        member_kw: keyword arguments of the ensemble members' :class:`~colltune.model.cost_model.LearnedCostModel`.
 
     Call :meth:`choose` with what was measured so far; it returns a candidate
     not measured yet (``None`` when none is left).
@@ -294,14 +292,14 @@ class ActiveChooser:
     def _models(self, measured: Sequence[Measurement], model: Any) -> tuple[Any, list[Any]]:
         """Return the model (fitted on everything measured) and the bootstrap members (resampled configurations)."""
         if not measured:
-            from colltune.cost_model import AnalyticModel
+            from colltune.model.cost_model import AnalyticModel
 
             return AnalyticModel(self.primitives), []
-        from colltune.profiling import _measurement_key
+        from colltune.offline.profiling import measurement_key
 
         by: dict[str, list[Measurement]] = {}
         for m in measured:
-            by.setdefault(_measurement_key(m), []).append(m)
+            by.setdefault(measurement_key(m), []).append(m)
         keys = sorted(by)
         members = []
         for _ in range(self.ensemble):
@@ -461,7 +459,7 @@ def simulate(
         ensemble: bootstrap members of the active strategy's uncertainty.
         world_sizes: keep only these world sizes (default all).
         progress: called with a status line after each seed.
-        model_kw: arguments of the :class:`~colltune.cost_model.LearnedCostModel`
+        model_kw: arguments of the :class:`~colltune.model.cost_model.LearnedCostModel`
             every strategy is scored with (default: its defaults, as ``colltune fit``).
         member_kw: arguments of the active strategy's bootstrap members.
         truth: ``measured``: the stored medians are both what a strategy
@@ -478,9 +476,9 @@ def simulate(
         "summary": ...}``; curves are lists of ``[m, regret_geomean]``.
 
     Raises:
-        colltune.profiling.ProfilingError: fewer than 20 configurations measured with every algorithm.
+        colltune.offline.profiling.ProfilingError: fewer than 20 configurations measured with every algorithm.
     """
-    from colltune.profiling import ProfilingError
+    from colltune.offline.profiling import ProfilingError
 
     cands = candidates_from_profile(profile)
     if world_sizes:
@@ -691,7 +689,7 @@ def _active_rank(rank: int, world_size: int, candidates: Sequence[Candidate], co
     """The rank function of live active profiling at one world size: rank 0 chooses, every rank measures."""
     import torch.distributed as dist
 
-    from colltune import profiling
+    from colltune.offline import profiling
 
     device = profiling._setup_device(backend)
     jr = profiling.Journal(journal, header) if rank == 0 else None
@@ -729,9 +727,9 @@ def _active_rank(rank: int, world_size: int, candidates: Sequence[Candidate], co
 
 def _merge(previous: Sequence[Measurement], journal: Any) -> list[Measurement]:
     """Return the previous profile's measurements with the journal's added (the journal wins a tie)."""
-    from colltune.profiling import _measurement_key
+    from colltune.offline.profiling import measurement_key
 
-    by = {(_measurement_key(m), m.algorithm): m for m in previous}
+    by = {(measurement_key(m), m.algorithm): m for m in previous}
     for key, ms in journal.configs.items():
         for d in ms:
             by[(key, d["algorithm"])] = Measurement(**d)
@@ -743,15 +741,15 @@ def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | No
              timeout: float = 6 * 3600.0) -> Any:
     """Measure ``count`` configurations of ``grid`` chosen actively (split evenly over the world sizes); write the profile.
 
-    The primitives are measured first (by :func:`colltune.profiling.run_profile`,
+    The primitives are measured first (by :func:`colltune.offline.profiling.run_profile`,
     which also keeps the journal); every measurement is journaled at once, so
     ``resume`` continues an interrupted run.
 
     Returns:
-        The :class:`colltune.profiling.ProfileResult`.
+        The :class:`colltune.offline.profiling.ProfileResult`.
     """
-    from colltune import launch, profiling
-    from colltune.profile import profile_from_measurements, save_profile
+    from colltune.offline import launch, profiling
+    from colltune.model.profile import profile_from_measurements, save_profile
 
     if launch.in_torchrun():
         raise profiling.ProfilingError("--active starts its own ranks; run it without torchrun.")
@@ -769,7 +767,7 @@ def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | No
     jpath = profiling.journal_path(out)
     header = {"backend": backend, "grid": grid.as_dict(), "algorithms": list(profiling.ALGORITHMS), "active": True}
     measured = _merge(previous, profiling.Journal(jpath, header))
-    done = {profiling._measurement_key(m) for m in measured}
+    done = {profiling.measurement_key(m) for m in measured}
     resumed = len(done)
     per_p = {p: count // len(world_sizes) + (1 if i < count % len(world_sizes) else 0)
              for i, p in enumerate(world_sizes)}
@@ -782,7 +780,7 @@ def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | No
         launch.run_local(_active_rank, p, cands, todo, prims, measured, sorted(done), profiling.ALGORITHMS, plan,
                          jpath, header, seed, trials, backend, show, backend=backend, timeout=timeout)
         measured = _merge(previous, profiling.Journal(jpath, header))
-        done = {profiling._measurement_key(m) for m in measured}
+        done = {profiling.measurement_key(m) for m in measured}
     meta = profiling._meta(backend, world_sizes, grid,
                            f"active profiling: {len(done)} of the grid's {total} configurations, chosen by "
                            "expected regret of the decision")
@@ -800,27 +798,3 @@ def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | No
                                    world_sizes=world_sizes)
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """``colltune profile --active [--simulate PROFILE]``."""
-    from colltune import profiling
-
-    if args.simulate:
-        if args.json:
-            profiling.check_output_path(args.json, "--json")
-        prof = load_profile(args.simulate)
-        worlds = args.world_size or None
-        result = simulate(prof, seeds=args.seeds, limit=args.measurements, world_sizes=worlds,
-                          progress=lambda s: print(s, flush=True), truth=args.truth, noise=args.noise,
-                          explore_every=args.explore_every)
-        print()
-        print(format_simulation(result))
-        if args.json:
-            profiling._write_json(args.json, result)
-            print(f"wrote {args.json}")
-        return 0
-    grid, plan = profiling._grid_from_args(args)
-    out = args.out or os.path.join("profiles", f"{args.backend}-active.yaml")
-    res = run_live(out, args.world_size or [2, 4], grid, count=args.measurements, backend=args.backend, plan=plan,
-                   resume=args.resume, seed=args.seed, show=not args.no_progress, timeout=args.timeout)
-    print(profiling._profile_summary(res), flush=True)
-    return 0

@@ -70,11 +70,11 @@ from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
 import numpy as np
 from sklearn.base import BaseEstimator, clone
 
-from colltune.algorithms import _meta, _sparse
+from colltune.algorithms import meta as _meta, sparse as _sparse
 from colltune.algorithms.oktopk import OkTopk
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
-from colltune.features import Features
-from colltune.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
+from colltune.model.features import Features
+from colltune.model.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
 
 __all__ = [
     "ALGORITHMS",

@@ -22,11 +22,11 @@ What a decision sees, identical on every rank
 * every rank's entry count (the metadata exchange every call makes);
 * the overlap: on the first call at a call site, an estimate from the
   sketches that ride in the metadata record (each rank's smallest index
-  hashes, :func:`colltune.features.sketch_hashes`): exact when every rank's
+  hashes, :func:`colltune.model.features.sketch_hashes`): exact when every rank's
   indices fit, else within a band of about two standard errors, and no
   collective of its own. Only when the decision changes inside that band
   does one collective refine it (a hashed bitmap per rank, combined by
-  ``all_reduce`` MAX, :func:`colltune.features.estimate_union_collective`).
+  ``all_reduce`` MAX, :func:`colltune.model.features.estimate_union_collective`).
   Afterwards, the exact overlap of the previous call at that site, which
   every rank reads off the identical result (``u = len(result.indices)``);
 * the policy, the profile and the selector's settings, whose hash rides in
@@ -49,7 +49,7 @@ algorithm the site ran last is kept as long as its predicted time is within
 Predicted times are rounded to 6 significant digits before they are
 compared, so ranks agree even if their floating point differs in the last bits.
 
-Environment (read by :func:`colltune.policy.policy_from_env` when a selector is
+Environment (read by :func:`colltune.model.policy.policy_from_env` when a selector is
 built; pass ``environ={}`` to ignore it)
 --------------------------------------------------------------------------
 
@@ -68,7 +68,7 @@ built; pass ``environ={}`` to ignore it)
     file; ``%h``, ``%p`` and ``%r`` expand to host, process id and rank.
 
 Example:
-    >>> import tuner
+    >>> import colltune
     >>> sel = colltune.configure(policy="profiles/policies/example.yaml")   # doctest: +SKIP
     >>> res = colltune.sparse_allreduce(idx, vals, n, name="emb.weight")     # doctest: +SKIP
     >>> res.algorithm, res.decision.reason                                # doctest: +SKIP
@@ -92,14 +92,14 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 from colltune import algorithms as _algorithms
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
-from colltune.features import (
+from colltune.model.features import (
     Features,
     estimate_union_collective,
     normalize_dtype,
     overlap_from_sketches,
     overlap_from_union,
 )
-from colltune.policy import (
+from colltune.model.policy import (
     AUTO,
     DEFAULT_POLICY,
     Decision,
@@ -109,10 +109,10 @@ from colltune.policy import (
     load_policy,
     policy_from_env,
 )
-from colltune.profile import Profile, ProfileError, load_profile
+from colltune.model.profile import Profile, ProfileError, load_profile
 
 if TYPE_CHECKING:  # the cost models pull in scikit-learn: imported when a profile is first used
-    from colltune.cost_model import AnalyticModel, LearnedCostModel
+    from colltune.model.cost_model import AnalyticModel, LearnedCostModel
 
 __all__ = [
     "SAFE_DEFAULT",
@@ -140,7 +140,7 @@ MAX_SITES = 4096
 
 Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "no-values", "requested"]
 
-#: The candidates, in tie-breaking order: ``colltune.cost_model.ALGORITHMS``
+#: The candidates, in tie-breaking order: ``colltune.model.cost_model.ALGORITHMS``
 #: (repeated here so that importing the selector does not import scikit-learn).
 ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
 _ORDER = {a: i for i, a in enumerate(ALGORITHMS)}
@@ -198,12 +198,12 @@ def _ms(us: float) -> str:
 def profiles_dir() -> Path | None:
     """Return the directory of the shipped profiles, or ``None`` when it cannot be found.
 
-    An installed package carries them as ``tuner/profiles/`` (package data);
-    a source checkout or an editable install finds ``profiles/`` next to the
-    ``colltune`` package.
+    An installed package carries them as ``colltune/profiles/`` (package
+    data); a source checkout or an editable install finds ``profiles/`` next
+    to the ``colltune`` package's folder.
     """
-    here = Path(__file__).resolve().parent
-    for cand in (here / "profiles", here.parent / "profiles"):
+    package = Path(__file__).resolve().parent.parent
+    for cand in (package / "profiles", package.parent / "profiles"):
         if (cand / SHIPPED_PROFILES["nccl"]).is_file():
             return cand
     return None
@@ -347,7 +347,7 @@ def model_for_profile(profile: Profile, label: str = "<profile>") -> _Model:
     measured profile without one is fitted once (deterministic); an analytic
     profile gives the alpha-beta model of its primitives.
     """
-    from colltune.cost_model import AnalyticModel, LearnedCostModel
+    from colltune.model.cost_model import AnalyticModel, LearnedCostModel
 
     if profile.model is not None:
         try:
@@ -402,7 +402,7 @@ def _as_policy(policy: Policy | str | os.PathLike[str] | None) -> Policy | None:
     if isinstance(policy, (str, os.PathLike)):
         return load_policy(policy)
     raise ColltuneTypeError(
-        f"policy must be a colltune.policy.Policy, a path to a policy YAML file, a Selector or None, "
+        f"policy must be a colltune.model.policy.Policy, a path to a policy YAML file, a Selector or None, "
         f"but got {type(policy).__name__}."
     )
 
@@ -415,7 +415,7 @@ def _as_profile(profile: Profile | str | os.PathLike[str] | None) -> tuple[Profi
     if isinstance(profile, (str, os.PathLike)):
         return load_profile(profile), os.path.basename(os.fspath(profile))
     raise ColltuneTypeError(
-        f"profile must be a colltune.profile.Profile, a path to a profile YAML file or None, "
+        f"profile must be a colltune.model.profile.Profile, a path to a profile YAML file or None, "
         f"but got {type(profile).__name__}."
     )
 
@@ -440,10 +440,10 @@ class Selector:
     """Decide which algorithm runs each ``auto`` call, the same on every rank.
 
     Args:
-        policy: a :class:`~colltune.policy.Policy` or a path to a policy file;
+        policy: a :class:`~colltune.model.policy.Policy` or a path to a policy file;
             ``None`` for ``COLLTUNE_POLICY`` or else no rules. A policy set in
             the environment replaces this one.
-        profile: a :class:`~colltune.profile.Profile` or a path; ``None`` for the
+        profile: a :class:`~colltune.model.profile.Profile` or a path; ``None`` for the
             policy's ``profile``, else the profile shipped for the group's
             backend. Without any, the safe default ``dense`` runs.
         reevaluate_every: decide again after a decision served this many calls.
@@ -621,7 +621,7 @@ class Selector:
             counts: every rank's entry count after coalescing.
             indices: this rank's coalesced indices.
             sketches: every rank's overlap sketch from the metadata record
-                (:func:`colltune.features.sketch_hashes`), when :meth:`wants_sketch`
+                (:func:`colltune.model.features.sketch_hashes`), when :meth:`wants_sketch`
                 asked for them, else ``None``.
 
         Returns:
@@ -1133,7 +1133,7 @@ def selector_for(policy: Any) -> Selector:
     """Return the selector a call's ``policy=`` argument stands for.
 
     ``None`` is the process-wide selector; a :class:`Selector` is itself; a
-    :class:`~colltune.policy.Policy` or a path gets a selector of its own, kept
+    :class:`~colltune.model.policy.Policy` or a path gets a selector of its own, kept
     (with its cache) for later calls with the same policy.
     """
     if policy is None:
@@ -1146,7 +1146,7 @@ def selector_for(policy: Any) -> Selector:
         key = ("path", os.path.abspath(os.fspath(policy)))
     else:
         raise ColltuneTypeError(
-            f"policy must be a colltune.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
+            f"policy must be a colltune.model.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
             f"but got {type(policy).__name__}."
         )
     sel = _by_policy.get(key)

@@ -43,10 +43,10 @@ collective; ranks that disagree raise :class:`~colltune.algorithms.errors.RankMi
 
 Example (sparse embedding beside DDP over the dense tower)::
 
-    import colltune.ddp
+    from colltune.train import ddp
 
     model.mlp = DistributedDataParallel(model.mlp)       # DDP: dense part only
-    sync = colltune.ddp.SparseGradSync(model)                # the embedding: colltune
+    sync = colltune.train.ddp.SparseGradSync(model)                # the embedding: colltune
     sync.attach(optimizer)                                # before every step()
     for batch in loader:                                  # the loop is unchanged
         loss = model(batch).mean(); loss.backward()
@@ -54,8 +54,8 @@ Example (sparse embedding beside DDP over the dense tower)::
 
 Example (top-k compression of a DDP model)::
 
-    state = colltune.ddp.ColltuneHookState(model=ddp_model, density=0.01, start_compression_iter=100)
-    ddp_model.register_comm_hook(state, colltune.ddp.colltune_hook)
+    state = colltune.train.ddp.ColltuneHookState(model=ddp_model, density=0.01, start_compression_iter=100)
+    ddp_model.register_comm_hook(state, colltune.train.ddp.colltune_hook)
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from colltune import algorithms as _algorithms
-from colltune.algorithms._sparse import on_host
+from colltune.algorithms.sparse import on_host
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
 from colltune.algorithms.state import TopkState
 from colltune import api as _api
-from colltune.policy import AUTO, DEFAULT_POLICY, Decision, Overrides, Policy, load_policy, policy_from_env
+from colltune.model.policy import AUTO, DEFAULT_POLICY, Decision, Overrides, Policy, load_policy, policy_from_env
 
 __all__ = [
     "ColltuneHookState",
@@ -153,7 +153,7 @@ def _resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
     policy when the selector exists, else ``COLLTUNE_POLICY`` or no rules.
     """
     try:
-        from colltune import selector as _selector
+        from colltune.select import selector as _selector
     except ImportError:  # an older tree without the selector: read the policy ourselves
         _selector = None  # type: ignore[assignment]
     if _selector is not None and (policy is None or isinstance(policy, (Policy, str, os.PathLike, _selector.Selector))):
@@ -167,7 +167,7 @@ def _resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
     if isinstance(policy, (str, os.PathLike)):
         return env_policy or load_policy(policy), overrides, policy
     raise ColltuneTypeError(
-        f"policy must be a colltune.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
+        f"policy must be a colltune.model.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
         f"but got {type(policy).__name__}."
     )
 
@@ -371,7 +371,7 @@ class ColltuneHookState:
         min_compress_numel: parameters with fewer elements stay dense.
         algorithm: top-k algorithm where the policy says ``auto``:
             ``auto`` (the selector decides), ``allgather`` (TopkA) or ``oktopk``.
-        policy: a :class:`~colltune.policy.Policy`, a policy file path, a
+        policy: a :class:`~colltune.model.policy.Policy`, a policy file path, a
             :class:`colltune.Selector`, or ``None`` for the process-wide one.
         topk_options: extra :class:`~colltune.algorithms.state.TopkState` options
             (``local_refresh``, ``band``, ...), applied to every bucket.
@@ -741,7 +741,7 @@ def _coalesce_rows(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor,
     summing; this way skips that (one ``index_add_`` in lookup order, the
     same sums as a stable sort), which matters when lookups outnumber
     distinct rows several times over. On the host path
-    (:func:`~colltune.algorithms._sparse.on_host`) the front door already sums in
+    (:func:`~colltune.algorithms.sparse.on_host`) the front door already sums in
     lookup order without permuting, so the rows are left to it, as 16-bit
     values are (summed in fp32 there).
     """
@@ -797,7 +797,7 @@ class SparseGradSync:
         min_compress_numel: for top-k: smaller parameters stay dense.
         topk_algorithm: for top-k where the policy says ``auto``:
             ``auto``, ``allgather`` (TopkA) or ``oktopk``.
-        policy: a :class:`~colltune.policy.Policy`, a policy file path, a
+        policy: a :class:`~colltune.model.policy.Policy`, a policy file path, a
             :class:`colltune.Selector`, or ``None`` for the process-wide one.
         bucket_cap_mb: dense gradients are allreduced in buckets of about this size.
         topk_options: extra :class:`~colltune.algorithms.state.TopkState` options.

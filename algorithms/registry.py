@@ -1,0 +1,117 @@
+"""The algorithm registry: one table from name to :class:`~colltune.algorithms.base.Algorithm`.
+
+Everything above this layer that needs the list of algorithms (policy
+validation, the selector, the cost model, the tuner's search space,
+``explain``, ``bench``, ``report``) asks :func:`names` and :func:`get`; none
+spells the names out. The built-in algorithms register themselves the first
+time the registry is read; :func:`register` adds another one.
+
+This module imports no torch: reading the registry loads the built-in
+algorithm modules (which do) only when it is first asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import TYPE_CHECKING, TypeVar
+
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+
+if TYPE_CHECKING:
+    from colltune.algorithms.base import Algorithm
+
+__all__ = ["register", "unregister", "names", "get"]
+
+#: Modules of the built-in algorithms, in the order :func:`names` lists them.
+BUILTIN_MODULES: tuple[str, ...] = (
+    "colltune.algorithms.dense",
+    "colltune.algorithms.allgather",
+    "colltune.algorithms.oktopk",
+)
+#: Names no algorithm may take: the front door's own choices.
+RESERVED: tuple[str, ...] = ("auto",)
+
+_registry: dict[str, "Algorithm"] = {}
+_lock = threading.RLock()
+_loaded = False
+
+A = TypeVar("A")
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if not _loaded:
+            for module in BUILTIN_MODULES:
+                importlib.import_module(module)
+            _loaded = True
+
+
+def register(algorithm: A) -> A:
+    """Register an algorithm (an instance, or a class with a no-argument constructor) under its ``name``.
+
+    Usable as a class decorator. Every rank must register the same
+    algorithms in the same order before the first call that may use them.
+
+    Raises:
+        ColltuneTypeError: ``algorithm`` is not an :class:`Algorithm`.
+        ColltuneValueError: its name is empty, reserved, or taken by another algorithm.
+    """
+    from colltune.algorithms.base import Algorithm
+
+    instance = algorithm() if isinstance(algorithm, type) else algorithm
+    if not isinstance(instance, Algorithm):
+        raise ColltuneTypeError(
+            f"register() takes an Algorithm subclass or instance, but got {type(instance).__name__}.",
+            argument="algorithm",
+        )
+    name = getattr(instance, "name", None)
+    if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
+        raise ColltuneValueError(
+            f"an algorithm's name must be an identifier other than {', '.join(RESERVED)}, but got {name!r}.",
+            argument="algorithm",
+        )
+    with _lock:
+        known = _registry.get(name)
+        if known is not None and type(known) is not type(instance):
+            raise ColltuneValueError(
+                f"algorithm name {name!r} is taken by {type(known).__name__}; choose another name.",
+                argument="algorithm",
+            )
+        _registry[name] = instance
+    return algorithm
+
+
+def unregister(name: str) -> None:
+    """Remove the algorithm registered as ``name`` (a no-op for unknown names)."""
+    with _lock:
+        _registry.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """Return the names of the registered algorithms, built-ins first, in registration order."""
+    _load_builtins()
+    with _lock:
+        order = list(_registry)
+        rank = {m: i for i, m in enumerate(BUILTIN_MODULES)}
+        # Built-ins in their fixed order whichever module was imported first.
+        return tuple(sorted(order, key=lambda n: (rank.get(type(_registry[n]).__module__, len(rank)), order.index(n))))
+
+
+def get(name: str) -> "Algorithm":
+    """Return the algorithm registered as ``name``.
+
+    Raises:
+        ColltuneValueError: ``name`` is not registered; the message lists the known names.
+    """
+    _load_builtins()
+    try:
+        return _registry[name]
+    except (KeyError, TypeError):
+        raise ColltuneValueError(
+            f"algorithm must be one of {', '.join(_registry)} (or 'auto'), but got {name!r}.",
+            argument="algorithm",
+        ) from None

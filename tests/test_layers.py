@@ -1,0 +1,210 @@
+"""The package's layers, read from its imports: no upward import, no cycle, no private name across layers.
+
+Every ``import`` in the package counts, function-local ones included: a
+circle hidden inside functions is still a circle. The layers, lowest first:
+
+==================  ============================================================
+``algorithms``      the Algorithm contract and registry, comm layer, metadata
+``model``           features, profiles, cost models, policies (pure: no torch)
+``select``          the selector
+``api``             the front door (``colltune.api`` and the package facade)
+``train``           the DDP hook and the sparse-gradient synchronizer
+``offline``         launcher, workloads, timing engine, profiling, tuning, report
+``cli``             the ``colltune`` command; nothing imports it
+==================  ============================================================
+
+A module may import its own layer and the layers below it. A name that
+starts with an underscore is private to its layer: another layer may not
+import it, nor a private module. The pure layer is imported with torch
+blocked in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Source folder of each package, as pyproject.toml maps them.
+SOURCES = {"colltune": ROOT / "tuner", "colltune.algorithms": ROOT / "algorithms"}
+LAYERS = ("algorithms", "model", "select", "api", "train", "offline", "cli")
+
+
+def _modules() -> dict[str, Path]:
+    """Map every module name of the package to its file."""
+    out: dict[str, Path] = {}
+    for package, folder in SOURCES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join((package, *parts))
+            if package == "colltune" and parts[:1] == ("algorithms",):
+                continue
+            out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def layer_of(module: str) -> str:
+    """Return the layer of a colltune module name (the package itself sits with the front door)."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] not in LAYERS:
+        return "api"
+    return parts[1]
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path) -> list[tuple[str, str, int]]:
+    """Return ``(target module, imported name or '', line)`` for every colltune import in a module."""
+    found: list[tuple[str, str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, "", node.lineno) for a in node.names if a.name.split(".")[0] == "colltune"]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, path, node)
+            if target.split(".")[0] != "colltune":
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.append((sub, "", node.lineno) if sub in MODULES else (target, alias.name, node.lineno))
+    return found
+
+
+def _edges() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for target, _, _ in imports_of(module, path):
+            if target in MODULES and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def test_the_package_is_found() -> None:
+    assert "colltune.api" in MODULES and "colltune.algorithms.base" in MODULES
+    assert {layer_of(m) for m in MODULES} == set(LAYERS)
+
+
+def test_no_upward_import() -> None:
+    upward = []
+    for module, path in MODULES.items():
+        mine = LAYERS.index(layer_of(module))
+        for target, _, line in imports_of(module, path):
+            if LAYERS.index(layer_of(target)) > mine:
+                upward.append(f"{path.relative_to(ROOT)}:{line}: {layer_of(module)} imports {target} "
+                              f"({layer_of(target)})")
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_nothing_imports_the_cli() -> None:
+    bad = [f"{path.relative_to(ROOT)}:{line}: {target}"
+           for module, path in MODULES.items() if layer_of(module) != "cli"
+           for target, _, line in imports_of(module, path) if layer_of(target) == "cli"]
+    assert not bad, "the CLI is imported by:\n" + "\n".join(bad)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle() -> None:
+    graph = _edges()
+    # A package's __init__ re-exporting its own modules is not a cycle when
+    # those modules import only their siblings, never the package itself.
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_private_name_across_layers() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        for target, name, line in imports_of(module, path):
+            if layer_of(target) == layer_of(module):
+                continue
+            private_module = any(p.startswith("_") for p in target.split(".")[1:])
+            if private_module or name.startswith("_"):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {target}{'.' + name if name else ''}")
+    assert not bad, "private names used from another layer:\n" + "\n".join(bad)
+
+
+def test_no_private_attribute_across_layers() -> None:
+    """``from colltune.x import mod`` then ``mod._name`` is a private name too."""
+    bad = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(module, path, node)
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    if sub in MODULES:
+                        aliases[a.asname or a.name] = sub
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in MODULES and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__")):
+                target = aliases[node.value.id]
+                if layer_of(target) != layer_of(module):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {target}.{node.attr}")
+    assert not bad, "private attributes used from another layer:\n" + "\n".join(bad)
+
+
+PURE = ("colltune.model.features", "colltune.model.profile", "colltune.model.cost_model",
+        "colltune.model.policy", "colltune.model.files", "colltune.model.yamlsafe")
+
+
+def test_the_pure_layer_has_no_module_level_torch() -> None:
+    for module, path in MODULES.items():
+        if layer_of(module) != "model":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "torch" for n in names), f"{module} imports torch at module level"
+
+
+@pytest.mark.parametrize("top", ["tuner", "algorithms"])
+def test_no_generic_top_level_package_is_installed(top: str) -> None:
+    out = subprocess.run([sys.executable, "-c", f"import {top}"], capture_output=True, text=True, cwd="/",
+                         timeout=60)
+    assert out.returncode != 0 and "No module named" in out.stderr

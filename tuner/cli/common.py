@@ -1,0 +1,128 @@
+"""What every subcommand shares: the :class:`Command` base, argument types, output checks.
+
+Argument types raise ``argparse.ArgumentTypeError`` with the option's
+expected form, so ``colltune X --n foo`` fails with one line naming it.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import json
+import os
+from typing import Any, ClassVar
+
+import numpy as np
+
+from colltune.model.files import write_text_atomic
+
+from colltune.algorithms.errors import ColltuneError
+
+
+class UsageError(ColltuneError, ValueError):
+    """A command-line option has a bad value (exit status 2)."""
+
+
+class Command(abc.ABC):
+    """One ``colltune`` subcommand.
+
+    :meth:`add_arguments` is called once when the parser is built;
+    :meth:`run` is called with the parsed options when the subcommand is
+    chosen, and returns the exit status. It raises :class:`UsageError` for
+    option values the parser could not check.
+    """
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+
+    @abc.abstractmethod
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add this command's options to ``parser``."""
+
+    @abc.abstractmethod
+    def run(self, args: argparse.Namespace) -> int:
+        """Run the command; return the exit status."""
+
+
+def parse_n(text: str, scientific: bool = False) -> int:
+    """Parse ``1048576``, ``2^20`` or ``2**20`` (and ``1e6`` when ``scientific``)."""
+    t = text.strip().replace("**", "^")
+    try:
+        if "^" in t:
+            base, exp = t.split("^", 1)
+            value = int(base) ** int(exp)
+        else:
+            value = int(float(t)) if scientific and "e" in t.lower() else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 1048576 or 2^20, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def number_type(convert: Any, ok: Any, expected: str, must: str, name: str, scale: float = 1.0) -> Any:
+    """Return an argparse ``type``: ``convert(text)`` checked by ``ok(value)``.
+
+    A text ``convert`` rejects gives "expected EXPECTED, got 'TEXT'"; a value
+    ``ok`` rejects gives "must be MUST, got 'TEXT'". A value that passes is
+    multiplied by ``scale`` when that is not 1.
+    """
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text!r}")
+        return value if scale == 1.0 else value * scale
+
+    parse.__name__ = parse.__qualname__ = name
+    return parse
+
+
+parse_world = number_type(int, lambda v: v >= 1, "an integer >= 1", ">= 1 (the number of ranks)", "parse_world")
+
+
+parse_positive_int = number_type(int, lambda v: v >= 1, "an integer >= 1", ">= 1", "parse_positive_int")
+
+
+parse_nonneg_int = number_type(int, lambda v: v >= 0, "an integer >= 0", ">= 0", "parse_nonneg_int")
+
+
+parse_density = number_type(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1] such as 1e-3",
+                              "in (0, 1] (entries per rank over n)", "parse_density")
+
+
+parse_overlap = number_type(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]",
+                              "in [0, 1] (0: disjoint index sets, 1: identical)", "parse_overlap")
+
+
+parse_seconds = number_type(float, lambda v: v > 0, "a number of seconds > 0", "> 0 seconds", "parse_seconds")
+
+
+def check_writable(path: str) -> None:
+    """Raise :class:`UsageError` unless ``path`` can be written (checked before a long run)."""
+    if os.path.isdir(path):
+        raise UsageError(f"--json {path!r} is a directory; pass a file name such as {os.path.join(path, 'bench.json')!r}.")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--json {path!r} cannot be written ({exc.strerror}); pass a path in a writable directory.") from None
+    if not existed:
+        os.remove(path)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (NumPy scalars and arrays as numbers and lists)."""
+    write_text_atomic(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
