@@ -21,12 +21,16 @@ In top-k mode this is TopkA: each rank sends its exact local top-k.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
+from colltune.algorithms import meta as _meta
 from colltune.algorithms.comm import Comm
+from colltune.algorithms.knobs import Knob
+from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
     Magnitudes,
     accum_dtype,
@@ -137,8 +141,35 @@ class Allgather(Algorithm):
     """Gather every rank's packed entries, then merge them in rank order."""
 
     name = "allgather"
-    knobs: dict[str, Any] = {"mode": "auto"}
-    knob_choices = {"mode": _MODES}
+    knob_specs = (
+        Knob("mode", "auto", "how unequal counts are gathered: p2p, pad or all-to-all", choices=_MODES,
+             tune=("exact",)),
+    )
+    TERMS = ("metadata", "entries_gather", "merge")
+
+    def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
+        """The record (carrying the entries when they fit its eager slot), the entries' gather, the merge."""
+        c = pricing
+        gathered = c.p * c.k_max * c.e
+        if c.n <= 4 * c.ksum:
+            merge_bytes = gathered + c.n * c.rba + c.ksum * c.rba + c.n + c.u * c.out_entry
+        else:
+            merge_bytes = (gathered + c.ksum * math.log2(max(c.ksum, 2.0)) * 8.0 + c.ksum * (8.0 + c.rba)
+                           + c.u * c.out_entry)
+        meta = c.metadata()
+        if not c.record_known and c.k_max * c.e <= _meta.slot_limit(c.p):
+            # Every rank's entries ride in the metadata record's eager slot,
+            # grown to fit them (a call site that keeps to allgather): one
+            # collective, its record larger by the entries.
+            base = _meta.eager_capacity(c.p)
+            slot = max(base, 1 << max(int(math.ceil(c.k_max * c.e)) - 1, 0).bit_length())
+            meta = c.metadata(c.record_bytes - base + slot)
+            entries = c.free("entries_gather", "all_gather")
+        elif 4 * c.p * c.k_max <= 5 * c.ksum:  # all_gather_v "auto": pad while padding adds <= 1/4
+            entries = c.all_gather("entries_gather", c.k_max * c.e)
+        else:  # every rank sends its entries to each peer; the largest rank bounds the time
+            entries = c.all_to_all("entries_gather", c.k_max * c.e)
+        return [meta, entries, c.local("merge", merge_bytes, 4.0)]
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         counts = list(inp.counts)

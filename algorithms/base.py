@@ -32,7 +32,9 @@ import torch
 
 from colltune.algorithms.comm import Comm, Traffic
 from colltune.algorithms.sparse import accum_dtype, wire_index_dtype
-from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.algorithms.errors import ColltuneValueError
+from colltune.algorithms.knobs import Knob
+from colltune.algorithms.schedule import Pricing, Step
 
 __all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Algorithm"]
 
@@ -153,7 +155,9 @@ class TopkOutput:
 class Algorithm(abc.ABC):
     """A way to sum sparse data across the ranks of a group.
 
-    Subclasses set :attr:`name` and :attr:`knobs` and implement both calls.
+    Subclasses set :attr:`name`, :attr:`knob_specs` and :attr:`TERMS`,
+    implement both calls and :meth:`schedule`, and register with
+    :func:`colltune.algorithms.register`.
     Instances hold no per-call state: thresholds and residuals live in
     :class:`colltune.algorithms.state.TopkState`, boundary caches in
     :class:`colltune.algorithms.state.BoundaryState`.
@@ -165,20 +169,40 @@ class Algorithm(abc.ABC):
 
     #: The registry name.
     name: ClassVar[str]
-    #: Tunable knobs and their defaults. Unknown knobs are rejected.
+    #: The knobs, each with its default, type, bounds, search range and doc.
+    knob_specs: ClassVar[tuple[Knob, ...]] = ()
+    #: Derived from :attr:`knob_specs` (call knobs only, not state knobs):
+    #: defaults by name. Unknown knobs are rejected.
     knobs: ClassVar[dict[str, Any]] = {}
-    #: Allowed values of string knobs.
+    #: Derived: allowed values of choice knobs.
     knob_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
-    #: Lower bounds of numeric knobs: ``(bound, exclusive)``.
+    #: Derived: lower bounds of numeric knobs, ``(bound, exclusive)``.
     knob_minimums: ClassVar[dict[str, tuple[float, bool]]] = {}
+    #: The names of the terms :meth:`schedule` returns, in order.
+    TERMS: ClassVar[tuple[str, ...]] = ()
     #: True when :meth:`sparse_allreduce` applies ``SparseInput.op`` itself:
     #: for ``avg`` it divides each summed row by the world size in the
     #: accumulation dtype (the same bits as dividing the returned sum), which
     #: lets an algorithm that reduces only a part of the rows divide only that part.
     applies_avg: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        call = [k for k in cls.knob_specs if not k.state]
+        cls.knobs = {k.name: k.default for k in call}
+        cls.knob_choices = {k.name: k.choices for k in call if k.choices}
+        cls.knob_minimums = {k.name: (k.minimum, k.exclusive) for k in call if k.minimum is not None}
+
+    @classmethod
+    def knob(cls, name: str) -> Knob:
+        """Return the :class:`Knob` called ``name`` (call or state knob)."""
+        for k in cls.knob_specs:
+            if k.name == name:
+                return k
+        raise KeyError(name)
+
     def check_knobs(self, knobs: dict[str, Any] | None) -> dict[str, Any]:
-        """Return the defaults updated with ``knobs``, rejecting unknown names and wrong types."""
+        """Return the defaults updated with ``knobs``, rejecting unknown names, wrong types and values out of range."""
         merged = dict(self.knobs)
         for key, value in (knobs or {}).items():
             if key not in self.knobs:
@@ -188,35 +212,20 @@ class Algorithm(abc.ABC):
                     "Remove it or set it for the algorithm it belongs to.",
                     argument="knobs",
                 )
-            default = self.knobs[key]
-            if isinstance(default, bool):
-                ok = isinstance(value, bool)
-            elif isinstance(default, float):
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            else:
-                ok = isinstance(value, type(default)) and not isinstance(value, bool)
-            if not ok:
-                raise ColltuneTypeError(
-                    f"knobs[{key!r}] of algorithm {self.name!r} must be of type {type(default).__name__}, "
-                    f"but got {value!r}.",
-                    argument="knobs",
-                )
-            merged[key] = value
-        for key, choices in self.knob_choices.items():
-            if merged[key] not in choices:
-                raise ColltuneValueError(
-                    f"knobs[{key!r}] of algorithm {self.name!r} must be one of {', '.join(choices)}, "
-                    f"but got {merged[key]!r}.",
-                    argument="knobs",
-                )
-        for key, (bound, exclusive) in self.knob_minimums.items():
-            if merged[key] <= bound if exclusive else merged[key] < bound:
-                raise ColltuneValueError(
-                    f"knobs[{key!r}] of algorithm {self.name!r} must be {'>' if exclusive else '>='} {bound:g}, "
-                    f"but got {merged[key]}.",
-                    argument="knobs",
-                )
+            merged[key] = self.knob(key).check_type(value, self.name)
+        for k in self.knob_specs:
+            if not k.state:
+                k.check_range(merged[k.name], self.name)
         return merged
+
+    def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
+        """Return the steps of one call, one per name of :attr:`TERMS`, for the analytic cost model.
+
+        Called with the call's quantities (:class:`Pricing`) and this
+        algorithm's checked knobs. An algorithm without a schedule can be
+        run by name but is never chosen by ``auto`` on the analytic model.
+        """
+        raise NotImplementedError(f"algorithm {self.name!r} has no cost schedule")
 
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from colltune.algorithms.comm import Comm
+from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.registry import register
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 
@@ -27,7 +28,17 @@ class Dense(Algorithm):
     """Densify, ``all_reduce``, and extract the rows of the union."""
 
     name = "dense"
-    knobs: dict[str, Any] = {}
+    TERMS = ("metadata", "value_all_reduce", "mask_all_reduce", "densify_extract")
+
+    def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
+        """The record, the values' and the mask's all_reduce, then densify and extract the union."""
+        c = pricing
+        return [
+            c.metadata(),
+            c.all_reduce("value_all_reduce", c.n * c.rba),
+            c.all_reduce("mask_all_reduce", c.n),
+            c.local("densify_extract", c.n * c.rba + 2 * c.n + c.kavg * c.e + c.u * c.out_entry, 4.0),
+        ]
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         n, r = inp.size, inp.row_numel

@@ -49,6 +49,7 @@ owner, and then copied to everyone.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -70,8 +71,11 @@ from colltune.algorithms.sparse import (
     split_layout,
     unpack,
     wire_index_dtype,
+    SPLIT_MIN_ROW_BYTES,
 )
+from colltune.algorithms.knobs import Knob
 from colltune.algorithms.registry import register
+from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.state import BoundaryState
 
@@ -444,16 +448,59 @@ class OkTopk(Algorithm):
     """Split and reduce over balanced regions, then all-gather the reduced regions."""
 
     name = "oktopk"
-    knobs: dict[str, Any] = {
-        "boundary_refresh": 64,
-        "peers_in_flight": 8,
-        "dense_fallback_ratio": 1.0,
-        "gather_mode": "auto",
-        "balance": True,
-    }
-    knob_choices = {"gather_mode": ("auto", "p2p", "pad", "alltoall")}
-    knob_minimums = {"boundary_refresh": (1, False), "peers_in_flight": (1, False), "dense_fallback_ratio": (0.0, True)}
+    knob_specs = (
+        Knob("boundary_refresh", 64, "recompute region boundaries every this many calls", minimum=1,
+             tune=("exact", "topk"), search=(1, 256, True)),
+        Knob("peers_in_flight", 8, "point-to-point exchanges posted at once in the split", minimum=1,
+             tune=("exact", "topk"), search=(1, None, False)),
+        Knob("dense_fallback_ratio", 1.0, "fall back to dense once reduced data passes this share of dense",
+             minimum=0.0, exclusive=True, tune=("exact",), search=(0.1, 2.0, True)),
+        Knob("gather_mode", "auto", "how the reduced regions are gathered (as allgather.mode)",
+             choices=("auto", "p2p", "pad", "alltoall")),
+        Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
+        Knob("local_refresh", 32, "exact local threshold every this many calls", minimum=1, state=True,
+             tune=("topk",), search=(1, 128, True)),
+        Knob("global_refresh", 32, "exact global threshold every this many calls", minimum=1, state=True,
+             tune=("topk",), search=(1, 128, True)),
+    )
+    TERMS = (
+        "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
+        "region_reduce", "sizes_all_gather", "union_gather", "unpack",
+    )
     applies_avg = True  # each owner divides its own region, a P-th of the rows
+
+    def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
+        """Boundaries and counts on refreshes, the rotated split, the reduce, the regions' gather, the unpack."""
+        c = pricing
+        refresh = 1.0 / knobs["boundary_refresh"]
+        flight = knobs["peers_in_flight"]
+        region = math.ceil(c.n / c.p)
+        region_dense_bytes = region * c.rb + math.ceil(region / 8)
+        block_sparse_bytes = math.ceil(c.u / c.p) * c.e
+        region_dense = block_sparse_bytes >= knobs["dense_fallback_ratio"] * region_dense_bytes
+        block_bytes = float(region_dense_bytes if region_dense else block_sparse_bytes)
+        if region_dense:  # sizes first, then the regions packed, dense ones with their bitmap
+            sizes = c.all_gather("sizes_all_gather", 8.0)
+            union = c.all_gather("union_gather", block_bytes)
+        elif c.rb < SPLIT_MIN_ROW_BYTES:
+            # Eager gather: each count rides with its region, in room sized from the last call (1/16 more).
+            sizes = c.free("sizes_all_gather", "all_gather")
+            union = c.p2p_rotated("union_gather", block_bytes * 17 / 16 + 8.0, flight)
+        else:  # wide rows: sizes first, then indices and rows point to point, in place
+            sizes = c.all_gather("sizes_all_gather", 8.0)
+            union = c.p2p_rotated("union_gather", block_bytes, flight)
+        kavg = c.kavg
+        return [
+            c.metadata(),
+            c.all_reduce("boundaries_all_reduce", c.p * 8.0, share=refresh),
+            # The counts ride in the metadata record while the boundaries are cached: only refreshes send them.
+            c.all_to_all("counts_all_to_all", 8.0, share=refresh),
+            c.p2p_rotated("split_p2p", kavg / c.p * c.e, flight),
+            c.local("region_reduce", 2 * kavg * c.e + kavg * math.log2(max(kavg, 2.0)) * 8.0 + kavg * c.rba, 3.0),
+            sizes,
+            union,
+            c.local("unpack", c.p * block_bytes + c.u * c.out_entry, 2.0),
+        ]
 
     @staticmethod
     def _state(comm: Comm, size: int, knobs: dict[str, Any]) -> _ExactState:

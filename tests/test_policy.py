@@ -16,7 +16,7 @@ from colltune.algorithms.errors import ColltuneError, ColltuneValueError
 from colltune.model import policy as P
 from colltune.model.policy import (
     DEFAULT_POLICY,
-    KNOBS,
+    knob_table,
     Overrides,
     Policy,
     PolicyError,
@@ -616,36 +616,40 @@ def test_config_digest_covers_policy_and_forced_algorithm() -> None:
 # --------------------------------------------------------------------------- registry and shipped files
 
 
-def test_known_algorithms_follow_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(algorithms, "names", lambda: ("dense", "allgather", "oktopk", "ring"), raising=False)
-    assert known_algorithms() == ("dense", "allgather", "oktopk", "ring")
-    p = parse("version: 1\ndefault: ring\n")
-    assert p.default == "ring"
-    with pytest.raises(PolicyError, match="none \\(ring has no knobs\\)"):
-        parse("version: 1\nknobs: {ring: {x: 1}}\n")
-    monkeypatch.delattr(algorithms, "names", raising=False)
+def test_known_algorithms_follow_the_registry() -> None:
+    class Ring(algorithms.Dense):
+        name = "ring"
+        knob_specs = ()
+
+    algorithms.register(Ring)
+    try:
+        assert known_algorithms() == ("dense", "allgather", "oktopk", "ring")
+        p = parse("version: 1\ndefault: ring\n")
+        assert p.default == "ring"
+        with pytest.raises(PolicyError, match="none \\(ring has no knobs\\)"):
+            parse("version: 1\nknobs: {ring: {x: 1}}\n")
+    finally:
+        algorithms.unregister("ring")
     assert known_algorithms() == ("dense", "allgather", "oktopk")
 
 
 def test_knob_table_covers_the_builtin_algorithms() -> None:
+    knobs = knob_table()
     for name in ("dense", "allgather", "oktopk"):
-        assert name in KNOBS
-    # The table and the algorithms' own knobs must not drift apart: every knob a
-    # policy may set is an algorithm knob or a top-k state knob, and every
-    # algorithm knob is settable, with the kind of its default.
-    from colltune import algorithms
-
-    state_knobs = {"local_refresh", "global_refresh"}
+        assert name in knobs
+    # Every knob a policy may set is an algorithm knob or a top-k state knob,
+    # and every algorithm knob is settable, with the kind of its default.
     kinds = {bool: "bool", int: "int", float: "float", str: "choice"}
     for name in ("dense", "allgather", "oktopk"):
         accepted = algorithms.get(name).knobs
-        assert set(KNOBS[name]) - state_knobs <= set(accepted), name
-        assert set(accepted) <= set(KNOBS[name]), name
+        state = {k.name for k in algorithms.get(name).knob_specs if k.state}
+        assert set(knobs[name]) - state == set(accepted), name
         for knob, default in accepted.items():
-            assert KNOBS[name][knob].kind == kinds[type(default)], (name, knob)
-    for specs in KNOBS.values():
+            assert knobs[name][knob].kind == kinds[type(default)], (name, knob)
+    assert state == {"local_refresh", "global_refresh"}
+    for specs in knobs.values():
         for spec in specs.values():
-            assert spec.describe()
+            assert spec.describe() and spec.help
 
 
 @pytest.mark.parametrize("path", sorted(POLICY_DIR.glob("*.yaml")), ids=lambda p: p.name)

@@ -64,22 +64,21 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
 
 import numpy as np
 from sklearn.base import BaseEstimator, clone
 
-from colltune.algorithms import meta as _meta, sparse as _sparse
-from colltune.algorithms.oktopk import OkTopk
+from colltune.algorithms import registry
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.algorithms.schedule import FIELD_BYTES, Pricing, Step
 from colltune.model.features import Features
 from colltune.model.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
 
 __all__ = [
     "ALGORITHMS",
     "DEFAULT_PRIMITIVES",
-    "FEATURE_NAMES",
+    "feature_names",
     "PARAM_NAMES",
     "Step",
     "AnalyticModel",
@@ -91,7 +90,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The algorithms priced, in tie-breaking order (the first wins a tie).
+#: The built-in algorithms: the learned model's feature layout (a stored
+#: model's columns depend on it). The analytic model prices every registered
+#: algorithm that has a schedule, in registry order (the first wins a tie).
 ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
 
 #: Representative constants for GPUs on an InfiniBand network, used when no
@@ -111,21 +112,6 @@ PARAM_NAMES: tuple[str, ...] = tuple(f"{p}.{f}" for p in PRIMITIVES for f in _PA
 _PARAM_INDEX = {name: i for i, name in enumerate(PARAM_NAMES)}
 
 _TINY_US = 1e-3  # floor of a term before its log: 1 ns
-
-
-@dataclass(frozen=True)
-class Step:
-    """One priced step of a schedule: ``calls`` calls, ``steps`` messages, ``nbytes`` sent.
-
-    For ``primitive == "local"``, ``steps`` counts kernels and ``nbytes`` memory traffic.
-    Amortized steps may have fractional counts.
-    """
-
-    term: str
-    primitive: str
-    calls: float
-    steps: float
-    nbytes: float
 
 
 def _as_primitive(name: str, value: Any) -> Primitive:
@@ -179,24 +165,19 @@ class AnalyticModel:
         ColltuneValueError: a required primitive is missing, a constant is negative.
     """
 
-    #: The terms of each algorithm, in the order :meth:`terms` returns them.
-    TERMS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "dense": ("metadata", "value_all_reduce", "mask_all_reduce", "densify_extract"),
-        "allgather": ("metadata", "entries_gather", "merge"),
-        "oktopk": (
-            "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
-            "region_reduce", "sizes_all_gather", "union_gather", "unpack",
-        ),
-    }
+    #: The terms of each algorithm, in the order :meth:`terms` returns them
+    #: (read from the algorithms' ``TERMS``).
+    TERMS: ClassVar[Mapping[str, tuple[str, ...]]]
 
     def __init__(
         self,
         primitives: Mapping[str, Primitive | Mapping[str, float]] | Profile,
         *,
         metadata_bytes: int | None = None,
-        boundary_period: int = OkTopk.knobs["boundary_refresh"],
-        peers_in_flight: int = OkTopk.knobs["peers_in_flight"],
-        dense_fallback_ratio: float = OkTopk.knobs["dense_fallback_ratio"],
+        boundary_period: int | None = None,
+        peers_in_flight: int | None = None,
+        dense_fallback_ratio: float | None = None,
+        knobs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         if isinstance(primitives, Profile):
             primitives = primitives.primitives
@@ -222,18 +203,22 @@ class AnalyticModel:
                 v = getattr(prims[name], fld)
                 if not (math.isfinite(v) and v >= 0):
                     raise ColltuneValueError(f"`primitives[{name!r}].{fld}` must be a finite number >= 0, but got {v!r}.")
-        if metadata_bytes is not None and int(metadata_bytes) < 0 or int(boundary_period) < 1 or int(peers_in_flight) < 1:
-            raise ColltuneValueError(
-                "`metadata_bytes` must be >= 0, `boundary_period` and `peers_in_flight` >= 1, but got "
-                f"{metadata_bytes}, {boundary_period} and {peers_in_flight}."
-            )
-        if not float(dense_fallback_ratio) > 0:
-            raise ColltuneValueError(f"`dense_fallback_ratio` must be > 0, but got {dense_fallback_ratio!r}.")
+        if metadata_bytes is not None and int(metadata_bytes) < 0:
+            raise ColltuneValueError(f"`metadata_bytes` must be >= 0, but got {metadata_bytes}.")
+        own = {k: v for k, v in (("boundary_refresh", boundary_period), ("peers_in_flight", peers_in_flight),
+                                 ("dense_fallback_ratio", dense_fallback_ratio)) if v is not None}
+        merged = {a: dict(kn) for a, kn in (knobs or {}).items()}
+        if own:
+            merged["oktopk"] = {**merged.get("oktopk", {}), **own}
         self.primitives: dict[str, Primitive] = prims
         self.metadata_bytes = None if metadata_bytes is None else int(metadata_bytes)
-        self.boundary_period = int(boundary_period)
-        self.peers_in_flight = int(peers_in_flight)
-        self.dense_fallback_ratio = float(dense_fallback_ratio)
+        #: Knobs the schedules are priced with, per algorithm (the rest take their defaults).
+        self.knobs: dict[str, dict[str, Any]] = merged
+        for a, kn in merged.items():
+            try:
+                registry.get(a).check_knobs(kn)
+            except ColltuneValueError as exc:
+                raise ColltuneValueError(f"`knobs` for {a!r}: {exc}") from None
         self._theta = np.array(
             [getattr(prims[p], f) for p in PRIMITIVES for f in _PARAM_FIELDS], dtype=np.float64
         )
@@ -265,108 +250,28 @@ class AnalyticModel:
     # -- schedules -----------------------------------------------------------
 
     def schedule(self, features: Features) -> dict[str, list[Step]]:
-        """Return the priced steps of every algorithm, in :attr:`TERMS` order.
+        """Return the priced steps of every registered algorithm that has a schedule, in :attr:`TERMS` order.
 
         Args:
             features: the call's global statistics.
 
         Returns:
-            ``{algorithm: [Step, ...]}`` for every algorithm of :data:`ALGORITHMS`.
+            ``{algorithm: [Step, ...]}`` in registry order.
         """
-        f = features
-        p = f.world_size
-        n = float(f.numel)
-        e = float(f.entry_bytes)
-        rb = float(f.row_bytes)
-        rba = float(f.row_numel * f.accum_bytes)
-        ksum = float(f.k_sum)
-        kavg = ksum / p
-        u = float(f.union)
-        out_entry = 8.0 + rb  # coalesced output: int64 index and a row of values
-
-        def all_reduce(term: str, nbytes: float, share: float = 1.0) -> Step:
-            if p == 1:
-                return Step(term, "all_reduce", 0.0, 0.0, 0.0)
-            return Step(term, "all_reduce", share, share * 2 * (p - 1), share * 2 * (p - 1) / p * nbytes)
-
-        def all_gather(term: str, nbytes_in: float) -> Step:
-            if p == 1:
-                return Step(term, "all_gather", 0.0, 0.0, 0.0)
-            return Step(term, "all_gather", 1.0, p - 1.0, (p - 1) * nbytes_in)
-
-        def all_to_all(term: str, nbytes_per_peer: float, share: float = 1.0) -> Step:
-            if p == 1:
-                return Step(term, "all_to_all", 0.0, 0.0, 0.0)
-            return Step(term, "all_to_all", share, share * (p - 1.0), share * (p - 1) * nbytes_per_peer)
-
-        def p2p_rotated(term: str, nbytes_per_step: float) -> Step:
-            if p == 1:
-                return Step(term, "p2p", 0.0, 0.0, 0.0)
-            calls = float(math.ceil((p - 1) / self.peers_in_flight))
-            return Step(term, "p2p", calls, p - 1.0, (p - 1) * nbytes_per_step)
-
-        def local(term: str, nbytes: float, kernels: float) -> Step:
-            return Step(term, "local", 0.0, kernels, nbytes)
-
         record = self.metadata_bytes
         if record is None:
-            record = 8 * len(_meta.FIELDS) + _meta.eager_capacity(p)
-        meta = all_gather("metadata", float(record))
+            from colltune.algorithms import meta
 
-        dense = [
-            meta,
-            all_reduce("value_all_reduce", n * rba),
-            all_reduce("mask_all_reduce", n),
-            local("densify_extract", n * rba + 2 * n + kavg * e + u * out_entry, 4.0),
-        ]
-
-        gathered = p * f.k_max * e
-        if n <= 4 * ksum:
-            merge_bytes = gathered + n * rba + ksum * rba + n + u * out_entry
-        else:
-            merge_bytes = gathered + ksum * math.log2(max(ksum, 2.0)) * 8.0 + ksum * (8.0 + rba) + u * out_entry
-        if self.metadata_bytes is None and f.k_max * e <= _meta.slot_limit(p):
-            # Every rank's entries ride in the metadata record's eager slot,
-            # grown to fit them (a call site that keeps to allgather): one
-            # collective, its record larger by the entries.
-            slot = max(_meta.eager_capacity(p), 1 << max(int(math.ceil(f.k_max * e)) - 1, 0).bit_length())
-            allgather_meta = all_gather("metadata", float(record - _meta.eager_capacity(p) + slot))
-            entries = Step("entries_gather", "all_gather", 0.0, 0.0, 0.0)
-        elif 4 * p * f.k_max <= 5 * ksum:  # all_gather_v "auto": pad while padding adds <= 1/4
-            allgather_meta = meta
-            entries = all_gather("entries_gather", f.k_max * e)
-        else:  # every rank sends its entries to each peer; the largest rank bounds the time
-            allgather_meta = meta
-            entries = all_to_all("entries_gather", f.k_max * e)
-        allgather = [allgather_meta, entries, local("merge", merge_bytes, 4.0)]
-
-        region = math.ceil(n / p)
-        region_dense_bytes = region * rb + math.ceil(region / 8)
-        block_sparse_bytes = math.ceil(u / p) * e
-        region_dense = block_sparse_bytes >= self.dense_fallback_ratio * region_dense_bytes
-        block_bytes = float(region_dense_bytes if region_dense else block_sparse_bytes)
-        if region_dense:  # sizes first, then the regions packed, dense ones with their bitmap
-            sizes = all_gather("sizes_all_gather", 8.0)
-            union = all_gather("union_gather", block_bytes)
-        elif rb < _sparse.SPLIT_MIN_ROW_BYTES:
-            # Eager gather: each count rides with its region, in room sized from the last call (1/16 more).
-            sizes = Step("sizes_all_gather", "all_gather", 0.0, 0.0, 0.0)
-            union = p2p_rotated("union_gather", block_bytes * 17 / 16 + 8.0)
-        else:  # wide rows: sizes first, then indices and rows point to point, in place
-            sizes = all_gather("sizes_all_gather", 8.0)
-            union = p2p_rotated("union_gather", block_bytes)
-        oktopk = [
-            meta,
-            all_reduce("boundaries_all_reduce", p * 8.0, share=1.0 / self.boundary_period),
-            # The counts ride in the metadata record while the boundaries are cached: only refreshes send them.
-            all_to_all("counts_all_to_all", 8.0, share=1.0 / self.boundary_period),
-            p2p_rotated("split_p2p", kavg / p * e),
-            local("region_reduce", 2 * kavg * e + kavg * math.log2(max(kavg, 2.0)) * 8.0 + kavg * rba, 3.0),
-            sizes,
-            union,
-            local("unpack", p * block_bytes + u * out_entry, 2.0),
-        ]
-        return {"dense": dense, "allgather": allgather, "oktopk": oktopk}
+            record = FIELD_BYTES * len(meta.FIELDS) + meta.eager_capacity(features.world_size)
+        pricing = Pricing(features, record, record_known=self.metadata_bytes is not None)
+        out: dict[str, list[Step]] = {}
+        for name in registry.names():
+            algo = registry.get(name)
+            try:
+                out[name] = algo.schedule(pricing, {**algo.knobs, **self.knobs.get(name, {})})
+            except NotImplementedError:
+                continue
+        return out
 
     def _cost(self, s: Step) -> float:
         prim = self.primitives[s.primitive]
@@ -391,9 +296,10 @@ class AnalyticModel:
     predict_times = predict
 
     def select(self, features: Features) -> str:
-        """Return the algorithm with the smallest predicted time (ties go to the earlier in :data:`ALGORITHMS`)."""
+        """Return the algorithm with the smallest predicted time (ties go to the earlier registered)."""
         pred = self.predict(features)
-        return min(ALGORITHMS, key=lambda a: (pred[a], ALGORITHMS.index(a)))
+        order = list(pred)
+        return min(order, key=lambda a: (pred[a], order.index(a)))
 
     def design(self, features: Features) -> dict[str, np.ndarray]:
         """Return, per algorithm, the coefficients of its time on :data:`PARAM_NAMES`.
@@ -421,13 +327,41 @@ _BASE_FEATURES: tuple[str, ...] = (
     "log_numel", "log_row_bytes", "log_k_max", "log_k_sum", "world_size", "log_world_size",
     "overlap", "density", "log_density", "log_union", "value_bytes", "index_bytes",
 )
-_ANALYTIC_FEATURES: tuple[str, ...] = tuple(
-    name for alg in ALGORITHMS for name in (f"t.{alg}", *(f"t.{alg}.{t}" for t in AnalyticModel.TERMS[alg]))
-)
-#: Columns of :func:`feature_vector`: statistics of the call, then the log of
-#: each algorithm's analytic time (``t.<alg>``) and of each of its terms
-#: (``t.<alg>.<term>``), in microseconds, floored at 1 ns.
-FEATURE_NAMES: tuple[str, ...] = _BASE_FEATURES + _ANALYTIC_FEATURES
+
+
+class _Terms(Mapping[str, tuple[str, ...]]):
+    """The registered algorithms' ``TERMS`` by name, read from the registry when asked."""
+
+    def __getitem__(self, name: str) -> tuple[str, ...]:
+        return tuple(registry.get(name).TERMS)
+
+    def __iter__(self) -> Any:
+        return iter(registry.names())
+
+    def __len__(self) -> int:
+        return len(registry.names())
+
+
+AnalyticModel.TERMS = _Terms()
+
+
+def feature_names() -> tuple[str, ...]:
+    """Return the columns of :func:`feature_vector` (also :data:`FEATURE_NAMES`).
+
+    Statistics of the call, then the log of each built-in algorithm's
+    analytic time (``t.<alg>``) and of each of its terms (``t.<alg>.<term>``),
+    in microseconds, floored at 1 ns.
+    """
+    analytic = tuple(name for alg in ALGORITHMS
+                     for name in (f"t.{alg}", *(f"t.{alg}.{t}" for t in AnalyticModel.TERMS[alg])))
+    return _BASE_FEATURES + analytic
+
+
+def __getattr__(name: str) -> Any:
+    # FEATURE_NAMES reads the algorithms' terms, which loads them: not at import time.
+    if name == "FEATURE_NAMES":
+        return feature_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def feature_vector(
@@ -441,7 +375,7 @@ def feature_vector(
         terms: ``analytic.terms(features)``, when the caller has them already.
 
     Returns:
-        A float64 vector of ``len(FEATURE_NAMES)`` entries.
+        A float64 vector of ``len(feature_names())`` entries.
     """
     f = features
     base = [
@@ -784,8 +718,8 @@ class LearnedCostModel(BaseEstimator):
         self.primitives_ = dict(analytic.primitives)
         self.overhead_us_ = {a: float(overhead[alg_col[a]]) for a in seen}
         self.residual_ = residual
-        self.feature_names_in_ = np.asarray(FEATURE_NAMES, dtype=object)
-        self.n_features_in_ = len(FEATURE_NAMES)
+        self.feature_names_in_ = np.asarray(feature_names(), dtype=object)
+        self.n_features_in_ = len(feature_names())
         self.n_samples_ = len(feats)
         self._analytic_ = analytic
         logger.debug("fitted LearnedCostModel(%s) on %d measurements of %s", self.estimator, len(feats), seen)
@@ -891,7 +825,7 @@ class LearnedCostModel(BaseEstimator):
             "format_version": self._FORMAT_VERSION,
             "params": params,
             "algorithms": list(self.algorithms_),
-            "feature_names": list(FEATURE_NAMES),
+            "feature_names": list(feature_names()),
             "primitives": {k: p.to_dict() for k, p in self.primitives_.items()},
             "overhead_us": dict(self.overhead_us_),
             "residual": {a: _regressor_to_plain(self.residual_[a]) for a in self.algorithms_},
@@ -922,7 +856,7 @@ class LearnedCostModel(BaseEstimator):
                 f"`data.format_version` must be {cls._FORMAT_VERSION}, but got {data.get('format_version')!r}; "
                 "refit the model from the profile's measurements."
             )
-        if list(data.get("feature_names", [])) != list(FEATURE_NAMES):
+        if list(data.get("feature_names", [])) != list(feature_names()):
             raise ColltuneValueError(
                 "`data.feature_names` differ from this colltune's feature definition; "
                 "refit the model from the profile's measurements."
@@ -933,7 +867,7 @@ class LearnedCostModel(BaseEstimator):
             analytic = AnalyticModel(data["primitives"])
             overhead = {a: float(data["overhead_us"][a]) for a in algorithms}
             residual = {
-                a: _regressor_from_plain(data["residual"][a], f"data.residual.{a}", len(FEATURE_NAMES))
+                a: _regressor_from_plain(data["residual"][a], f"data.residual.{a}", len(feature_names()))
                 for a in algorithms
             }
             n_samples = int(data["n_samples"])
@@ -946,8 +880,8 @@ class LearnedCostModel(BaseEstimator):
         model.primitives_ = dict(analytic.primitives)
         model.overhead_us_ = overhead
         model.residual_ = residual
-        model.feature_names_in_ = np.asarray(FEATURE_NAMES, dtype=object)
-        model.n_features_in_ = len(FEATURE_NAMES)
+        model.feature_names_in_ = np.asarray(feature_names(), dtype=object)
+        model.n_features_in_ = len(feature_names())
         model.n_samples_ = n_samples
         model._analytic_ = analytic
         return model

@@ -44,7 +44,7 @@ Rules:
 - dtype names: ``float32``, ``float64``, ``float16``, ``bfloat16``; the
   aliases ``float``, ``double``, ``half``, ``fp32``, ``fp64``, ``fp16``,
   ``bf16`` and a ``torch.`` prefix are accepted and normalized.
-- Knobs are checked per algorithm against :data:`KNOBS`. A rule that uses a
+- Knobs are checked per algorithm against :func:`knob_table` (the knobs each algorithm declares). A rule that uses a
   fixed algorithm may only set knobs for that algorithm (others would never
   apply); a rule with ``use: auto`` may set knobs for any algorithm.
 - A rule must say ``use`` or ``knobs`` (an empty rule is a mistake).
@@ -124,19 +124,20 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from colltune import algorithms as _algorithms
+from colltune.algorithms import registry
+from colltune.algorithms.knobs import Knob
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.model import yamlsafe
 
 __all__ = [
     "AUTO",
     "DTYPES",
-    "KNOBS",
+    "knob_table",
     "SUPPORTED_VERSIONS",
     "DEFAULT_POLICY",
     "KnobSpec",
@@ -169,8 +170,6 @@ _DTYPE_ALIASES: dict[str, str] = {
     "fp16": "float16",
     "bf16": "bfloat16",
 }
-# Used when the algorithm registry offers no names() (or it fails).
-_FALLBACK_ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
 
 _TOP_KEYS = ("version", "profile", "default", "knobs", "rules")
 _RULE_KEYS = ("name", "when", "use", "knobs")
@@ -240,91 +239,22 @@ class PolicyError(ColltuneValueError):
 # --------------------------------------------------------------------------- knobs
 
 
-@dataclass(frozen=True)
-class KnobSpec:
-    """Type and range of one algorithm knob.
+#: The spec of one knob: kind, bounds, choices, help (declared by its algorithm).
+KnobSpec = Knob
 
-    Attributes:
-        kind: ``int`` (booleans rejected; integral floats accepted),
-            ``float`` (integers accepted and converted), ``choice`` or
-            ``bool`` (only ``true`` or ``false``; numbers, strings and the
-            YAML 1.1 spellings ``yes``/``no``/``on``/``off`` rejected).
-        minimum: lower bound for ``int`` and ``float`` knobs, or ``None``.
-        exclusive: whether ``minimum`` itself is excluded.
-        choices: allowed strings for ``choice`` knobs.
-        help: one line for documentation and ``colltune explain``.
+
+def knob_table() -> dict[str, dict[str, Knob]]:
+    """Return the knob schema: algorithm -> knob name -> :class:`Knob`, from the algorithm registry.
+
+    An algorithm's call knobs and its top-k state knobs (``local_refresh``,
+    ``global_refresh`` of Ok-Topk) are both accepted, as the algorithm declares them.
     """
-
-    kind: Literal["int", "float", "choice", "bool"]
-    minimum: float | None = None
-    exclusive: bool = False
-    choices: tuple[str, ...] = ()
-    help: str = ""
-
-    def describe(self) -> str:
-        """Return what the knob accepts, in words."""
-        if self.kind == "choice":
-            return "one of " + ", ".join(self.choices)
-        if self.kind == "bool":
-            return "true or false"
-        noun = "an integer" if self.kind == "int" else "a number"
-        if self.minimum is None:
-            return noun
-        op = ">" if self.exclusive else ">="
-        bound = int(self.minimum) if self.kind == "int" else self.minimum
-        return f"{noun} {op} {bound}"
-
-
-def _algorithm_knob(algorithm: str, knob: str, help: str) -> KnobSpec:
-    """The spec of an algorithm's own knob, from the algorithm: its default's kind, its choices, its minimum."""
-    algo = _algorithms.get(algorithm)
-    default = algo.knobs[knob]
-    if knob in algo.knob_choices:
-        return KnobSpec("choice", choices=tuple(algo.knob_choices[knob]), help=help)
-    if isinstance(default, bool):
-        return KnobSpec("bool", help=help)
-    bound, exclusive = algo.knob_minimums.get(knob, (None, False))
-    return KnobSpec("int" if isinstance(default, int) else "float", bound, exclusive=exclusive, help=help)
-
-
-#: The knob schema, one table: algorithm -> knob name -> spec. Extend it here;
-#: an algorithm registered elsewhere but missing from this table takes no knobs.
-#: The algorithms' own knobs take their kinds, choices and bounds from the
-#: algorithm classes, so a policy accepts exactly what the algorithm does.
-KNOBS: dict[str, dict[str, KnobSpec]] = {
-    "dense": {},
-    "allgather": {
-        "mode": _algorithm_knob("allgather", "mode", "how unequal counts are gathered: p2p, pad or all-to-all"),
-    },
-    "oktopk": {
-        "boundary_refresh": _algorithm_knob("oktopk", "boundary_refresh", "recompute region boundaries every this many calls"),
-        "peers_in_flight": _algorithm_knob("oktopk", "peers_in_flight", "point-to-point exchanges posted at once in the split"),
-        "dense_fallback_ratio": _algorithm_knob(
-            "oktopk", "dense_fallback_ratio", "fall back to dense once reduced data passes this share of dense"
-        ),
-        "gather_mode": _algorithm_knob("oktopk", "gather_mode", "how the reduced regions are gathered (as allgather.mode)"),
-        "balance": _algorithm_knob("oktopk", "balance", "top-k mode: re-balance the kept entries into equal blocks before gathering"),
-        "local_refresh": KnobSpec("int", 1, help="exact local threshold every this many calls"),
-        "global_refresh": KnobSpec("int", 1, help="exact global threshold every this many calls"),
-    },
-}
+    return {name: {k.name: k for k in registry.get(name).knob_specs} for name in registry.names()}
 
 
 def known_algorithms() -> tuple[str, ...]:
-    """Return the algorithm names a policy may use (``auto`` excluded).
-
-    The names come from the algorithm registry (``colltune.algorithms.names()``) when
-    it offers them, else from the built-in list ``dense, allgather, oktopk``.
-    """
-    names = getattr(_algorithms, "names", None)
-    if callable(names):
-        try:
-            got = tuple(str(n) for n in names() if str(n) != AUTO)
-        except Exception:  # a broken registry must not hide the policy error
-            got = ()
-        if got:
-            return got
-    return _FALLBACK_ALGORITHMS
+    """Return the algorithm names a policy may use (``auto`` excluded), from the algorithm registry."""
+    return tuple(n for n in registry.names() if n != AUTO)
 
 
 # --------------------------------------------------------------------------- frozen data
@@ -659,10 +589,14 @@ class _Parser:
         self.source = source
         self.base_dir = base_dir
         self.loader = _PolicyLoader(text)
-        self.algorithms = known_algorithms()
 
     # -- helpers
 
+
+    @property
+    def algorithms(self) -> tuple[str, ...]:
+        """The registered algorithms, read when a name needs checking (the registry loads them)."""
+        return known_algorithms()
     def fail(self, node: Node | None, key: str | None, problem: str, allowed: str | None = None) -> PolicyError:
         return PolicyError(problem, self.source, None if node is None else _line(node), key or None, allowed)
 
@@ -864,7 +798,7 @@ class _Parser:
         return out
 
     def knob_values(self, node: Node, key: str, algo: str) -> dict[str, Any]:
-        specs = KNOBS.get(algo, {})
+        specs = knob_table().get(algo, {})
         if self.is_null(node):
             return {}
         allowed = "allowed knobs: " + (", ".join(specs) if specs else f"none ({algo} has no knobs)")

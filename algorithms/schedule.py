@@ -1,0 +1,126 @@
+"""What an algorithm's call costs, as steps the cost model prices.
+
+Each algorithm describes its own call as a list of :class:`Step` (one per
+named term: a collective, point-to-point rounds, or local work) in
+:meth:`~colltune.algorithms.base.Algorithm.schedule`. The analytic cost
+model (:class:`colltune.model.cost_model.AnalyticModel`) prices a step as
+``calls * launch + steps * alpha + nbytes * beta`` of its primitive.
+
+:class:`Pricing` holds the call's quantities in the units the schedules use
+and builds the steps of the standard collectives (ring all_reduce, all_gather,
+all_to_all, rotated point-to-point) at the call's world size.
+
+This module needs no torch: the features it reads are plain numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Step", "Pricing"]
+
+#: Bytes of one metadata record field (int64).
+FIELD_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Step:
+    """One priced term of an algorithm's schedule.
+
+    Attributes:
+        term: the term's name (a key of the algorithm's ``TERMS``).
+        primitive: ``all_reduce``, ``all_gather``, ``all_to_all``, ``p2p`` or ``local``.
+        calls: primitive calls (each pays the launch latency).
+        steps: latency-bound steps (each pays alpha).
+        nbytes: bytes this rank sends (or, for ``local``, touches).
+    """
+
+    term: str
+    primitive: str
+    calls: float
+    steps: float
+    nbytes: float
+
+
+class Pricing:
+    """A call's quantities and the steps of the standard collectives at its world size.
+
+    Args:
+        features: the call's global statistics (a
+            :class:`colltune.model.features.Features`: ``world_size``,
+            ``numel``, ``row_numel``, ``entry_bytes``, ``row_bytes``,
+            ``accum_bytes``, ``k_sum``, ``k_max``, ``union``).
+        record_bytes: bytes per rank of the metadata record every call
+            exchanges, or ``None`` for the real record at this world size.
+        record_known: whether ``record_bytes`` was given (an algorithm whose
+            entries can ride in the record's eager slot prices that only for
+            the real record).
+
+    Attributes:
+        p: world size. n: rows. e: bytes of one packed entry (index and row).
+        rb: bytes of one row. rba: bytes of one row in the accumulation dtype.
+        ksum: entries over all ranks. kavg: entries per rank on average.
+        u: rows of the union. out_entry: bytes of one output entry (int64
+        index and a row).
+    """
+
+    def __init__(self, features: Any, record_bytes: float, *, record_known: bool = False) -> None:
+        f = features
+        self.features = f
+        self.p = int(f.world_size)
+        self.n = float(f.numel)
+        self.e = float(f.entry_bytes)
+        self.rb = float(f.row_bytes)
+        self.rba = float(f.row_numel * f.accum_bytes)
+        self.ksum = float(f.k_sum)
+        self.kavg = self.ksum / self.p
+        self.k_max = float(f.k_max)
+        self.u = float(f.union)
+        self.out_entry = 8.0 + self.rb
+        self.record_bytes = float(record_bytes)
+        self.record_known = record_known
+
+    def metadata(self, record_bytes: float | None = None) -> Step:
+        """The all_gather of the metadata record every call starts with."""
+        return self.all_gather("metadata", self.record_bytes if record_bytes is None else record_bytes)
+
+    def all_reduce(self, term: str, nbytes: float, share: float = 1.0) -> Step:
+        """A ring all_reduce of ``nbytes``, paid on a ``share`` of the calls."""
+        p = self.p
+        if p == 1:
+            return Step(term, "all_reduce", 0.0, 0.0, 0.0)
+        return Step(term, "all_reduce", share, share * 2 * (p - 1), share * 2 * (p - 1) / p * nbytes)
+
+    def all_gather(self, term: str, nbytes_in: float) -> Step:
+        """An all_gather of ``nbytes_in`` from every rank."""
+        p = self.p
+        if p == 1:
+            return Step(term, "all_gather", 0.0, 0.0, 0.0)
+        return Step(term, "all_gather", 1.0, p - 1.0, (p - 1) * nbytes_in)
+
+    def all_to_all(self, term: str, nbytes_per_peer: float, share: float = 1.0) -> Step:
+        """An all_to_all of ``nbytes_per_peer`` to each peer, paid on a ``share`` of the calls."""
+        p = self.p
+        if p == 1:
+            return Step(term, "all_to_all", 0.0, 0.0, 0.0)
+        return Step(term, "all_to_all", share, share * (p - 1.0), share * (p - 1) * nbytes_per_peer)
+
+    def p2p_rotated(self, term: str, nbytes_per_step: float, peers_in_flight: int) -> Step:
+        """P - 1 point-to-point steps in rotated order, ``peers_in_flight`` posted per call."""
+        p = self.p
+        if p == 1:
+            return Step(term, "p2p", 0.0, 0.0, 0.0)
+        calls = float(math.ceil((p - 1) / peers_in_flight))
+        return Step(term, "p2p", calls, p - 1.0, (p - 1) * nbytes_per_step)
+
+    @staticmethod
+    def local(term: str, nbytes: float, kernels: float) -> Step:
+        """Local work touching ``nbytes`` in ``kernels`` passes."""
+        return Step(term, "local", 0.0, kernels, nbytes)
+
+    @staticmethod
+    def free(term: str, primitive: str) -> Step:
+        """A term that costs nothing in this call (its data rides elsewhere)."""
+        return Step(term, primitive, 0.0, 0.0, 0.0)
