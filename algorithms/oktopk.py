@@ -170,34 +170,43 @@ def split_reduce(
     p, me = comm.world_size, comm.rank
     r = vals.shape[1]
     index_dtype = wire_index_dtype(size)
-    if region_counts is not None:
-        off = offsets(region_counts[me])
-        recv_counts_l = [region_counts[j][me] for j in range(p)]
-    else:
-        off = _slices(idx, cuts)
-        send_counts = [off[j + 1] - off[j] for j in range(p)]
-        with comm.meta():
-            recv_counts_l = comm.all_to_all(
-                torch.tensor(send_counts, dtype=torch.int64, device=comm.device), [1] * p, [1] * p
-            ).tolist()
-    base = cuts[me]
+    off, recv_counts = _split_counts(comm, idx, cuts, region_counts)
     if split_layout(r, wire_dtype):
-        return _split_reduce_soa(comm, idx, vals, off, recv_counts_l, cuts, index_dtype, wire_dtype, acc, peers_in_flight)
+        return _split_reduce_soa(comm, idx, vals, off, recv_counts, cuts, index_dtype, wire_dtype, acc, peers_in_flight)
     buf = pack(idx, vals, index_dtype, wire_dtype)
     ebytes = buf.shape[1] if buf.dim() == 2 else entry_bytes(r, index_dtype, wire_dtype)
     received: dict[int, torch.Tensor] = {me: buf[off[me] : off[me + 1]]}
     for j in range(p):
         if j != me:
-            received[j] = torch.empty((recv_counts_l[j], ebytes), dtype=torch.uint8, device=comm.device)
+            received[j] = torch.empty((recv_counts[j], ebytes), dtype=torch.uint8, device=comm.device)
     comm.rotated_exchange(
         peers_in_flight, lambda dst: [(buf[off[dst] : off[dst + 1]], 0)], lambda src: [(received[src], 0)]
     )
     # Merge in region-relative coordinates, so a dense scratch (when the
     # region is dense enough for one) is sized to the region, not the tensor.
+    base = cuts[me]
     sources = [unpack(received[j], r, index_dtype, wire_dtype) for j in range(p)]
     sources = [(i - base, v) for i, v in sources]
     ridx, rvals = merge_sources(sources, cuts[me + 1] - base, r, acc, comm.device)
     return ridx + base, rvals
+
+
+def _split_counts(
+    comm: Comm, idx: torch.Tensor, cuts: list[int], region_counts: list[list[int]] | None
+) -> tuple[list[int], list[int]]:
+    """Return where each region starts in this rank's entries, and how many entries each peer sends this rank.
+
+    From ``region_counts`` when every rank's counts are known; else from
+    this rank's cut of its indices and an ``all_to_all`` of the counts.
+    """
+    p, me = comm.world_size, comm.rank
+    if region_counts is not None:
+        return offsets(region_counts[me]), [region_counts[j][me] for j in range(p)]
+    off = _slices(idx, cuts)
+    send_counts = [off[j + 1] - off[j] for j in range(p)]
+    with comm.meta():
+        recv = comm.all_to_all(torch.tensor(send_counts, dtype=torch.int64, device=comm.device), [1] * p, [1] * p)
+    return off, recv.tolist()
 
 
 def _split_reduce_soa(
@@ -274,22 +283,14 @@ def _gather_regions(
     ebytes = entry_bytes(r, index_dtype, wire_dtype)
     rowbytes = r * wire_dtype.itemsize
     lengths = [cuts[j + 1] - cuts[j] for j in range(p)]
-
-    def dense_by_rule(sizes: list[int]) -> list[bool]:
-        # An empty region (of any length, even none) has nothing to send either way: sparse.
-        return [
-            sizes[j] > 0 and sizes[j] * ebytes >= dense_ratio * (lengths[j] * rowbytes + (lengths[j] + 7) // 8)
-            for j in range(p)
-        ]
-
     if (
         mode == "auto" and p > 1 and last is not None and len(last) == p
-        and not split_layout(r, wire_dtype) and not any(dense_by_rule(last))
+        and not split_layout(r, wire_dtype) and not any(_dense_regions(last, lengths, ebytes, rowbytes, dense_ratio))
     ):
         return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight)
     with comm.meta():
         sizes = comm.all_gather(torch.tensor([ridx.numel()], dtype=torch.int64, device=comm.device)).tolist()
-    dense = dense_by_rule(sizes)
+    dense = _dense_regions(sizes, lengths, ebytes, rowbytes, dense_ratio)
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
     ]
@@ -299,23 +300,57 @@ def _gather_regions(
             return (*_gather_regions_p2p(comm, ridx, rvals, sizes, index_dtype, wire_dtype, peers_in_flight), sizes)
         mode = "auto"  # a dense region travels with its bitmap, packed
     if dense[me]:
-        block = torch.zeros((lengths[me], r), dtype=wire_dtype, device=comm.device)
-        present = torch.zeros(lengths[me], dtype=torch.bool, device=comm.device)
-        local = ridx - cuts[me]
-        block.index_copy_(0, local, rvals.to(wire_dtype))
-        present[local] = True
-        blob = torch.cat((block.view(torch.uint8).view(-1), _pack_bits(present)))
+        blob = _dense_region_bytes(ridx - cuts[me], rvals, lengths[me], wire_dtype, comm.device)
     else:
         blob = pack(ridx, rvals, index_dtype, wire_dtype).view(-1)
     pieces = comm.all_gather_v(blob, nbytes, mode)
+    return (*_unpack_regions(pieces, sizes, dense, cuts, r, index_dtype, wire_dtype, comm.device), sizes)
+
+
+def _dense_regions(sizes: list[int], lengths: list[int], ebytes: int, rowbytes: int, dense_ratio: float) -> list[bool]:
+    """Return, per region, whether it travels dense: its sparse bytes reach ``dense_ratio`` times its dense bytes.
+
+    An empty region (of any length, even none) has nothing to send either way: sparse.
+    """
+    return [
+        sizes[j] > 0 and sizes[j] * ebytes >= dense_ratio * (lengths[j] * rowbytes + (lengths[j] + 7) // 8)
+        for j in range(len(sizes))
+    ]
+
+
+def _dense_region_bytes(
+    local: torch.Tensor, rvals: torch.Tensor, length: int, wire_dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Return one region sent dense: its rows (zeros where absent) then a bitmap of the present rows."""
+    block = torch.zeros((length, rvals.shape[1]), dtype=wire_dtype, device=device)
+    present = torch.zeros(length, dtype=torch.bool, device=device)
+    block.index_copy_(0, local, rvals.to(wire_dtype))
+    present[local] = True
+    return torch.cat((block.view(torch.uint8).view(-1), _pack_bits(present)))
+
+
+def _unpack_regions(
+    pieces: list[torch.Tensor],
+    sizes: list[int],
+    dense: list[bool],
+    cuts: list[int],
+    r: int,
+    index_dtype: torch.dtype,
+    wire_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the gathered regions' entries in owner order: global indices and ``[u, r]`` rows."""
+    ebytes = entry_bytes(r, index_dtype, wire_dtype)
+    rowbytes = r * wire_dtype.itemsize
     out_idx, out_vals = [], []
     for j, piece in enumerate(pieces):
         if sizes[j] == 0:
             continue
         if dense[j]:
-            nb = lengths[j] * rowbytes
-            rows = reinterpret(piece[:nb], wire_dtype).view(lengths[j], r)
-            local = _unpack_bits(piece[nb:], lengths[j]).nonzero().view(-1)
+            length = cuts[j + 1] - cuts[j]
+            nb = length * rowbytes
+            rows = reinterpret(piece[:nb], wire_dtype).view(length, r)
+            local = _unpack_bits(piece[nb:], length).nonzero().view(-1)
             out_idx.append(local + cuts[j])
             out_vals.append(rows.index_select(0, local))
         else:
@@ -323,12 +358,8 @@ def _gather_regions(
             out_idx.append(i)
             out_vals.append(v)
     if not out_idx:
-        return (
-            torch.empty(0, dtype=torch.int64, device=comm.device),
-            torch.empty((0, r), dtype=wire_dtype, device=comm.device),
-            sizes,
-        )
-    return torch.cat(out_idx), torch.cat(out_vals), sizes
+        return torch.empty(0, dtype=torch.int64, device=device), torch.empty((0, r), dtype=wire_dtype, device=device)
+    return torch.cat(out_idx), torch.cat(out_vals)
 
 
 def eager_region_capacity(last_size: int) -> int:
@@ -566,10 +597,32 @@ class OkTopk(Algorithm):
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         n = acc.numel()
         k = state.k_for(n)
-        lo, hi = state.band_for(k)
-        mag = Magnitudes(acc)
-
+        band = state.band_for(k)
         # 1. Local selection by threshold.
+        lidx = self._local_selection(Magnitudes(acc), state, k, band)
+        lvals = acc.index_select(0, lidx).view(-1, 1)
+        # 2. Split and reduce the selected entries.
+        with comm.meta():
+            cuts = state.boundaries.get(lidx, n, comm)
+        ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight)
+        # 3. Global selection.
+        keep, sizes = self._global_selection(comm, Magnitudes(rvals), state, k, band, n)
+        total = sum(sizes)
+        kidx, kvals = ridx[keep], rvals[keep]
+        # 4. Balance, then all-gather.
+        gidx, gvals = self._balanced_gather(comm, kidx, kvals, sizes, n, acc.dtype, knobs["balance"])
+        state.last_local_count, state.last_global_count = lidx.numel(), total
+        # Which of this rank's entries were delivered: those whose index survived globally.
+        pos = torch.searchsorted(gidx, lidx).clamp(max=max(gidx.numel() - 1, 0))
+        hit = gidx[pos] == lidx if gidx.numel() else torch.zeros_like(lidx, dtype=torch.bool)
+        return TopkOutput(
+            indices=gidx, values=gvals.view(-1), sent=lidx[hit], local_count=lidx.numel(), global_count=total
+        )
+
+    @staticmethod
+    def _local_selection(mag: Magnitudes, state: Any, k: int, band: tuple[int, int]) -> torch.Tensor:
+        """Return the local entries at or above the threshold: the last one nudged into the band, else the exact one."""
+        lo, hi = band
         th = state.local_threshold
         exact = th is None or state.step % state.local_refresh == 0
         if not exact:
@@ -582,24 +635,24 @@ class OkTopk(Algorithm):
                 exact = True
         if exact:
             th = mag.kth_largest(k)
-        lidx = mag.indices(th)
-        lvals = acc.index_select(0, lidx).view(-1, 1)
         state.local_threshold = th
+        return mag.indices(th)
 
-        # 2. Split and reduce the selected entries.
-        with comm.meta():
-            cuts = state.boundaries.get(lidx, n, comm)
-        ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight)
+    def _global_selection(
+        self, comm: Comm, rmag: Magnitudes, state: Any, k: int, band: tuple[int, int], n: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Return which reduced entries this owner keeps, and every owner's kept count.
 
-        # 3. Global selection. The kept counts are exchanged before any entry
-        # moves. A reused threshold is nudged in the same exchange: every rank
-        # counts its entries at the reused threshold and at GLOBAL_NUDGES
-        # nudged ones on each side, and one all_gather gives every rank every
-        # count; the candidate whose total lies in the band, closest to k,
-        # wins (the same on every rank: the same totals, the same floats). If
-        # none does, the exact threshold replaces it on this very call, so the
-        # gather never exceeds the band.
-        rmag = Magnitudes(rvals)
+        The kept counts are exchanged before any entry moves. A reused
+        threshold is nudged in the same exchange: every rank counts its
+        entries at the reused threshold and at GLOBAL_NUDGES nudged ones on
+        each side, and one all_gather gives every rank every count; the
+        candidate whose total lies in the band, closest to k, wins (the same
+        on every rank: the same totals, the same floats). If none does, the
+        exact threshold replaces it on this very call, so the gather never
+        exceeds the band.
+        """
+        lo, hi = band
         gth = state.global_threshold
         exact = gth is None or state.global_exact_due or state.step % state.global_refresh == 0
         if not exact:
@@ -617,21 +670,9 @@ class OkTopk(Algorithm):
             gth = radix_kth_largest(rmag.tensor(), k, comm, n)  # owners' regions are disjoint: at most n values
             keep = rmag.mask(gth)
             sizes = self._sizes(comm, int(torch.count_nonzero(keep)))
-        total = sum(sizes)
         state.global_exact_due = False
-        kidx, kvals = ridx[keep], rvals[keep]
-
-        # 4. Balance, then all-gather.
-        gidx, gvals = self._balanced_gather(comm, kidx, kvals, sizes, n, acc.dtype, knobs["balance"])
         state.global_threshold = gth
-        state.last_local_count, state.last_global_count = lidx.numel(), total
-
-        # Which of this rank's entries were delivered: those whose index survived globally.
-        pos = torch.searchsorted(gidx, lidx).clamp(max=max(gidx.numel() - 1, 0))
-        hit = gidx[pos] == lidx if gidx.numel() else torch.zeros_like(lidx, dtype=torch.bool)
-        return TopkOutput(
-            indices=gidx, values=gvals.view(-1), sent=lidx[hit], local_count=lidx.numel(), global_count=total
-        )
+        return keep, sizes
 
     @staticmethod
     def _sizes(comm: Comm, count: int) -> list[int]:

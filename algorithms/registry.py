@@ -35,19 +35,25 @@ RESERVED: tuple[str, ...] = ("auto",)
 _registry: dict[str, "Algorithm"] = {}
 _lock = threading.RLock()
 _loaded = False
+_loading = False
 
 A = TypeVar("A")
 
 
 def _load_builtins() -> None:
-    global _loaded
-    if _loaded:
+    global _loaded, _loading
+    if _loaded or _loading:
         return
     with _lock:
-        if not _loaded:
+        if _loaded or _loading:
+            return
+        _loading = True
+        try:
             for module in BUILTIN_MODULES:
                 importlib.import_module(module)
-            _loaded = True
+        finally:
+            _loading = False
+        _loaded = True
 
 
 def register(algorithm: A) -> A:
@@ -62,6 +68,7 @@ def register(algorithm: A) -> A:
     """
     from colltune.algorithms.base import Algorithm
 
+    _load_builtins()  # a name is taken by a built-in even before the built-ins are first read
     instance = algorithm() if isinstance(algorithm, type) else algorithm
     if not isinstance(instance, Algorithm):
         raise ColltuneTypeError(

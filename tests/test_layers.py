@@ -203,6 +203,45 @@ def test_the_pure_layer_has_no_module_level_torch() -> None:
             assert not any(n.split(".")[0] == "torch" for n in names), f"{module} imports torch at module level"
 
 
+_BLOCK_TORCH = """
+import importlib.abc, sys
+
+class _BlockTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"torch is blocked here ({name})")
+
+sys.meta_path.insert(0, _BlockTorch())
+"""
+
+
+def test_the_pure_layer_imports_and_works_with_torch_blocked() -> None:
+    code = _BLOCK_TORCH + f"""
+import importlib
+for name in {PURE!r}:
+    importlib.import_module(name)
+import colltune.algorithms.errors, colltune.algorithms.registry, colltune.algorithms.knobs
+from colltune.algorithms.schedule import Pricing
+from colltune.model.features import Features
+from colltune.model.profile import load_profile
+from colltune.model.policy import parse_policy
+prof = load_profile({str(ROOT / "profiles" / "cpu-gloo.yaml")!r})
+policy = parse_policy("version: 1\\ndefault: auto\\n", source="inline")
+f = Features.build(numel=2**20, row_numel=1, dtype="float32", k_per_rank=[1000, 1000], union=1500)
+assert "torch" not in sys.modules
+print("ok", len(prof.measurements), policy.default, f.world_size)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok "), out.stdout
+
+
+def test_the_torch_blocker_blocks() -> None:
+    out = subprocess.run([sys.executable, "-c", _BLOCK_TORCH + "import torch"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "torch is blocked" in out.stderr
+
+
 @pytest.mark.parametrize("top", ["tuner", "algorithms"])
 def test_no_generic_top_level_package_is_installed(top: str) -> None:
     out = subprocess.run([sys.executable, "-c", f"import {top}"], capture_output=True, text=True, cwd="/",

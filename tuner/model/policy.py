@@ -676,6 +676,8 @@ class _Parser:
         return node.value.lower() == "true"
 
     def algorithm(self, node: Node, key: str, *, allow_auto: bool) -> str:
+        if allow_auto and isinstance(node, ScalarNode) and node.value == AUTO:
+            return self.string(node, key, "allowed: auto")  # no need to load the registry
         names = ((AUTO,) if allow_auto else ()) + self.algorithms
         allowed = "allowed: " + ", ".join(names)
         name = self.string(node, key, allowed)
