@@ -680,26 +680,14 @@ class LearnedCostModel(BaseEstimator):
         """
         self._check_params()
         feats, algs, times = _training_rows(X, y, algorithms)
-        prior = self._prior()
         seen = [a for a in ALGORITHMS if a in set(algs)]
-        alg_col = {a: i for i, a in enumerate(seen)}
-
-        designs: dict[Features, dict[str, np.ndarray]] = {}
-        for f in feats:
-            if f not in designs:
-                designs[f] = prior.design(f)
-        theta0 = prior.parameter_vector()
-        n_theta = theta0.size
-        A = np.zeros((len(feats), n_theta + len(seen)))
-        for i, (f, a) in enumerate(zip(feats, algs)):
-            A[i, :n_theta] = designs[f][a]
-            A[i, n_theta + alg_col[a]] = 1.0
+        A = self._design_matrix(feats, algs, seen)
+        n_theta = len(PARAM_NAMES)
         if self.calibrate:
-            theta, overhead = _calibrate(A, times, theta0, n_theta)
+            theta, overhead = _calibrate(A, times, self._prior().parameter_vector(), n_theta)
         else:
-            theta, overhead = theta0, np.zeros(len(seen))
+            theta, overhead = self._prior().parameter_vector(), np.zeros(len(seen))
         analytic = AnalyticModel.from_parameter_vector(theta)
-
         vectors: dict[Features, np.ndarray] = {}
         for f in feats:
             if f not in vectors:
@@ -707,13 +695,9 @@ class LearnedCostModel(BaseEstimator):
         Xf = np.stack([vectors[f] for f in feats])
         base = A[:, :n_theta] @ theta + A[:, n_theta:] @ overhead
         resid = np.log(times) - np.log(np.maximum(base, _TINY_US))
-
-        residual: dict[str, dict[str, Any]] = {}
         algs_arr = np.asarray(algs)
-        for a in seen:
-            mask = algs_arr == a
-            residual[a] = self._fit_regressor(Xf[mask], resid[mask])
-
+        residual = {a: self._fit_regressor(Xf[algs_arr == a], resid[algs_arr == a]) for a in seen}
+        alg_col = {a: i for i, a in enumerate(seen)}
         self.algorithms_ = tuple(seen)
         self.primitives_ = dict(analytic.primitives)
         self.overhead_us_ = {a: float(overhead[alg_col[a]]) for a in seen}
@@ -724,6 +708,21 @@ class LearnedCostModel(BaseEstimator):
         self._analytic_ = analytic
         logger.debug("fitted LearnedCostModel(%s) on %d measurements of %s", self.estimator, len(feats), seen)
         return self
+
+    def _design_matrix(self, feats: list[Features], algs: list[str], seen: list[str]) -> np.ndarray:
+        """Return each row's coefficients on the prior's constants, then a one-hot overhead column per algorithm."""
+        prior = self._prior()
+        designs: dict[Features, dict[str, np.ndarray]] = {}
+        for f in feats:
+            if f not in designs:
+                designs[f] = prior.design(f)
+        n_theta = len(PARAM_NAMES)
+        col = {a: n_theta + i for i, a in enumerate(seen)}
+        A = np.zeros((len(feats), n_theta + len(seen)))
+        for i, (f, a) in enumerate(zip(feats, algs)):
+            A[i, :n_theta] = designs[f][a]
+            A[i, col[a]] = 1.0
+        return A
 
     def _fit_regressor(self, X: np.ndarray, r: np.ndarray) -> dict[str, Any]:
         if self.estimator == "none" or r.size < 5:
@@ -971,6 +970,33 @@ def cross_validate(
     from sklearn.model_selection import GroupKFold, LeaveOneGroupOut
 
     ms = _measurements_of(measurements)
+    group_ids, n_groups = _group_ids(ms, groups)
+    splitter = LeaveOneGroupOut() if n_splits is None else GroupKFold(n_splits=min(int(n_splits), n_groups))
+    base_model = model if model is not None else LearnedCostModel()
+    rel_err: dict[str, list[float]] = {}
+    regrets: list[float] = []
+    n_folds = 0
+    for train, test in splitter.split(np.zeros((len(ms), 1)), groups=group_ids):
+        n_folds += 1
+        fitted = clone(base_model).fit([ms[i] for i in train])
+        _score_fold(fitted, [ms[i] for i in test], rel_err, regrets)
+    per_alg = {
+        a: {"n": len(v), "median_rel_error": float(np.median(v)), "p90_rel_error": float(np.percentile(v, 90))}
+        for a, v in ((a, rel_err[a]) for a in ALGORITHMS if a in rel_err)
+    }
+    return {
+        "n_measurements": len(ms),
+        "n_groups": n_groups,
+        "n_folds": n_folds,
+        "per_algorithm": per_alg,
+        "regret": _regret_summary(np.asarray(regrets, dtype=np.float64)),
+    }
+
+
+def _group_ids(
+    ms: list[Measurement], groups: Sequence[Hashable] | Callable[[Measurement], Hashable] | None
+) -> tuple[np.ndarray, int]:
+    """Return a group number per measurement and the number of groups (at least two)."""
     labels: list[Hashable]
     if groups is None:
         labels = [default_group(m) for m in ms]
@@ -984,52 +1010,36 @@ def cross_validate(
     if len(distinct) < 2:
         raise ColltuneValueError(f"cross-validation needs at least 2 groups, but got {len(distinct)}.")
     code = {g: i for i, g in enumerate(distinct)}
-    group_ids = np.array([code[g] for g in labels])
-    splitter = LeaveOneGroupOut() if n_splits is None else GroupKFold(n_splits=min(int(n_splits), len(distinct)))
-    base_model = model if model is not None else LearnedCostModel()
+    return np.array([code[g] for g in labels]), len(distinct)
 
-    rel_err: dict[str, list[float]] = {}
-    regrets: list[float] = []
-    n_folds = 0
-    dummy = np.zeros((len(ms), 1))
-    for train, test in splitter.split(dummy, groups=group_ids):
-        n_folds += 1
-        fitted = clone(base_model).fit([ms[i] for i in train])
-        configs: dict[tuple[Hashable, ...], list[Measurement]] = {}
-        for i in test:
-            configs.setdefault(_config_key(ms[i]), []).append(ms[i])
-        for rows in configs.values():
-            pred = fitted.predict_times(measurement_to_features(rows[0]))
-            measured: dict[str, float] = {}
-            for m in rows:
-                if m.algorithm in pred:
-                    rel_err.setdefault(m.algorithm, []).append(abs(pred[m.algorithm] - m.time_us) / m.time_us)
-                measured[m.algorithm] = min(measured.get(m.algorithm, math.inf), m.time_us)
-            candidates = [a for a in ALGORITHMS if a in measured and a in pred]
-            if len(candidates) >= 2:
-                chosen = min(candidates, key=lambda a: (pred[a], ALGORITHMS.index(a)))
-                regrets.append(measured[chosen] / min(measured[a] for a in candidates))
 
-    per_alg = {
-        a: {
-            "n": len(v),
-            "median_rel_error": float(np.median(v)),
-            "p90_rel_error": float(np.percentile(v, 90)),
-        }
-        for a, v in ((a, rel_err[a]) for a in ALGORITHMS if a in rel_err)
-    }
-    r = np.asarray(regrets, dtype=np.float64)
-    regret = {
-        "n_configs": int(r.size),
-        "geomean": float(np.exp(np.mean(np.log(r)))) if r.size else float("nan"),
-        "p95": float(np.percentile(r, 95)) if r.size else float("nan"),
-        "max": float(r.max()) if r.size else float("nan"),
-        "optimal_fraction": float(np.mean(r <= 1.0)) if r.size else float("nan"),
-    }
+def _score_fold(
+    fitted: LearnedCostModel, held_out: list[Measurement], rel_err: dict[str, list[float]], regrets: list[float]
+) -> None:
+    """Add the held-out measurements' relative errors and their configurations' selection regrets."""
+    configs: dict[tuple[Hashable, ...], list[Measurement]] = {}
+    for m in held_out:
+        configs.setdefault(_config_key(m), []).append(m)
+    for rows in configs.values():
+        pred = fitted.predict_times(measurement_to_features(rows[0]))
+        measured: dict[str, float] = {}
+        for m in rows:
+            if m.algorithm in pred:
+                rel_err.setdefault(m.algorithm, []).append(abs(pred[m.algorithm] - m.time_us) / m.time_us)
+            measured[m.algorithm] = min(measured.get(m.algorithm, math.inf), m.time_us)
+        candidates = [a for a in ALGORITHMS if a in measured and a in pred]
+        if len(candidates) >= 2:
+            chosen = min(candidates, key=lambda a: (pred[a], ALGORITHMS.index(a)))
+            regrets.append(measured[chosen] / min(measured[a] for a in candidates))
+
+
+def _regret_summary(r: np.ndarray) -> dict[str, Any]:
+    """Return the geometric mean, 95th percentile, maximum and optimal fraction of the regrets ``r``."""
+    nan = float("nan")
     return {
-        "n_measurements": len(ms),
-        "n_groups": len(distinct),
-        "n_folds": n_folds,
-        "per_algorithm": per_alg,
-        "regret": regret,
+        "n_configs": int(r.size),
+        "geomean": float(np.exp(np.mean(np.log(r)))) if r.size else nan,
+        "p95": float(np.percentile(r, 95)) if r.size else nan,
+        "max": float(r.max()) if r.size else nan,
+        "optimal_fraction": float(np.mean(r <= 1.0)) if r.size else nan,
     }

@@ -695,9 +695,28 @@ class _Parser:
             self.loader.dispose()
 
     def _parse(self) -> Policy:
+        root = self.compose()
+        self.check_tags(root)
+        items = {k: (kn, vn) for k, kn, vn in self.mapping(root, "", "a mapping of policy keys", _TOP_KEYS)}
+        version = self.version(root, items)
+        profile, profile_path = self.profile(items)
+        default = AUTO
+        if "default" in items:
+            default = self.algorithm(items["default"][1], "default", allow_auto=True)
+        knobs: dict[str, dict[str, Any]] = {}
+        if "knobs" in items:
+            knobs = self.knobs(items["knobs"][1], "knobs", None)
+        frozen_knobs = _freeze_knobs(knobs)
+        rules = self.rules(items["rules"][1], default, frozen_knobs) if "rules" in items else []
+        return Policy(version, default, tuple(rules), frozen_knobs, profile, profile_path, self.source)
+
+    def compose(self) -> Node:
+        """Return the document's node graph, checked by :mod:`colltune.model.yamlsafe` before any value is built.
+
+        Aliases that repeat too much or nesting too deep are refused, as are
+        YAML syntax errors and an empty document, with the line.
+        """
         try:
-            # Composed, then checked by colltune.yamlsafe before any value is built:
-            # aliases that repeat too much or nesting too deep are refused.
             root = yamlsafe.compose(self.loader)
         except yamlsafe.YamlLimitError as e:
             raise PolicyError(e.problem, self.source, e.line, None, e.fix) from None
@@ -714,8 +733,10 @@ class _Parser:
         if root is None:
             raise PolicyError("the policy is empty", self.source, 1, None,
                               "a policy needs at least 'version: 1'")
-        self.check_tags(root)
-        items = {k: (kn, vn) for k, kn, vn in self.mapping(root, "", "a mapping of policy keys", _TOP_KEYS)}
+        return root
+
+    def version(self, root: Node, items: dict[str, tuple[Node, Node]]) -> int:
+        """Return the required ``version``, one of :data:`SUPPORTED_VERSIONS`."""
         if "version" not in items:
             raise self.fail(root, None, "missing required key 'version'", "add 'version: 1' at the top")
         vnode = items["version"][1]
@@ -726,43 +747,39 @@ class _Parser:
         if version not in SUPPORTED_VERSIONS:
             raise self.fail(vnode, "version", f"unsupported version {version}",
                             "allowed: " + ", ".join(map(str, SUPPORTED_VERSIONS)))
+        return version
 
-        profile = profile_path = None
-        if "profile" in items and not self.is_null(items["profile"][1]):
-            pnode = items["profile"][1]
-            profile = self.string(pnode, "profile", "allowed: a path to a profile YAML file")
-            if not profile.strip():
-                raise self.fail(pnode, "profile", "empty path", "allowed: a path to a profile YAML file, or leave the key out")
-            profile_path = Path(os.path.expanduser(profile))
-            if not profile_path.is_absolute() and self.base_dir is not None:
-                profile_path = self.base_dir / profile_path
+    def profile(self, items: dict[str, tuple[Node, Node]]) -> tuple[str | None, Path | None]:
+        """Return the ``profile`` as written and as a path (relative to the policy's directory), or ``None``."""
+        if "profile" not in items or self.is_null(items["profile"][1]):
+            return None, None
+        pnode = items["profile"][1]
+        profile = self.string(pnode, "profile", "allowed: a path to a profile YAML file")
+        if not profile.strip():
+            raise self.fail(pnode, "profile", "empty path", "allowed: a path to a profile YAML file, or leave the key out")
+        profile_path = Path(os.path.expanduser(profile))
+        if not profile_path.is_absolute() and self.base_dir is not None:
+            profile_path = self.base_dir / profile_path
+        return profile, profile_path
 
-        default = AUTO
-        if "default" in items:
-            default = self.algorithm(items["default"][1], "default", allow_auto=True)
-
-        knobs: dict[str, dict[str, Any]] = {}
-        if "knobs" in items:
-            knobs = self.knobs(items["knobs"][1], "knobs", None)
-        frozen_knobs = _freeze_knobs(knobs)
-
+    def rules(self, rnode: Node, default: str, frozen_knobs: _FrozenDict) -> list[Rule]:
+        """Return the ``rules`` list, each rule checked, names unique."""
+        if self.is_null(rnode):
+            return []
+        if not isinstance(rnode, SequenceNode):
+            raise self.fail(rnode, "rules", f"expected a list of rules, got {_describe(rnode)}",
+                            "write each rule as '- when: ... use: ...'")
         rules: list[Rule] = []
-        if "rules" in items:
-            rnode = items["rules"][1]
-            if not self.is_null(rnode):
-                if not isinstance(rnode, SequenceNode):
-                    raise self.fail(rnode, "rules", f"expected a list of rules, got {_describe(rnode)}",
-                                    "write each rule as '- when: ... use: ...'")
-                names: dict[str, int] = {}
-                for i, node in enumerate(rnode.value):
-                    rule = self.rule(node, i, default, frozen_knobs)
-                    if rule.name is not None:
-                        if rule.name in names:
-                            raise self.fail(node, f"rules[{i}].name", f"duplicate rule name {rule.name!r} "
-                                            f"(first at line {names[rule.name]})", "give each rule its own name")
-                        names[rule.name] = rule.line
-                    rules.append(rule)
-        return Policy(version, default, tuple(rules), frozen_knobs, profile, profile_path, self.source)
+        names: dict[str, int] = {}
+        for i, node in enumerate(rnode.value):
+            rule = self.rule(node, i, default, frozen_knobs)
+            if rule.name is not None:
+                if rule.name in names:
+                    raise self.fail(node, f"rules[{i}].name", f"duplicate rule name {rule.name!r} "
+                                    f"(first at line {names[rule.name]})", "give each rule its own name")
+                names[rule.name] = rule.line
+            rules.append(rule)
+        return rules
 
     def check_tags(self, root: Node) -> None:
         """Reject any tag beyond plain data (``!!python/...``, custom ``!tags``)."""
