@@ -142,7 +142,10 @@ class Allgather(Algorithm):
 
     name = "allgather"
     knob_specs = (
-        Knob("mode", "auto", "how unequal counts are gathered: p2p, pad or all-to-all", choices=_MODES,
+        Knob("mode", "auto", "`p2p` (indices and rows sent to every peer as separate messages, received in place: no packing), "
+             "`pad` (one `all_gather` of packed entries padded to the largest count), `alltoall` (exact sizes), "
+             "`auto` (`p2p` for rows of 32 bytes or more, such as embedding rows, else pad unless padding adds "
+             "over 25%)", choices=_MODES,
              tune=("exact",)),
     )
     TERMS = ("metadata", "entries_gather", "merge")

@@ -480,18 +480,19 @@ class OkTopk(Algorithm):
 
     name = "oktopk"
     knob_specs = (
-        Knob("boundary_refresh", 64, "recompute region boundaries every this many calls", minimum=1,
+        Knob("boundary_refresh", 64, "recompute region boundaries every N calls (per group and size)", minimum=1,
              tune=("exact", "topk"), search=(1, 256, True)),
-        Knob("peers_in_flight", 8, "point-to-point exchanges posted at once in the split", minimum=1,
+        Knob("peers_in_flight", 8, "rotated point-to-point steps posted at once (all peers at once up to 9 ranks)", minimum=1,
              tune=("exact", "topk"), search=(1, None, False)),
-        Knob("dense_fallback_ratio", 1.0, "fall back to dense once reduced data passes this share of dense",
+        Knob("dense_fallback_ratio", 1.0, "a region travels dense when its sparse bytes reach this fraction of its dense bytes",
              minimum=0.0, exclusive=True, tune=("exact",), search=(0.1, 2.0, True)),
-        Knob("gather_mode", "auto", "how the reduced regions are gathered (as allgather.mode)",
+        Knob("gather_mode", "auto", "how the reduced regions are gathered (as `allgather.mode`; `p2p` only when no region travels "
+             "dense). Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
              choices=("auto", "p2p", "pad", "alltoall")),
         Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
-        Knob("local_refresh", 32, "exact local threshold every this many calls", minimum=1, state=True,
+        Knob("local_refresh", 32, "top-k mode: compute the exact local threshold every N calls (a `TopkState` field)", minimum=1, state=True,
              tune=("topk",), search=(1, 128, True)),
-        Knob("global_refresh", 32, "exact global threshold every this many calls", minimum=1, state=True,
+        Knob("global_refresh", 32, "top-k mode: compute the exact global threshold every N calls (a `TopkState` field)", minimum=1, state=True,
              tune=("topk",), search=(1, 128, True)),
     )
     TERMS = (

@@ -7,7 +7,7 @@ that every rank shares, and the cost model turns it into predicted times.
 rank's bitmap with torch on the tensors' device and combines the bitmaps in
 one ``all_reduce``.
 
-Overlap (see the design notes): with ``k_p`` the nonzeros of rank ``p`` after
+Overlap: with ``k_p`` the nonzeros of rank ``p`` after
 coalescing, ``K = sum(k_p)`` and ``u`` the size of the union of the index sets::
 
     overlap = (K - u) / (K - max(k_p))        # 0: disjoint, 1: identical

@@ -260,7 +260,7 @@ def known_algorithms() -> tuple[str, ...]:
 # --------------------------------------------------------------------------- frozen data
 
 
-class _FrozenDict(dict):  # type: ignore[type-arg]
+class _FrozenDict(dict):
     """A read-only, hashable, picklable dict (decisions are shared and cached)."""
 
     __slots__ = ()
@@ -519,7 +519,7 @@ class Policy:
             numel: number of elements of the dense tensor.
             density: fraction of nonzero rows (or selected entries), in [0, 1].
             world_size: number of ranks.
-            overlap: index overlap in [0, 1] (see the design notes), or
+            overlap: index overlap in [0, 1] (defined in :mod:`colltune.model.features`), or
                 ``None`` before it is measured.
             dtype: value dtype, as a name (``float32``) or a ``torch.dtype``.
 

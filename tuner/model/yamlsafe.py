@@ -182,7 +182,7 @@ except ImportError:  # pragma: no cover - PyYAML built without libyaml
 
 if CParser is not None:
 
-    class _CEventLoader(Composer, CParser, SafeConstructor, Resolver):  # type: ignore[misc]
+    class _CEventLoader(Composer, CParser, SafeConstructor, Resolver):
         """libyaml's parser with PyYAML's Python composer, which fails cleanly when too deep."""
 
         def __init__(self, stream: str | bytes) -> None:
