@@ -38,8 +38,9 @@ README gives the measured effect and its command.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -124,6 +125,22 @@ class _MetaScope:
         self.comm._meta = self.prev
 
 
+T = TypeVar("T")
+
+
+class _NoGroup:
+    """Stands for the group of calls made without a process group (world size 1)."""
+
+
+_NO_GROUP = _NoGroup()
+
+#: What the algorithms keep per process group, for as long as the group object
+#: lives: ``{group: {key: state}}`` (the metadata record's eager-slot size,
+#: Ok-Topk's boundaries per size). Weakly keyed, so a destroyed group's state
+#: goes with it; every rank of a group changes it at the same calls.
+_GROUP_STATE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
 class Comm:
     """One rank's view of a process group, with traffic counting.
 
@@ -171,6 +188,31 @@ class Comm:
     def host(self) -> bool:
         """True when this view's tensors take the host path (:func:`~colltune.algorithms.sparse.on_host` of its device)."""
         return on_host(self.device)
+
+    @property
+    def group_object(self) -> Any:
+        """The object that stands for this group: the group, the default group, or one for no process group."""
+        if self.group is not None:
+            return self.group
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else _NO_GROUP
+
+    def group_state(self, key: str, factory: Callable[[], T] | None = None) -> T | None:
+        """Return the state this group keeps under ``key``; make it with ``factory`` when missing (else ``None``).
+
+        The one owner of per-group state: it lives as long as the group
+        object. A lookup without ``factory`` changes nothing, so it may run
+        where a rank with bad input skips it.
+        """
+        states = _GROUP_STATE.get(self.group_object)
+        if states is None:
+            if factory is None:
+                return None
+            states = _GROUP_STATE[self.group_object] = {}
+        if key not in states:
+            if factory is None:
+                return None
+            states[key] = factory()
+        return states[key]
 
     def meta(self) -> _MetaScope:
         """Count the traffic of the calls inside (a ``with`` block) as control data (see :class:`Traffic`)."""

@@ -50,13 +50,11 @@ owner, and then copied to everyone.
 from __future__ import annotations
 
 import math
-import weakref
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.sparse import (
@@ -94,21 +92,8 @@ class _ExactState:
 #: The most sizes whose state one group keeps; the least recently run is forgotten first (and refreshes
 #: its boundaries if it comes back). Every rank runs the same calls, so every rank forgets the same size.
 MAX_SIZES = 1024
-#: Per process group, for as long as the group lives: each size's state, least recently run first.
-_exact_state: weakref.WeakKeyDictionary[Any, OrderedDict[int, _ExactState]] = weakref.WeakKeyDictionary()
-
-
-class _NoGroup:
-    """Stands for the group of a call made without a process group (world size 1)."""
-
-
-_NO_GROUP = _NoGroup()
-
-
-def _group_object(comm: Comm) -> Any:
-    if comm.group is not None:
-        return comm.group
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else _NO_GROUP
+#: The key of Ok-Topk's per-group state (:meth:`Comm.group_state`): each size's state, least recently run first.
+_STATE_KEY = "oktopk.exact"
 
 
 def _exact_entry(comm: Comm, size: int, refresh: int | None = None) -> _ExactState | None:
@@ -117,7 +102,7 @@ def _exact_entry(comm: Comm, size: int, refresh: int | None = None) -> _ExactSta
     A lookup only: it runs before the metadata exchange, where a rank with
     bad input skips it, so it must not change what the ranks keep.
     """
-    sizes = _exact_state.get(_group_object(comm))
+    sizes: OrderedDict[int, _ExactState] | None = comm.group_state(_STATE_KEY)
     st = None if sizes is None else sizes.get(size)
     if st is None or (refresh is not None and st.bounds.refresh != refresh):
         return None
@@ -538,9 +523,8 @@ class OkTopk(Algorithm):
     def _state(comm: Comm, size: int, knobs: dict[str, Any]) -> _ExactState:
         """Return this (group, size)'s state, made afresh for a new group or another refresh period."""
         refresh = knobs["boundary_refresh"]
-        sizes = _exact_state.get(_group_object(comm))
-        if sizes is None:
-            sizes = _exact_state[_group_object(comm)] = OrderedDict()
+        sizes = comm.group_state(_STATE_KEY, OrderedDict)
+        assert sizes is not None
         st = sizes.get(size)
         if st is None or st.bounds.refresh != refresh:
             st = sizes[size] = _ExactState(refresh)

@@ -69,9 +69,9 @@ def test_name_codes_stop_growing_at_their_bound(monkeypatch):
 
 def _rank_oktopk_sizes(rank: int, world_size: int, sizes: int, cap: int) -> dict:
     import colltune
-    from colltune.algorithms import oktopk
+    from colltune.algorithms import comm, oktopk
 
-    before = len(oktopk._exact_state)
+    before = len(comm._GROUP_STATE)
     group = dist.new_group(list(range(world_size)))
     old, oktopk.MAX_SIZES = oktopk.MAX_SIZES, cap
     try:
@@ -79,7 +79,7 @@ def _rank_oktopk_sizes(rank: int, world_size: int, sizes: int, cap: int) -> dict
         for n in range(100, 100 + sizes):
             res = colltune.sparse_allreduce(torch.tensor([rank, n - 1]), torch.ones(2), n, group=group, algorithm="oktopk")
             dense.append(res.to_dense())
-        kept = len(oktopk._exact_state[group])
+        kept = len(comm._GROUP_STATE[group][oktopk._STATE_KEY])
         # The first size again, long forgotten: it refreshes its boundaries, the same way on every rank.
         again = colltune.sparse_allreduce(torch.tensor([rank, 99]), torch.ones(2), 100, group=group, algorithm="oktopk")
     finally:
@@ -88,7 +88,7 @@ def _rank_oktopk_sizes(rank: int, world_size: int, sizes: int, cap: int) -> dict
     del group
     gc.collect()
     return {"kept": kept, "dense": dense, "again": again.to_dense(), "before": before,
-            "after": len(oktopk._exact_state)}
+            "after": len(comm._GROUP_STATE)}
 
 
 def test_oktopk_keeps_state_for_a_bounded_number_of_sizes_per_living_group():
