@@ -1,4 +1,4 @@
-"""Training integration (``colltune.train.ddp``): the DDP comm hook and the sparse-gradient synchronizer.
+"""Training integration (``colltune.train``): the DDP comm hook and the sparse-gradient synchronizer.
 
 Each distributed check runs in the shared rank pools and compares with what
 plain ``DistributedDataParallel`` computes on the same data:
@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from harness import pool
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
-from colltune.train.ddp import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
+from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
 from colltune.model.policy import parse_policy
 
 ROWS, DIM = 200, 8

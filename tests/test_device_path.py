@@ -170,7 +170,7 @@ def test_coalesce_and_merge_give_the_host_bits():
 
 
 def test_sketches_and_embedding_row_sums_give_the_host_bits():
-    from colltune.train.ddp import _coalesce_rows
+    from colltune.train.sync import _coalesce_rows
     from colltune.model.features import sketch_hashes
 
     g = torch.Generator().manual_seed(11)

@@ -15,11 +15,11 @@ the initial weights are the same for all):
 ``ddp-dense``          DDP over the whole model, dense embedding gradients (256 MB allreduce per step)
 ``ddp-sparse``         DDP over the whole model, ``nn.Embedding(sparse=True)`` (gloo's sparse allreduce)
 ``colltune``           DDP over the MLP only; the embedding outside DDP, its sparse gradient
-                       averaged exactly by ``colltune.train.ddp.SparseGradSync`` (``--algorithm``, ``auto``
+                       averaged exactly by ``colltune.train.SparseGradSync`` (``--algorithm``, ``auto``
                        by default) before every ``optimizer.step()``
 ``colltune-sync-all``  no DDP at all: the synchronizer alone averages the embedding's sparse
                        gradient (as above) and the MLP's gradients (one bucketed allreduce)
-``colltune-topk``      as ``colltune``, plus ``colltune.train.ddp.colltune_hook`` on the MLP's DDP: top-k
+``colltune-topk``      as ``colltune``, plus ``colltune.train.colltune_hook`` on the MLP's DDP: top-k
                        compression with error feedback after ``--warmup`` dense steps
 
 Every run prints the loss, the step time, the bytes this rank sent per step
@@ -64,7 +64,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from colltune.train.ddp import ColltuneHookState, SparseGradSync, colltune_hook  # noqa: E402
+from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook  # noqa: E402
 from colltune.offline.launch import in_torchrun, run_here, run_local  # noqa: E402
 
 MODES = ("ddp-dense", "ddp-sparse", "colltune", "colltune-sync-all", "colltune-topk")

@@ -1,0 +1,254 @@
+"""What the DDP hook and the sparse-gradient synchronizer share: routing, checks, state records.
+
+Routing, per parameter, the same on every rank (checked once with one small
+collective; ranks that disagree raise :class:`~colltune.algorithms.errors.RankMismatchError`):
+
+1. ``COLLTUNE_ALGO`` (the environment) overrides everything below.
+2. A policy rule (or a policy ``default``) that names an algorithm: ``dense``
+   keeps the parameter dense; ``allgather`` / ``oktopk`` compress a dense
+   gradient with top-k, or run that exact algorithm on a sparse gradient.
+3. Otherwise (``auto``): sparse gradients use the ``algorithm`` argument
+   (``auto`` asks the selector); dense gradients follow the ``dense`` mode
+   (hook: compress) and compress only from ``min_compress_numel`` elements.
+
+Both products keep their state (residuals, thresholds, the routing
+decisions) apart from the process group, in PowerSGD's style, and
+round-trip it through ``state_dict()`` / ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import torch
+import torch.distributed as dist
+
+from colltune import algorithms as _algorithms
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
+from colltune.algorithms.state import TopkState
+from colltune.model.policy import AUTO, DEFAULT_POLICY, Decision, Overrides, Policy, load_policy, policy_from_env
+
+__all__ = ["TensorStats"]
+
+logger = logging.getLogger(__name__)
+
+TopkAlgorithm = Literal["auto", "allgather", "oktopk"]
+
+_STATE_VERSION = 1
+_TOPK_ALGORITHMS: tuple[str, ...] = ("auto", "allgather", "oktopk")
+# Policy knobs that live in the TopkState rather than in the algorithm.
+_STATE_KNOBS: tuple[str, ...] = ("local_refresh", "global_refresh", "boundary_refresh", "peers_in_flight")
+
+
+def _check_int(label: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ColltuneTypeError(f"{label} must be an int >= {minimum}, but got {value!r}.")
+    if value < minimum:
+        raise ColltuneValueError(f"{label} must be an int >= {minimum}, but got {value}.")
+    return value
+
+
+def _check_density(density: Any) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise ColltuneTypeError(f"density must be a float in (0, 1], but got {density!r}.")
+    if not 0.0 < float(density) <= 1.0:
+        raise ColltuneValueError(f"density must be in (0, 1], e.g. 0.01 for 1% of the entries, but got {density}.")
+    return float(density)
+
+
+def _check_choice(label: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ColltuneValueError(f"{label} must be one of {', '.join(allowed)}, but got {value!r}.")
+    return value
+
+
+def _resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
+    """Return ``(policy, overrides, what to pass as policy= to the front door)``.
+
+    ``None`` means what ``auto`` calls use anyway: the process-wide selector's
+    policy when the selector exists, else ``COLLTUNE_POLICY`` or no rules.
+    """
+    try:
+        from colltune.select import selector as _selector
+    except ImportError:  # an older tree without the selector: read the policy ourselves
+        _selector = None  # type: ignore[assignment]
+    if _selector is not None and (policy is None or isinstance(policy, (Policy, str, os.PathLike, _selector.Selector))):
+        sel = _selector.selector_for(policy)
+        return sel.policy, sel.overrides, policy
+    env_policy, overrides = policy_from_env()
+    if policy is None:
+        return env_policy or DEFAULT_POLICY, overrides, None
+    if isinstance(policy, Policy):
+        return env_policy or policy, overrides, policy
+    if isinstance(policy, (str, os.PathLike)):
+        return env_policy or load_policy(policy), overrides, policy
+    raise ColltuneTypeError(
+        f"policy must be a colltune.model.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
+        f"but got {type(policy).__name__}."
+    )
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return 1
+
+
+def _digest(data: Any) -> int:
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+def _check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise on every rank when ranks routed their tensors differently (they would deadlock otherwise)."""
+    if _world_size(group) == 1:
+        return
+    d = _digest(plan)
+    buf = torch.tensor([d, -d], dtype=torch.int64, device=_group_device(group))
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    if int(buf[0]) != -int(buf[1]):
+        raise RankMismatchError(
+            f"{what}: ranks routed their gradients differently (different policies, COLLTUNE_ALGO, options "
+            f"or models); this rank's plan is {json.dumps(plan)[:500]}. Give every rank the same model, "
+            "options, policy file and environment."
+        )
+
+
+def _ring_bytes(numel: int, itemsize: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``numel`` elements (textbook schedule)."""
+    return 0 if world_size <= 1 else (2 * numel * itemsize * (world_size - 1)) // world_size
+
+
+@dataclass
+class TensorStats:
+    """What one tensor (a parameter, or a bucket's part) went through.
+
+    Attributes:
+        route: ``sparse`` (exact sparse allreduce), ``topk`` (compressed) or
+            ``dense`` (allreduce).
+        algorithm: the algorithm of the last call (``dense`` for allreduce).
+        reason: why it was routed so (the policy rule, the mode, the warm-up).
+        calls: calls so far.
+        bytes_sent: bytes this rank sent for it, in total.
+        last_bytes: bytes this rank sent for it in the last call.
+    """
+
+    route: str
+    algorithm: str
+    reason: str = ""
+    calls: int = 0
+    bytes_sent: int = 0
+    last_bytes: int = 0
+
+    def record(self, algorithm: str, nbytes: int) -> None:
+        self.algorithm = algorithm
+        self.calls += 1
+        self.bytes_sent += nbytes
+        self.last_bytes = nbytes
+
+
+@dataclass(frozen=True)
+class _Route:
+    route: str  # "sparse" | "topk" | "dense"
+    algorithm: str  # the algorithm passed to the front door (or "dense")
+    knobs: Mapping[str, Any] = field(default_factory=dict)
+    state_knobs: Mapping[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    def plan(self) -> list[Any]:
+        return [self.route, self.algorithm, sorted(self.knobs.items()), sorted(self.state_knobs.items())]
+
+
+def _split_knobs(decision: Decision, algorithm: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a decision's knobs for ``algorithm`` into algorithm knobs and TopkState knobs."""
+    if algorithm in (AUTO, "dense"):
+        return {}, {}
+    given = decision.knobs_for(algorithm)
+    accepted = getattr(_algorithms.get(algorithm), "knobs", {})
+    algo = {k: v for k, v in given.items() if k in accepted}
+    state = {k: v for k, v in given.items() if k in _STATE_KNOBS and k not in accepted}
+    return algo, state
+
+
+def _route_for(
+    decision: Decision,
+    overrides: Overrides,
+    *,
+    sparse: bool,
+    numel: int,
+    default_sparse: str,
+    dense_mode: str,
+    topk_algorithm: str,
+    min_compress_numel: int,
+) -> _Route:
+    """Decide how one parameter's gradient travels (see the module docstring for the precedence)."""
+    forced = overrides.apply(decision) if overrides.algorithm is not None else None
+    # COLLTUNE_ALGO=auto lets the selector decide even where a rule pins an algorithm.
+    unpinned = forced is not None and forced.algorithm == AUTO
+    pinned = decision.algorithm if decision.algorithm != AUTO and not unpinned else None
+    if sparse:
+        if forced is not None and forced.algorithm != AUTO:
+            algo, why = forced.algorithm, forced.reason
+        elif pinned is not None:
+            algo, why = pinned, decision.reason
+        else:
+            algo, why = default_sparse, ("the algorithm argument" if default_sparse != AUTO else "auto: the selector")
+        knobs, state_knobs = _split_knobs(decision, algo)
+        return _Route("sparse", algo, knobs, state_knobs, why)
+    # Dense gradient: dense allreduce or top-k compression.
+    if dense_mode == "skip":
+        return _Route("skip", "none", reason="dense='skip': left to DDP or the caller")
+    if pinned == "dense" or (forced is not None and forced.algorithm == "dense"):
+        return _Route("dense", "dense", reason=(forced or decision).reason)
+    if pinned is not None:
+        compress, algo, why = True, pinned, decision.reason
+    elif dense_mode == "topk" and numel >= min_compress_numel:
+        compress, algo, why = True, topk_algorithm, f"dense='topk', numel {numel} >= min_compress_numel"
+    elif dense_mode == "topk":
+        compress, algo, why = False, "dense", f"numel {numel} < min_compress_numel {min_compress_numel}"
+    else:
+        compress, algo, why = False, "dense", "dense='allreduce'"
+    if not compress:
+        return _Route("dense", "dense", reason=why)
+    if forced is not None and forced.algorithm != AUTO:
+        algo, why = forced.algorithm, forced.reason
+    knobs, state_knobs = _split_knobs(decision, algo)
+    return _Route("topk", algo, knobs, state_knobs, why)
+
+
+def _new_topk_state(density: float, state_knobs: Mapping[str, Any]) -> TopkState:
+    return TopkState(density=density, **dict(state_knobs))
+
+
+def _restore_topk(d: Mapping[str, Any]) -> TopkState:
+    st = TopkState(d["k"], d["density"])
+    st.load_state_dict(dict(d))
+    return st
+
+
+def _topk_traffic(res: Any) -> int:
+    traffic = getattr(res, "traffic", None)
+    return int(getattr(traffic, "bytes_sent", 0) or 0)
+
+
+def _check_state_dict(d: Any, kind: str) -> None:
+    if not isinstance(d, Mapping) or d.get("kind") != kind:
+        got = d.get("kind") if isinstance(d, Mapping) else type(d).__name__
+        raise ColltuneValueError(
+            f"state_dict must be a dict made by the {kind} state's state_dict(), but got {got!r}."
+        )
+    if d.get("version") != _STATE_VERSION:
+        raise ColltuneValueError(
+            f"state_dict has version {d.get('version')!r}, but this colltune reads version {_STATE_VERSION}."
+        )

@@ -1,0 +1,437 @@
+"""The DDP communication hook: top-k compression of gradient buckets through colltune.
+
+``ddp_model.register_comm_hook(ColltuneHookState(...), colltune_hook)``
+routes every gradient bucket of a ``DistributedDataParallel`` model through
+colltune: dense allreduce during a warm-up of ``start_compression_iter``
+steps (as PowerSGD does), then top-k compression with error feedback
+(``allgather`` = TopkA, or ``oktopk``, or ``auto``), one
+:class:`~colltune.algorithms.state.TopkState` per bucket (per compressed part
+of a bucket, keyed by its parameters). Parameters a policy pins to
+``dense`` (or smaller than ``min_compress_numel``) stay dense inside a
+compressed bucket. Routing: :mod:`colltune.train.common`.
+
+Example::
+
+    state = colltune.train.ColltuneHookState(model=ddp_model, density=0.01, start_compression_iter=100)
+    ddp_model.register_comm_hook(state, colltune.train.colltune_hook)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from colltune.algorithms.meta import dtype_name
+from colltune.algorithms.errors import ColltuneTypeError
+from colltune.algorithms.state import TopkState
+from colltune import api as _api
+from colltune.model.policy import AUTO, Overrides, Policy
+
+from colltune.train.common import (
+    TensorStats,
+    TopkAlgorithm,
+    _Route,
+    _STATE_VERSION,
+    _TOPK_ALGORITHMS,
+    _check_choice,
+    _check_density,
+    _check_int,
+    _check_same_plan,
+    _check_state_dict,
+    _new_topk_state,
+    _resolve_policy,
+    _restore_topk,
+    _ring_bytes,
+    _route_for,
+    _topk_traffic,
+    _world_size,
+)
+
+__all__ = ["ColltuneHookState", "colltune_hook"]
+
+logger = logging.getLogger(__name__)
+
+
+def _unwrapped_names(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Return ``model.named_parameters()`` with the ``module.`` level of every DDP wrapper left out."""
+    wrappers = [n for n, m in model.named_modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
+    out = []
+    for name, param in model.named_parameters():
+        for w in sorted(wrappers, key=len, reverse=True):
+            prefix = f"{w}.module." if w else "module."
+            if name.startswith(prefix):
+                name = (f"{w}." if w else "") + name[len(prefix):]
+        out.append((name, param))
+    return out
+
+
+class ColltuneHookState:
+    """State of :func:`colltune_hook`: options, per-bucket residuals and thresholds, decisions.
+
+    Kept apart from the hook, as ``PowerSGDState`` is: ``__slots__``, options
+    validated here, and ``__getstate__`` without the process group (a state
+    unpickled elsewhere uses the default group; call :meth:`bind` to give it
+    the model's parameter names again).
+
+    The compressed part of a bucket is keyed by the names of its parameters
+    (the bucket's identity, whatever ``bucket.index()`` it has) and laid out
+    in the model's parameter order, so that the same parameters give the same
+    state and the same bits whichever layout DDP uses. DDP rebuilds its
+    buckets after the first iteration (and again in a run resumed from a
+    checkpoint): a bucket whose parameters changed gets a fresh state whose
+    residual is assembled, parameter by parameter, from the states that held
+    them (nothing already accumulated is lost); states no bucket used in a
+    compressing step are dropped at its end.
+
+    Args:
+        process_group: the group DDP reduces over; ``None`` for the default group.
+        model: the DDP model (or its module), for parameter names: policy
+            rules match them and checkpoints key states by them. Without it,
+            parameters are named by bucket and shape (``bucket0.3[512x256]``),
+            and a bucket that DDP rebuilds starts with a fresh residual.
+        density: fraction of each compressed bucket part every rank sends.
+        start_compression_iter: plain dense allreduce for this many steps
+            first (residuals would otherwise start from noisy early gradients).
+        min_compress_numel: parameters with fewer elements stay dense.
+        algorithm: top-k algorithm where the policy says ``auto``:
+            ``auto`` (the selector decides), ``allgather`` (TopkA) or ``oktopk``.
+        policy: a :class:`~colltune.model.policy.Policy`, a policy file path, a
+            :class:`colltune.Selector`, or ``None`` for the process-wide one.
+        topk_options: extra :class:`~colltune.algorithms.state.TopkState` options
+            (``local_refresh``, ``band``, ...), applied to every bucket.
+
+    Raises:
+        ColltuneTypeError, ColltuneValueError: an option is invalid.
+
+    Example:
+        >>> state = ColltuneHookState(model=ddp_model, density=0.01, start_compression_iter=100)  # doctest: +SKIP
+        >>> ddp_model.register_comm_hook(state, colltune_hook)  # doctest: +SKIP
+    """
+
+    __slots__ = (
+        "process_group",
+        "density",
+        "start_compression_iter",
+        "min_compress_numel",
+        "algorithm",
+        "policy",
+        "topk_options",
+        "iter",
+        "topk_states",
+        "decisions",
+        "stats",
+        "bytes_sent",
+        "_names",
+        "_order",
+        "_numels",
+        "_policy",
+        "_overrides",
+        "_policy_arg",
+        "_used",
+        "_checked",
+    )
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        model: nn.Module | None = None,
+        density: float = 0.01,
+        start_compression_iter: int = 10,
+        min_compress_numel: int = 1024,
+        algorithm: TopkAlgorithm = "auto",
+        policy: Any = None,
+        topk_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.process_group = process_group
+        self.density = _check_density(density)
+        self.start_compression_iter = _check_int("start_compression_iter", start_compression_iter, 0)
+        self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 1)
+        self.algorithm = _check_choice("algorithm", algorithm, _TOPK_ALGORITHMS)
+        if model is not None and not isinstance(model, nn.Module):
+            raise ColltuneTypeError(f"model must be a torch.nn.Module (or DDP model) or None, but got {type(model).__name__}.")
+        self.topk_options = dict(topk_options or {})
+        TopkState(density=self.density, **self.topk_options)  # validate the options now, not in the hook
+        self.policy = policy
+        self._policy: Policy | None = None
+        self._overrides: Overrides | None = None
+        self._policy_arg: Any = None
+        self.iter = 0
+        self.topk_states: dict[str, TopkState] = {}
+        self.decisions: dict[str, dict[str, Any]] = {}
+        self.stats: dict[str, TensorStats] = {}
+        self.bytes_sent = 0
+        self._names: dict[int, str] = {}
+        self._order: dict[int, int] = {}
+        self._numels: dict[str, int] = {}
+        self._used: set[str] = set()
+        self._checked: set[str] = set()
+        if model is not None:
+            self.bind(model)
+
+    def bind(self, model: nn.Module) -> None:
+        """Learn the parameter names of ``model``: the DDP model, its module, or a model holding DDP submodules.
+
+        Names are those of the unwrapped model (DDP's ``module.`` level left out),
+        so a policy rule written for ``mlp.0.weight`` matches however DDP wraps it.
+        """
+        named = _unwrapped_names(model)
+        self._names = {id(p): n for n, p in named}
+        self._order = {id(p): i for i, (_, p) in enumerate(named)}
+        self._numels = {n: p.numel() for n, p in named}
+
+    # -- policy
+    def _routing(self) -> tuple[Policy, Overrides, Any]:
+        if self._policy is None:
+            self._policy, self._overrides, self._policy_arg = _resolve_policy(self.policy)
+        return self._policy, self._overrides, self._policy_arg  # type: ignore[return-value]
+
+    def _name(self, p: torch.Tensor, bucket_index: int, position: int) -> str:
+        name = self._names.get(id(p))
+        if name is not None:
+            return name
+        # Without the model: unique within the bucket; such states do not follow a rebuilt bucket.
+        return f"bucket{bucket_index}.{position}[" + "x".join(str(s) for s in p.shape) + "]"
+
+    # -- iteration
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        """Count one step once the last bucket of the step has been handled."""
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_compression_iter and self.start_compression_iter > 0:
+                logger.info("colltune hook: warm-up of %d dense steps done; compression starts", self.iter)
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the warm-up is over."""
+        return self.iter >= self.start_compression_iter
+
+    # -- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return options, step, residuals, thresholds and decisions as plain data and tensors (no process group)."""
+        policy, _, _ = self._routing()
+        return {
+            "version": _STATE_VERSION,
+            "kind": "hook",
+            "density": self.density,
+            "start_compression_iter": self.start_compression_iter,
+            "min_compress_numel": self.min_compress_numel,
+            "algorithm": self.algorithm,
+            "topk_options": dict(self.topk_options),
+            "iter": self.iter,
+            "topk": {k: st.state_dict() for k, st in self.topk_states.items()},
+            "decisions": {k: dict(v) for k, v in self.decisions.items()},
+            "policy_digest": policy.digest,
+        }
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (options included).
+
+        Raises:
+            ColltuneValueError: ``d`` is not a hook state of a known version.
+        """
+        _check_state_dict(d, "hook")
+        self.density = _check_density(d["density"])
+        self.start_compression_iter = _check_int("start_compression_iter", d["start_compression_iter"], 0)
+        self.min_compress_numel = _check_int("min_compress_numel", d["min_compress_numel"], 1)
+        self.algorithm = _check_choice("algorithm", d["algorithm"], _TOPK_ALGORITHMS)
+        self.topk_options = dict(d["topk_options"])
+        self.iter = int(d["iter"])
+        self.topk_states = {k: _restore_topk(v) for k, v in d["topk"].items()}
+        policy, _, _ = self._routing()
+        # Decisions follow the policy: a checkpoint taken under another policy is decided again.
+        self.decisions = {k: dict(v) for k, v in d["decisions"].items()} if d["policy_digest"] == policy.digest else {}
+        self._used = set()
+        self._checked = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        out = self.state_dict()
+        out["policy_arg"] = self.policy if isinstance(self.policy, (str, os.PathLike, Policy)) else None
+        return out
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        ColltuneHookState.__init__(self, None, policy=d.get("policy_arg"))
+        self.load_state_dict(d)
+
+    def __repr__(self) -> str:
+        return (
+            f"ColltuneHookState(density={self.density}, start_compression_iter={self.start_compression_iter}, "
+            f"algorithm={self.algorithm!r}, iter={self.iter}, buckets={len(self.topk_states)})"
+        )
+
+
+def _bucket_routes(state: ColltuneHookState, params: list[torch.Tensor], idx: int) -> list[tuple[str, _Route]]:
+    policy, overrides, _ = state._routing()
+    p = _world_size(state.process_group)
+    out = []
+    for position, param in enumerate(params):
+        name = state._name(param, idx, position)
+        decision = policy.match(name, param.numel(), state.density, p, None, dtype_name(param.dtype))
+        route = _route_for(
+            decision,
+            overrides,
+            sparse=False,
+            numel=param.numel(),
+            default_sparse=AUTO,
+            dense_mode="topk",
+            topk_algorithm=state.algorithm,
+            min_compress_numel=state.min_compress_numel,
+        )
+        out.append((name, route))
+    return out
+
+
+def _hook_topk_state(state: ColltuneHookState, key: str, names: list[str], numel: int, route: _Route) -> TopkState:
+    """Return the TopkState of one compressed part, made (and its residual migrated) when new."""
+    ts = state.topk_states.get(key)
+    if ts is not None and (ts.residual is None or ts.residual.numel() == numel):
+        return ts
+    ts = state.topk_states[key] = _new_topk_state(state.density, {**state.topk_options, **dict(route.state_knobs)})
+    # The bucket layout changed (DDP rebuilt its buckets): take each parameter's residual from the state that held it.
+    wanted = set(names)
+    pieces: dict[str, torch.Tensor] = {}
+    for other_key, other in state.topk_states.items():
+        if other is ts or other.residual is None:
+            continue
+        other_names = other_key.split("|")
+        if not wanted.intersection(other_names) or any(n not in state._numels for n in other_names):
+            continue
+        sizes = [state._numels[n] for n in other_names]
+        if sum(sizes) != other.residual.numel():
+            continue
+        for n, piece in zip(other_names, torch.split(other.residual, sizes)):
+            if n in wanted:
+                pieces[n] = piece
+    if pieces and all(n in state._numels for n in names):
+        ref = next(iter(pieces.values()))
+        ts.residual = torch.cat([pieces[n] if n in pieces else ref.new_zeros(state._numels[n]) for n in names])
+        logger.debug("colltune hook: bucket part %s assembled its residual from %d parameters", key, len(pieces))
+    return ts
+
+
+def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average one DDP gradient bucket through colltune; return a Future of a tensor shaped like the bucket.
+
+    During the warm-up (``state.iter < state.start_compression_iter``) the
+    bucket is averaged by an asynchronous dense allreduce, as DDP's default
+    hook does. Afterwards each parameter of the bucket is routed (policy,
+    size): the dense parts are averaged together in one allreduce, and the
+    compressed parts, concatenated in the model's parameter order, go
+    through :func:`colltune.topk_allreduce` with their
+    :class:`~colltune.algorithms.state.TopkState` (what is not sent stays in its
+    residual). DDP hands over gradients that are not pre-divided: they are
+    averaged here (``avg``).
+
+    Args:
+        state: the hook's :class:`ColltuneHookState`.
+        bucket: the bucket DDP hands over.
+
+    Returns:
+        A ``torch.futures.Future`` holding a tensor of ``bucket.buffer()``'s
+        shape and dtype: the averaged (or top-k averaged) gradients.
+    """
+    buffer = bucket.buffer()
+    group = state.process_group
+    p = _world_size(group)
+    idx = bucket.index()
+
+    if not state.compressing or p == 1:
+        stats = state.stats.setdefault(f"bucket{idx}", TensorStats("dense", "dense"))
+        stats.reason = "warm-up" if not state.compressing else "single rank"
+        nbytes = _ring_bytes(buffer.numel(), buffer.element_size(), p)
+        stats.record("dense", nbytes)
+        state.bytes_sent += nbytes
+        state.maybe_increase_iter(bucket)
+        if p == 1:
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(buffer)
+            return fut
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        return work.get_future().then(lambda f: f.value()[0].div_(p))
+
+    params = list(bucket.parameters())
+    routes = _bucket_routes(state, params, idx)
+    # Slices of the flat bucket, in bucket order; parts are processed in the model's order.
+    slices: list[tuple[int, int]] = []
+    offset = 0
+    for param in params:
+        slices.append((offset, offset + param.numel()))
+        offset += param.numel()
+    order = sorted(range(len(params)), key=lambda i: (state._order.get(id(params[i]), len(state._order)), i))
+    dense_parts = [i for i in order if routes[i][1].route == "dense"]
+    groups: dict[tuple, list[int]] = {}
+    for i in order:
+        r = routes[i][1]
+        if r.route == "topk":
+            groups.setdefault((r.algorithm, tuple(sorted(r.knobs.items())), tuple(sorted(r.state_knobs.items()))), []).append(i)
+    plan_key = "|".join(routes[i][0] for i in order)
+    if plan_key not in state._checked:
+        _check_same_plan([plan_key, [routes[i][1].plan() for i in order]], group, f"colltune_hook (bucket {idx})")
+        state._checked.add(plan_key)
+    for name, r in routes:
+        state.decisions[name] = {"route": r.route, "algorithm": r.algorithm, "reason": r.reason}
+
+    def gather(members: list[int]) -> torch.Tensor:
+        if len(members) == 1:
+            a, b = slices[members[0]]
+            return buffer[a:b]
+        return torch.cat([buffer[slices[i][0] : slices[i][1]] for i in members])
+
+    def scatter(members: list[int], flat: torch.Tensor) -> None:
+        pos = 0
+        for i in members:
+            a, b = slices[i]
+            out[a:b] = flat[pos : pos + b - a]
+            pos += b - a
+
+    out = torch.empty_like(buffer)
+    if dense_parts:
+        flat = gather(dense_parts).clone()
+        dist.all_reduce(flat, group=group)
+        scatter(dense_parts, flat.div_(p))
+        nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
+        stats = state.stats.setdefault(f"bucket{idx}/dense", TensorStats("dense", "dense"))
+        stats.reason = "kept dense: " + "; ".join(sorted({routes[i][1].reason for i in dense_parts}))
+        stats.record("dense", nbytes)
+        state.bytes_sent += nbytes
+
+    policy_arg = state._routing()[2]
+    for (algo, knobs, _), members in groups.items():
+        names = [routes[i][0] for i in members]
+        key = "|".join(names)
+        flat = gather(members)
+        ts = _hook_topk_state(state, key, names, flat.numel(), routes[members[0]][1])
+        state._used.add(key)
+        res: Any = _api.topk_allreduce(
+            flat,
+            ts,
+            op="avg",
+            group=group,
+            algorithm=algo,
+            knobs=dict(knobs) or None,
+            name=key if algo == AUTO else None,
+            policy=policy_arg if algo == AUTO else None,
+        )
+        scatter(members, res.to_dense().view(-1))
+        nbytes = _topk_traffic(res)
+        stats = state.stats.setdefault(key, TensorStats("topk", res.algorithm, routes[members[0]][1].reason))
+        stats.record(res.algorithm, nbytes)
+        state.bytes_sent += nbytes
+
+    if bucket.is_last():
+        for key in [k for k in state.topk_states if k not in state._used]:
+            del state.topk_states[key]  # its parameters moved to other buckets (residuals already taken)
+        state._used = set()
+    state.maybe_increase_iter(bucket)
+    fut = torch.futures.Future()
+    fut.set_result(out)
+    return fut
+# DDP checks the hook's annotations against the real classes; postponed evaluation
+# (``from __future__ import annotations``) would leave strings there.
+colltune_hook.__annotations__.update(state=ColltuneHookState, bucket=dist.GradBucket)
+colltune_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]

@@ -1,0 +1,549 @@
+"""The sparse-gradient synchronizer: sparse gradients through colltune, beside or without DDP.
+
+``sync = SparseGradSync(model); sync.attach(optimizer)`` serves models with
+sparse gradients (``nn.Embedding(sparse=True)``,
+``nn.EmbeddingBag(sparse=True)``), which DDP cannot reduce on NCCL at all
+(on gloo it falls back to an allgather of every rank's rows). Before every
+``optimizer.step()`` (or when :meth:`SparseGradSync.synchronize` is called
+after backward), each sparse gradient goes through
+:func:`colltune.sparse_allreduce` (``avg``, ``auto`` by default) and comes
+back as a coalesced sparse gradient, so ``torch.optim.SGD`` and
+``torch.optim.SparseAdam`` work unchanged. Dense gradients are averaged by
+one bucketed allreduce, compressed with top-k (``dense="topk"``), or left
+alone (``dense="skip"``). Parameters inside a ``DistributedDataParallel``
+submodule are always left to DDP, so the common layout, DDP over the dense
+tower and the embedding outside it, needs no option. Routing:
+:mod:`colltune.train.common`.
+
+Example (sparse embedding beside DDP over the dense tower)::
+
+    model.mlp = DistributedDataParallel(model.mlp)       # DDP: dense part only
+    sync = colltune.train.SparseGradSync(model)           # the embedding: colltune
+    sync.attach(optimizer)                                # before every step()
+    for batch in loader:                                  # the loop is unchanged
+        loss = model(batch).mean(); loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Literal, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from colltune.algorithms.sparse import on_host
+from colltune.algorithms.meta import dtype_name
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.algorithms.state import TopkState
+from colltune import api as _api
+from colltune.model.policy import AUTO
+
+from colltune.train.common import (
+    TensorStats,
+    TopkAlgorithm,
+    _Route,
+    _STATE_VERSION,
+    _TOPK_ALGORITHMS,
+    _check_choice,
+    _check_density,
+    _check_int,
+    _check_same_plan,
+    _check_state_dict,
+    _new_topk_state,
+    _resolve_policy,
+    _restore_topk,
+    _ring_bytes,
+    _route_for,
+    _topk_traffic,
+    _world_size,
+)
+
+__all__ = ["SparseGradSync", "sparse_parameters"]
+
+logger = logging.getLogger(__name__)
+
+
+DenseMode = Literal["allreduce", "topk", "skip"]
+
+
+_SPARSE_ALGORITHMS: tuple[str, ...] = ("auto", "dense", "allgather", "oktopk")
+
+
+_DENSE_MODES: tuple[str, ...] = ("allreduce", "topk", "skip")
+
+
+def sparse_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Return the parameters of ``model`` whose gradients are sparse (``Embedding``/``EmbeddingBag`` with ``sparse=True``)."""
+    out: dict[str, nn.Parameter] = {}
+    for mname, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            weight: nn.Parameter = module.weight  # type: ignore[assignment]
+            out[f"{mname}.weight" if mname else "weight"] = weight
+    return out
+
+
+def _coalesce_rows(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the rows of duplicate indices (an embedding's gradient has one row per lookup).
+
+    On the device path the front door's coalesce permutes the values before
+    summing; this way skips that (one ``index_add_`` in lookup order, the
+    same sums as a stable sort), which matters when lookups outnumber
+    distinct rows several times over. On the host path
+    (:func:`~colltune.algorithms.sparse.on_host`) the front door already sums in
+    lookup order without permuting, so the rows are left to it, as 16-bit
+    values are (summed in fp32 there).
+    """
+    if vals.dtype not in (torch.float32, torch.float64) or idx.numel() < 2 or on_host(idx):
+        return idx, vals
+    uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+    if uniq.numel() == idx.numel():
+        return idx, vals  # no duplicates: the front door only sorts
+    out = torch.zeros((uniq.numel(), *vals.shape[1:]), dtype=vals.dtype, device=vals.device)
+    out.index_add_(0, inverse, vals)
+    return uniq, out
+
+
+def _ddp_owned(model: nn.Module) -> set[int]:
+    owned: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            owned.update(id(p) for p in module.parameters())
+    return owned
+
+
+class SparseGradSync:
+    """Average the gradients of a model after backward, sparse ones through colltune's sparse allreduce.
+
+    One call turns it on: :meth:`attach` (before every ``optimizer.step()``)
+    or :meth:`attach_to_backward` (at the end of every backward); or call
+    :meth:`synchronize` yourself after backward.
+
+    What each gradient goes through (see the module docstring for the precedence):
+
+    * sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``):
+      :func:`colltune.sparse_allreduce` with ``op="avg"``, exact; the result
+      is put back as a coalesced sparse gradient. Works on gloo and NCCL.
+    * dense gradients: ``dense="allreduce"`` averages them in one bucketed
+      allreduce; ``dense="topk"`` compresses those with at least
+      ``min_compress_numel`` elements with top-k and error feedback (after
+      ``start_compression_iter`` dense steps); ``dense="skip"`` leaves them
+      alone (DDP or the caller reduces them).
+    * parameters of a ``DistributedDataParallel`` submodule: left to DDP.
+
+    A gradient that is ``None`` on some ranks counts as zero there; if it is
+    ``None`` on every rank it stays ``None`` (and so does a sparse gradient
+    whose reduced result is empty), identically on every rank.
+
+    Args:
+        model: the model (not wrapped in DDP as a whole).
+        group: the process group; ``None`` for the default group.
+        algorithm: for sparse gradients where the policy says ``auto``:
+            ``auto`` (the selector decides), ``dense``, ``allgather`` or ``oktopk``.
+        dense: ``allreduce``, ``topk`` or ``skip`` (see above).
+        density: for top-k: fraction of entries each rank sends per step.
+        start_compression_iter: for top-k: dense steps before compression starts.
+        min_compress_numel: for top-k: smaller parameters stay dense.
+        topk_algorithm: for top-k where the policy says ``auto``:
+            ``auto``, ``allgather`` (TopkA) or ``oktopk``.
+        policy: a :class:`~colltune.model.policy.Policy`, a policy file path, a
+            :class:`colltune.Selector`, or ``None`` for the process-wide one.
+        bucket_cap_mb: dense gradients are allreduced in buckets of about this size.
+        topk_options: extra :class:`~colltune.algorithms.state.TopkState` options.
+
+    Raises:
+        ColltuneTypeError, ColltuneValueError: an option is invalid, or
+            ``model`` is wrapped in DDP as a whole.
+
+    Example:
+        >>> sync = SparseGradSync(model)             # doctest: +SKIP
+        >>> sync.attach(optimizer)                   # doctest: +SKIP
+        >>> loss.backward(); optimizer.step()        # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        algorithm: str = "auto",
+        dense: DenseMode = "allreduce",
+        density: float = 0.01,
+        start_compression_iter: int = 10,
+        min_compress_numel: int = 1024,
+        topk_algorithm: TopkAlgorithm = "auto",
+        policy: Any = None,
+        bucket_cap_mb: float = 25.0,
+        topk_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ColltuneTypeError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ColltuneValueError(
+                "model is wrapped in DistributedDataParallel as a whole, so DDP already reduces every gradient "
+                "(and cannot reduce sparse ones on NCCL); pass the unwrapped model, or wrap only the dense "
+                "part in DDP (e.g. model.mlp = DistributedDataParallel(model.mlp)) and pass the whole model."
+            )
+        self.model = model
+        self.group = group
+        self.algorithm = _check_choice("algorithm", algorithm, _SPARSE_ALGORITHMS)
+        self.dense = _check_choice("dense", dense, _DENSE_MODES)
+        self.density = _check_density(density)
+        self.start_compression_iter = _check_int("start_compression_iter", start_compression_iter, 0)
+        self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 1)
+        self.topk_algorithm = _check_choice("topk_algorithm", topk_algorithm, _TOPK_ALGORITHMS)
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+            raise ColltuneValueError(f"bucket_cap_mb must be a number > 0, but got {bucket_cap_mb!r}.")
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.topk_options = dict(topk_options or {})
+        TopkState(density=self.density, **self.topk_options)  # validate now
+        self.policy = policy
+        self.step = 0
+        self.topk_states: dict[str, TopkState] = {}
+        self.decisions: dict[str, dict[str, Any]] = {}
+        self.stats: dict[str, TensorStats] = {}
+        self.bytes_sent = 0
+        self.last_bytes = 0
+        owned = _ddp_owned(model)
+        sparse_ids = {id(p) for p in sparse_parameters(model).values()}
+        seen: set[int] = set()
+        self._params: list[tuple[str, nn.Parameter, bool]] = []
+        for name, param in model.named_parameters():
+            if id(param) in seen or id(param) in owned or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            self._params.append((name, param, id(param) in sparse_ids))
+        self._routes: dict[str, _Route] | None = None
+        self._routes_compressing: bool | None = None
+        self._routes_checked = False
+        self._policy_arg: Any = None
+        self._synced = False
+        self._handles: list[Any] = []
+        self._queued = False
+
+    # -- routing
+    @property
+    def compressing(self) -> bool:
+        """Whether top-k compression is on (the warm-up is over)."""
+        return self.step >= self.start_compression_iter
+
+    def _compute_routes(self) -> dict[str, _Route]:
+        """Route every tracked parameter for the current step (local: no communication)."""
+        compressing = self.compressing
+        if self._routes is not None and self._routes_compressing == compressing:
+            return self._routes
+        policy, overrides, self._policy_arg = _resolve_policy(self.policy)
+        p = _world_size(self.group)
+        routes: dict[str, _Route] = {}
+        for name, param, sparse in self._params:
+            density = None if sparse else self.density
+            decision = policy.match(name, param.numel(), density, p, None, dtype_name(param.dtype))
+            route = _route_for(
+                decision,
+                overrides,
+                sparse=sparse,
+                numel=param.numel(),
+                default_sparse=self.algorithm,
+                dense_mode=self.dense,
+                topk_algorithm=self.topk_algorithm,
+                min_compress_numel=self.min_compress_numel,
+            )
+            if route.route == "topk" and not compressing:
+                route = _Route("dense", "dense", reason=f"warm-up ({self.step} of {self.start_compression_iter} dense steps)")
+            routes[name] = route
+        self.decisions = {
+            n: {"route": r.route, "algorithm": r.algorithm, "reason": r.reason, "policy_digest": policy.digest}
+            for n, r in routes.items()
+        }
+        for n, r in routes.items():
+            logger.debug("SparseGradSync: %s -> %s %s (%s)", n, r.route, r.algorithm, r.reason)
+        self._routes, self._routes_compressing, self._routes_checked = routes, compressing, False
+        return routes
+
+    def _plan(self) -> dict[str, _Route]:
+        routes = self._compute_routes()
+        if not self._routes_checked:
+            _check_same_plan([[n, r.plan()] for n, r in routes.items()], self.group, "SparseGradSync")
+            self._routes_checked = True
+        return routes
+
+    def routes(self) -> dict[str, tuple[str, str]]:
+        """Return ``{parameter name: (route, algorithm)}`` for the current step (no communication)."""
+        return {n: (r.route, r.algorithm) for n, r in self._compute_routes().items()}
+
+    # -- the synchronization
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Average every tracked gradient over the group, in place; call after backward on every rank.
+
+        Raises:
+            RankMismatchError: ranks routed their gradients differently.
+            ColltuneValueError: a sparse gradient is not COO over its first dimension.
+        """
+        routes = self._plan()
+        p = _world_size(self.group)
+        step_bytes = 0
+        dense_items: list[tuple[str, nn.Parameter]] = []
+        for name, param, sparse in self._params:
+            route = routes[name]
+            if route.route == "skip":
+                continue
+            if route.route == "dense":
+                dense_items.append((name, param))
+            elif route.route == "sparse":
+                step_bytes += self._sync_sparse(name, param, route)
+            else:
+                step_bytes += self._sync_topk(name, param, route)
+        step_bytes += self._sync_dense(dense_items, p)
+        self.step += 1
+        self.last_bytes = step_bytes
+        self.bytes_sent += step_bytes
+        self._synced = True
+
+    def _sync_sparse(self, name: str, param: nn.Parameter, route: _Route) -> int:
+        grad = param.grad
+        row_shape = tuple(param.shape[1:])
+        if grad is None:
+            idx = torch.empty(0, dtype=torch.int64, device=param.device)
+            vals = torch.empty((0, *row_shape), dtype=param.dtype, device=param.device)
+        elif grad.is_sparse:
+            if grad.sparse_dim() != 1:
+                raise ColltuneValueError(
+                    f"the sparse gradient of {name} has {grad.sparse_dim()} sparse dimensions, but colltune "
+                    "reduces COO tensors over the first dimension only (as nn.Embedding produces)."
+                )
+            if grad.is_coalesced():
+                idx, vals = grad.indices()[0], grad.values()
+            else:
+                idx, vals = _coalesce_rows(grad._indices()[0], grad._values())
+        else:  # a dense gradient on an embedding (e.g. sparse switched off): send its nonzero rows
+            rows = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().view(-1)
+            idx, vals = rows, grad.index_select(0, rows)
+        res: Any = _api.sparse_allreduce(
+            idx,
+            vals,
+            tuple(param.shape),
+            op="avg",
+            group=self.group,
+            algorithm=route.algorithm,
+            knobs=dict(route.knobs) or None,
+            name=name,
+            policy=self._policy_arg if route.algorithm == AUTO else None,
+        )
+        if grad is not None and not grad.is_sparse:
+            grad.copy_(res.to_dense())  # the caller keeps a dense gradient dense
+        elif res.indices.numel() == 0:
+            param.grad = None
+        else:
+            param.grad = res.to_sparse_coo()
+        nbytes = _topk_traffic(res)
+        self.stats.setdefault(name, TensorStats("sparse", res.algorithm, route.reason)).record(res.algorithm, nbytes)
+        return nbytes
+
+    def _sync_topk(self, name: str, param: nn.Parameter, route: _Route) -> int:
+        grad = param.grad
+        if grad is None:
+            grad = param.grad = torch.zeros_like(param)
+        if grad.is_sparse:
+            grad = param.grad = grad.to_dense()
+        st = self.topk_states.get(name)
+        if st is None or (st.residual is not None and st.residual.numel() != grad.numel()):
+            st = self.topk_states[name] = _new_topk_state(self.density, {**self.topk_options, **dict(route.state_knobs)})
+        res: Any = _api.topk_allreduce(
+            grad,
+            st,
+            op="avg",
+            group=self.group,
+            algorithm=route.algorithm,
+            knobs=dict(route.knobs) or None,
+            name=name,
+            policy=self._policy_arg if route.algorithm == AUTO else None,
+        )
+        grad.copy_(res.to_dense())
+        nbytes = _topk_traffic(res)
+        self.stats.setdefault(name, TensorStats("topk", res.algorithm, route.reason)).record(res.algorithm, nbytes)
+        return nbytes
+
+    def _sync_dense(self, items: list[tuple[str, nn.Parameter]], p: int) -> int:
+        if not items or p == 1:
+            for name, _ in items:
+                self.stats.setdefault(name, TensorStats("dense", "dense", "allreduce")).record("dense", 0)
+            return 0
+        total = 0
+        # Buckets of one dtype and device, about bucket_cap_mb each; one flag per parameter
+        # rides along, so a gradient that is None on every rank stays None everywhere.
+        cap = int(self.bucket_cap_mb * 2**20)
+        buckets: list[list[tuple[str, nn.Parameter]]] = []
+        size = 0
+        for item in items:
+            param = item[1]
+            nbytes = param.numel() * param.element_size()
+            last = buckets[-1] if buckets else None
+            if last is None or size + nbytes > cap or last[0][1].dtype != param.dtype or last[0][1].device != param.device:
+                buckets.append([item])
+                size = nbytes
+            else:
+                last.append(item)
+                size += nbytes
+        for bucket in buckets:
+            ref = bucket[0][1]
+            numel = sum(param.numel() for _, param in bucket)
+            flat = torch.zeros(numel + len(bucket), dtype=ref.dtype, device=ref.device)
+            pos = 0
+            for i, (_, param) in enumerate(bucket):
+                g = param.grad
+                if g is not None:
+                    flat[pos : pos + param.numel()] = (g.to_dense() if g.is_sparse else g).reshape(-1)
+                    flat[numel + i] = 1
+                pos += param.numel()
+            dist.all_reduce(flat, group=self.group)
+            flat[:numel].div_(p)
+            nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
+            total += nbytes
+            pos = 0
+            for i, (name, param) in enumerate(bucket):
+                n = param.numel()
+                if flat[numel + i] > 0:
+                    view = flat[pos : pos + n].view_as(param)
+                    if param.grad is None or param.grad.is_sparse:
+                        param.grad = view.clone()
+                    else:
+                        param.grad.copy_(view)
+                pos += n
+                share = nbytes * n // max(1, numel)
+                self.stats.setdefault(name, TensorStats("dense", "dense", "allreduce")).record("dense", share)
+        return total
+
+    # -- turning it on
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Synchronize before every ``optimizer.step()`` (unless :meth:`synchronize` already ran since the last step).
+
+        Returns:
+            A handle whose ``remove()`` detaches the synchronizer again.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ColltuneTypeError(f"optimizer must be a torch.optim.Optimizer, but got {type(optimizer).__name__}.")
+
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            if not self._synced:
+                self.synchronize()
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            self._synced = False
+
+        handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        self._handles.extend(handles)
+        return _Handles(handles)
+
+    def attach_to_backward(self) -> Any:
+        """Synchronize at the end of every backward pass (no gradient accumulation across backwards).
+
+        Every rank must produce a gradient for at least one tracked parameter
+        in each backward, or the ranks that did would wait for the others.
+
+        Returns:
+            A handle whose ``remove()`` detaches the synchronizer again.
+        """
+        from torch.autograd import Variable
+
+        def done() -> None:
+            self._queued = False
+            self.synchronize()
+
+        def hook(param: torch.Tensor) -> None:
+            if not self._queued:
+                self._queued = True
+                Variable._execution_engine.queue_callback(done)
+
+        handles = [param.register_post_accumulate_grad_hook(hook) for _, param, _ in self._params]
+        self._handles.extend(handles)
+        return _Handles(handles)
+
+    def detach(self) -> None:
+        """Remove every hook :meth:`attach` and :meth:`attach_to_backward` installed."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return options, step, residuals, thresholds and decisions as plain data and tensors (no process group)."""
+        return {
+            "version": _STATE_VERSION,
+            "kind": "sync",
+            "step": self.step,
+            "algorithm": self.algorithm,
+            "dense": self.dense,
+            "density": self.density,
+            "start_compression_iter": self.start_compression_iter,
+            "min_compress_numel": self.min_compress_numel,
+            "topk_algorithm": self.topk_algorithm,
+            "topk_options": dict(self.topk_options),
+            "topk": {k: st.state_dict() for k, st in self.topk_states.items()},
+            "decisions": {k: dict(v) for k, v in self.decisions.items()},
+        }
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (options included); routing is decided again on the next step.
+
+        Raises:
+            ColltuneValueError: ``d`` is not a synchronizer state of a known
+                version, or names a compressed parameter this model lacks.
+        """
+        _check_state_dict(d, "sync")
+        names = {n for n, _, _ in self._params}
+        unknown = sorted(set(d["topk"]) - names)
+        if unknown:
+            raise ColltuneValueError(
+                f"state_dict holds top-k state for parameters {unknown[:5]} that this synchronizer does not "
+                "track; load it into a synchronizer built on the same model."
+            )
+        self.step = int(d["step"])
+        self.algorithm = _check_choice("algorithm", d["algorithm"], _SPARSE_ALGORITHMS)
+        self.dense = _check_choice("dense", d["dense"], _DENSE_MODES)
+        self.density = _check_density(d["density"])
+        self.start_compression_iter = _check_int("start_compression_iter", d["start_compression_iter"], 0)
+        self.min_compress_numel = _check_int("min_compress_numel", d["min_compress_numel"], 1)
+        self.topk_algorithm = _check_choice("topk_algorithm", d["topk_algorithm"], _TOPK_ALGORITHMS)
+        self.topk_options = dict(d["topk_options"])
+        self.topk_states = {k: _restore_topk(v) for k, v in d["topk"].items()}
+        self.decisions = {k: dict(v) for k, v in d["decisions"].items()}
+        self._routes = None
+        self._synced = False
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Return one row per tensor: name, route, algorithm, last and total bytes sent, and why."""
+        return [
+            {
+                "tensor": name,
+                "route": s.route,
+                "algorithm": s.algorithm,
+                "last_bytes": s.last_bytes,
+                "bytes_sent": s.bytes_sent,
+                "reason": s.reason,
+            }
+            for name, s in self.stats.items()
+        ]
+
+    def __repr__(self) -> str:
+        sparse = sum(1 for _, _, s in self._params if s)
+        return (
+            f"SparseGradSync(sparse={sparse}, dense={len(self._params) - sparse} ({self.dense}), "
+            f"algorithm={self.algorithm!r}, step={self.step})"
+        )
+
+
+class _Handles:
+    """Removes a group of hooks at once."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: Iterable[Any]) -> None:
+        self._handles = list(handles)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
