@@ -335,102 +335,130 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
         A ``torch.futures.Future`` holding a tensor of ``bucket.buffer()``'s
         shape and dtype: the averaged (or top-k averaged) gradients.
     """
-    buffer = bucket.buffer()
-    group = state.process_group
-    p = _world_size(group)
-    idx = bucket.index()
-
+    p = _world_size(state.process_group)
     if not state.compressing or p == 1:
-        stats = state.stats.setdefault(f"bucket{idx}", TensorStats("dense", "dense"))
-        stats.reason = "warm-up" if not state.compressing else "single rank"
-        nbytes = _ring_bytes(buffer.numel(), buffer.element_size(), p)
-        stats.record("dense", nbytes)
-        state.bytes_sent += nbytes
-        state.maybe_increase_iter(bucket)
-        if p == 1:
-            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            fut.set_result(buffer)
-            return fut
-        work = dist.all_reduce(buffer, group=group, async_op=True)
-        return work.get_future().then(lambda f: f.value()[0].div_(p))
-
-    params = list(bucket.parameters())
-    routes = _bucket_routes(state, params, idx)
-    # Slices of the flat bucket, in bucket order; parts are processed in the model's order.
-    slices: list[tuple[int, int]] = []
-    offset = 0
-    for param in params:
-        slices.append((offset, offset + param.numel()))
-        offset += param.numel()
-    order = sorted(range(len(params)), key=lambda i: (state._order.get(id(params[i]), len(state._order)), i))
-    dense_parts = [i for i in order if routes[i][1].route == "dense"]
-    groups: dict[tuple, list[int]] = {}
-    for i in order:
-        r = routes[i][1]
-        if r.route == "topk":
-            groups.setdefault((r.algorithm, tuple(sorted(r.knobs.items())), tuple(sorted(r.state_knobs.items()))), []).append(i)
-    plan_key = "|".join(routes[i][0] for i in order)
-    if plan_key not in state._checked:
-        _check_same_plan([plan_key, [routes[i][1].plan() for i in order]], group, f"colltune_hook (bucket {idx})")
-        state._checked.add(plan_key)
-    for name, r in routes:
-        state.decisions[name] = {"route": r.route, "algorithm": r.algorithm, "reason": r.reason}
-
-    def gather(members: list[int]) -> torch.Tensor:
-        if len(members) == 1:
-            a, b = slices[members[0]]
-            return buffer[a:b]
-        return torch.cat([buffer[slices[i][0] : slices[i][1]] for i in members])
-
-    def scatter(members: list[int], flat: torch.Tensor) -> None:
-        pos = 0
-        for i in members:
-            a, b = slices[i]
-            out[a:b] = flat[pos : pos + b - a]
-            pos += b - a
-
-    out = torch.empty_like(buffer)
-    if dense_parts:
-        flat = gather(dense_parts).clone()
-        dist.all_reduce(flat, group=group)
-        scatter(dense_parts, flat.div_(p))
-        nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
-        stats = state.stats.setdefault(f"bucket{idx}/dense", TensorStats("dense", "dense"))
-        stats.reason = "kept dense: " + "; ".join(sorted({routes[i][1].reason for i in dense_parts}))
-        stats.record("dense", nbytes)
-        state.bytes_sent += nbytes
-
-    policy_arg = state._routing()[2]
-    for (algo, knobs, _), members in groups.items():
-        names = [routes[i][0] for i in members]
-        key = "|".join(names)
-        flat = gather(members)
-        ts = _hook_topk_state(state, key, names, flat.numel(), routes[members[0]][1])
-        state._used.add(key)
-        res: Any = _api.topk_allreduce(
-            flat,
-            ts,
-            op="avg",
-            group=group,
-            algorithm=algo,
-            knobs=dict(knobs) or None,
-            name=key if algo == AUTO else None,
-            policy=policy_arg if algo == AUTO else None,
-        )
-        scatter(members, res.to_dense().view(-1))
-        nbytes = _topk_traffic(res)
-        stats = state.stats.setdefault(key, TensorStats("topk", res.algorithm, routes[members[0]][1].reason))
-        stats.record(res.algorithm, nbytes)
-        state.bytes_sent += nbytes
-
+        return _dense_bucket(state, bucket, p)
+    parts = _BucketParts(state, bucket)
+    out = torch.empty_like(parts.buffer)
+    if parts.dense:
+        _reduce_dense(state, parts, out, p)
+    for (algo, knobs, _), members in parts.topk.items():
+        _reduce_topk(state, parts, out, members, algo, knobs)
     if bucket.is_last():
         for key in [k for k in state.topk_states if k not in state._used]:
             del state.topk_states[key]  # its parameters moved to other buckets (residuals already taken)
         state._used = set()
     state.maybe_increase_iter(bucket)
-    fut = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(out)
     return fut
+
+
+def _dense_bucket(state: ColltuneHookState, bucket: dist.GradBucket, p: int) -> torch.futures.Future[torch.Tensor]:
+    """Average the whole bucket with an asynchronous dense allreduce (warm-up, or a single rank)."""
+    buffer = bucket.buffer()
+    stats = state.stats.setdefault(f"bucket{bucket.index()}", TensorStats("dense", "dense"))
+    stats.reason = "warm-up" if not state.compressing else "single rank"
+    nbytes = _ring_bytes(buffer.numel(), buffer.element_size(), p)
+    stats.record("dense", nbytes)
+    state.bytes_sent += nbytes
+    state.maybe_increase_iter(bucket)
+    if p == 1:
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0].div_(p))
+
+
+class _BucketParts:
+    """A compressed bucket's parameters: their routes and slices, the dense ones and the top-k groups.
+
+    Parts are taken in the model's parameter order; top-k parts with the
+    same algorithm and knobs travel together. The plan is checked to be the
+    same on every rank the first time it is seen.
+    """
+
+    def __init__(self, state: ColltuneHookState, bucket: dist.GradBucket) -> None:
+        self.buffer = bucket.buffer()
+        self.buffer_index = idx = bucket.index()
+        params = list(bucket.parameters())
+        self.routes = _bucket_routes(state, params, idx)
+        self.slices: list[tuple[int, int]] = []
+        offset = 0
+        for param in params:
+            self.slices.append((offset, offset + param.numel()))
+            offset += param.numel()
+        order = sorted(range(len(params)), key=lambda i: (state._order.get(id(params[i]), len(state._order)), i))
+        self.dense = [i for i in order if self.routes[i][1].route == "dense"]
+        self.topk: dict[tuple, list[int]] = {}
+        for i in order:
+            r = self.routes[i][1]
+            if r.route == "topk":
+                key = (r.algorithm, tuple(sorted(r.knobs.items())), tuple(sorted(r.state_knobs.items())))
+                self.topk.setdefault(key, []).append(i)
+        plan_key = "|".join(self.routes[i][0] for i in order)
+        if plan_key not in state._checked:
+            plan = [plan_key, [self.routes[i][1].plan() for i in order]]
+            _check_same_plan(plan, state.process_group, f"colltune_hook (bucket {idx})")
+            state._checked.add(plan_key)
+        for name, r in self.routes:
+            state.decisions[name] = {"route": r.route, "algorithm": r.algorithm, "reason": r.reason}
+
+    def gather(self, members: list[int]) -> torch.Tensor:
+        """Return the members' gradients as one flat tensor (a view for a single member)."""
+        if len(members) == 1:
+            a, b = self.slices[members[0]]
+            return self.buffer[a:b]
+        return torch.cat([self.buffer[self.slices[i][0] : self.slices[i][1]] for i in members])
+
+    def scatter(self, members: list[int], flat: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``flat`` back into the members' slices of ``out``."""
+        pos = 0
+        for i in members:
+            a, b = self.slices[i]
+            out[a:b] = flat[pos : pos + b - a]
+            pos += b - a
+
+
+def _reduce_dense(state: ColltuneHookState, parts: _BucketParts, out: torch.Tensor, p: int) -> None:
+    """Average the parts kept dense with one allreduce."""
+    flat = parts.gather(parts.dense).clone()
+    dist.all_reduce(flat, group=state.process_group)
+    parts.scatter(parts.dense, flat.div_(p), out)
+    nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
+    stats = state.stats.setdefault(f"bucket{parts.buffer_index}/dense", TensorStats("dense", "dense"))
+    stats.reason = "kept dense: " + "; ".join(sorted({parts.routes[i][1].reason for i in parts.dense}))
+    stats.record("dense", nbytes)
+    state.bytes_sent += nbytes
+
+
+def _reduce_topk(
+    state: ColltuneHookState, parts: _BucketParts, out: torch.Tensor, members: list[int], algo: str, knobs: tuple
+) -> None:
+    """Average one group of top-k parts through :func:`colltune.topk_allreduce` with their state."""
+    names = [parts.routes[i][0] for i in members]
+    key = "|".join(names)
+    flat = parts.gather(members)
+    ts = _hook_topk_state(state, key, names, flat.numel(), parts.routes[members[0]][1])
+    state._used.add(key)
+    res: Any = _api.topk_allreduce(
+        flat,
+        ts,
+        op="avg",
+        group=state.process_group,
+        algorithm=algo,
+        knobs=dict(knobs) or None,
+        name=key if algo == AUTO else None,
+        policy=state._routing()[2] if algo == AUTO else None,
+    )
+    parts.scatter(members, res.to_dense().view(-1), out)
+    nbytes = _topk_traffic(res)
+    stats = state.stats.setdefault(key, TensorStats("topk", res.algorithm, parts.routes[members[0]][1].reason))
+    stats.record(res.algorithm, nbytes)
+    state.bytes_sent += nbytes
+
+
 # DDP checks the hook's annotations against the real classes; postponed evaluation
 # (``from __future__ import annotations``) would leave strings there.
 colltune_hook.__annotations__.update(state=ColltuneHookState, bucket=dist.GradBucket)
