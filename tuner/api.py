@@ -39,7 +39,7 @@ from colltune.algorithms import meta as _meta
 from colltune.algorithms.comm import Comm, Traffic
 from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
 from colltune.algorithms.allgather import eager_slot, slot_need
-from colltune.algorithms.base import SparseInput, SparseResult
+from colltune.algorithms.base import SparseInput, SparseResult, TopkOutput
 from colltune.algorithms.errors import (
     AbandonedCallError,
     CollectiveError,
@@ -671,17 +671,55 @@ def _sparse_allreduce(
     policy: Any = None,
 ) -> SparseResult:
     comm = _open(group, values)
+    call = _SparseCall(comm, {"kind": _meta.name_code(_KIND_SPARSE)})
     error: BaseException | None = None
-    record: dict[str, int] = {"kind": _meta.name_code(_KIND_SPARSE)}
-    sel: Any = None
-    likely: str | None = None  # the algorithm whose payload the record carries
     try:
+        call.prepare(indices, values, size, op, group, algorithm, knobs, name, policy)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
+        error, call.slot, call.eager, call.sketch_bytes, call.payload_bytes = (
+            _input_error(exc), None, _meta.EAGER_NONE, 0, 0)
+    records, slots = _meta.exchange(comm, call.record, error, call.slot)
+    counts = tuple(rec["count"] for rec in records)
+    algorithm, decision = call.decide(algorithm, counts, slots, name)
+    inp = call.sparse_input(counts, slots, op, algorithm)
+    # Size the next call's eager slot from this one: the same records and
+    # decision on every rank, so every rank sizes it alike.
+    has_entries = call.eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
+    _meta.note_slot_use(
+        comm,
+        slot_need(counts, inp.row_numel, inp.size, inp.dtype) + call.payload_bytes
+        if algorithm == "allgather" and has_entries else 0,
+    )
+    out_idx, out_vals = _run_sparse(inp, comm, algorithm, call.knobs_checked, op, values)
+    if call.sel is not None:
+        call.sel.observe_sparse(call.site, counts, out_idx.numel())
+    out_vals = out_vals.to(values.dtype).reshape((out_idx.numel(),) + inp.row_shape)
+    return SparseResult(out_idx, out_vals, inp.size, algorithm, comm.traffic, decision)
+
+
+class _SparseCall:
+    """One rank's side of a ``sparse_allreduce``: what it prepares before the exchange and decides after it."""
+
+    def __init__(self, comm: Comm, record: dict[str, int]) -> None:
+        self.comm, self.record = comm, record
+        self.sel: Any = None
+        self.likely: str | None = None  # the algorithm whose payload the record carries
+        self.slot: np.ndarray | None = None
+        self.eager, self.sketch_bytes, self.payload_bytes = _meta.EAGER_NONE, 0, 0
+        self.knobs_checked: Any = None
+        self.site: tuple = ()
+
+    def prepare(self, indices: Any, values: Any, size: Any, op: Any, group: Any, algorithm: Any,
+                knobs: dict[str, Any] | None, name: Any, policy: Any) -> None:
+        """Validate and coalesce the input, resolve the algorithm's knobs, fill the record and its eager slot."""
+        comm = self.comm
         idx, vals, n, row_shape = _validate_sparse(indices, values, size, op, algorithm, group)
-        knobs_checked, sel, backend, code = _resolve(algorithm, knobs, policy, group, name)
+        self.knobs_checked, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
         if algorithm == "dense":
             _check_dense_fits(n, vals.shape[1], values.dtype, comm.device)
         idx, vals = coalesce(idx, vals, accum_dtype(values.dtype))
-        record.update(
+        self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
+        self.record.update(
             size=n,
             row_numel=vals.shape[1],
             **_meta.shape_fields(row_shape),
@@ -691,92 +729,95 @@ def _sparse_allreduce(
             policy=code,
             count=idx.numel(),
         )
-        site = (_KIND_SPARSE, name, n, vals.shape[1], values.dtype, comm.world_size, _group_key(group))
-        # The eager slot of the metadata record carries, in order: the
-        # payload of the algorithm likeliest to run (its own metadata, e.g.
-        # Ok-Topk's counts per region), on the first auto call at a site a
-        # sketch of the indices (the selector estimates the overlap from it
-        # without a collective of its own), and this rank's first entries
-        # (allgather then needs no second collective).
-        slot, eager, sketch_bytes, payload_bytes = None, _meta.EAGER_NONE, 0, 0
+        self.site = (_KIND_SPARSE, name, n, vals.shape[1], values.dtype, comm.world_size, _group_key(group))
         if comm.world_size > 1:
-            cap = _meta.slot_bytes(comm)
-            likely = sel.last_choice(site) if sel is not None else algorithm
-            parts: list[np.ndarray] = []
-            if likely is not None and likely != "allgather":
-                own = algorithms.get(likely).eager_payload(
-                    idx, n, comm, None if sel is not None else knobs_checked, cap
-                )
-                if own is not None:
-                    parts.append(own)
-                    payload_bytes = int(own.size)
-            if algorithm in ("auto", "allgather"):
-                room = cap - payload_bytes
-                if sel is not None and sel.wants_sketch(site, backend):
-                    # The sketch (1 KiB: 256 hashes), then as many entries as still fit.
-                    sketch_bytes, eager = min(room, _SKETCH_BYTES), _meta.EAGER_SKETCH
-                    sketch = np.zeros(sketch_bytes, dtype=np.uint8)
-                    hashes = sketch_hashes(idx, sketch_bytes, sel.bitmap_seed).view(np.uint8)
-                    sketch[: hashes.size] = hashes
-                    parts.append(sketch)
-                else:
-                    eager = _meta.EAGER_ENTRIES
-                entries = eager_slot(idx.to(comm.device), vals.to(comm.device), n, values.dtype,
-                                     room - sketch_bytes)
-                parts.append(entries if isinstance(entries, np.ndarray) else entries.cpu().numpy())
-            if parts:
-                slot = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        record["eager"], record["payload"] = eager, payload_bytes
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
-        error, slot, eager, sketch_bytes, payload_bytes = _input_error(exc), None, _meta.EAGER_NONE, 0, 0
-    records, slots = _meta.exchange(comm, record, error, slot)
-    counts = tuple(rec["count"] for rec in records)
-    entries_at = payload_bytes + sketch_bytes
-    has_entries = eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
-    if sel is None:
-        decision: Any = None
-    else:
+            self.fill_slot(algorithm)
+        self.record["eager"], self.record["payload"] = self.eager, self.payload_bytes
+
+    def fill_slot(self, algorithm: str) -> None:
+        """Fill the record's eager slot.
+
+        It carries, in order: the payload of the algorithm likeliest to run
+        (its own metadata, e.g. Ok-Topk's counts per region), on the first
+        auto call at a site a sketch of the indices (the selector estimates
+        the overlap from it without a collective of its own), and this
+        rank's first entries (allgather then needs no second collective).
+        """
+        comm, sel, idx = self.comm, self.sel, self.idx
+        cap = _meta.slot_bytes(comm)
+        self.likely = likely = sel.last_choice(self.site) if sel is not None else algorithm
+        parts: list[np.ndarray] = []
+        if likely is not None and likely != "allgather":
+            own = algorithms.get(likely).eager_payload(
+                idx, self.n, comm, None if sel is not None else self.knobs_checked, cap
+            )
+            if own is not None:
+                parts.append(own)
+                self.payload_bytes = int(own.size)
+        if algorithm in ("auto", "allgather"):
+            room = cap - self.payload_bytes
+            if sel is not None and sel.wants_sketch(self.site, self.backend):
+                # The sketch (1 KiB: 256 hashes), then as many entries as still fit.
+                self.sketch_bytes, self.eager = min(room, _SKETCH_BYTES), _meta.EAGER_SKETCH
+                sketch = np.zeros(self.sketch_bytes, dtype=np.uint8)
+                hashes = sketch_hashes(idx, self.sketch_bytes, sel.bitmap_seed).view(np.uint8)
+                sketch[: hashes.size] = hashes
+                parts.append(sketch)
+            else:
+                self.eager = _meta.EAGER_ENTRIES
+            entries = eager_slot(idx.to(comm.device), self.vals.to(comm.device), self.n, self.dtype,
+                                 room - self.sketch_bytes)
+            parts.append(entries if isinstance(entries, np.ndarray) else entries.cpu().numpy())
+        if parts:
+            self.slot = parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def decide(self, algorithm: str, counts: tuple[int, ...], slots: Any, name: Any) -> tuple[str, Any]:
+        """Return the algorithm to run and the selector's decision (``None`` when the caller named one)."""
+        sel = self.sel
+        if sel is None:
+            return algorithm, None
         sketches = None
-        if eager == _meta.EAGER_SKETCH:
-            table = slots[:, payload_bytes:entries_at].cpu().contiguous().numpy().view(np.uint32)  # type: ignore[index]
+        if self.eager == _meta.EAGER_SKETCH:
+            table = slots[:, self.payload_bytes : self.payload_bytes + self.sketch_bytes]
+            table = table.cpu().contiguous().numpy().view(np.uint32)
             sketches = [table[r, : min(c, table.shape[1])] for r, c in enumerate(counts)]
         decision = sel.decide_sparse(
-            site, comm=comm, backend=backend, name=name, size=n, row_numel=vals.shape[1],
-            dtype=values.dtype, counts=counts, indices=idx, sketches=sketches,
+            self.site, comm=self.comm, backend=self.backend, name=name, size=self.n, row_numel=self.vals.shape[1],
+            dtype=self.dtype, counts=counts, indices=self.idx, sketches=sketches,
         )
-        algorithm = decision.algorithm
-        knobs_checked = _decided_knobs(decision, knobs_checked)
+        self.knobs_checked = _decided_knobs(decision, self.knobs_checked)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", n, max(counts), sum(counts),
-                         comm.world_size, algorithm)
-    eager_entries = slots[:, entries_at:] if has_entries else None  # type: ignore[index]
-    # The payload belongs to the algorithm that made it: another one chosen meanwhile does not get it.
-    payload = slots[:, :payload_bytes] if payload_bytes and algorithm == likely else None  # type: ignore[index]
-    inp = SparseInput(idx, vals, n, row_shape, values.dtype, counts, eager_entries, op, payload)
-    # Size the next call's eager slot from this one: the same records and
-    # decision on every rank, so every rank sizes it alike.
-    _meta.note_slot_use(
-        comm,
-        slot_need(counts, inp.row_numel, n, values.dtype) + payload_bytes if algorithm == "allgather" and has_entries
-        else 0,
-    )
-    acc = inp.acc_dtype
+            logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", self.n, max(counts), sum(counts),
+                         self.comm.world_size, decision.algorithm)
+        return decision.algorithm, decision
+
+    def sparse_input(self, counts: tuple[int, ...], slots: Any, op: str, algorithm: str) -> SparseInput:
+        """Return what the algorithm receives: the local entries, every rank's counts, slots and payloads."""
+        entries_at = self.payload_bytes + self.sketch_bytes
+        has_entries = self.eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
+        eager_entries = slots[:, entries_at:] if has_entries else None
+        # The payload belongs to the algorithm that made it: another one chosen meanwhile does not get it.
+        payload = slots[:, : self.payload_bytes] if self.payload_bytes and algorithm == self.likely else None
+        return SparseInput(self.idx, self.vals, self.n, self.row_shape, self.dtype, counts, eager_entries, op,
+                           payload)
+
+
+def _run_sparse(
+    inp: SparseInput, comm: Comm, algorithm: str, knobs: dict[str, Any], op: str, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the algorithm (nothing to move when no rank has entries) and apply ``avg`` where it did not."""
     if inp.k_sum == 0:
-        out_idx = torch.empty(0, dtype=torch.int64, device=comm.device)
-        out_vals = torch.empty((0, inp.row_numel), dtype=acc, device=comm.device)
-    else:
-        algo = algorithms.get(algorithm)
-        out_idx, out_vals = algo.sparse_allreduce(inp, comm, knobs_checked)
-        if op == "avg" and not algo.applies_avg and comm.world_size > 1:
-            # In place: an algorithm's result shares no memory with its input (checked, for registered ones).
-            shared = out_vals.untyped_storage().data_ptr() in (
-                vals.untyped_storage().data_ptr(), values.untyped_storage().data_ptr()
-            )
-            out_vals = out_vals / comm.world_size if shared else out_vals.div_(comm.world_size)
-    if sel is not None:
-        sel.observe_sparse(site, counts, out_idx.numel())
-    out_vals = out_vals.to(values.dtype).reshape((out_idx.numel(),) + row_shape)
-    return SparseResult(out_idx, out_vals, n, algorithm, comm.traffic, decision)
+        return (torch.empty(0, dtype=torch.int64, device=comm.device),
+                torch.empty((0, inp.row_numel), dtype=inp.acc_dtype, device=comm.device))
+    algo = algorithms.get(algorithm)
+    out_idx, out_vals = algo.sparse_allreduce(inp, comm, knobs)
+    if op == "avg" and not algo.applies_avg and comm.world_size > 1:
+        # In place: an algorithm's result shares no memory with its input (checked, for registered ones).
+        shared = out_vals.untyped_storage().data_ptr() in (
+            inp.values.untyped_storage().data_ptr(), values.untyped_storage().data_ptr()
+        )
+        out_vals = out_vals / comm.world_size if shared else out_vals.div_(comm.world_size)
+    return out_idx, out_vals
 
 
 # --------------------------------------------------------------------------- topk_allreduce
@@ -927,39 +968,32 @@ def _topk_allreduce(
         algorithm = decision.algorithm
         knobs_checked = _decided_knobs(decision, knobs_checked)
         _apply_state_knobs(state, decision)
-    acc_dtype = accum_dtype(tensor.dtype)
-    acc = tensor.detach().reshape(-1).to(acc_dtype)
+    out = _run_topk(tensor, state, comm, algorithm, knobs_checked)
+    state.step += 1
+    if sel is not None:
+        sel.observe_topk(site, algorithm, k, comm.world_size, out.global_count)
+    values = out.values / comm.world_size if op == "avg" else out.values
+    logger.debug("topk_allreduce: numel=%d k=%d P=%d -> %s; local %d, global %d",
+                 numel, k, comm.world_size, algorithm, out.local_count, out.global_count)
+    return TopkResult(out.indices, values.to(tensor.dtype), tuple(tensor.shape), algorithm, out.local_count,
+                      out.global_count, out.sent, comm.traffic, decision)
+
+
+def _run_topk(tensor: torch.Tensor, state: TopkState, comm: Comm, algorithm: str, knobs: dict[str, Any]) -> TopkOutput:
+    """Run the algorithm on ``residual + tensor`` and keep what it did not deliver as the new residual."""
+    acc = tensor.detach().reshape(-1).to(accum_dtype(tensor.dtype))
     if state.residual is not None:
         acc = acc + state.residual.to(acc.device)
     else:
         acc = acc.clone()
-    out = algorithms.get(algorithm).topk_allreduce(acc, state, comm, knobs_checked)
+    out = algorithms.get(algorithm).topk_allreduce(acc, state, comm, knobs)
     if out.sent is None:
         state.residual = torch.zeros_like(acc)
     else:
         residual = acc
         residual[out.sent] = 0
         state.residual = residual
-    state.step += 1
-    if sel is not None:
-        sel.observe_topk(site, algorithm, k, comm.world_size, out.global_count)
-    values = out.values / comm.world_size if op == "avg" else out.values
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug(
-            "topk_allreduce: numel=%d k=%d P=%d -> %s; local %d, global %d",
-            numel, k, comm.world_size, algorithm, out.local_count, out.global_count,
-        )
-    return TopkResult(
-        out.indices,
-        values.to(tensor.dtype),
-        tuple(tensor.shape),
-        algorithm,
-        out.local_count,
-        out.global_count,
-        out.sent,
-        comm.traffic,
-        decision,
-    )
+    return out
 
 
 def _apply_state_knobs(state: TopkState, decision: Any) -> None:
