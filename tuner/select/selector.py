@@ -632,16 +632,9 @@ class Selector:
         p = comm.world_size
         k_sum = sum(counts)
         k_max = max(counts) if counts else 0
-        site = self._sites.get(site_key)
-        if site is not None and k_sum > 0:
-            e = site.entries.get(_bucket(k_sum))
-            if e is not None and e.age < self.reevaluate_every and self._in_band(e, k_max, k_sum, site.overlap):
-                e.age += 1
-                site.latest = e.choice.algorithm
-                if logger.isEnabledFor(logging.DEBUG):
-                    logger.debug("sparse %s n=%d K=%d k_max=%d P=%d -> %s (cached: %s)",
-                                 name or "-", size, k_sum, k_max, p, e.choice.algorithm, e.choice.reason)
-                return e.cached
+        cached = self._cached_sparse(site_key, name, size, k_sum, k_max, p)
+        if cached is not None:
+            return cached
         if p == 1:
             return _SINGLE
         if k_sum == 0:
@@ -650,6 +643,32 @@ class Selector:
             return _NO_VALUES
         site = self._site(site_key)
         call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p)
+        choice = self._choose_sparse(site, call, comm, backend, indices, sketches)
+        site.last = site.latest = choice.algorithm
+        site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, choice.overlap)
+        self._log("sparse", name, site_key, choice, comm.rank)
+        return choice
+
+    def _cached_sparse(self, site_key: tuple, name: str | None, size: int, k_sum: int, k_max: int,
+                       p: int) -> Choice | None:
+        """Return the site's cached choice for this many entries while it is young and the call in its band."""
+        site = self._sites.get(site_key)
+        if site is None or k_sum == 0:
+            return None
+        e = site.entries.get(_bucket(k_sum))
+        if e is None or e.age >= self.reevaluate_every or not self._in_band(e, k_max, k_sum, site.overlap):
+            return None
+        e.age += 1
+        site.latest = e.choice.algorithm
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sparse %s n=%d K=%d k_max=%d P=%d -> %s (cached: %s)",
+                         name or "-", size, k_sum, k_max, p, e.choice.algorithm, e.choice.reason)
+        return e.cached
+
+    def _choose_sparse(self, site: Any, call: _Call, comm: Any, backend: str, indices: Any,
+                       sketches: Sequence[Any] | None) -> Choice:
+        """Decide a call the cache did not: the policy, the overlap when it matters, then the cost model."""
+        name, p, k_sum, k_max = call.name, call.world_size, sum(call.counts), max(call.counts)
         dtype_name, density, numel = call.dtype_name, call.density, call.numel
         overlap, source = site.overlap, site.overlap_source
         decision = self._match(name, numel, density, p, overlap, dtype_name)
@@ -664,17 +683,12 @@ class Selector:
             if self._policy_uses_overlap:
                 decision = self._match(name, numel, density, p, overlap, dtype_name)
         if decision.algorithm != AUTO:
-            choice = self._from_policy(decision, overlap, source)
-        elif model is None:
-            choice = Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}",
-                            "default", _knobs_for(decision, SAFE_DEFAULT), overlap=overlap, overlap_source=source)
-        else:
-            f = call.features(overlap)
-            choice = self._from_model(model, {a: f for a in ALGORITHMS}, decision, site, overlap, source)
-        site.last = site.latest = choice.algorithm
-        site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, overlap)
-        self._log("sparse", name, site_key, choice, comm.rank)
-        return choice
+            return self._from_policy(decision, overlap, source)
+        if model is None:
+            return Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}",
+                          "default", _knobs_for(decision, SAFE_DEFAULT), overlap=overlap, overlap_source=source)
+        f = call.features(overlap)
+        return self._from_model(model, {a: f for a in ALGORITHMS}, decision, site, overlap, source)
 
     def last_choice(self, site_key: tuple) -> str | None:
         """Return the algorithm of the site's last decision (``None`` before its first).
