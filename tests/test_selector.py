@@ -27,7 +27,7 @@ from colltune.model.features import (
 )
 from colltune.model.policy import parse_policy
 from colltune.model.profile import Primitive, Profile
-from colltune.select.selector import ALGORITHMS, SAFE_DEFAULT, Selector, profiles_dir, shipped_profile
+from colltune.select.selector import SAFE_DEFAULT, candidates, Selector, profiles_dir, shipped_profile
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -74,10 +74,11 @@ def _decide(sel: Selector, n: int, counts, overlap: float, site=("sparse", "w", 
 # --------------------------------------------------------------------------- the choice
 
 
-def test_candidates_match_the_cost_model():
-    from colltune.model.cost_model import ALGORITHMS as MODEL_ALGORITHMS
+def test_candidates_are_the_registered_algorithms_with_a_schedule():
+    from colltune import algorithms
+    from colltune.model.cost_model import ALGORITHMS as BUILTIN
 
-    assert ALGORITHMS == MODEL_ALGORITHMS
+    assert candidates() == BUILTIN == algorithms.names()
 
 
 @pytest.mark.parametrize(
@@ -98,14 +99,14 @@ def test_synthetic_profile_choices(n, density, p, overlap, expected):
     assert e.choice.source == "model"
     pred = {r.algorithm: r.predicted_us for r in e.rows}
     assert min(pred, key=pred.get) == expected
-    assert e.choice.term is not None and e.choice.term.split(".")[0] in ALGORITHMS
+    assert e.choice.term is not None and e.choice.term.split(".")[0] in candidates()
 
 
 def test_decide_uses_the_cost_model_and_caches_per_site():
     sel = Selector(profile=SYNTHETIC, environ={}, reevaluate_every=4)
     first = _decide(sel, 2**20, [20972] * 8, 1.0)
     assert (first.algorithm, first.source, first.cached) == ("oktopk", "model", False)
-    assert set(first.predicted_us) == set(ALGORITHMS) and first.overlap_source == "previous call"
+    assert set(first.predicted_us) == set(candidates()) and first.overlap_source == "previous call"
     again = [_decide(sel, 2**20, [20972] * 8, 1.0) for _ in range(3)]
     assert all(c.cached and c.algorithm == "oktopk" for c in again)
     # Every reevaluate_every calls the decision is taken again.
@@ -190,7 +191,7 @@ def test_shipped_profiles_are_found_and_usable():
     assert sel.model("gloo").kind == "learned" and sel.model("nccl").kind == "analytic"
     assert sel.digest("gloo") != sel.digest("nccl")
     c = _decide_backend(sel, "gloo")
-    assert c.algorithm in ALGORITHMS and c.source == "model" and "cpu-gloo.yaml" in c.reason
+    assert c.algorithm in candidates() and c.source == "model" and "cpu-gloo.yaml" in c.reason
 
 
 def test_decision_log_lines_and_jsonl(tmp_path, caplog):
@@ -204,7 +205,7 @@ def test_decision_log_lines_and_jsonl(tmp_path, caplog):
     records = [json.loads(x) for x in (tmp_path / "decisions-0.jsonl").read_text().splitlines()]
     assert len(records) == 1
     assert records[0]["algorithm"] == "oktopk" and records[0]["source"] == "model"
-    assert set(records[0]["predicted_us"]) == set(ALGORITHMS) and records[0]["features"]["world_size"] == 8
+    assert set(records[0]["predicted_us"]) == set(candidates()) and records[0]["features"]["world_size"] == 8
 
 
 def test_a_cached_decision_is_cheap(monkeypatch):
@@ -406,7 +407,7 @@ def test_explain_prints_the_table(capsys):
     for word in ("dense", "allgather", "oktopk", "predicted", "choice:", "why:", "cpu-gloo.yaml"):
         assert word in out
     chosen = [line for line in out.splitlines() if " *" in line]
-    assert len(chosen) == 1 and chosen[0].split()[0] in ALGORITHMS
+    assert len(chosen) == 1 and chosen[0].split()[0] in candidates()
 
 
 def test_explain_json_and_policy(tmp_path, capsys):
@@ -418,7 +419,7 @@ def test_explain_json_and_policy(tmp_path, capsys):
                    "--policy", str(policy), "--backend", "nccl", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 0 and data["choice"]["algorithm"] == "oktopk" and data["choice"]["source"] == "policy"
-    assert {a["algorithm"] for a in data["algorithms"]} == set(ALGORITHMS)
+    assert {a["algorithm"] for a in data["algorithms"]} == set(candidates())
     assert data["model"].startswith("analytic")
 
 

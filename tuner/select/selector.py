@@ -140,10 +140,15 @@ MAX_SITES = 4096
 
 Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "no-values", "requested"]
 
-#: The candidates, in tie-breaking order: ``colltune.model.cost_model.ALGORITHMS``
-#: (repeated here so that importing the selector does not import scikit-learn).
-ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
-_ORDER = {a: i for i, a in enumerate(ALGORITHMS)}
+
+
+def candidates() -> tuple[str, ...]:
+    """Return the algorithms ``auto`` chooses among: every registered one with a cost schedule, in registry order.
+
+    The order breaks ties: the earlier wins.
+    """
+    return tuple(n for n in _algorithms.names() if _algorithms.get(n).TERMS)
+
 _M64 = (1 << 64) - 1
 
 
@@ -158,8 +163,9 @@ def _q(t: float) -> float:
 
 
 def _ranked(pred: Mapping[str, float]) -> list[str]:
-    """The algorithms fastest first by ``pred`` (rounded times), ties in :data:`ALGORITHMS` order."""
-    return sorted(ALGORITHMS, key=lambda a: (pred[a], _ORDER[a]))
+    """The candidates fastest first by ``pred`` (rounded times), ties in registry order."""
+    names = [a for a in candidates() if a in pred]
+    return sorted(names, key=lambda a: (pred[a], names.index(a)))
 
 
 @dataclass(frozen=True)
@@ -295,7 +301,7 @@ class Choice:
                       self.term, self.overlap, self.overlap_source, True, self.features, self.state_knobs)
 
 
-_REQUESTED = {a: Choice(a, "requested by the caller", "requested") for a in ALGORITHMS}
+_REQUESTED: dict[str, Choice] = {}
 _EMPTY = Choice("allgather", "no entries on any rank: nothing moves", "empty")
 _SINGLE = Choice("allgather", "single rank: no communication", "single-rank")
 _NO_VALUES = Choice("allgather", "rows of no elements: only the union of the indices moves", "no-values")
@@ -304,7 +310,11 @@ _NO_VALUES = Choice("allgather", "rows of no elements: only the union of the ind
 def requested(algorithm: str) -> Choice:
     """Return the (shared) decision record of an explicitly requested algorithm."""
     got = _REQUESTED.get(algorithm)
-    return got if got is not None else Choice(algorithm, "requested by the caller", "requested")
+    if got is None:
+        got = Choice(algorithm, "requested by the caller", "requested")
+        if algorithm in _algorithms.names():  # shared per registered name; bounded by the registry
+            _REQUESTED[algorithm] = got
+    return got
 
 
 # --------------------------------------------------------------------------- cost models
@@ -327,12 +337,13 @@ class _Model:
             return [self.analytic.predict(f) for f in feats]
         rows = self.learned.predict(feats)
         algs = list(self.learned.algorithms_)
+        want = candidates()
         out = []
         for f, row in zip(feats, rows):
             got = dict(zip(algs, (float(t) for t in row)))
-            if len(got) < len(ALGORITHMS):  # an algorithm the profile never measured: the analytic model
+            if any(a not in got for a in want):  # an algorithm the profile never measured: the analytic model
                 base = self.analytic.predict(f)
-                got = {a: got.get(a, base[a]) for a in ALGORITHMS}
+                got = {a: got[a] if a in got else base[a] for a in want}
             out.append(got)
         return out
 
@@ -688,7 +699,7 @@ class Selector:
             return Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}",
                           "default", _knobs_for(decision, SAFE_DEFAULT), overlap=overlap, overlap_source=source)
         f = call.features(overlap)
-        return self._from_model(model, {a: f for a in ALGORITHMS}, decision, site, overlap, source)
+        return self._from_model(model, {a: f for a in candidates()}, decision, site, overlap, source)
 
     def last_choice(self, site_key: tuple) -> str | None:
         """Return the algorithm of the site's last decision (``None`` before its first).
@@ -747,7 +758,7 @@ class Selector:
         if model is None:
             return True
         preds = model.predict_many([call.features(o) for o in overlaps])
-        return len({_ranked({a: _q(pred[a]) for a in ALGORITHMS})[0] for pred in preds}) == 1
+        return len({_ranked({a: _q(pred[a]) for a in pred})[0] for pred in preds}) == 1
 
     def observe_sparse(self, site_key: tuple, counts: Sequence[int], union: int) -> None:
         """Record the exact union size a completed call revealed (the same on every rank)."""
@@ -860,13 +871,13 @@ class Selector:
     ) -> Choice:
         raw: dict[str, float] = {}
         memo: dict[int, dict[str, float]] = {}
-        for a in ALGORITHMS:
+        for a in feats:
             f = feats[a]
             got = memo.get(id(f))
             if got is None:
                 got = memo[id(f)] = model.predict(f)
             raw[a] = got[a]
-        pred = {a: _q(raw[a]) for a in ALGORITHMS}
+        pred = {a: _q(raw[a]) for a in raw}
         ranked = _ranked(pred)
         best, runner = ranked[0], ranked[1]
         chosen, src = best, "model"
@@ -927,12 +938,12 @@ class Selector:
         elif model is None:
             choice = Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}", "default")
         else:
-            choice = self._from_model(model, {a: f for a in ALGORITHMS}, decision, site, f.overlap, "given")
+            choice = self._from_model(model, {a: f for a in candidates()}, decision, site, f.overlap, "given")
         rows = []
         if model is not None:
             pred = model.predict(f)
             terms = model.terms(f)
-            for a in ALGORITHMS:
+            for a in candidates():
                 analytic = math.fsum(terms[a].values())
                 top = max(terms[a], key=terms[a].get)  # type: ignore[arg-type]
                 rows.append(_Row(a, pred[a], analytic, pred[a] / analytic if analytic > 0 else float("nan"),
@@ -942,21 +953,24 @@ class Selector:
 
 
 #: Policy knobs of ``oktopk`` that belong to the top-k state (:class:`colltune.algorithms.TopkState`).
-STATE_KNOBS: tuple[str, ...] = ("local_refresh", "global_refresh")
-
-
 def _state_knobs_for(decision: Decision, algorithm: str) -> dict[str, Any]:
-    knobs = decision.knobs.get(algorithm) if algorithm == "oktopk" else None
+    """Return the policy's knobs for ``algorithm`` that live in the top-k state (``Knob.state``)."""
+    knobs = decision.knobs.get(algorithm)
     if not knobs:
         return {}
-    return {k: v for k, v in knobs.items() if k in STATE_KNOBS}
+    try:
+        state = {k.name for k in _algorithms.get(algorithm).knob_specs if k.state}
+    except ColltuneValueError:
+        return {}
+    return {k: v for k, v in knobs.items() if k in state}
 
 
 def _knobs_for(decision: Decision, algorithm: str) -> dict[str, Any]:
     """Return the policy's knobs for ``algorithm`` that the algorithm itself takes.
 
-    Knobs of the top-k state (``local_refresh``, ``global_refresh``) are
-    applied by :func:`colltune.topk_allreduce` to the state, not passed here.
+    Knobs of the top-k state (``Knob.state``: Ok-Topk's ``local_refresh``,
+    ``global_refresh``) are applied by :func:`colltune.topk_allreduce` to the
+    state, not passed here.
     """
     knobs = decision.knobs.get(algorithm)
     if not knobs:

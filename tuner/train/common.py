@@ -40,9 +40,16 @@ logger = logging.getLogger(__name__)
 TopkAlgorithm = Literal["auto", "allgather", "oktopk"]
 
 _STATE_VERSION = 1
-_TOPK_ALGORITHMS: tuple[str, ...] = ("auto", "allgather", "oktopk")
-# Policy knobs that live in the TopkState rather than in the algorithm.
-_STATE_KNOBS: tuple[str, ...] = ("local_refresh", "global_refresh", "boundary_refresh", "peers_in_flight")
+
+
+def _topk_algorithms() -> tuple[str, ...]:
+    """The algorithms that compress a dense gradient: ``auto`` and every registered one but ``dense``."""
+    return (AUTO, *(n for n in _algorithms.names() if n != "dense"))
+
+
+def _sparse_algorithms() -> tuple[str, ...]:
+    """The algorithms a sparse gradient may take: ``auto`` and every registered one."""
+    return (AUTO, *_algorithms.names())
 
 
 def _check_int(label: str, value: Any, minimum: int) -> int:
@@ -175,9 +182,11 @@ def _split_knobs(decision: Decision, algorithm: str) -> tuple[dict[str, Any], di
     if algorithm in (AUTO, "dense"):
         return {}, {}
     given = decision.knobs_for(algorithm)
-    accepted = getattr(_algorithms.get(algorithm), "knobs", {})
+    specs = _algorithms.get(algorithm)
+    accepted = specs.knobs
+    in_state = {k.name for k in specs.knob_specs if k.state}
     algo = {k: v for k, v in given.items() if k in accepted}
-    state = {k: v for k, v in given.items() if k in _STATE_KNOBS and k not in accepted}
+    state = {k: v for k, v in given.items() if k in in_state}
     return algo, state
 
 

@@ -37,7 +37,7 @@ from colltune.train.common import (
     TopkAlgorithm,
     _Route,
     _STATE_VERSION,
-    _TOPK_ALGORITHMS,
+    _topk_algorithms,
     _check_choice,
     _check_density,
     _check_int,
@@ -152,7 +152,7 @@ class ColltuneHookState:
         self.density = _check_density(density)
         self.start_compression_iter = _check_int("start_compression_iter", start_compression_iter, 0)
         self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 1)
-        self.algorithm = _check_choice("algorithm", algorithm, _TOPK_ALGORITHMS)
+        self.algorithm = _check_choice("algorithm", algorithm, _topk_algorithms())
         if model is not None and not isinstance(model, nn.Module):
             raise ColltuneTypeError(f"model must be a torch.nn.Module (or DDP model) or None, but got {type(model).__name__}.")
         self.topk_options = dict(topk_options or {})
@@ -239,7 +239,7 @@ class ColltuneHookState:
         self.density = _check_density(d["density"])
         self.start_compression_iter = _check_int("start_compression_iter", d["start_compression_iter"], 0)
         self.min_compress_numel = _check_int("min_compress_numel", d["min_compress_numel"], 1)
-        self.algorithm = _check_choice("algorithm", d["algorithm"], _TOPK_ALGORITHMS)
+        self.algorithm = _check_choice("algorithm", d["algorithm"], _topk_algorithms())
         self.topk_options = dict(d["topk_options"])
         self.iter = int(d["iter"])
         self.topk_states = {k: _restore_topk(v) for k, v in d["topk"].items()}

@@ -46,7 +46,8 @@ from colltune.train.common import (
     TopkAlgorithm,
     _Route,
     _STATE_VERSION,
-    _TOPK_ALGORITHMS,
+    _sparse_algorithms,
+    _topk_algorithms,
     _check_choice,
     _check_density,
     _check_int,
@@ -69,7 +70,6 @@ logger = logging.getLogger(__name__)
 DenseMode = Literal["allreduce", "topk", "skip"]
 
 
-_SPARSE_ALGORITHMS: tuple[str, ...] = ("auto", "dense", "allgather", "oktopk")
 
 
 _DENSE_MODES: tuple[str, ...] = ("allreduce", "topk", "skip")
@@ -188,12 +188,12 @@ class SparseGradSync:
             )
         self.model = model
         self.group = group
-        self.algorithm = _check_choice("algorithm", algorithm, _SPARSE_ALGORITHMS)
+        self.algorithm = _check_choice("algorithm", algorithm, _sparse_algorithms())
         self.dense = _check_choice("dense", dense, _DENSE_MODES)
         self.density = _check_density(density)
         self.start_compression_iter = _check_int("start_compression_iter", start_compression_iter, 0)
         self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 1)
-        self.topk_algorithm = _check_choice("topk_algorithm", topk_algorithm, _TOPK_ALGORITHMS)
+        self.topk_algorithm = _check_choice("topk_algorithm", topk_algorithm, _topk_algorithms())
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ColltuneValueError(f"bucket_cap_mb must be a number > 0, but got {bucket_cap_mb!r}.")
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -501,12 +501,12 @@ class SparseGradSync:
                 "track; load it into a synchronizer built on the same model."
             )
         self.step = int(d["step"])
-        self.algorithm = _check_choice("algorithm", d["algorithm"], _SPARSE_ALGORITHMS)
+        self.algorithm = _check_choice("algorithm", d["algorithm"], _sparse_algorithms())
         self.dense = _check_choice("dense", d["dense"], _DENSE_MODES)
         self.density = _check_density(d["density"])
         self.start_compression_iter = _check_int("start_compression_iter", d["start_compression_iter"], 0)
         self.min_compress_numel = _check_int("min_compress_numel", d["min_compress_numel"], 1)
-        self.topk_algorithm = _check_choice("topk_algorithm", d["topk_algorithm"], _TOPK_ALGORITHMS)
+        self.topk_algorithm = _check_choice("topk_algorithm", d["topk_algorithm"], _topk_algorithms())
         self.topk_options = dict(d["topk_options"])
         self.topk_states = {k: _restore_topk(v) for k, v in d["topk"].items()}
         self.decisions = {k: dict(v) for k, v in d["decisions"].items()}
