@@ -31,12 +31,10 @@ size; a rank that disagreed on the call raises before anything is updated.
 
 from __future__ import annotations
 
-import weakref
 import zlib
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
@@ -186,16 +184,9 @@ class _Slot:
         self.nbytes, self.low = nbytes, 0
 
 
-#: The slot size per process group, for as long as the group lives.
-_slot_state: weakref.WeakKeyDictionary[object, _Slot] = weakref.WeakKeyDictionary()
-
-
 def _group_slot(comm: Comm) -> _Slot:
-    group = comm.group if comm.group is not None else dist.group.WORLD
-    st = _slot_state.get(group)
-    if st is None:
-        st = _slot_state[group] = _Slot(eager_capacity(comm.world_size))
-    return st
+    """Return this group's slot size (kept by :meth:`Comm.group_state` for as long as the group lives)."""
+    return comm.group_state("meta.slot", lambda: _Slot(eager_capacity(comm.world_size)))  # type: ignore[return-value]
 
 
 def slot_bytes(comm: Comm) -> int:
@@ -262,26 +253,44 @@ def exchange(
         if local_error is not None:
             raise local_error
         return [dict(record, magic=_MAGIC, version=_VERSION, error=0)], None
-    cap = slot_bytes(comm)
-    try:
-        host = _pack(record, local_error, slot, cap)
-    except Exception as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
-        # A field that does not fit in int64 or a slot that does not fit its room: the record
-        # still travels, with the error set and nothing else, so no rank is left waiting.
-        local_error = local_error or ColltuneValueError(
-            f"the metadata record of this call could not be built ({type(exc).__name__}: {exc}); "
-            "check that every size and count fits in int64."
-        )
-        local_error.__cause__ = local_error.__cause__ or exc
-        host = _pack({"kind": record.get("kind", -1)}, local_error, None, cap)
+    host, local_error = _pack_or_error(record, local_error, slot, slot_bytes(comm))
     hbytes = 8 * len(FIELDS)
     row = torch.from_numpy(host).to(comm.device)
     with comm.meta():
         table = comm.all_gather(row).view(comm.world_size, row.numel())
     host_table = table.numpy() if comm.host else table[:, :hbytes].cpu().numpy()
     head = np.ascontiguousarray(host_table[:, :hbytes]).view(np.int64).tolist()
-    slots = table[:, hbytes:]
     records = [dict(zip(FIELDS, r)) for r in head]
+    _check_versions(records)
+    if local_error is not None:
+        raise local_error
+    _check_remote_errors(records, comm.rank)
+    _check_shared(records)
+    return records, table[:, hbytes:]
+
+
+def _pack_or_error(
+    record: dict[str, int], local_error: BaseException | None, slot: object, cap: int
+) -> tuple[np.ndarray, BaseException | None]:
+    """Return the packed record and the rank's error; a record that cannot be built travels as an error alone.
+
+    A field that does not fit in int64 or a slot that does not fit its room:
+    the record still travels, with the error set and nothing else, so no
+    rank is left waiting.
+    """
+    try:
+        return _pack(record, local_error, slot, cap), local_error
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+        local_error = local_error or ColltuneValueError(
+            f"the metadata record of this call could not be built ({type(exc).__name__}: {exc}); "
+            "check that every size and count fits in int64."
+        )
+        local_error.__cause__ = local_error.__cause__ or exc
+        return _pack({"kind": record.get("kind", -1)}, local_error, None, cap), local_error
+
+
+def _check_versions(records: list[dict[str, int]]) -> None:
+    """Raise :class:`RankMismatchError` if a rank sent another colltune version's record or another collective."""
     for rank, rec in enumerate(records):
         if rec["magic"] != _MAGIC or rec["version"] != _VERSION:
             raise RankMismatchError(
@@ -289,8 +298,10 @@ def exchange(
                 f"(magic {rec['magic']:#x}, version {rec['version']}); every rank must run the same "
                 "colltune version and issue the same collectives in the same order."
             )
-    if local_error is not None:
-        raise local_error
+
+
+def _check_remote_errors(records: list[dict[str, int]], me: int) -> None:
+    """Raise :class:`RemoteInputError` naming the ranks that rejected their input and the arguments."""
     bad = [r for r, rec in enumerate(records) if rec["error"]]
     if bad:
         what = "; ".join(
@@ -298,9 +309,24 @@ def exchange(
             f"{_names.get(records[r]['error_arg'], 'unknown')!r}" for r in bad
         )
         raise RemoteInputError(
-            f"rank(s) {bad} rejected their input to this collective ({what}), so rank {comm.rank} "
+            f"rank(s) {bad} rejected their input to this collective ({what}), so rank {me} "
             "abandoned it too; the error raised on those ranks says what to fix."
         )
+
+
+#: What to do when ranks disagree on a shared field (default: pass the same value on every rank).
+_SHARED_HINTS: dict[str, str] = {
+    "policy": "load the same policy file and profile, set the same COLLTUNE_ALGO, "
+    "and pass the same name= and knobs= on every rank",
+    "row_shape": "pass values with the same row shape on every rank",
+    "row_numel": "pass values with the same row shape on every rank",
+    "eager": _HISTORY_HINT,
+    "payload": _HISTORY_HINT,
+}
+
+
+def _check_shared(records: list[dict[str, int]]) -> None:
+    """Raise :class:`RankMismatchError` on the first shared field the ranks disagree on, with every rank's value."""
     for f in SHARED_FIELDS:
         values = [rec[f] for rec in records]
         if len(set(values)) > 1:
@@ -308,16 +334,8 @@ def exchange(
                 per_rank = ", ".join(f"rank {r}: {_say_shape(rec)}" for r, rec in enumerate(records))
             else:
                 per_rank = ", ".join(f"rank {r}: {_say(f, v)}" for r, v in enumerate(values))
-            hint = {
-                "policy": "load the same policy file and profile, set the same COLLTUNE_ALGO, "
-                "and pass the same name= and knobs= on every rank",
-                "row_shape": "pass values with the same row shape on every rank",
-                "row_numel": "pass values with the same row shape on every rank",
-                "eager": _HISTORY_HINT,
-                "payload": _HISTORY_HINT,
-            }.get(f, "pass the same value on every rank")
+            hint = _SHARED_HINTS.get(f, "pass the same value on every rank")
             raise RankMismatchError(f"ranks disagree on {f!r} ({per_rank}); {hint}.")
-    return records, slots
 
 
 def _pack(record: dict[str, int], local_error: BaseException | None, slot: object, cap: int) -> np.ndarray:

@@ -39,17 +39,20 @@ def test_decision_cache_forgets_the_least_recently_used_site():
 
 def _rank_group_lifetime(rank: int, world_size: int) -> dict:
     import colltune
-    from colltune.algorithms import meta as _meta
+    from colltune.algorithms import comm
 
-    before = len(_meta._slot_state)
+    def slots() -> int:
+        return sum("meta.slot" in states for states in comm._GROUP_STATE.values())
+
+    before = slots()
     for _ in range(3):
         group = dist.new_group(list(range(world_size)))
         colltune.sparse_allreduce(torch.tensor([rank]), torch.ones(1), 4, group=group, algorithm="allgather")
-        during = len(_meta._slot_state)
+        during = slots()
         dist.destroy_process_group(group)
         del group
     gc.collect()
-    return {"before": before, "during": during, "after": len(_meta._slot_state)}
+    return {"before": before, "during": during, "after": slots()}
 
 
 def test_eager_slot_state_lives_as_long_as_its_group():
