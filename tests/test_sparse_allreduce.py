@@ -371,9 +371,13 @@ class _FakeGroup:
     """Stands for a process group: per-group state is held weakly, keyed by the group object."""
 
 
-class _FakeComm:
-    def __init__(self, world_size):
-        self.world_size, self.group = world_size, _FakeGroup()
+def _FakeComm(world_size):
+    """A comm layer of ``world_size`` ranks over a stand-in group object (no process group needed)."""
+    from colltune.algorithms.comm import Comm
+
+    comm = Comm(_FakeGroup(), torch.device("cpu"))
+    comm.world_size = world_size
+    return comm
 
 
 def test_eager_slot_grows_at_once_and_shrinks_only_after_a_run_of_small_calls():
