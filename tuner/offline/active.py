@@ -480,6 +480,36 @@ def simulate(
     """
     from colltune.offline.profiling import ProfilingError
 
+    if truth not in ("measured", "model"):
+        raise ProfilingError(f"truth must be 'measured' or 'model', but got {truth!r}.")
+    cands = _simulation_candidates(profile, world_sizes)
+    prims = dict(profile.primitives)
+    true_t = None
+    if truth == "model":
+        surface = _fit([m for c in cands for m in c.measured.values()], prims)
+        true_t = np.exp(_log_predictions(surface, [c.features for c in cands], _ALGS))
+    settings = {"test_fraction": test_fraction, "limit": limit, "trials": trials, "ensemble": ensemble,
+                "model_kw": dict(model_kw or {}), "member_kw": member_kw, "explore_every": explore_every}
+    runs = []
+    t_start = time.perf_counter()
+    for seed in range(seeds):
+        seeded = cands if true_t is None else _noisy_candidates(cands, true_t, seed, noise)
+        run = _simulate_seed(seeded, prims, seed, settings)
+        runs.append(run)
+        if progress is not None:
+            progress(_seed_line(run, time.perf_counter() - t_start))
+    return {"setup": {"configs": len(cands), "test_fraction": test_fraction, "seeds": seeds, "trials": trials,
+                      "ensemble": ensemble, "algorithms": list(_ALGS), "truth": truth, "explore_every": explore_every,
+                      "noise": noise if truth == "model" else None,
+                      "world_sizes": sorted({c.coords[0] for c in cands}),
+                      "measurements_per_config": len(_ALGS)},
+            "runs": runs, "summary": _summary(runs)}
+
+
+def _simulation_candidates(profile: Profile, world_sizes: Sequence[int] | None) -> list[Candidate]:
+    """Return the profile's configurations measured with every algorithm (at least 20), at ``world_sizes``."""
+    from colltune.offline.profiling import ProfilingError
+
     cands = candidates_from_profile(profile)
     if world_sizes:
         cands = [c for c in cands if c.coords[0] in set(world_sizes)]
@@ -488,95 +518,93 @@ def simulate(
             f"the profile has {len(cands)} configurations measured with every algorithm; the simulation needs at "
             "least 20 (measure a grid: colltune profile --grid full --world-size 2 4)."
         )
-    prims = dict(profile.primitives)
-    if truth not in ("measured", "model"):
-        raise ProfilingError(f"truth must be 'measured' or 'model', but got {truth!r}.")
-    surface = None
-    if truth == "model":
-        surface = _fit([m for c in cands for m in c.measured.values()], prims)
-        true_t = np.exp(_log_predictions(surface, [c.features for c in cands], _ALGS))
-        base = cands
-    runs = []
-    t_start = time.perf_counter()
-    for seed in range(seeds):
-        if surface is not None:
-            draw = np.random.default_rng(7000 + seed)
-            cands = []
-            for c, tt in zip(base, true_t):
-                noisy = tt * np.exp(draw.normal(0.0, noise, size=tt.shape)) if noise > 0 else tt
-                ms = {a: Measurement.from_features(c.features, a, time_us=float(noisy[j]),
-                                                   spread_us=float(noise * 1.349 * noisy[j]), repeats=1,
-                                                   bytes_sent=c.measured[a].bytes_sent)
-                      for j, a in enumerate(_ALGS)}
-                cands.append(Candidate(c.key, c.features, c.coords, ms, truth={a: float(tt[j]) for j, a in enumerate(_ALGS)}))
-        rng = random.Random(1000 + seed)
-        order = list(range(len(cands)))
-        rng.shuffle(order)
-        n_test = max(1, int(round(test_fraction * len(cands))))
-        test = [cands[i] for i in order[:n_test]]
-        pool = [cands[i] for i in order[n_test:]]
-        lim = min(len(pool), limit or max(20, len(pool) // 5))
-        pts = _checkpoints(lim)
-        grid_ms = [m for c in pool for m in c.measured.values()]
-        t0 = time.perf_counter()
-        mkw = dict(model_kw or {})
-        grid_model = _fit(grid_ms, prims, **mkw)
-        grid_regret = selection_regret(grid_model, test)
-        grid_fit_s = time.perf_counter() - t0
+    return cands
 
-        # Active: Optuna picks each next configuration.
-        chooser = ActiveChooser(pool, prims, ensemble=ensemble, trials=trials, seed=seed, member_kw=member_kw,
-                                explore_every=explore_every)
-        measured: list[Measurement] = []
-        done: set[str] = set()
-        active_curve, picks = [], []
-        t0 = time.perf_counter()
-        model = None
-        for m in range(1, lim + 1):
-            c = chooser.choose(measured, done, model)
-            if c is None:
-                break
-            done.add(c.key)
-            measured.extend(c.measured.values())
-            acq = chooser.last_acquisition
-            picks.append({"key": c.key, "acquisition": acq if math.isfinite(acq) else None})
-            model = _fit(measured, prims, **mkw)  # the model after m configurations: scored, then used for the next choice
-            if m in pts:
-                active_curve.append([m, selection_regret(model, test)["geomean"]])
-        active_s = time.perf_counter() - t0
 
-        # Random order: the same pool, shuffled.
-        rorder = list(pool)
-        random.Random(2000 + seed).shuffle(rorder)
-        random_curve = []
-        for m in pts:
-            ms = [x for c in rorder[:m] for x in c.measured.values()]
-            random_curve.append([m, selection_regret(_fit(ms, prims, **mkw), test)["geomean"]])
+def _noisy_candidates(base: list[Candidate], true_t: np.ndarray, seed: int, noise: float) -> list[Candidate]:
+    """Return the candidates "measured" on the model surface ``true_t``, each time times ``exp(N(0, noise))``."""
+    draw = np.random.default_rng(7000 + seed)
+    out = []
+    for c, tt in zip(base, true_t):
+        noisy = tt * np.exp(draw.normal(0.0, noise, size=tt.shape)) if noise > 0 else tt
+        ms = {a: Measurement.from_features(c.features, a, time_us=float(noisy[j]),
+                                           spread_us=float(noise * 1.349 * noisy[j]), repeats=1,
+                                           bytes_sent=c.measured[a].bytes_sent)
+              for j, a in enumerate(_ALGS)}
+        out.append(Candidate(c.key, c.features, c.coords, ms, truth={a: float(tt[j]) for j, a in enumerate(_ALGS)}))
+    return out
 
-        target = grid_regret["geomean"]
-        reach = {
-            name: {"first": _first_reach(curve, target, False), "stays": _first_reach(curve, target, True)}
-            for name, curve in (("active", active_curve), ("random", random_curve))
-        }
-        run = {
-            "seed": seed, "pool": len(pool), "test": len(test), "limit": lim,
-            "grid": {"configs": len(pool), "measurements": len(grid_ms), "regret": grid_regret, "fit_s": grid_fit_s},
-            "active": active_curve, "random": random_curve, "reach": reach, "active_picks": picks,
-            "active_s": active_s,
-        }
-        runs.append(run)
-        if progress is not None:
-            a = reach["active"]["first"]
-            progress(f"seed {seed}: grid {len(pool)} configurations -> regret {target:.4f}; active reaches it at "
-                     f"{a if a is not None else f'>{lim}'}, random at "
-                     f"{reach['random']['first'] if reach['random']['first'] is not None else f'>{lim}'} "
-                     f"({time.perf_counter() - t_start:.0f} s)")
-    return {"setup": {"configs": len(cands), "test_fraction": test_fraction, "seeds": seeds, "trials": trials,
-                      "ensemble": ensemble, "algorithms": list(_ALGS), "truth": truth, "explore_every": explore_every,
-                      "noise": noise if truth == "model" else None,
-                      "world_sizes": sorted({c.coords[0] for c in cands}),
-                      "measurements_per_config": len(_ALGS)},
-            "runs": runs, "summary": _summary(runs)}
+
+def _simulate_seed(cands: list[Candidate], prims: Mapping[str, Any], seed: int,
+                   settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Hold out a test set, then score the fixed grid, active profiling and random order on it."""
+    rng = random.Random(1000 + seed)
+    order = list(range(len(cands)))
+    rng.shuffle(order)
+    n_test = max(1, int(round(settings["test_fraction"] * len(cands))))
+    test = [cands[i] for i in order[:n_test]]
+    pool = [cands[i] for i in order[n_test:]]
+    lim = min(len(pool), settings["limit"] or max(20, len(pool) // 5))
+    pts = _checkpoints(lim)
+    mkw = settings["model_kw"]
+    grid_ms = [m for c in pool for m in c.measured.values()]
+    t0 = time.perf_counter()
+    grid_regret = selection_regret(_fit(grid_ms, prims, **mkw), test)
+    grid_fit_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    active_curve, picks = _active_curve(pool, test, prims, seed, lim, pts, settings)
+    active_s = time.perf_counter() - t0
+    # Random order: the same pool, shuffled.
+    rorder = list(pool)
+    random.Random(2000 + seed).shuffle(rorder)
+    random_curve = []
+    for m in pts:
+        ms = [x for c in rorder[:m] for x in c.measured.values()]
+        random_curve.append([m, selection_regret(_fit(ms, prims, **mkw), test)["geomean"]])
+    target = grid_regret["geomean"]
+    reach = {
+        name: {"first": _first_reach(curve, target, False), "stays": _first_reach(curve, target, True)}
+        for name, curve in (("active", active_curve), ("random", random_curve))
+    }
+    return {
+        "seed": seed, "pool": len(pool), "test": len(test), "limit": lim,
+        "grid": {"configs": len(pool), "measurements": len(grid_ms), "regret": grid_regret, "fit_s": grid_fit_s},
+        "active": active_curve, "random": random_curve, "reach": reach, "active_picks": picks,
+        "active_s": active_s,
+    }
+
+
+def _active_curve(pool: list[Candidate], test: list[Candidate], prims: Mapping[str, Any], seed: int, lim: int,
+                  pts: Any, settings: Mapping[str, Any]) -> tuple[list[list[float]], list[dict[str, Any]]]:
+    """Let Optuna pick each next configuration; return the regret curve at the checkpoints and the picks."""
+    chooser = ActiveChooser(pool, prims, ensemble=settings["ensemble"], trials=settings["trials"], seed=seed,
+                            member_kw=settings["member_kw"], explore_every=settings["explore_every"])
+    measured: list[Measurement] = []
+    done: set[str] = set()
+    curve, picks = [], []
+    model = None
+    for m in range(1, lim + 1):
+        c = chooser.choose(measured, done, model)
+        if c is None:
+            break
+        done.add(c.key)
+        measured.extend(c.measured.values())
+        acq = chooser.last_acquisition
+        picks.append({"key": c.key, "acquisition": acq if math.isfinite(acq) else None})
+        # The model after m configurations: scored, then used for the next choice.
+        model = _fit(measured, prims, **settings["model_kw"])
+        if m in pts:
+            curve.append([m, selection_regret(model, test)["geomean"]])
+    return curve, picks
+
+
+def _seed_line(run: Mapping[str, Any], elapsed_s: float) -> str:
+    """One status line after a seed: the grid's regret and where active and random order reach it."""
+    lim, reach = run["limit"], run["reach"]
+    active, rand = reach["active"]["first"], reach["random"]["first"]
+    return (f"seed {run['seed']}: grid {run['pool']} configurations -> regret {run['grid']['regret']['geomean']:.4f}; "
+            f"active reaches it at {active if active is not None else f'>{lim}'}, random at "
+            f"{rand if rand is not None else f'>{lim}'} ({elapsed_s:.0f} s)")
 
 
 def _summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -627,7 +655,17 @@ def format_simulation(result: Mapping[str, Any]) -> str:
         f"{'seed':>4} {'grid configs':>12} {'grid regret':>11} {'active reach':>12} {'active stays':>12} "
         f"{'random reach':>12} {'ratio grid/active':>17}",
     ]
-    for r in result["runs"]:
+    lines += _seed_rows(result["runs"])
+    runs = result["runs"]
+    lines += _curve_rows(runs)
+    lines += _summary_rows(result["summary"], runs)
+    return "\n".join(lines)
+
+
+def _seed_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One row per seed: the grid, where active and random order reach its regret, and the ratio."""
+    lines = []
+    for r in runs:
         def f(v: Any) -> str:
             return f">{r['limit']}" if v is None else str(v)
 
@@ -637,20 +675,27 @@ def format_simulation(result: Mapping[str, Any]) -> str:
         lines.append(f"{r['seed']:>4} {r['grid']['configs']:>12} {r['grid']['regret']['geomean']:>11.4f} "
                      f"{f(a['first']):>12} {f(a['stays']):>12} {f(r['reach']['random']['first']):>12} "
                      f"{ratio:>8} ({stay} stays)")
-    runs = result["runs"]
+    return lines
+
+
+def _curve_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The median regret curves of active and random order at the checkpoints every seed reached."""
     common = sorted(set.intersection(*[{m for m, _ in r["active"]} for r in runs])) if runs else []
     show = [m for m in common if m in (1, 2, 5, 10, 15, 20, 30, 40, 50, 60, 80, 100, 120, 160, 200)] or common[:10]
-    if show:
-        lines += ["", "regret (geomean over the held-out configurations; median over seeds) after m configurations:",
-                  f"{'m':>8} " + " ".join(f"{m:>6}" for m in show) + f" {'grid':>8}"]
-        grid_med = float(np.median([r["grid"]["regret"]["geomean"] for r in runs]))
-        for name in ("active", "random"):
-            vals = [float(np.median([dict(map(tuple, r[name]))[m] for r in runs])) for m in show]
-            lines.append(f"{name:>8} " + " ".join(f"{v:>6.3f}" for v in vals)
-                         + f" {grid_med:>8.3f}")
-        lines.append(f"{'(grid: all ' + str(runs[0]['grid']['configs']) + ' pool configurations)':>8}")
-    sm = result["summary"]
+    if not show:
+        return []
+    lines = ["", "regret (geomean over the held-out configurations; median over seeds) after m configurations:",
+             f"{'m':>8} " + " ".join(f"{m:>6}" for m in show) + f" {'grid':>8}"]
+    grid_med = float(np.median([r["grid"]["regret"]["geomean"] for r in runs]))
+    for name in ("active", "random"):
+        vals = [float(np.median([dict(map(tuple, r[name]))[m] for r in runs])) for m in show]
+        lines.append(f"{name:>8} " + " ".join(f"{v:>6.3f}" for v in vals) + f" {grid_med:>8.3f}")
+    lines.append(f"{'(grid: all ' + str(runs[0]['grid']['configs']) + ' pool configurations)':>8}")
+    return lines
 
+
+def _summary_rows(sm: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The per-seed median ratios and where the median curves reach the median grid regret."""
     def med(name: str) -> str:
         v = sm.get(name)
         return "not reached in every seed" if v is None else f"{v:.2f}x"
@@ -666,7 +711,7 @@ def format_simulation(result: Mapping[str, Any]) -> str:
             text += ", but does not stay below it"
         return text
 
-    lines += [
+    lines = [
         "",
         f"per seed, configurations needed for the grid's regret, median ratio grid/strategy: active "
         f"{med('active_first_ratio_median')} (staying there: {med('active_stays_ratio_median')}); random order "
@@ -676,7 +721,7 @@ def format_simulation(result: Mapping[str, Any]) -> str:
         lines += [f"median curve over seeds against the median grid regret {sm['grid_regret_median']:.4f} "
                   f"({int(np.median(sm['grid_configs']))} configurations): " + on_curve("active") + "; "
                   + on_curve("random")]
-    return "\n".join(lines)
+    return lines
 
 
 # --------------------------------------------------------------------------- live

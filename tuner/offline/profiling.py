@@ -503,7 +503,6 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
         ColltuneValueError: two algorithms disagree on the union (a bug).
     """
     import torch
-    import torch.distributed as dist
 
     import colltune
     from colltune.offline import bench
@@ -524,17 +523,8 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
         return call
 
     calls = {a: call_of(a) for a in algorithms}
-    unions: dict[str, int] = {}
-    for i in range(max(1, plan.warmup)):
-        order = list(algorithms)
-        order = order[i % len(order):] + order[: i % len(order)]
-        for a in order:
-            dist.barrier()
-            unions[a] = int(calls[a]().indices.numel())
-    if len(set(unions.values())) != 1 or next(iter(unions.values())) != cfg.union:
-        raise ColltuneValueError(f"{cfg.key}: algorithms disagree on the union size: {unions} (expected {cfg.union}).")
+    _warm_up(calls, cfg, plan)
     times, last = timed_rounds(calls, plan)
-    rounds = len(times[algorithms[0]])
     sent = bench._reduce_max([float(last[a].traffic.bytes_sent) for a in algorithms])
     if rank != 0:
         return None
@@ -542,12 +532,27 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
     out = []
     for j, a in enumerate(algorithms):
         t_us, spread = summarize([t * 1e6 for t in times[a]], "median")
-        m = Measurement.from_features(feats, a, time_us=t_us, spread_us=spread, repeats=rounds,
+        m = Measurement.from_features(feats, a, time_us=t_us, spread_us=spread, repeats=len(times[a]),
                                       bytes_sent=int(sent[j]))
         out.append(m.to_dict())
         if raw is not None:
             raw[a] = [round(t * 1e6, 3) for t in times[a]]
     return out
+
+
+def _warm_up(calls: dict[str, Callable[[], Any]], cfg: ProfileConfig, plan: TimingPlan) -> None:
+    """Run every call ``plan.warmup`` times (at least once), rotating who goes first; check they agree on the union."""
+    import torch.distributed as dist
+
+    algorithms = list(calls)
+    unions: dict[str, int] = {}
+    for i in range(max(1, plan.warmup)):
+        order = algorithms[i % len(algorithms):] + algorithms[: i % len(algorithms)]
+        for a in order:
+            dist.barrier()
+            unions[a] = int(calls[a]().indices.numel())
+    if len(set(unions.values())) != 1 or next(iter(unions.values())) != cfg.union:
+        raise ColltuneValueError(f"{cfg.key}: algorithms disagree on the union size: {unions} (expected {cfg.union}).")
 
 
 #: How a configuration's rounds become one time: the median (default), or the lower quartile, which
@@ -959,7 +964,6 @@ def run_profile(
             ``out`` cannot be written.
         colltune.offline.launch.RankError: a rank failed (what was measured stays in the journal).
     """
-    from colltune.offline import launch
 
     started = time.monotonic()
     plan = plan or TimingPlan()
@@ -969,6 +973,97 @@ def run_profile(
     for a in algorithms:
         if a not in ALGORITHMS:
             raise ProfilingError(f"algorithms must be among {', '.join(ALGORITHMS)}, but got {a!r}.")
+    world_sizes, is_root = _run_world_sizes(world_sizes)
+    jpath = journal_path(out)
+    header = {"backend": backend, "grid": grid.as_dict(), "algorithms": list(algorithms),
+              "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+    run = _RunState.open(out, jpath, header, backend, resume, is_root)
+    per_p = {p: grid.configs(p) for p in world_sizes}
+    total = sum(len(v) for v in per_p.values())
+    resumed = sum(1 for v in per_p.values() for c in v if c.key in run.done_keys)
+    if is_root and resume:
+        say(f"resuming: {resumed} of {total} configurations already measured"
+            + (f" ({len(run.previous)} measurements from {out})" if run.previous else "")
+            + f"; {total - resumed} to go")
+    deadline = None if budget_s is None else time.time() + budget_s
+    launches = _Launches(grid, run, algorithms, plan, primitive_sizes, jpath, header, deadline, backend, timeout,
+                         order, (resumed, total) if progress else None)
+    measured, stopped = launches.run(world_sizes, per_p, is_root)
+    if not is_root:
+        return None
+    journal = Journal(jpath, header)  # re-read: the ranks appended to it
+    missing = total - sum(1 for v in per_p.values() for c in v if c.key in journal.configs or c.key in run.done_keys)
+    note = notes or ("" if missing == 0 else f"partial: {missing} of {total} configurations not measured yet")
+    profile = _profile_of_run(journal, run, world_sizes, grid, backend, note, statistic)
+    save_profile(profile, out)
+    if missing == 0 and not keep_journal:
+        try:
+            os.remove(jpath)
+        except OSError:
+            pass
+    return ProfileResult(profile=profile, path=out, configs_total=total, configs_resumed=resumed,
+                         configs_measured=measured, complete=missing == 0 and not stopped,
+                         elapsed_s=time.monotonic() - started, journal="" if missing == 0 else jpath,
+                         world_sizes=sorted({m.world_size for m in profile.measurements} | set(world_sizes)))
+
+
+@dataclass
+class _Launches:
+    """One launch of ranks per world size, each measuring the configurations not done yet."""
+
+    grid: Grid
+    state: "_RunState"
+    algorithms: Sequence[str]
+    plan: TimingPlan
+    primitive_sizes: Sequence[int]
+    jpath: str
+    header: dict[str, Any]
+    deadline: float | None
+    backend: str
+    timeout: float
+    order: Callable[[list[ProfileConfig]], list[ProfileConfig]] | None
+    progress: tuple[int, int] | None
+
+    def run(self, world_sizes: list[int], per_p: dict[int, list[ProfileConfig]], is_root: bool) -> tuple[int, bool]:
+        """Return how many configurations were measured and whether the budget stopped the run."""
+        from colltune.offline import launch
+
+        measured = 0
+        for p in world_sizes:
+            todo = [c for c in per_p[p] if c.key not in self.state.done_keys]
+            if self.order is not None:
+                todo = self.order(todo)
+            else:
+                random.Random(self.grid.seed * 7919 + p).shuffle(todo)
+            need_prims = p not in self.state.done_prims and self.primitive_sizes
+            if not launch.in_torchrun():  # under torchrun every rank must enter the launch: rank 0 decides inside
+                if not todo and not need_prims:
+                    continue
+                if self.deadline is not None and time.time() >= self.deadline:
+                    return measured, True
+            progress = None if self.progress is None else (self.progress[0] + measured, self.progress[1])
+            args = (todo, tuple(self.algorithms), self.plan, tuple(self.primitive_sizes) if need_prims else None,
+                    self.jpath, self.header, self.deadline, progress, self.backend,
+                    None if launch.in_torchrun() else os.getpid())
+            if launch.in_torchrun():
+                got = launch.run_here(_profile_rank, *args, backend=self.backend)
+            else:
+                got = launch.run_local(_profile_rank, p, *args, backend=self.backend, timeout=self.timeout)[0]
+            if not is_root:
+                return measured, False
+            measured += got["measured"]
+            if got["stopped"]:
+                return measured, True
+        return measured, False
+
+
+def _run_world_sizes(world_sizes: Sequence[int]) -> tuple[list[int], bool]:
+    """Return the world sizes to measure and whether this process writes the profile.
+
+    Under ``torchrun`` the running ranks are the one world size, and rank 0 writes.
+    """
+    from colltune.offline import launch
+
     is_root = True
     if launch.in_torchrun():
         r, here = launch.torchrun_rank()
@@ -978,103 +1073,60 @@ def run_profile(
                 f"omit --world-size under torchrun or pass --world-size {here}."
             )
         world_sizes, is_root = [here], r == 0
-    world_sizes = sorted(set(int(p) for p in world_sizes))
-    if not world_sizes or world_sizes[0] < 1:
-        raise ProfilingError(f"--world-size must be >= 1, but got {world_sizes!r}.")
-    jpath = journal_path(out)
-    header = {"backend": backend, "grid": grid.as_dict(), "algorithms": list(algorithms),
-              "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
-    previous: list[Measurement] = []
-    previous_prims: dict[str, Primitive] | None = None
-    previous_ps: list[int] = []
-    if is_root:
+    out = sorted(set(int(p) for p in world_sizes))
+    if not out or out[0] < 1:
+        raise ProfilingError(f"--world-size must be >= 1, but got {out!r}.")
+    return out, is_root
+
+
+@dataclass
+class _RunState:
+    """What a profiling run starts from: the measurements and primitives of a resumed run, and what is done."""
+
+    previous: list[Measurement]
+    previous_prims: dict[str, Primitive] | None
+    previous_ps: list[int]
+    done_keys: set[str]
+    done_prims: set[int]
+
+    @classmethod
+    def open(cls, out: str, jpath: str, header: dict[str, Any], backend: str, resume: bool,
+             is_root: bool) -> "_RunState":
+        """Check the output and the journal (rank 0 only) and read what an earlier run measured."""
+        if not is_root:
+            return cls([], None, [], set(), set())
         check_output_path(out)
         if os.path.exists(jpath) and not resume:
             raise ProfilingError(
                 f"{jpath} holds an interrupted run of this profile; pass --resume to continue it "
                 "(nothing it measured is measured again), or delete it to start over."
             )
-        if resume:
-            previous, previous_prims, previous_ps = _previous_profile(out, backend)
+        previous, prims, ps = _previous_profile(out, backend) if resume else ([], None, [])
         journal = Journal(jpath, header)
-        done_keys = set(journal.configs) | {measurement_key(m) for m in previous}
-        done_prims = set(journal.primitives) | (set(previous_ps) if resume else set())
-    else:
-        journal, done_keys, done_prims = None, set(), set()  # type: ignore[assignment]
+        return cls(previous, prims, ps, set(journal.configs) | {measurement_key(m) for m in previous},
+                   set(journal.primitives) | (set(ps) if resume else set()))
 
-    per_p = {p: grid.configs(p) for p in world_sizes}
-    total = sum(len(v) for v in per_p.values())
-    resumed = sum(1 for v in per_p.values() for c in v if c.key in done_keys)
-    if is_root and resume:
-        say(f"resuming: {resumed} of {total} configurations already measured"
-            + (f" ({len(previous)} measurements from {out})" if previous else "") + f"; {total - resumed} to go")
-    deadline = None if budget_s is None else time.time() + budget_s
-    measured = 0
-    stopped = False
-    done_so_far = resumed
-    for p in world_sizes:
-        todo = [c for c in per_p[p] if c.key not in done_keys]
-        if order is not None:
-            todo = order(todo)
-        else:
-            random.Random(grid.seed * 7919 + p).shuffle(todo)
-        need_prims = p not in done_prims and primitive_sizes
-        if not launch.in_torchrun():  # under torchrun every rank must enter the launch: rank 0 decides inside
-            if not todo and not need_prims:
-                continue
-            if deadline is not None and time.time() >= deadline:
-                stopped = True
-                break
-        args = (todo, tuple(algorithms), plan, tuple(primitive_sizes) if need_prims else None, jpath, header,
-                deadline, (done_so_far, total) if progress else None, backend,
-                None if launch.in_torchrun() else os.getpid())
-        if launch.in_torchrun():
-            got = launch.run_here(_profile_rank, *args, backend=backend)
-        else:
-            got = launch.run_local(_profile_rank, p, *args, backend=backend, timeout=timeout)[0]
-        if not is_root:
-            return None
-        measured += got["measured"]
-        done_so_far += got["measured"]
-        if got["stopped"]:
-            stopped = True
-            break
-    if not is_root:
-        return None
 
-    journal = Journal(jpath, header)  # re-read: the ranks appended to it
+def _profile_of_run(journal: Journal, run: _RunState, world_sizes: list[int], grid: Grid, backend: str,
+                    note: str, statistic: str) -> Profile:
+    """Return the profile of a run: the earlier and new measurements, the primitives' fit and the model."""
     by_key: dict[str, Measurement] = {}
-    for m in previous:
-        by_key[f"{measurement_key(m)}/{m.algorithm}"] = m
-    for m in journal.measurements(statistic):
+    for m in [*run.previous, *journal.measurements(statistic)]:
         by_key[f"{measurement_key(m)}/{m.algorithm}"] = m
     measurements = sorted(by_key.values(), key=lambda m: (m.world_size, m.dtype, m.numel, m.density, m.overlap,
                                                           ALGORITHMS.index(m.algorithm)))
     samples = [s for ss in journal.primitives.values() for s in ss]
     # Fitted on this run's timings; a resumed run that timed none keeps the old profile's constants.
-    primitives = fit_primitives(samples) if samples or previous_prims is None else previous_prims
-    timed_at = sorted(set(journal.primitives) if samples else set(previous_ps if previous_prims else []))
+    primitives = fit_primitives(samples) if samples or run.previous_prims is None else run.previous_prims
+    timed_at = sorted(set(journal.primitives) if samples else set(run.previous_ps if run.previous_prims else []))
     all_ps = sorted({m.world_size for m in measurements} | set(world_sizes))
-    missing = total - sum(1 for v in per_p.values() for c in v if c.key in journal.configs or c.key in done_keys)
-    complete = missing == 0
-    note = notes or ("" if complete else f"partial: {missing} of {total} configurations not measured yet")
     meta = _meta(backend, all_ps, grid, note)
     meta["primitives_timed_at"] = timed_at
     meta["statistic"] = statistic
     model = None
     if len(measurements) >= 2 and len({m.algorithm for m in measurements}) >= 1:
         model = fit_model(measurements, primitives).to_dict()
-    profile = profile_from_measurements(measurements, primitives, meta, model=model)
-    save_profile(profile, out)
-    if complete and not keep_journal:
-        try:
-            os.remove(jpath)
-        except OSError:
-            pass
-    return ProfileResult(profile=profile, path=out, configs_total=total, configs_resumed=resumed,
-                         configs_measured=measured, complete=complete and not stopped,
-                         elapsed_s=time.monotonic() - started, journal="" if complete else jpath,
-                         world_sizes=all_ps)
+    return profile_from_measurements(measurements, primitives, meta, model=model)
 
 
 # --------------------------------------------------------------------------- fit
