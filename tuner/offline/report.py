@@ -29,6 +29,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
 import os
 from typing import Any, Mapping, Sequence
@@ -249,81 +251,109 @@ def write_report(
     """
     profile = load_profile(profile_path)
     os.makedirs(out_dir, exist_ok=True)
-    plt = _plt()
     model, label = model_of(profile)
     n = n or _pick_n(profile)
     measured_p = sorted({m.world_size for m in profile.measurements}) or [
         int(p) for p in profile.meta.get("world_sizes", [2, 4, 8])]
     densities = [float(x) for x in np.logspace(-5, math.log10(0.5), 14)]
-    worlds = sorted(set([2, 4, 8, 16, 32, 64] + measured_p))
-    files: dict[str, str] = {}
-
-    # 1. density x world size
-    choice, speed = decision_grid(model, densities, worlds, lambda d, p: _features(n, d, p, overlap, dtype))
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    _draw_map(ax, choice, speed, densities, [f"{p}*" if p in measured_p else str(p) for p in worlds])
-    ax.set_xlabel("density (entries per rank / n)")
-    ax.set_ylabel("world size P  (* measured)")
-    ax.set_title(f"chosen algorithm and predicted speedup over dense\nn = 2^{int(math.log2(n))} rows, overlap "
-                 f"{overlap:g}, {dtype}; model: {label}", fontsize=10)
-    files["decision-density-world"] = _finish_map(fig, out_dir, "decision-density-world", top=1)
-
-    # 2. density x overlap, one panel per measured world size
-    overlaps = [round(x, 2) for x in np.linspace(0, 1, 11)]
-    fig, axes = plt.subplots(1, len(measured_p), figsize=(6.2 * len(measured_p), 4.6), squeeze=False)
-    for ax, p in zip(axes[0], measured_p):
-        choice, speed = decision_grid(model, densities, overlaps, lambda d, o, p=p: _features(n, d, p, o, dtype))
-        _draw_map(ax, choice, speed, densities, [f"{o:.1f}" for o in overlaps])
-        ax.set_xlabel("density")
-        ax.set_ylabel("overlap")
-        ax.set_title(f"P = {p}", fontsize=10)
-    fig.suptitle(f"chosen algorithm and predicted speedup over dense; n = 2^{int(math.log2(n))}, {dtype}; "
-                 f"model: {label}", fontsize=10)
-    files["decision-density-overlap"] = _finish_map(fig, out_dir, "decision-density-overlap", top=0.94)
-
-    # 3. predicted vs measured (cross-validated)
+    maps = _Maps(model, label, n, overlap, dtype, densities, measured_p, out_dir)
+    files = {"decision-density-world": maps.density_world(), "decision-density-overlap": maps.density_overlap()}
     ms, pred, every, n_folds = _cv_predictions(profile, folds)
+    files["predicted-vs-measured"] = _predicted_vs_measured(profile, ms, pred, n_folds, out_dir)
+    cv = _cv_summary(ms, pred, every, n_folds)
+    path = os.path.join(out_dir, "summary.md")
+    _write_text(path, _summary_md(profile_path, profile, model, label, cv, n, overlap, dtype, files))
+    files["summary"] = path
+    return files
+
+
+@dataclass
+class _Maps:
+    """The decision maps of one model: the algorithm chosen and its predicted speedup over dense."""
+
+    model: Any
+    label: str
+    n: int
+    overlap: float
+    dtype: str
+    densities: list[float]
+    measured_p: list[int]
+    out_dir: str
+
+    def density_world(self) -> str:
+        """Draw density x world size (measured world sizes starred); return the file."""
+        plt = _plt()
+        n, overlap, dtype, measured_p = self.n, self.overlap, self.dtype, self.measured_p
+        worlds = sorted(set([2, 4, 8, 16, 32, 64] + measured_p))
+        choice, speed = decision_grid(self.model, self.densities, worlds,
+                                      lambda d, p: _features(n, d, p, overlap, dtype))
+        fig, ax = plt.subplots(figsize=(9, 4.2))
+        _draw_map(ax, choice, speed, self.densities, [f"{p}*" if p in measured_p else str(p) for p in worlds])
+        ax.set_xlabel("density (entries per rank / n)")
+        ax.set_ylabel("world size P  (* measured)")
+        ax.set_title(f"chosen algorithm and predicted speedup over dense\nn = 2^{int(math.log2(n))} rows, overlap "
+                     f"{overlap:g}, {dtype}; model: {self.label}", fontsize=10)
+        return _finish_map(fig, self.out_dir, "decision-density-world", top=1)
+
+    def density_overlap(self) -> str:
+        """Draw density x overlap, one panel per measured world size; return the file."""
+        plt = _plt()
+        n, dtype, measured_p = self.n, self.dtype, self.measured_p
+        overlaps = [round(x, 2) for x in np.linspace(0, 1, 11)]
+        fig, axes = plt.subplots(1, len(measured_p), figsize=(6.2 * len(measured_p), 4.6), squeeze=False)
+        for ax, p in zip(axes[0], measured_p):
+            choice, speed = decision_grid(self.model, self.densities, overlaps,
+                                          lambda d, o, p=p: _features(n, d, p, o, dtype))
+            _draw_map(ax, choice, speed, self.densities, [f"{o:.1f}" for o in overlaps])
+            ax.set_xlabel("density")
+            ax.set_ylabel("overlap")
+            ax.set_title(f"P = {p}", fontsize=10)
+        fig.suptitle(f"chosen algorithm and predicted speedup over dense; n = 2^{int(math.log2(n))}, {dtype}; "
+                     f"model: {self.label}", fontsize=10)
+        return _finish_map(fig, self.out_dir, "decision-density-overlap", top=0.94)
+
+
+def _predicted_vs_measured(profile: Profile, ms: list[Any], pred: np.ndarray, n_folds: int, out_dir: str) -> str:
+    """Draw the cross-validated predictions against the measurements, one panel per algorithm; return the file."""
+    plt = _plt()
     algs = [a for a in _ALGS if any(m.algorithm == a for m in ms)] or list(_ALGS)
     fig, axes = plt.subplots(1, len(algs), figsize=(4.4 * len(algs), 4.4), squeeze=False)
     statistic = str(profile.meta.get("statistic") or "median").replace("-", " ")
-    errs: dict[str, float] = {}
     for ax, a in zip(axes[0], algs):
-        sel = [i for i, m in enumerate(ms) if m.algorithm == a and np.isfinite(pred[i])]
-        meas = np.array([ms[i].time_us for i in sel]) / 1e3
-        pr = pred[sel] / 1e3 if sel else np.array([])
-        if len(sel):
-            ps = sorted({ms[i].world_size for i in sel})
-            for p, marker in zip(ps, "os^Dv<>"):
-                idx = [j for j, i in enumerate(sel) if ms[i].world_size == p]
-                ax.scatter(meas[idx], pr[idx], s=10, alpha=0.6, color=COLORS[a], marker=marker, label=f"P={p}")
-            lo = float(min(meas.min(), pr.min())) * 0.8
-            hi = float(max(meas.max(), pr.max())) * 1.25
-            ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
-            ax.plot([lo, hi], [lo * 1.25, hi * 1.25], "k:", lw=0.6)
-            ax.plot([lo, hi], [lo / 1.25, hi / 1.25], "k:", lw=0.6)
-            ax.set_xlim(lo, hi)
-            ax.set_ylim(lo, hi)
-            errs[a] = float(np.median(np.abs(pr - meas) / meas))
-            ax.legend(fontsize=7, loc="upper left")
+        err = _scatter_algorithm(ax, a, ms, pred)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel(f"measured {statistic} (ms)")
         ax.set_ylabel("predicted, cross-validated (ms)")
-        ax.set_title(f"{a}: median error {100 * errs.get(a, float('nan')):.0f}%", fontsize=10)
+        ax.set_title(f"{a}: median error {100 * err:.0f}%", fontsize=10)
     fig.suptitle(f"predicted vs measured ({n_folds}-fold cross-validation over configurations; dotted: +-25%)",
                  fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     path = os.path.join(out_dir, "predicted-vs-measured.png")
     _save(fig, path)
     plt.close(fig)
-    files["predicted-vs-measured"] = path
+    return path
 
-    # 4. summary
-    cv = _cv_summary(ms, pred, every, n_folds)
-    path = os.path.join(out_dir, "summary.md")
-    _write_text(path, _summary_md(profile_path, profile, model, label, cv, n, overlap, dtype, files))
-    files["summary"] = path
-    return files
+
+def _scatter_algorithm(ax: Any, a: str, ms: list[Any], pred: np.ndarray) -> float:
+    """Plot one algorithm's predicted against measured times per world size; return its median relative error."""
+    sel = [i for i, m in enumerate(ms) if m.algorithm == a and np.isfinite(pred[i])]
+    if not sel:
+        return float("nan")
+    meas = np.array([ms[i].time_us for i in sel]) / 1e3
+    pr = pred[sel] / 1e3
+    for p, marker in zip(sorted({ms[i].world_size for i in sel}), "os^Dv<>"):
+        idx = [j for j, i in enumerate(sel) if ms[i].world_size == p]
+        ax.scatter(meas[idx], pr[idx], s=10, alpha=0.6, color=COLORS[a], marker=marker, label=f"P={p}")
+    lo = float(min(meas.min(), pr.min())) * 0.8
+    hi = float(max(meas.max(), pr.max())) * 1.25
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.plot([lo, hi], [lo * 1.25, hi * 1.25], "k:", lw=0.6)
+    ax.plot([lo, hi], [lo / 1.25, hi / 1.25], "k:", lw=0.6)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.legend(fontsize=7, loc="upper left")
+    return float(np.median(np.abs(pr - meas) / meas))
 
 
 def _write_text(path: str, text: str) -> None:
