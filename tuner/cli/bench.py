@@ -60,7 +60,6 @@ each world size, so a partial run keeps its results)::
                                    "words_per_rank_max": ..., "meta_words_per_rank_max": ...,
                                    "words_over_bound_max": ..., ...}, ...}}
       ],
-      "targets": {"a": {"holds": true, ...}, "b": {...}, "c": {...}},
       "elapsed_s": 812.5
     }
 
@@ -125,7 +124,7 @@ class BenchCommand(Command):
                        help="calls in a row per timed sample (default 1: one call after a barrier, its latency); "
                             "B > 1 reports the time per call of B back-to-back calls, as when a training step "
                             "reduces many tensors in a row (sparse grid only)")
-        t.add_argument("--contenders", nargs="+", choices=bench.CONTENDERS, default=list(bench.CONTENDERS),
+        t.add_argument("--contenders", nargs="+", choices=bench.all_contenders(), default=list(bench.all_contenders()),
                        help="what to time (default all)")
         t.add_argument("--timeout", type=parse_seconds, default=3600.0,
                        help="kill the ranks of one world size after this many seconds (default 3600)")
@@ -153,82 +152,80 @@ class BenchCommand(Command):
             from colltune.model.profile import load_profile
 
             load_profile(args.profile)  # a bad profile is a usage error before any rank starts
-        quick = args.quick
-        worlds = args.world_size or ([4] if quick else list(bench.FULL_WORLD))
-        if launch.in_torchrun():
-            _, here = launch.torchrun_rank()
-            if args.world_size and here not in args.world_size:
-                raise UsageError(
-                    f"--world-size {' '.join(map(str, args.world_size))} does not include the {here} ranks "
-                    f"torchrun started; omit --world-size under torchrun or pass --world-size {here}."
-                )
-            worlds = [here]
-        ns = args.n or ([2**16] if quick else list(bench.FULL_N))
-        densities = args.density or ([1e-3, 1e-2] if quick else list(bench.FULL_DENSITY))
-        overlaps = args.overlap if args.overlap is not None else ([0.0, 1.0] if quick else list(bench.FULL_OVERLAP))
-        base = bench.Plan.quick() if quick else bench.Plan()
-        max_r = args.repeats or base.max_repeats
-        plan = bench.Plan(
-            warmup=base.warmup if args.warmup is None else args.warmup,
-            min_repeats=min(base.min_repeats, max_r),
-            max_repeats=max_r,
-            budget_s=args.budget or base.budget_s,
-            burst=args.burst or 1,
-        )
-        row_shape = tuple(args.row_shape)
-        configs = [] if args.topk_only else bench.full_grid(
-            ns, densities, overlaps, worlds, row_shape=row_shape, dtype=args.dtype, seed=args.seed
-        )
-        topk_configs = []
-        if args.topk or args.topk_only:
-            steps = args.topk_steps or (10 if quick else 40)
-            topk_n = args.topk_n or (2**16 if quick else 2**20)
-            topk_configs = [bench.TopkConfig(topk_n, args.topk_density, p, steps, args.seed) for p in worlds]
+        configs, topk_configs, plan = _workload(args)
         is_root = not launch.in_torchrun() or launch.torchrun_rank()[0] == 0
-        if is_root:
-            if configs:
-                if plan.burst > 1:
-                    print(f"ms per call, in bursts of {plan.burst} back-to-back calls after each barrier", flush=True)
-                print(bench.format_header(args.contenders), flush=True)
+        if is_root and configs:
+            if plan.burst > 1:
+                print(f"ms per call, in bursts of {plan.burst} back-to-back calls after each barrier", flush=True)
+            print(bench.format_header(args.contenders), flush=True)
 
         def save(report: dict[str, Any]) -> None:
             write_json(args.json, report)
 
-        report = bench.run(
-            configs,
-            topk_configs=topk_configs,
-            contenders=args.contenders,
-            plan=plan,
-            progress=not args.no_progress,
-            timeout=args.timeout,
-            on_partial=save,
-            profile=args.profile,
-        )
+        report = bench.run(configs, topk_configs=topk_configs, contenders=args.contenders, plan=plan,
+                           progress=not args.no_progress, timeout=args.timeout, on_partial=save, profile=args.profile)
         if not is_root:
             return 0
         save(report)
-        print()
-        if "auto" in args.contenders and report["configs"]:
-            print(bench.format_auto(report))
-            print()
-        if plan.burst > 1:
-            print(f"targets, from times per call in bursts of {plan.burst}:")
-        print(bench.format_targets(report["targets"]))
-        bad = [
-            f"{bench.config_name(c)}: {name}"
-            for c in report["configs"]
-            for name, e in c["contenders"].items()
-            if e.get("max_rel_err", 0.0) > 1e-4
-        ]
-        if bad:
-            print("results that disagree with the reference (marked !): " + "; ".join(bad))
-        failed = [
-            f"{bench.config_name(c)}: {name}: {e['error']}"
-            for c in report["configs"]
-            for name, e in c["contenders"].items()
-            if "error" in e
-        ]
-        for line in failed:
-            print(f"failed: {line}")
-        print(f"wrote {args.json} ({report.get('elapsed_s', 0.0):.0f} s)")
+        _print_summary(args, report)
         return 0
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[Any], list[Any], Any]:
+    """Return the exact configurations, the top-k configurations and the timing plan the options ask for."""
+    from colltune.offline import bench, launch
+
+    quick = args.quick
+    worlds = args.world_size or ([4] if quick else list(bench.FULL_WORLD))
+    if launch.in_torchrun():
+        _, here = launch.torchrun_rank()
+        if args.world_size and here not in args.world_size:
+            raise UsageError(
+                f"--world-size {' '.join(map(str, args.world_size))} does not include the {here} ranks "
+                f"torchrun started; omit --world-size under torchrun or pass --world-size {here}."
+            )
+        worlds = [here]
+    ns = args.n or ([2**16] if quick else list(bench.FULL_N))
+    densities = args.density or ([1e-3, 1e-2] if quick else list(bench.FULL_DENSITY))
+    overlaps = args.overlap if args.overlap is not None else ([0.0, 1.0] if quick else list(bench.FULL_OVERLAP))
+    base = bench.Plan.quick() if quick else bench.Plan()
+    max_r = args.repeats or base.max_repeats
+    plan = bench.Plan(
+        warmup=base.warmup if args.warmup is None else args.warmup,
+        min_repeats=min(base.min_repeats, max_r),
+        max_repeats=max_r,
+        budget_s=args.budget or base.budget_s,
+        burst=args.burst or 1,
+    )
+    configs = [] if args.topk_only else bench.full_grid(
+        ns, densities, overlaps, worlds, row_shape=tuple(args.row_shape), dtype=args.dtype, seed=args.seed
+    )
+    topk_configs = []
+    if args.topk or args.topk_only:
+        steps = args.topk_steps or (10 if quick else 40)
+        topk_n = args.topk_n or (2**16 if quick else 2**20)
+        topk_configs = [bench.TopkConfig(topk_n, args.topk_density, p, steps, args.seed) for p in worlds]
+    return configs, topk_configs, plan
+
+
+def _print_summary(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Print auto's decision table, results that disagree with the reference, failures, and the file written."""
+    from colltune.offline import bench
+
+    print()
+    if "auto" in args.contenders and report["configs"]:
+        print(bench.format_auto(report))
+        print()
+    bad = [
+        f"{bench.config_name(c)}: {name}"
+        for c in report["configs"]
+        for name, e in c["contenders"].items()
+        if e.get("max_rel_err", 0.0) > 1e-4
+    ]
+    if bad:
+        print("results that disagree with the reference (marked !): " + "; ".join(bad))
+    for c in report["configs"]:
+        for name, e in c["contenders"].items():
+            if "error" in e:
+                print(f"failed: {bench.config_name(c)}: {name}: {e['error']}")
+    print(f"wrote {args.json} ({report.get('elapsed_s', 0.0):.0f} s)")

@@ -30,9 +30,9 @@ rank (error feedback on), and reports the median time and the entry words
 Ok-Topk's bound ``6k(P-1)/P``.
 
 Example:
-    >>> from tuner import bench
+    >>> from colltune.offline import bench
     >>> report = bench.run(bench.quick_grid(), plan=bench.Plan.quick())  # doctest: +SKIP
-    >>> bench.check_targets(report)["a"]["holds"]  # doctest: +SKIP
+    >>> report["configs"][0]["oracle"]["algorithm"]  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -54,14 +54,15 @@ import torch
 import torch.distributed as dist
 
 import colltune
+from colltune import algorithms
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.offline import launch
 from colltune.offline.workloads import Workload, k_for_density
 
 __all__ = [
-    "CONTENDERS",
-    "TOPK_CONTENDERS",
-    "FIXED",
+    "all_contenders",
+    "fixed_algorithms",
+    "topk_contenders",
     "auto_summary",
     "format_auto",
     "BenchConfig",
@@ -70,31 +71,27 @@ __all__ = [
     "full_grid",
     "quick_grid",
     "run",
-    "check_targets",
     "format_header",
     "format_row",
     "format_topk",
-    "format_targets",
 ]
 
-#: Contenders of the exact benchmark, in table order.
-CONTENDERS: tuple[str, ...] = ("dense", "allgather", "oktopk", "torch")
-#: The fixed algorithms: the oracle of a configuration is the fastest of those timed.
-FIXED: tuple[str, ...] = ("dense", "allgather", "oktopk")
+
+def all_contenders() -> tuple[str, ...]:
+    """Contenders of the exact benchmark, in table order: ``auto`` (the selector's choice through a profile's
+    cost model), every registered algorithm, and ``torch`` (PyTorch's gloo sparse ``all_reduce``)."""
+    return ("auto", *algorithms.names(), "torch")
 
 
-def _has_selector() -> bool:
-    """Return whether ``algorithm="auto"`` has a selector behind it (``colltune.select.selector``)."""
-    import importlib.util
-
-    return importlib.util.find_spec("colltune.select.selector") is not None
+def fixed_algorithms() -> tuple[str, ...]:
+    """The fixed algorithms: the oracle of a configuration is the fastest of those timed."""
+    return algorithms.names()
 
 
-if _has_selector():
-    # ``auto`` (the selector's choice, through a profile's cost model) runs on the same inputs, first column.
-    CONTENDERS = ("auto",) + CONTENDERS
-#: Contenders of the top-k section.
-TOPK_CONTENDERS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+def topk_contenders() -> tuple[str, ...]:
+    """Contenders of the top-k section: every registered algorithm."""
+    return algorithms.names()
+
 
 logger = logging.getLogger(__name__)
 
@@ -481,7 +478,7 @@ def _bench_one(
 def _add_oracle(out: dict[str, Any], auto_ran: str | None, auto_why: str | None) -> None:
     """Add the oracle (the fastest fixed algorithm timed) and, with ``auto``, its choice, regret and speedups."""
     cs = out["contenders"]
-    fixed = [a for a in FIXED if "median_ms" in cs.get(a, {})]
+    fixed = [a for a in fixed_algorithms() if "median_ms" in cs.get(a, {})]
     if not fixed:
         return
     best = min(fixed, key=lambda a: cs[a]["median_ms"])
@@ -496,7 +493,7 @@ def _add_oracle(out: dict[str, Any], auto_ran: str | None, auto_why: str | None)
         "regret": t_auto / cs[best]["median_ms"],
         # The same for the algorithm auto picked, timed as a fixed contender (no selector overhead).
         "choice_regret": (cs[auto_ran]["median_ms"] / cs[best]["median_ms"]) if auto_ran in fixed else None,
-        "speedup": {a: cs[a]["median_ms"] / t_auto for a in (*FIXED, "torch") if "median_ms" in cs.get(a, {})},
+        "speedup": {a: cs[a]["median_ms"] / t_auto for a in (*fixed_algorithms(), "torch") if "median_ms" in cs.get(a, {})},
     }
 
 
@@ -572,10 +569,10 @@ def _bench_rank(
 
 
 def _topk_one(
-    rank: int, world_size: int, cfg: TopkConfig, contenders: Sequence[str] = TOPK_CONTENDERS, guard: _Guard | None = None
+    rank: int, world_size: int, cfg: TopkConfig, contenders: Sequence[str] | None = None, guard: _Guard | None = None
 ) -> dict[str, Any]:
     n, p = cfg.n, world_size
-    names = list(contenders)
+    names = list(topk_contenders() if contenders is None else contenders)
     states = {name: colltune.TopkState(density=cfg.density) for name in names}
     k = colltune.TopkState(density=cfg.density).k_for(n)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1 + rank)
@@ -648,7 +645,7 @@ def run(
     configs: Sequence[BenchConfig],
     *,
     topk_configs: Sequence[TopkConfig] = (),
-    contenders: Sequence[str] = CONTENDERS,
+    contenders: Sequence[str] | None = None,
     plan: Plan = Plan(),
     show: bool = True,
     progress: bool = True,
@@ -665,7 +662,7 @@ def run(
     Args:
         configs: points of the exact grid.
         topk_configs: points of the top-k section.
-        contenders: which of :data:`CONTENDERS` to run.
+        contenders: which of :func:`all_contenders` to run (default all).
         plan: warm-up and repeats.
         show: print one table line per configuration as it finishes (rank 0).
         progress: show a progress bar on stderr (rank 0, when it is a terminal).
@@ -679,10 +676,11 @@ def run(
         colltune.offline.launch.RankError: a rank failed.
     """
     contenders = tuple(contenders)
-    unknown = [c for c in contenders if c not in CONTENDERS]
+    contenders = list(all_contenders()) if contenders is None else contenders
+    unknown = [c for c in contenders if c not in all_contenders()]
     if unknown or not contenders:
         raise ColltuneValueError(
-            f"contenders must be a non-empty subset of {', '.join(CONTENDERS)}, but got {list(contenders)!r}."
+            f"contenders must be a non-empty subset of {', '.join(all_contenders())}, but got {list(contenders)!r}."
         )
     report: dict[str, Any] = {
         "format": "colltune-bench/1",
@@ -703,7 +701,7 @@ def run(
             )
         sizes = [here]
     tasks_all: list[tuple[str, Any, tuple[str, ...]]] = [("exact", c, contenders) for c in configs]
-    tasks_all += [("topk", c, TOPK_CONTENDERS) for c in topk_configs]
+    tasks_all += [("topk", c, topk_contenders()) for c in topk_configs]
     total = sum(1 for t in tasks_all if t[1].world_size in sizes)
     done = 0
     started = time.perf_counter()
@@ -724,7 +722,6 @@ def run(
                 lambda recs: _publish(report, recs, started, on_partial), profile,
             )
         done += len(tasks)
-    report["targets"] = check_targets(report)
     if "auto" in contenders:
         report["profile"] = profile
         report["auto_summary"] = auto_summary(report)
@@ -856,86 +853,6 @@ def _read_failure(journal: str, first_rank: int | None) -> dict[str, Any] | None
 # --------------------------------------------------------------------------- targets
 
 
-def check_targets(report: dict[str, Any]) -> dict[str, Any]:
-    """Evaluate the issue's targets on a report.
-
-    (a) ``allgather`` is never more than 10% slower than ``torch``, and faster
-    at density >= 1e-2; (b) ``oktopk`` at P = 8, overlap 1, density 1e-2 sends
-    at most a third of ``allgather``'s bytes per rank and is faster; (c) in
-    top-k mode Ok-Topk's entry words per rank stay within ``6k(P-1)/P``.
-    A target with no matching configuration has ``holds: None``.
-    """
-    out: dict[str, Any] = {}
-    rows = []
-    for c in report.get("configs", []):
-        cs = c["contenders"]
-        if "median_ms" in cs.get("allgather", {}) and "median_ms" in cs.get("torch", {}):
-            ratio = cs["allgather"]["median_ms"] / cs["torch"]["median_ms"]
-            rows.append((c, ratio))
-    a_fail_10 = [(config_name(c), r) for c, r in rows if r > 1.10]
-    a_dense = [(c, r) for c, r in rows if c["density"] >= 1e-2]
-    a_fail_fast = [(config_name(c), r) for c, r in a_dense if r >= 1.0]
-    out["a"] = {
-        "what": "allgather time / torch time <= 1.10 everywhere, < 1 at density >= 1e-2",
-        "holds": None if not rows else (not a_fail_10 and not a_fail_fast),
-        "configs": len(rows),
-        "worst_ratio": max((r for _, r in rows), default=None),
-        "worst_config": config_name(max(rows, key=lambda x: x[1])[0]) if rows else None,
-        "worst_ratio_density_ge_1e-2": max((r for _, r in a_dense), default=None),
-        "median_ratio": statistics.median([r for _, r in rows]) if rows else None,
-        "over_1.10": [{"config": n, "ratio": r} for n, r in a_fail_10],
-        "not_faster_at_density_ge_1e-2": [{"config": n, "ratio": r} for n, r in a_fail_fast],
-    }
-    b_rows = []
-    for c in report.get("configs", []):
-        cs = c["contenders"]
-        if (
-            c["world_size"] == 8
-            and c["overlap_requested"] == 1.0
-            and abs(c["density"] - 1e-2) < 1e-12
-            and "median_ms" in cs.get("oktopk", {})
-            and "median_ms" in cs.get("allgather", {})
-        ):
-            b_rows.append(
-                {
-                    "config": config_name(c),
-                    "bytes_ratio": cs["oktopk"]["bytes_per_rank_max"] / max(1.0, cs["allgather"]["bytes_per_rank_max"]),
-                    "time_ratio": cs["oktopk"]["median_ms"] / cs["allgather"]["median_ms"],
-                }
-            )
-    out["b"] = {
-        "what": "oktopk at P=8, overlap 1, density 1e-2: bytes/rank <= 1/3 of allgather's, and faster",
-        "holds": None if not b_rows else all(r["bytes_ratio"] <= 1 / 3 and r["time_ratio"] < 1 for r in b_rows),
-        "bytes_holds": None if not b_rows else all(r["bytes_ratio"] <= 1 / 3 for r in b_rows),
-        "time_holds": None if not b_rows else all(r["time_ratio"] < 1 for r in b_rows),
-        "rows": b_rows,
-    }
-    c_rows = []
-    for t in report.get("topk", []):
-        ok = t["contenders"].get("oktopk")
-        if ok is None or "words_per_rank_max" not in ok:
-            continue
-        c_rows.append(
-            {
-                "config": f"n={t['n']} density={t['density']:g} P={t['world_size']}",
-                "k": t["k"],
-                "bound_words": t["bound_words"],
-                "words_median": ok["words_per_rank_median"],
-                "words_max": ok["words_per_rank_max"],
-                "meta_words_max": ok["meta_words_per_rank_max"],
-                "over_bound_median": ok["words_over_bound_median"],
-                "over_bound_max": ok["words_over_bound_max"],
-            }
-        )
-    out["c"] = {
-        "what": "oktopk top-k: entry words per rank <= 6k(P-1)/P (metadata reported apart)",
-        "holds": None if not c_rows else all(r["over_bound_max"] <= 1.0 for r in c_rows),
-        "holds_median": None if not c_rows else all(r["over_bound_median"] <= 1.0 for r in c_rows),
-        "rows": c_rows,
-    }
-    return out
-
-
 # --------------------------------------------------------------------------- formatting
 
 
@@ -952,8 +869,9 @@ def _kib(b: float) -> str:
     return f"{b / 1024:.0f}" if b >= 10 * 1024 else f"{b / 1024:.1f}"
 
 
-def format_header(contenders: Sequence[str] = CONTENDERS) -> str:
+def format_header(contenders: Sequence[str] | None = None) -> str:
     """Return the header of the exact table (two lines)."""
+    contenders = all_contenders() if contenders is None else contenders
     cols = "".join(f"{name + ' ms':>18}" for name in contenders)
     ours = [c for c in contenders if c != "torch"]
     speed = f"  {'x vs torch (' + '/'.join(_short(c) for c in ours) + ')':<22}" if "torch" in contenders else ""
@@ -966,8 +884,9 @@ def _short(name: str) -> str:
     return {"dense": "dense", "allgather": "ag", "oktopk": "ok", "torch": "torch*", "auto": "auto"}.get(name, name)
 
 
-def format_row(rec: dict[str, Any], contenders: Sequence[str] = CONTENDERS) -> str:
+def format_row(rec: dict[str, Any], contenders: Sequence[str] | None = None) -> str:
     """Return one table line: medians with IQR, speedups vs torch, bytes per rank."""
+    contenders = all_contenders() if contenders is None else contenders
     cs = rec["contenders"]
     cells = ""
     for name in contenders:
@@ -1008,36 +927,6 @@ def format_topk(rec: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def format_targets(targets: dict[str, Any]) -> str:
-    """Return a short verdict per target."""
-
-    def verdict(h: Any) -> str:
-        return "n/a (no matching configuration)" if h is None else ("holds" if h else "FAILS")
-
-    a, b, c = targets["a"], targets["b"], targets["c"]
-    lines = [f"(a) {a['what']}: {verdict(a['holds'])}"]
-    if a["configs"]:
-        lines.append(
-            f"    {a['configs']} configs; median ratio {a['median_ratio']:.2f}, worst {a['worst_ratio']:.2f} "
-            f"({a['worst_config']}); worst at density >= 1e-2: "
-            + ("-" if a["worst_ratio_density_ge_1e-2"] is None else f"{a['worst_ratio_density_ge_1e-2']:.2f}")
-        )
-        for item in a["over_1.10"][:10]:
-            lines.append(f"    over 1.10: {item['config']}: {item['ratio']:.2f}")
-        for item in a["not_faster_at_density_ge_1e-2"][:10]:
-            lines.append(f"    not faster at density >= 1e-2: {item['config']}: {item['ratio']:.2f}")
-    lines.append(f"(b) {b['what']}: {verdict(b['holds'])}")
-    for r in b["rows"]:
-        lines.append(f"    {r['config']}: bytes ratio {r['bytes_ratio']:.3f}, time ratio {r['time_ratio']:.2f}")
-    lines.append(f"(c) {c['what']}: {verdict(c['holds'])}")
-    for r in c["rows"]:
-        lines.append(
-            f"    {r['config']} k={r['k']}: words/rank median {r['words_median']:.0f}, max {r['words_max']:.0f} "
-            f"vs bound {r['bound_words']:.0f} ({r['over_bound_max']:.2f}); meta words max {r['meta_words_max']:.0f}"
-        )
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- auto against the oracle
 
 
@@ -1057,7 +946,7 @@ def auto_summary(report: dict[str, Any]) -> dict[str, Any]:
     rows = [c["auto"] for c in report.get("configs", []) if "auto" in c]
     if not rows:
         return {"configs": 0}
-    names = sorted({a for r in rows for a in r["speedup"]}, key=lambda a: (*FIXED, "torch").index(a))
+    names = sorted({a for r in rows for a in r["speedup"]}, key=lambda a: (*fixed_algorithms(), "torch").index(a))
     chosen: dict[str, int] = {}
     for c in report["configs"]:
         if "auto" in c:
@@ -1079,7 +968,7 @@ def format_auto(report: dict[str, Any]) -> str:
     rows = [c for c in report.get("configs", []) if "auto" in c]
     if not rows:
         return "auto: no configuration timed auto"
-    others = [a for a in (*FIXED, "torch") if any(a in c["auto"]["speedup"] for c in rows)]
+    others = [a for a in (*fixed_algorithms(), "torch") if any(a in c["auto"]["speedup"] for c in rows)]
     head = (f"{'n':>5} {'density':>7} {'P':>2} {'overlap':>7}  {'auto ran':<10} {'oracle':<10} {'regret':>7}  "
             + " ".join(f"{'x vs ' + _short(a):>11}" for a in others))
     lines = [f"decision table: auto (profile {report.get('profile') or 'default'}) against the oracle "
