@@ -405,45 +405,16 @@ def _bench_one(
 ) -> dict[str, Any]:
     w = cfg.workload()
     idx, vals = w.make(rank)
-    vals_before = vals.clone()
     calls = {name: guard.wrap(name, _make_call(name, idx, vals, cfg.n)) for name in contenders}
     gc.collect()
-
-    # Warm-up, interleaved too, and a check of every result against the reference.
-    ref_name = "torch" if "torch" in calls else ("dense" if "dense" in calls else contenders[0])
-    outputs: dict[str, Any] = {}
-    for i in range(plan.warmup):
-        shift = i % len(contenders)
-        for name in list(contenders)[shift:] + list(contenders)[:shift]:
-            dist.barrier()
-            outputs[name] = calls[name]()
-    if not outputs:
-        outputs = {name: calls[name]() for name in contenders}
-    ref = _as_pair(ref_name, outputs[ref_name])
-    errors = _reduce_max([_mismatch(ref, _as_pair(name, outputs[name])) for name in contenders])
-    if not torch.equal(vals, vals_before):
-        raise RuntimeError(f"a contender modified its input values in place (config {cfg}).")
-    del outputs, ref
-
+    ref_name, errors = _warm_up_and_check(calls, contenders, plan, vals, cfg)
     times, last = _timed_rounds(calls, plan)
     rounds = len(times[contenders[0]])
     flat = _reduce_max([t for name in contenders for t in times[name]])
-
-    # Bytes per rank, from the last call of each contender.
-    p = world_size
-    row_bytes = int(torch.Size(w.row_shape).numel()) * _DTYPES[cfg.dtype].itemsize
-    traffic_rows = []
-    for name in contenders:
-        if name == "torch":
-            traffic_rows.append([(p - 1) * w.k * (8 + row_bytes), 0, 2 * (p - 1) if p > 1 else 0])
-        else:
-            tr = last[name].traffic
-            traffic_rows.append([tr.bytes_sent, tr.meta_bytes, tr.messages])
-    traffic = _gather_traffic(traffic_rows)
+    traffic = _contender_traffic(last, contenders, cfg, w, world_size)
     auto_ran = {name: last[name].algorithm for name in contenders if name == "auto"}
     auto_why = {name: str(getattr(last[name].decision, "reason", "") or "") for name in auto_ran}
     del last
-
     out: dict[str, Any] = {
         "n": cfg.n,
         "density": cfg.density,
@@ -461,7 +432,7 @@ def _bench_one(
     }
     for j, name in enumerate(contenders):
         entry = _stats(flat[j * rounds : (j + 1) * rounds])
-        entry.update(_traffic_summary([traffic[r][j] for r in range(p)]))
+        entry.update(_traffic_summary([traffic[r][j] for r in range(world_size)]))
         if name == "torch":
             entry["bytes_estimated"] = True
         entry["max_rel_err"] = errors[j]
@@ -473,6 +444,47 @@ def _bench_one(
         }
     _add_oracle(out, auto_ran.get("auto"), auto_why.get("auto"))
     return out
+
+
+def _warm_up_and_check(calls: dict[str, Callable[[], Any]], contenders: Sequence[str], plan: Plan,
+                       vals: torch.Tensor, cfg: BenchConfig) -> tuple[str, list[float]]:
+    """Warm up, interleaved too; return the reference's name and every contender's largest error against it.
+
+    The reference is ``torch`` when it runs, else ``dense``, else the first
+    contender. A contender that changes its input values is an error.
+    """
+    vals_before = vals.clone()
+    ref_name = "torch" if "torch" in calls else ("dense" if "dense" in calls else contenders[0])
+    outputs: dict[str, Any] = {}
+    for i in range(plan.warmup):
+        shift = i % len(contenders)
+        for name in list(contenders)[shift:] + list(contenders)[:shift]:
+            dist.barrier()
+            outputs[name] = calls[name]()
+    if not outputs:
+        outputs = {name: calls[name]() for name in contenders}
+    ref = _as_pair(ref_name, outputs[ref_name])
+    errors = _reduce_max([_mismatch(ref, _as_pair(name, outputs[name])) for name in contenders])
+    if not torch.equal(vals, vals_before):
+        raise RuntimeError(f"a contender modified its input values in place (config {cfg}).")
+    return ref_name, errors
+
+
+def _contender_traffic(last: Mapping[str, Any], contenders: Sequence[str], cfg: BenchConfig, w: Workload,
+                       p: int) -> list[list[list[int]]]:
+    """Return every rank's bytes sent, control bytes and messages per contender, from its last call.
+
+    PyTorch's are estimated: ``(P-1) k`` entries of an int64 index and a row.
+    """
+    row_bytes = int(torch.Size(w.row_shape).numel()) * _DTYPES[cfg.dtype].itemsize
+    rows = []
+    for name in contenders:
+        if name == "torch":
+            rows.append([(p - 1) * w.k * (8 + row_bytes), 0, 2 * (p - 1) if p > 1 else 0])
+        else:
+            tr = last[name].traffic
+            rows.append([tr.bytes_sent, tr.meta_bytes, tr.messages])
+    return _gather_traffic(rows)
 
 
 def _add_oracle(out: dict[str, Any], auto_ran: str | None, auto_why: str | None) -> None:
@@ -653,7 +665,7 @@ def run(
     on_partial: Callable[[dict[str, Any]], None] | None = None,
     profile: str | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; return the report (see the module docstring of :mod:`colltune.cli` for its format).
+    """Run the benchmark; return the report (its format: :mod:`colltune.cli.bench`).
 
     Configurations are grouped by world size; each group runs in one launch
     of local ranks (:func:`colltune.offline.launch.run_local`), or, under ``torchrun``,
@@ -675,8 +687,7 @@ def run(
             configuration for the running world size.
         colltune.offline.launch.RankError: a rank failed.
     """
-    contenders = tuple(contenders)
-    contenders = list(all_contenders()) if contenders is None else contenders
+    contenders = tuple(all_contenders() if contenders is None else contenders)
     unknown = [c for c in contenders if c not in all_contenders()]
     if unknown or not contenders:
         raise ColltuneValueError(
@@ -691,15 +702,7 @@ def run(
         "configs": [],
         "topk": [],
     }
-    sizes = sorted({c.world_size for c in configs} | {c.world_size for c in topk_configs})
-    if launch.in_torchrun():
-        _, here = launch.torchrun_rank()
-        if sizes and here not in sizes:
-            raise ColltuneValueError(
-                f"under torchrun the world size is {here}, but the configurations ask for {sizes}; "
-                f"pass --world-size {here} or start torchrun with --nproc-per-node matching."
-            )
-        sizes = [here]
+    sizes = _world_sizes(configs, topk_configs)
     tasks_all: list[tuple[str, Any, tuple[str, ...]]] = [("exact", c, contenders) for c in configs]
     tasks_all += [("topk", c, topk_contenders()) for c in topk_configs]
     total = sum(1 for t in tasks_all if t[1].world_size in sizes)
@@ -726,6 +729,20 @@ def run(
         report["profile"] = profile
         report["auto_summary"] = auto_summary(report)
     return report
+
+
+def _world_sizes(configs: Sequence[BenchConfig], topk_configs: Sequence[TopkConfig]) -> list[int]:
+    """Return the world sizes to launch: the configurations', or under ``torchrun`` the running one."""
+    sizes = sorted({c.world_size for c in configs} | {c.world_size for c in topk_configs})
+    if launch.in_torchrun():
+        _, here = launch.torchrun_rank()
+        if sizes and here not in sizes:
+            raise ColltuneValueError(
+                f"under torchrun the world size is {here}, but the configurations ask for {sizes}; "
+                f"pass --world-size {here} or start torchrun with --nproc-per-node matching."
+            )
+        sizes = [here]
+    return sizes
 
 
 def _publish(
