@@ -439,23 +439,7 @@ def launch_ranks(
         try:
             for p in procs.values():
                 p.start()
-            deadline = time.monotonic() + timeout
-            failed_at = None
-            while True:
-                live = [p for p in procs.values() if p.exitcode is None]
-                if not live:
-                    break
-                now = time.monotonic()
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs.values()):
-                    failed_at = now
-                if now >= deadline:
-                    kill_ranks(procs, workdir, outcome, f"still running at the deadline of {timeout:g} s")
-                    break
-                if failed_at is not None and now - failed_at >= grace:
-                    kill_ranks(procs, workdir, outcome, f"still running {grace:g} s after another rank failed")
-                    break
-                limit = deadline - now if failed_at is None else min(deadline - now, failed_at + grace - now)
-                _mp_wait([p.sentinel for p in live], timeout=max(0.01, limit))
+            _supervise(procs, workdir, outcome, timeout, grace)
         finally:
             # Also on KeyboardInterrupt: never leave ranks behind.
             for p in procs.values():
@@ -465,20 +449,46 @@ def launch_ranks(
                     p.kill()
                 p.join(5)
         outcome.exitcodes = {r: p.exitcode for r, p in procs.items()}
-        outcome.errors = read_errors(workdir, world_size)
-        if outcome.failed:
-            first = outcome.first
-            if first is not None:
-                try:
-                    with open(rank_path(workdir, first["rank"], "exc.pkl"), "rb") as f:
-                        outcome.cause = pickle.load(f)
-                except Exception:  # noqa: BLE001 - the record already says everything
-                    pass
-        else:
-            for r in range(world_size):
-                with open(rank_path(workdir, r, "result.pkl"), "rb") as f:
-                    outcome.results.append(pickle.load(f))
+        _collect(outcome, workdir, world_size)
     return outcome
+
+
+def _supervise(procs: dict[int, Any], workdir: str, outcome: Outcome, timeout: float, grace: float) -> None:
+    """Wait for the ranks; kill the rest at the deadline, or ``grace`` seconds after one failed."""
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while True:
+        live = [p for p in procs.values() if p.exitcode is None]
+        if not live:
+            return
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs.values()):
+            failed_at = now
+        if now >= deadline:
+            kill_ranks(procs, workdir, outcome, f"still running at the deadline of {timeout:g} s")
+            return
+        if failed_at is not None and now - failed_at >= grace:
+            kill_ranks(procs, workdir, outcome, f"still running {grace:g} s after another rank failed")
+            return
+        limit = deadline - now if failed_at is None else min(deadline - now, failed_at + grace - now)
+        _mp_wait([p.sentinel for p in live], timeout=max(0.01, limit))
+
+
+def _collect(outcome: Outcome, workdir: str, world_size: int) -> None:
+    """Read what the ranks left: their errors and the first failure's exception, or every rank's result."""
+    outcome.errors = read_errors(workdir, world_size)
+    if outcome.failed:
+        first = outcome.first
+        if first is not None:
+            try:
+                with open(rank_path(workdir, first["rank"], "exc.pkl"), "rb") as f:
+                    outcome.cause = pickle.load(f)
+            except Exception:  # noqa: BLE001 - the record already says everything
+                pass
+    else:
+        for r in range(world_size):
+            with open(rank_path(workdir, r, "result.pkl"), "rb") as f:
+                outcome.results.append(pickle.load(f))
 
 
 def run_local(
