@@ -86,6 +86,7 @@ __all__ = [
     "feature_vector",
     "default_group",
     "cross_validate",
+    "model_for_profile",
 ]
 
 logger = logging.getLogger(__name__)
@@ -930,6 +931,32 @@ def default_group(m: Measurement) -> tuple[Hashable, ...]:
 
 def _config_key(m: Measurement) -> tuple[Hashable, ...]:
     return (m.numel, m.row_numel, m.dtype, m.world_size, m.k_max, m.k_sum, m.union)
+
+
+#: The fewest measurements (of at least two algorithms) a profile without a stored model is fitted on.
+MIN_MEASUREMENTS_TO_FIT = 10
+
+
+def model_for_profile(profile: Profile) -> tuple[AnalyticModel | LearnedCostModel, str]:
+    """Return the cost model a profile describes, and where it came from.
+
+    A stored learned model (``model:``) is rebuilt without refitting
+    (``stored``); a profile with at least :data:`MIN_MEASUREMENTS_TO_FIT`
+    measurements of two or more algorithms and no usable stored model is
+    fitted once, deterministically, with its primitives as the prior
+    (``fitted``); otherwise the alpha-beta model of its primitives
+    (``analytic``). An unusable stored model is logged and refitted.
+    """
+    if profile.model is not None:
+        try:
+            return LearnedCostModel.from_dict(profile.model), "stored"
+        except ColltuneValueError as exc:
+            logger.warning("a profile's stored model cannot be used (%s); refitting from the measurements", exc)
+    algs = {m.algorithm for m in profile.measurements}
+    if len(profile.measurements) >= MIN_MEASUREMENTS_TO_FIT and len(algs) >= 2:
+        prior = {k: p.to_dict() for k, p in profile.primitives.items()}
+        return LearnedCostModel(primitives=prior).fit(profile.measurements), "fitted"
+    return AnalyticModel(profile.primitives), "analytic"
 
 
 def cross_validate(

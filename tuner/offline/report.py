@@ -48,19 +48,12 @@ COLORS: dict[str, str] = {"dense": "#4C72B0", "allgather": "#DD8452", "oktopk": 
 
 
 def model_of(profile: Profile) -> tuple[Any, str]:
-    """Return the profile's cost model and a label: its stored learned model, one fitted on its measurements, or alpha-beta."""
-    from colltune.model.cost_model import AnalyticModel, LearnedCostModel
+    """Return the profile's cost model (:func:`colltune.model.cost_model.model_for_profile`) and a label."""
+    from colltune.model.cost_model import model_for_profile
 
-    if profile.model is not None:
-        try:
-            return LearnedCostModel.from_dict(profile.model), "learned (stored)"
-        except Exception:  # noqa: BLE001 - an unusable stored model: refit below
-            pass
-    algs = {m.algorithm for m in profile.measurements}
-    if len(profile.measurements) >= 2 and len(algs) >= 2:
-        prior = {k: p.to_dict() for k, p in profile.primitives.items()}
-        return LearnedCostModel(primitives=prior).fit(profile.measurements), "learned (fitted now)"
-    return AnalyticModel(profile.primitives), "alpha-beta (primitives only)"
+    model, source = model_for_profile(profile)
+    return model, {"stored": "learned (stored)", "fitted": "learned (fitted now)",
+                   "analytic": "alpha-beta (primitives only)"}[source]
 
 
 def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:

@@ -354,26 +354,18 @@ class _Model:
 def model_for_profile(profile: Profile, label: str = "<profile>") -> _Model:
     """Return the cost model a profile describes.
 
-    A stored learned model (``model:``) is rebuilt without refitting; a
-    measured profile without one is fitted once (deterministic); an analytic
-    profile gives the alpha-beta model of its primitives.
+    See :func:`colltune.model.cost_model.model_for_profile`.
     """
-    from colltune.model.cost_model import AnalyticModel, LearnedCostModel
+    from colltune.model import cost_model
 
-    if profile.model is not None:
-        try:
-            learned = LearnedCostModel.from_dict(profile.model)
-            return _Model("learned", label, learned.analytic_, learned)
-        except ColltuneValueError as exc:
-            logger.warning("profile %s: its stored model cannot be used (%s); refitting from the measurements", label, exc)
-    algs = {m.algorithm for m in profile.measurements}
-    if len(profile.measurements) >= 10 and len(algs) >= 2:
-        t0 = time.perf_counter()
-        learned = LearnedCostModel().fit(profile.measurements)
+    t0 = time.perf_counter()
+    model, source = cost_model.model_for_profile(profile)
+    if isinstance(model, cost_model.AnalyticModel):
+        return _Model("analytic", label, model, None)
+    if source == "fitted":
         logger.info("profile %s: fitted the learned model on %d measurements in %.1f s",
                     label, len(profile.measurements), time.perf_counter() - t0)
-        return _Model("learned", label, learned.analytic_, learned)
-    return _Model("analytic", label, AnalyticModel(profile.primitives), None)
+    return _Model("learned", label, model.analytic_, model)
 
 
 # --------------------------------------------------------------------------- per-site state
