@@ -149,6 +149,7 @@ class Allgather(Algorithm):
              tune=("exact",)),
     )
     TERMS = ("metadata", "entries_gather", "merge")
+    eager_entries = True
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
         """The record (carrying the entries when they fit its eager slot), the entries' gather, the merge."""

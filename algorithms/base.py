@@ -185,6 +185,10 @@ class Algorithm(abc.ABC):
     #: accumulation dtype (the same bits as dividing the returned sum), which
     #: lets an algorithm that reduces only a part of the rows divide only that part.
     applies_avg: ClassVar[bool] = False
+    #: True when the algorithm reads every rank's first entries from the
+    #: metadata record's eager slot (``SparseInput.eager``): the front door
+    #: then fills the slot with this rank's entries, and sizes it to fit them.
+    eager_entries: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

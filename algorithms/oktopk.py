@@ -465,6 +465,10 @@ class OkTopk(Algorithm):
 
     name = "oktopk"
     knob_specs = (
+        Knob("local_refresh", 32, "top-k mode: compute the exact local threshold every N calls (a `TopkState` field)", minimum=1, state=True,
+             tune=("topk",), search=(1, 128, True)),
+        Knob("global_refresh", 32, "top-k mode: compute the exact global threshold every N calls (a `TopkState` field)", minimum=1, state=True,
+             tune=("topk",), search=(1, 128, True)),
         Knob("boundary_refresh", 64, "recompute region boundaries every N calls (per group and size)", minimum=1,
              tune=("exact", "topk"), search=(1, 256, True)),
         Knob("peers_in_flight", 8, "rotated point-to-point steps posted at once (all peers at once up to 9 ranks)", minimum=1,
@@ -475,10 +479,6 @@ class OkTopk(Algorithm):
              "dense). Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
              choices=("auto", "p2p", "pad", "alltoall")),
         Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
-        Knob("local_refresh", 32, "top-k mode: compute the exact local threshold every N calls (a `TopkState` field)", minimum=1, state=True,
-             tune=("topk",), search=(1, 128, True)),
-        Knob("global_refresh", 32, "top-k mode: compute the exact global threshold every N calls (a `TopkState` field)", minimum=1, state=True,
-             tune=("topk",), search=(1, 128, True)),
     )
     TERMS = (
         "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",

@@ -21,7 +21,7 @@ from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 if TYPE_CHECKING:
     from colltune.algorithms.base import Algorithm
 
-__all__ = ["register", "unregister", "names", "get"]
+__all__ = ["BUILTIN_NAMES", "register", "unregister", "names", "get"]
 
 #: Modules of the built-in algorithms, in the order :func:`names` lists them.
 BUILTIN_MODULES: tuple[str, ...] = (
@@ -29,6 +29,9 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "colltune.algorithms.allgather",
     "colltune.algorithms.oktopk",
 )
+#: The built-in algorithms' names (each module is named after its algorithm), in registry order:
+#: the algorithms a profile measures and the learned cost model's feature layout.
+BUILTIN_NAMES: tuple[str, ...] = tuple(m.rsplit(".", 1)[1] for m in BUILTIN_MODULES)
 #: Names no algorithm may take: the front door's own choices.
 RESERVED: tuple[str, ...] = ("auto",)
 

@@ -14,7 +14,7 @@ TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "--rounds", "2"
 
 
 def _study(storage):
-    w = autotune.Workload("exact", 1024, 1e-2, 0.5, "float32", 2, 2, 16, 0)
+    w = autotune.TuneTarget("exact", 1024, 1e-2, 0.5, "float32", 2, 2, 16, 0)
     return optuna.load_study(study_name=autotune.study_name(w, ("allgather", "oktopk")),
                              storage=autotune._storage(str(storage)))
 
@@ -42,7 +42,7 @@ def test_tune_resumes_from_its_storage_and_writes_a_policy(tmp_path, capsys):
     assert policy.default == "auto"
     assert set(policy.knobs) <= {"allgather", "oktopk"} and policy.knobs
     for alg, knobs in policy.knobs.items():
-        assert set(knobs) <= set(autotune.SPACE["exact"][alg])
+        assert set(knobs) <= set(autotune.space("exact")[alg])
     text = out.read_text()
     assert text.startswith("# colltune tune: study") and "# best trial #" in text
 
@@ -50,7 +50,7 @@ def test_tune_resumes_from_its_storage_and_writes_a_policy(tmp_path, capsys):
 def test_a_trial_cut_short_is_failed_and_tried_again(tmp_path):
     """A kill leaves a RUNNING trial in the journal; reopening fails it and queues its knobs first."""
     storage = str(tmp_path / "s.journal")
-    w = autotune.Workload("exact", 1024, 1e-2, 0.5, "float32", 2)
+    w = autotune.TuneTarget("exact", 1024, 1e-2, 0.5, "float32", 2)
     study = autotune._open_study(storage, w, ("oktopk",), 0)
     study.tell(study.ask(), 1.0)  # the defaults, enqueued first
     cut = study.ask()
@@ -64,7 +64,7 @@ def test_a_trial_cut_short_is_failed_and_tried_again(tmp_path):
 
 
 def test_the_topk_space_holds_the_refresh_intervals():
-    space = autotune.SPACE["topk"]["oktopk"]
+    space = autotune.space("topk")["oktopk"]
     assert {"local_refresh", "global_refresh", "boundary_refresh", "peers_in_flight"} == set(space)
     trial = optuna.create_study().ask()
     got = autotune.suggest(trial, "topk", ("oktopk",), 4)

@@ -688,7 +688,7 @@ def _sparse_allreduce(
     _meta.note_slot_use(
         comm,
         slot_need(counts, inp.row_numel, inp.size, inp.dtype) + call.payload_bytes
-        if algorithm == "allgather" and has_entries else 0,
+        if has_entries and algorithms.get(algorithm).eager_entries else 0,
     )
     out_idx, out_vals = _run_sparse(inp, comm, algorithm, call.knobs_checked, op, values)
     if call.sel is not None:
@@ -747,14 +747,14 @@ class _SparseCall:
         cap = _meta.slot_bytes(comm)
         self.likely = likely = sel.last_choice(self.site) if sel is not None else algorithm
         parts: list[np.ndarray] = []
-        if likely is not None and likely != "allgather":
+        if likely is not None and not algorithms.get(likely).eager_entries:
             own = algorithms.get(likely).eager_payload(
                 idx, self.n, comm, None if sel is not None else self.knobs_checked, cap
             )
             if own is not None:
                 parts.append(own)
                 self.payload_bytes = int(own.size)
-        if algorithm in ("auto", "allgather"):
+        if algorithm == "auto" or algorithms.get(algorithm).eager_entries:
             room = cap - self.payload_bytes
             if sel is not None and sel.wants_sketch(self.site, self.backend):
                 # The sketch (1 KiB: 256 hashes), then as many entries as still fit.

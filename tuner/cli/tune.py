@@ -18,7 +18,7 @@ import os
 import time
 from colltune.model.files import write_text_atomic
 from colltune.cli.common import parse_density, parse_n, parse_nonneg_int, parse_overlap, parse_positive_int, parse_world
-from colltune.offline.autotune import Workload, completed_trials, format_trials, policy_text, run_study
+from colltune.offline.autotune import TuneTarget, completed_trials, format_trials, policy_text, run_study
 
 
 
@@ -90,7 +90,7 @@ class TuneCommand:
                                  "Drop --algorithm or pass --algorithm oktopk.")
         algorithms = ("oktopk",) if args.topk else (("allgather", "oktopk") if args.algorithm == "all"
                                                     else (args.algorithm,))
-        w = Workload(mode, args.n, args.density, args.overlap, args.dtype, world, args.rounds, args.steps, args.seed)
+        w = TuneTarget(mode, args.n, args.density, args.overlap, args.dtype, world, args.rounds, args.steps, args.seed)
         from colltune.offline.workloads import k_for_density
 
         if w.world_size > 1 and mode == "exact" and k_for_density(w.n, w.density) > w.n:

@@ -94,7 +94,7 @@ logger = logging.getLogger(__name__)
 #: The built-in algorithms: the learned model's feature layout (a stored
 #: model's columns depend on it). The analytic model prices every registered
 #: algorithm that has a schedule, in registry order (the first wins a tie).
-ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+ALGORITHMS: tuple[str, ...] = registry.BUILTIN_NAMES
 
 #: Representative constants for GPUs on an InfiniBand network, used when no
 #: profile is given; the same numbers as ``profiles/analytic-nccl.yaml``,

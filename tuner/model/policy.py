@@ -246,10 +246,11 @@ KnobSpec = Knob
 def knob_table() -> dict[str, dict[str, Knob]]:
     """Return the knob schema: algorithm -> knob name -> :class:`Knob`, from the algorithm registry.
 
-    An algorithm's call knobs and its top-k state knobs (``local_refresh``,
-    ``global_refresh`` of Ok-Topk) are both accepted, as the algorithm declares them.
+    An algorithm's call knobs, then its top-k state knobs (``local_refresh``,
+    ``global_refresh`` of Ok-Topk), as the algorithm declares them.
     """
-    return {name: {k.name: k for k in registry.get(name).knob_specs} for name in registry.names()}
+    return {name: {k.name: k for k in sorted(registry.get(name).knob_specs, key=lambda k: k.state)}
+            for name in registry.names()}
 
 
 def known_algorithms() -> tuple[str, ...]:

@@ -72,6 +72,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model.profile import Measurement, Primitive, Profile, load_profile
 
 __all__ = [
@@ -86,7 +87,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ALGS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+_ALGS: tuple[str, ...] = BUILTIN_NAMES  # what a profile measures
 #: Log-time uncertainty of the alpha-beta model before anything is measured.
 PRIOR_SIGMA = 0.5
 #: Log-time measurement noise assumed on top of the ensemble spread (5%).

@@ -55,50 +55,38 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import os
 import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from colltune.algorithms.allgather import Allgather
-from colltune.algorithms.oktopk import OkTopk
-from colltune.algorithms.state import TopkState
+from colltune import algorithms
+from colltune.algorithms.knobs import Knob
 
-__all__ = ["Workload", "SPACE", "suggest", "run_study", "policy_text", "format_trials"]
+__all__ = ["TuneTarget", "space", "tuned_knobs", "suggest", "run_study", "policy_text", "format_trials"]
 
-#: Default knobs of the algorithms (what trial 0 measures): the algorithms' own.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "allgather": {"mode": Allgather.knobs["mode"]},
-    "oktopk": {k: OkTopk.knobs[k] for k in ("boundary_refresh", "peers_in_flight", "dense_fallback_ratio")},
-}
-_TOPK_DEFAULTS: dict[str, Any] = {
-    k: inspect.signature(TopkState).parameters[k].default
-    for k in ("local_refresh", "global_refresh", "boundary_refresh", "peers_in_flight")
-}
-#: Knob ranges, per mode and algorithm: ``(kind, low, high, log)`` or ``("choice", values)``.
-SPACE: dict[str, dict[str, dict[str, tuple[Any, ...]]]] = {
-    "exact": {
-        "allgather": {"mode": ("choice", tuple(Allgather.knob_choices["mode"]))},
-        "oktopk": {
-            "boundary_refresh": ("int", 1, 256, True),
-            "peers_in_flight": ("int", 1, None, False),  # high: P - 1
-            "dense_fallback_ratio": ("float", 0.1, 2.0, True),
-        },
-    },
-    "topk": {
-        "oktopk": {
-            "local_refresh": ("int", 1, 128, True),
-            "global_refresh": ("int", 1, 128, True),
-            "boundary_refresh": ("int", 1, 256, True),
-            "peers_in_flight": ("int", 1, None, False),
-        },
-    },
-}
+
+
+def tuned_knobs(mode: str, algorithm: str) -> tuple[Knob, ...]:
+    """Return the knobs ``colltune tune`` searches for ``algorithm`` in ``mode`` (``exact`` or ``topk``)."""
+    return tuple(k for k in algorithms.get(algorithm).knob_specs if mode in k.tune)
+
+
+def space(mode: str) -> dict[str, dict[str, Knob]]:
+    """Return the search space of ``mode``: algorithm -> knob name -> :class:`Knob` (its ``search`` range).
+
+    Every registered algorithm with a tuned knob, from the registry.
+    """
+    out = {}
+    for name in algorithms.names():
+        knobs = tuned_knobs(mode, name)
+        if knobs:
+            out[name] = {k.name: k for k in knobs}
+    return out
 
 
 @dataclass(frozen=True)
-class Workload:
+class TuneTarget:
     """The call the knobs are tuned for.
 
     Attributes:
@@ -130,30 +118,34 @@ class Workload:
         return base + (f"-o{self.overlap:g}-{self.dtype}" if self.mode == "exact" else "")
 
 
-def _high(spec: tuple[Any, ...], p: int) -> Any:
-    return max(1, p - 1) if spec[2] is None else spec[2]
-
-
 def suggest(trial: Any, mode: str, algorithms: Sequence[str], world_size: int) -> dict[str, Any]:
     """Suggest one setting: ``{"algorithm": a, "knobs": {...}}`` (conditional on the algorithm when several are tuned)."""
     algs = list(algorithms)
     alg = algs[0] if len(algs) == 1 else trial.suggest_categorical("algorithm", algs)
     knobs: dict[str, Any] = {}
-    for knob, spec in SPACE[mode][alg].items():
-        pname = f"{alg}.{knob}"
-        if spec[0] == "choice":
-            knobs[knob] = trial.suggest_categorical(pname, list(spec[1]))
-        elif spec[0] == "int":
-            knobs[knob] = trial.suggest_int(pname, spec[1], _high(spec, world_size), log=spec[3])
+    for k in tuned_knobs(mode, alg):
+        pname = f"{alg}.{k.name}"
+        if k.kind == "choice":
+            knobs[k.name] = trial.suggest_categorical(pname, list(k.choices))
+        elif k.kind == "bool":
+            knobs[k.name] = trial.suggest_categorical(pname, [False, True])
         else:
-            knobs[knob] = float(trial.suggest_float(pname, spec[1], spec[2], log=spec[3]))
+            assert k.search is not None
+            low, _, log = k.search
+            if k.kind == "int":
+                knobs[k.name] = trial.suggest_int(pname, int(low), int(k.search_high(world_size)), log=log)
+            else:
+                knobs[k.name] = float(trial.suggest_float(pname, low, k.search_high(world_size), log=log))
     return {"algorithm": alg, "knobs": knobs}
 
 
 def _defaults(mode: str, alg: str, world_size: int) -> dict[str, Any]:
-    base = dict(_TOPK_DEFAULTS if mode == "topk" else DEFAULTS[alg])
-    if "peers_in_flight" in base:
-        base["peers_in_flight"] = min(base["peers_in_flight"], max(1, world_size - 1))
+    """The tuned knobs' defaults (what trial 0 measures), clipped into their search range at this world size."""
+    base = {}
+    for k in tuned_knobs(mode, alg):
+        base[k.name] = k.default
+        if k.search is not None and k.search[1] is None:
+            base[k.name] = min(k.default, k.search_high(world_size))
     return base
 
 
@@ -166,7 +158,7 @@ def _default_params(mode: str, alg: str, algorithms: Sequence[str], world_size: 
 # --------------------------------------------------------------------------- rank side
 
 
-def _measure(rank: int, world_size: int, w: Workload, setting: Mapping[str, Any], device: Any) -> tuple[float, float]:
+def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, Any], device: Any) -> tuple[float, float]:
     """Time the setting against the defaults, interleaved; return both medians (ms, max over ranks)."""
     import torch
     import torch.distributed as dist
@@ -223,7 +215,7 @@ def _measure(rank: int, world_size: int, w: Workload, setting: Mapping[str, Any]
     return statistics.median(flat[:r]) * 1e3, statistics.median(flat[r:]) * 1e3
 
 
-def _tune_rank(rank: int, world_size: int, w: Workload, algorithms: Sequence[str], trials: int, storage_path: str,
+def _tune_rank(rank: int, world_size: int, w: TuneTarget, algorithms: Sequence[str], trials: int, storage_path: str,
                seed: int, show: bool, backend: str) -> dict[str, Any] | None:
     """The rank function: rank 0 owns the study and asks; every rank measures each trial."""
     import torch.distributed as dist
@@ -273,7 +265,7 @@ def _storage(path: str) -> Any:
     return JournalStorage(JournalFileBackend(path))
 
 
-def _open_study(storage_path: str, w: Workload, algorithms: Sequence[str], seed: int) -> Any:
+def _open_study(storage_path: str, w: TuneTarget, algorithms: Sequence[str], seed: int) -> Any:
     """Create or load the study; fail trials a kill left running and queue their knobs again; queue the defaults first."""
     import optuna
     from optuna.trial import TrialState
@@ -298,12 +290,12 @@ def _open_study(storage_path: str, w: Workload, algorithms: Sequence[str], seed:
     return study
 
 
-def study_name(w: Workload, algorithms: Sequence[str]) -> str:
+def study_name(w: TuneTarget, algorithms: Sequence[str]) -> str:
     """Return the name of the study of ``w`` tuning ``algorithms`` (one storage file can hold several)."""
     return w.name + ("-" + "+".join(algorithms))
 
 
-def run_study(w: Workload, algorithms: Sequence[str], trials: int, storage_path: str, *, seed: int = 0,
+def run_study(w: TuneTarget, algorithms: Sequence[str], trials: int, storage_path: str, *, seed: int = 0,
               show: bool = True, backend: str = "gloo", timeout: float = 6 * 3600.0) -> Any:
     """Run the study until it holds ``trials`` finished trials (local ranks, or torchrun's); return it on rank 0."""
     from colltune.offline import launch

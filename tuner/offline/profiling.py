@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.model.profile import (
     Measurement,
@@ -97,7 +98,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Algorithms a profile measures, in table order.
-ALGORITHMS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+ALGORITHMS: tuple[str, ...] = BUILTIN_NAMES
 #: First line of a journal; a journal of another format is refused.
 JOURNAL_FORMAT = "colltune-profile-journal/1"
 DTYPES = ("float32", "float64", "float16", "bfloat16")

@@ -37,12 +37,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model.files import atomic_path, write_text_atomic
 from colltune.model.profile import Profile, load_profile
 
 __all__ = ["COLORS", "model_of", "decision_grid", "write_report"]
 
-_ALGS: tuple[str, ...] = ("dense", "allgather", "oktopk")
+_ALGS: tuple[str, ...] = BUILTIN_NAMES  # what a profile measures
 #: One colour per algorithm, the same in every picture.
 COLORS: dict[str, str] = {"dense": "#4C72B0", "allgather": "#DD8452", "oktopk": "#55A868"}
 
