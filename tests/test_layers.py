@@ -247,3 +247,22 @@ def test_no_generic_top_level_package_is_installed(top: str) -> None:
     out = subprocess.run([sys.executable, "-c", f"import {top}"], capture_output=True, text=True, cwd="/",
                          timeout=60)
     assert out.returncode != 0 and "No module named" in out.stderr
+
+
+#: The longest a function's code may be, in lines, its docstring not counted.
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_is_longer_than_the_limit() -> None:
+    """Long functions are split into steps; a docstring (the contract, the arguments) does not count."""
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if ast.get_docstring(node) is not None:
+                    doc = node.body[0]
+                    lines -= doc.end_lineno - doc.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines of code:\n" + "\n".join(long)

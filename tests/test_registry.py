@@ -169,3 +169,27 @@ def test_the_readme_knob_table_is_the_registry_s() -> None:
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert tool.knob_table() in (root / "README.md").read_text()
+
+
+def _toy_bench_rank(rank: int, world_size: int) -> dict:
+    from colltune.offline import bench
+
+    algorithms.register(Toy)
+    try:
+        colltune.configure()
+        contenders = bench.all_contenders()
+        cfg = bench.BenchConfig(n=4096, density=1e-2, overlap=0.5, world_size=world_size)
+        rec = bench._bench_one(rank, world_size, cfg, contenders, bench.Plan.quick(), bench._Guard(None, 0))
+        return {"contenders": contenders, "rec": rec}
+    finally:
+        algorithms.unregister("toy")
+        colltune.configure()
+
+
+def test_bench_times_the_toy_beside_the_others() -> None:
+    out = pool(2).run(_toy_bench_rank, timeout=120)
+    got = out[0]
+    assert got["contenders"] == ("auto", "dense", "allgather", "oktopk", "toy", "torch")
+    toy = got["rec"]["contenders"]["toy"]
+    assert toy["median_ms"] > 0 and toy["max_rel_err"] <= 1e-6  # checked against PyTorch's result
+    assert got["rec"]["auto"]["algorithm"] == "toy"  # priced nearly free, so auto runs it
