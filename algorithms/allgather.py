@@ -28,8 +28,10 @@ import numpy as np
 import torch
 
 from colltune.algorithms import meta as _meta
+from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import Knob
+from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
     Magnitudes,
@@ -47,8 +49,6 @@ from colltune.algorithms.sparse import (
     unpack_host,
     wire_index_dtype,
 )
-from colltune.algorithms.registry import register
-from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 
 __all__ = ["Allgather", "gather_merge", "eager_slot", "slot_need"]
 

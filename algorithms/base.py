@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from colltune.algorithms.comm import Comm, Traffic
-from colltune.algorithms.sparse import accum_dtype, wire_index_dtype
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.algorithms.knobs import Knob
 from colltune.algorithms.schedule import Pricing, Step
+from colltune.algorithms.sparse import accum_dtype, wire_index_dtype
 
 __all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Algorithm"]
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from colltune.algorithms.comm import Comm
-from colltune.algorithms.schedule import Pricing, Step
-from colltune.algorithms.registry import register
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
+from colltune.algorithms.comm import Comm
+from colltune.algorithms.registry import register
+from colltune.algorithms.schedule import Pricing, Step
 
 __all__ = ["Dense"]
 

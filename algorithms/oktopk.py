@@ -56,11 +56,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
+from colltune.algorithms.knobs import Knob
+from colltune.algorithms.registry import register
+from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
+    SPLIT_MIN_ROW_BYTES,
+    Magnitudes,
     entry_bytes,
     gather_mode,
-    Magnitudes,
     merge_runs,
     merge_sources,
     offsets,
@@ -69,12 +74,7 @@ from colltune.algorithms.sparse import (
     split_layout,
     unpack,
     wire_index_dtype,
-    SPLIT_MIN_ROW_BYTES,
 )
-from colltune.algorithms.knobs import Knob
-from colltune.algorithms.registry import register
-from colltune.algorithms.schedule import Pricing, Step
-from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.state import BoundaryState
 
 __all__ = ["OkTopk", "split_reduce", "radix_kth_largest"]
@@ -465,18 +465,18 @@ class OkTopk(Algorithm):
 
     name = "oktopk"
     knob_specs = (
-        Knob("local_refresh", 32, "top-k mode: compute the exact local threshold every N calls (a `TopkState` field)", minimum=1, state=True,
-             tune=("topk",), search=(1, 128, True)),
-        Knob("global_refresh", 32, "top-k mode: compute the exact global threshold every N calls (a `TopkState` field)", minimum=1, state=True,
-             tune=("topk",), search=(1, 128, True)),
+        Knob("local_refresh", 32, "top-k mode: compute the exact local threshold every N calls (a `TopkState` field)",
+             minimum=1, state=True, tune=("topk",), search=(1, 128, True)),
+        Knob("global_refresh", 32, "top-k mode: compute the exact global threshold every N calls (a `TopkState` field)",
+             minimum=1, state=True, tune=("topk",), search=(1, 128, True)),
         Knob("boundary_refresh", 64, "recompute region boundaries every N calls (per group and size)", minimum=1,
              tune=("exact", "topk"), search=(1, 256, True)),
         Knob("peers_in_flight", 8, "rotated point-to-point steps posted at once (all peers at once up to 9 ranks)", minimum=1,
              tune=("exact", "topk"), search=(1, None, False)),
         Knob("dense_fallback_ratio", 1.0, "a region travels dense when its sparse bytes reach this fraction of its dense bytes",
              minimum=0.0, exclusive=True, tune=("exact",), search=(0.1, 2.0, True)),
-        Knob("gather_mode", "auto", "how the reduced regions are gathered (as `allgather.mode`; `p2p` only when no region travels "
-             "dense). Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
+        Knob("gather_mode", "auto", "how the reduced regions are gathered (as `allgather.mode`; `p2p` only when no "
+             "region travels dense). Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
              choices=("auto", "p2p", "pad", "alltoall")),
         Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
     )

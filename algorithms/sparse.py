@@ -217,7 +217,10 @@ def _run_starts(a: np.ndarray) -> np.ndarray:
 
 
 def _group_of(order: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, int]:
-    """Return, per input position, the index of its run (``order`` sorts the input, ``new`` marks run starts), and the run count."""
+    """Return, per input position, the index of its run, and the run count.
+
+    ``order`` sorts the input, ``new`` marks run starts.
+    """
     seg = np.cumsum(new) - 1
     inverse = np.empty_like(seg)
     inverse[order] = seg

@@ -50,8 +50,19 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from colltune.offline.launch import GRACE_S, Outcome, exit_rank, failure_report, kill_ranks, launch_ranks, rank_context
-from colltune.offline.launch import read_errors, setup_rank, short_repr as _short, write_error
+from colltune.offline.launch import (
+    GRACE_S,
+    Outcome,
+    exit_rank,
+    failure_report,
+    kill_ranks,
+    launch_ranks,
+    rank_context,
+    read_errors,
+    setup_rank,
+    write_error,
+)
+from colltune.offline.launch import short_repr as _short
 
 __all__ = [
     "PG_TIMEOUT_S",

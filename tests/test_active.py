@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-
 from test_cli_report import synthetic_profile
-from colltune.offline import active
+
 from colltune.model.profile import load_profile
+from colltune.offline import active
 
 
 def test_expected_regret_is_largest_where_the_choice_is_close_and_uncertain():

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from colltune.algorithms.sparse import device_path
+
 from harness import expect_error, pool
 
 SIZE = 64

@@ -10,10 +10,9 @@ import sys
 
 import pytest
 
-from colltune.offline import bench
-
 from colltune import cli
 from colltune.cli import common
+from colltune.offline import bench
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

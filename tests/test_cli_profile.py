@@ -12,9 +12,8 @@ import time
 import pytest
 
 from colltune import cli
-
-from colltune.offline import profiling
 from colltune.model.profile import load_profile
+from colltune.offline import profiling
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "1e-1", "--overlap", "0", "1",

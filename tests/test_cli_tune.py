@@ -5,10 +5,9 @@ from __future__ import annotations
 import optuna
 from optuna.trial import TrialState
 
-from colltune.offline import autotune
-
 from colltune import cli
 from colltune.model.policy import load_policy
+from colltune.offline import autotune
 
 TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "--rounds", "2", "--quiet"]
 

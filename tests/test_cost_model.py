@@ -1,4 +1,4 @@
-"""Tests of colltune.cost_model: the analytic schedules, the learned model, cross-validation."""
+"""Tests of colltune.model.cost_model: the analytic schedules, the learned model, cross-validation."""
 
 from __future__ import annotations
 

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import pool
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
-from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
 from colltune.model.policy import parse_policy
+from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
+
+from harness import pool
 
 ROWS, DIM = 200, 8
 KEEP_FC1_DENSE = """

@@ -27,9 +27,6 @@ import sys
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-
-from harness import pool
-from sparse_cases import ALGORITHMS, DTYPES, make_input, reference
 from test_property import _lay_out, exact_cases
 from test_sparse_allreduce import SCENARIOS, _result_record, check_results
 from test_topk import check_topk, make_tensor, topk_cfg
@@ -44,6 +41,9 @@ from colltune.algorithms.sparse import (
     pack_host,
     set_device_path,
 )
+
+from harness import pool
+from sparse_cases import ALGORITHMS, DTYPES, make_input, reference
 
 _INTS = {
     torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
@@ -170,8 +170,8 @@ def test_coalesce_and_merge_give_the_host_bits():
 
 
 def test_sketches_and_embedding_row_sums_give_the_host_bits():
-    from colltune.train.sync import _coalesce_rows
     from colltune.model.features import sketch_hashes
+    from colltune.train.sync import _coalesce_rows
 
     g = torch.Generator().manual_seed(11)
     for k, high in ((0, 10), (5, 10**12), (3000, 500)):

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 import colltune
-from colltune.algorithms.errors import ColltuneValueError
 from colltune import api
+from colltune.algorithms.errors import ColltuneValueError
 from colltune.offline.launch import Outcome, failure_report, launch_ranks
 
 #: Process-group timeout in the ranks of these tests, in seconds.

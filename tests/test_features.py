@@ -1,4 +1,4 @@
-"""Tests of colltune.features: the Features record, overlap, hashing and linear counting."""
+"""Tests of colltune.model.features: the Features record, overlap, hashing and linear counting."""
 
 from __future__ import annotations
 

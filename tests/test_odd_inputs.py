@@ -20,10 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from colltune.algorithms.sparse import device_path
+
 from harness import pool
 from sparse_cases import ALGORITHMS
-
-from colltune.algorithms.sparse import device_path
 
 P = 2
 SIZE = 64

@@ -1,4 +1,4 @@
-"""Tests of colltune.policy: parsing, matching, errors, digests, environment (no process group)."""
+"""Tests of colltune.model.policy: parsing, matching, errors, digests, environment (no process group)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from colltune.algorithms.errors import ColltuneError, ColltuneValueError
 from colltune.model import policy as P
 from colltune.model.policy import (
     DEFAULT_POLICY,
-    knob_table,
     Overrides,
     Policy,
     PolicyError,
     config_digest,
+    knob_table,
     known_algorithms,
     load_policy,
     parse_policy,

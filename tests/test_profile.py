@@ -1,4 +1,4 @@
-"""Tests of colltune.profile: the profile file format, its validation and atomic saving."""
+"""Tests of colltune.model.profile: the profile file format, its validation and atomic saving."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from colltune.model import profile as profile_mod
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
+from colltune.model import profile as profile_mod
 from colltune.model.features import Features
 from colltune.model.profile import (
     Measurement,

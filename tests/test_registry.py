@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from harness import pool
-from sparse_cases import case, make_input, reference
-
 import colltune
 from colltune import algorithms
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import Knob
 from colltune.algorithms.schedule import Pricing, Step
+
+from harness import pool
+from sparse_cases import case, make_input, reference
 
 
 class Toy(Algorithm):
@@ -98,7 +98,7 @@ def test_policies_validate_the_toy_from_its_knob_specs(toy: Algorithm) -> None:
 
 
 def test_the_analytic_model_prices_and_picks_the_toy(toy: Algorithm) -> None:
-    from colltune.model.cost_model import AnalyticModel, DEFAULT_PRIMITIVES
+    from colltune.model.cost_model import DEFAULT_PRIMITIVES, AnalyticModel
     from colltune.model.features import Features
 
     model = AnalyticModel(DEFAULT_PRIMITIVES)

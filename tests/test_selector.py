@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import expect_error, pool
 from colltune.model.features import (
     Features,
     bitmap_indices,
@@ -27,7 +26,9 @@ from colltune.model.features import (
 )
 from colltune.model.policy import parse_policy
 from colltune.model.profile import Primitive, Profile
-from colltune.select.selector import SAFE_DEFAULT, candidates, Selector, profiles_dir, shipped_profile
+from colltune.select.selector import SAFE_DEFAULT, Selector, candidates, profiles_dir, shipped_profile
+
+from harness import expect_error, pool
 
 # --------------------------------------------------------------------------- fixtures
 

@@ -489,9 +489,9 @@ def test_oktopk_counts_ride_in_the_metadata_record_while_boundaries_are_cached(w
 
 
 def _run_different_knobs(rank, world_size):
-    from harness import expect_error
-
     import colltune
+
+    from harness import expect_error
 
     c = case(seed=76, size=5_000, counts=[50] * world_size)
     idx, vals = make_input(c, rank, world_size)

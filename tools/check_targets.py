@@ -23,6 +23,7 @@ from typing import Any
 
 from colltune.offline.bench import config_name
 
+
 def check_targets(report: dict[str, Any]) -> dict[str, Any]:
     """Evaluate the targets on a report.
 

@@ -49,11 +49,17 @@ if _ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from colltune.offline import bench, launch, profiling  # noqa: E402
 from colltune.model.cost_model import LearnedCostModel, cross_validate  # noqa: E402
 from colltune.model.features import Features  # noqa: E402
-from colltune.model.profile import Measurement, Primitive, Profile  # noqa: E402
-from colltune.model.profile import load_profile, profile_from_measurements, save_profile  # noqa: E402
+from colltune.model.profile import (  # noqa: E402  # noqa: E402
+    Measurement,
+    Primitive,
+    Profile,
+    load_profile,
+    profile_from_measurements,
+    save_profile,
+)
+from colltune.offline import bench, launch, profiling  # noqa: E402
 
 #: The measured grid.
 GRID_N = (2**12, 2**14, 2**16, 2**18, 2**20)

@@ -64,8 +64,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook  # noqa: E402
 from colltune.offline.launch import in_torchrun, run_here, run_local  # noqa: E402
+from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook  # noqa: E402
 
 MODES = ("ddp-dense", "ddp-sparse", "colltune", "colltune-sync-all", "colltune-topk")
 #: The modes that synchronize exactly with colltune (the issue's setup (c)).
@@ -388,7 +388,8 @@ def _print_summary(s: dict) -> None:
     for mode, v in s["modes"].items():
         gap = s.get("loss_gap_vs_ddp_dense", {}).get(mode)
         gap_s = f"{gap * 100:+.3f}%" if gap is not None else "-"
-        print(f"{mode:<18} {v['median_step_ms']:9.1f} {v['cpu_ms_rank0']:8.1f} {v['mib_per_step']:9.2f} {v['eval_loss']:10.5f} {gap_s:>11}  "
+        print(f"{mode:<18} {v['median_step_ms']:9.1f} {v['cpu_ms_rank0']:8.1f} {v['mib_per_step']:9.2f} "
+              f"{v['eval_loss']:10.5f} {gap_s:>11}  "
               f"{v['step_ms_per_repeat']}")
     for mode, sp in s.get("speedup_vs_best_ddp", {}).items():
         print(f"{mode} vs the faster DDP ({s['best_ddp']}): {sp['median_step']:.2f}x faster per step "

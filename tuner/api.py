@@ -36,10 +36,9 @@ import torch.distributed as dist
 
 from colltune import algorithms
 from colltune.algorithms import meta as _meta
-from colltune.algorithms.comm import Comm, Traffic
-from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
 from colltune.algorithms.allgather import eager_slot, slot_need
 from colltune.algorithms.base import SparseInput, SparseResult, TopkOutput
+from colltune.algorithms.comm import Comm, Traffic
 from colltune.algorithms.errors import (
     AbandonedCallError,
     CollectiveError,
@@ -47,6 +46,7 @@ from colltune.algorithms.errors import (
     ColltuneTypeError,
     ColltuneValueError,
 )
+from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
 from colltune.algorithms.state import TopkState
 from colltune.model.features import sketch_hashes
 
@@ -66,7 +66,7 @@ _SKETCH_BYTES = 1024
 for _name in (_KIND_SPARSE, _KIND_TOPK, "auto", *OPS, *algorithms.names()):
     _meta.name_code(_name)
 for _dtype in VALUE_DTYPES:
-    _meta.name_code(str(_dtype).replace("torch.", ""))
+    _meta.name_code(_meta.dtype_name(_dtype))
 
 
 # --------------------------------------------------------------------------- async

@@ -80,13 +80,23 @@ with ``"auto_summary"`` (geometric means over the configurations) at the top.
 """
 
 from __future__ import annotations
+
 import argparse
 from typing import Any
-from colltune.cli.common import (
-    Command, UsageError, write_json, check_writable, parse_density, parse_n, parse_nonneg_int, parse_overlap,
-    parse_positive_int, parse_seconds, parse_world,
-)
 
+from colltune.cli.common import (
+    Command,
+    UsageError,
+    check_writable,
+    parse_density,
+    parse_n,
+    parse_nonneg_int,
+    parse_overlap,
+    parse_positive_int,
+    parse_seconds,
+    parse_world,
+    write_json,
+)
 
 
 class BenchCommand(Command):

@@ -14,9 +14,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from colltune.model.files import write_text_atomic
-
 from colltune.algorithms.errors import ColltuneError
+from colltune.model.files import write_text_atomic
 
 
 class UsageError(ColltuneError, ValueError):

@@ -8,8 +8,10 @@ algorithm, the oracle and PyTorch side by side, and the decision table::
 """
 
 from __future__ import annotations
+
 import argparse
 import os
+
 from colltune.cli.bench import BenchCommand
 from colltune.cli.common import parse_world
 from colltune.cli.profile import profile_summary

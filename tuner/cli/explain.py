@@ -2,7 +2,7 @@
 
 No process group is needed: the call is described by options, and every
 rank is assumed to hold ``round(density * numel)`` entries whose index sets
-overlap by ``overlap`` (0: disjoint, 1: identical; see the design notes).
+overlap by ``overlap`` (0: disjoint, 1: identical; defined in :mod:`colltune.model.features`).
 
 Input: options only::
 
@@ -95,8 +95,8 @@ class ExplainCommand:
     def run(self, args: argparse.Namespace) -> int:
         """Print the explanation; return 0."""
         from colltune.model.features import Features
-        from colltune.select.selector import Selector, format_explanation
         from colltune.offline.workloads import shared_count
+        from colltune.select.selector import Selector, format_explanation
 
         n, p = args.numel, args.world_size
         k = max(1, min(n, int(round(args.density * n))))

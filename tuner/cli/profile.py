@@ -42,19 +42,44 @@ model alone), and stores the fitted model in the profile's ``model``
 """
 
 from __future__ import annotations
+
 import argparse
 import math
 import os
+
+from colltune.cli.common import (
+    number_type,
+    parse_density,
+    parse_n,
+    parse_nonneg_int,
+    parse_overlap,
+    parse_positive_int,
+    parse_seconds,
+    parse_world,
+    write_json,
+)
 from colltune.model.profile import (
     load_profile,
     save_profile,
 )
-from colltune.cli.common import write_json, number_type, parse_density, parse_n, parse_nonneg_int, parse_overlap, parse_positive_int, parse_seconds, parse_world
 from colltune.offline.profiling import (
-    ALGORITHMS, DTYPES, GRIDS, PRIMITIVE_SIZES, PRIMITIVE_SIZES_QUICK, STATISTICS, check_output_path, Grid, ProfileResult, ProfilingError, TimingPlan,
-    fit_profile, format_fit_report, format_seconds, measurement_key, run_profile,
+    ALGORITHMS,
+    DTYPES,
+    GRIDS,
+    PRIMITIVE_SIZES,
+    PRIMITIVE_SIZES_QUICK,
+    STATISTICS,
+    Grid,
+    ProfileResult,
+    ProfilingError,
+    TimingPlan,
+    check_output_path,
+    fit_profile,
+    format_fit_report,
+    format_seconds,
+    measurement_key,
+    run_profile,
 )
-
 
 
 def _add_grid_options(parser: argparse.ArgumentParser, default_grid: str = "quick") -> None:

@@ -9,12 +9,13 @@ predicted speedup over dense), ``predicted-vs-measured.png``
 """
 
 from __future__ import annotations
+
 import argparse
 import os
-from colltune.model.profile import load_profile
-from colltune.cli.common import parse_n, parse_overlap, parse_positive_int
-from colltune.offline.report import write_report
 
+from colltune.cli.common import parse_n, parse_overlap, parse_positive_int
+from colltune.model.profile import load_profile
+from colltune.offline.report import write_report
 
 
 class ReportCommand:

@@ -13,13 +13,14 @@ marked ``<== BEST``, and writes a policy (format: ``colltune.model.policy``)::
 """
 
 from __future__ import annotations
+
 import argparse
 import os
 import time
-from colltune.model.files import write_text_atomic
-from colltune.cli.common import parse_density, parse_n, parse_nonneg_int, parse_overlap, parse_positive_int, parse_world
-from colltune.offline.autotune import TuneTarget, completed_trials, format_trials, policy_text, run_study
 
+from colltune.cli.common import parse_density, parse_n, parse_nonneg_int, parse_overlap, parse_positive_int, parse_world
+from colltune.model.files import write_text_atomic
+from colltune.offline.autotune import TuneTarget, completed_trials, format_trials, policy_text, run_study
 
 
 def _write_text(path: str, text: str) -> None:

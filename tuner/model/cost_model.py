@@ -52,7 +52,7 @@ per peer, and the rotated point-to-point exchange ``P-1`` messages in
 ``local`` primitive: ``alpha`` per kernel, ``beta`` per byte of memory traffic.
 
 Example:
-    >>> from colltune.features import Features
+    >>> from colltune.model.features import Features
     >>> f = Features.build(numel=1 << 20, row_numel=1, dtype="float32",
     ...                    k_per_rank=[1000] * 8, union=7000.0)
     >>> model = AnalyticModel(DEFAULT_PRIMITIVES)

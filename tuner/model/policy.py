@@ -130,8 +130,8 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from colltune.algorithms import registry
-from colltune.algorithms.knobs import Knob
 from colltune.algorithms.errors import ColltuneValueError
+from colltune.algorithms.knobs import Knob
 from colltune.model import yamlsafe
 
 __all__ = [

@@ -54,7 +54,7 @@ Two ways to run it
   the stored medians carry.
 
 Example:
-    >>> from colltune.active import simulate
+    >>> from colltune.offline.active import simulate
     >>> result = simulate(load_profile("profiles/cpu-gloo-grid.yaml"), seeds=3)  # doctest: +SKIP
     >>> result["summary"]["ratio_median"]                                       # doctest: +SKIP
 """
@@ -794,8 +794,8 @@ def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | No
     Returns:
         The :class:`colltune.offline.profiling.ProfileResult`.
     """
-    from colltune.offline import launch, profiling
     from colltune.model.profile import profile_from_measurements, save_profile
+    from colltune.offline import launch, profiling
 
     if launch.in_torchrun():
         raise profiling.ProfilingError("--active starts its own ranks; run it without torchrun.")

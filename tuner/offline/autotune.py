@@ -170,7 +170,8 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
     alg = setting["algorithm"]
     tuned, base = dict(setting["knobs"]), _defaults(w.mode, alg, world_size)
     if w.mode == "exact":
-        from colltune.offline.workloads import Workload as Inputs, k_for_density
+        from colltune.offline.workloads import Workload as Inputs
+        from colltune.offline.workloads import k_for_density
 
         inp = Inputs(w.n, k_for_density(w.n, w.density), world_size, w.overlap, dtype=getattr(torch, w.dtype),
                      seed=w.seed)

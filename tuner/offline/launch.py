@@ -27,7 +27,7 @@ The rank bootstrap and the parent's bookkeeping (:func:`launch_ranks`,
 (``tests/harness.py``).
 
 Example:
-    >>> from colltune.launch import run_local
+    >>> from colltune.offline.launch import run_local
     >>> run_local(my_rank_fn, 4, "arg")  # doctest: +SKIP
     [result_of_rank_0, result_of_rank_1, result_of_rank_2, result_of_rank_3]
 """

@@ -36,7 +36,7 @@ What one profiling run does
    the whole grid is in the profile.
 
 Example:
-    >>> from colltune.profiling import Grid, run_profile
+    >>> from colltune.offline.profiling import Grid, run_profile
     >>> grid = Grid.preset("quick")
     >>> result = run_profile("profiles/local.yaml", [2, 4], grid)  # doctest: +SKIP
     >>> result.profile.meta["world_sizes"]                         # doctest: +SKIP
@@ -60,8 +60,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.algorithms.errors import ColltuneValueError
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model.profile import (
     Measurement,
     Primitive,
@@ -809,7 +809,7 @@ def fit_primitives(samples: Iterable[Mapping[str, Any]], prior: Mapping[str, Pri
 
 
 def fit_model(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive] | None = None) -> Any:
-    """Return a :class:`~colltune.model.cost_model.LearnedCostModel` fitted on ``measurements`` with ``primitives`` as its prior."""
+    """Return a :class:`~colltune.model.cost_model.LearnedCostModel` fitted on ``measurements``, ``primitives`` its prior."""
     from colltune.model.cost_model import LearnedCostModel
 
     prior = None if primitives is None else {k: p.to_dict() for k, p in primitives.items()}

@@ -23,16 +23,15 @@ Files written to the output directory:
 Plots use matplotlib's Agg backend (no display needed).
 
 Example:
-    >>> from colltune.report import write_report
+    >>> from colltune.offline.report import write_report
     >>> files = write_report("profiles/local.yaml", "report/")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -174,7 +173,10 @@ def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.nda
 
 
 def _cv_summary(ms: Sequence[Any], pred: np.ndarray, every: np.ndarray, folds: int) -> dict[str, Any] | None:
-    """Return the cross-validated error per algorithm and the selection regret (as :func:`colltune.model.cost_model.cross_validate`)."""
+    """Return the cross-validated error per algorithm and the selection regret.
+
+    As :func:`colltune.model.cost_model.cross_validate` reports them.
+    """
     from colltune.model.cost_model import default_group
 
     if folds == 0:

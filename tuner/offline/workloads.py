@@ -2,7 +2,7 @@
 
 Every rank holds ``k`` entries. ``s`` indices are common to all ranks, and
 each rank adds ``k - s`` private indices that no other rank holds, so by the
-definition of overlap in the design notes (``(K - u) / (K - max k_p)`` with
+definition of overlap in :mod:`colltune.model.features` (``(K - u) / (K - max k_p)`` with
 ``K = P k`` and ``u = s + P (k - s)``) the overlap is exactly ``s / k``.
 The indices are drawn from one random permutation of the ``n`` rows (a seed
 every rank shares), so they are spread over the whole range, and are handed
@@ -13,7 +13,7 @@ raised to the least feasible value and :attr:`Workload.overlap` reports the
 overlap achieved, which the caller must report instead of the one requested.
 
 Example:
-    >>> from colltune.workloads import Workload
+    >>> from colltune.offline.workloads import Workload
     >>> w = Workload(n=1000, k=100, world_size=4, overlap=0.5)
     >>> w.shared, w.overlap
     (50, 0.5)
@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+
 import torch
 
 from colltune.algorithms.errors import ColltuneValueError

@@ -26,18 +26,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from colltune.algorithms.meta import dtype_name
-from colltune.algorithms.errors import ColltuneTypeError
-from colltune.algorithms.state import TopkState
 from colltune import api as _api
+from colltune.algorithms.errors import ColltuneTypeError
+from colltune.algorithms.meta import dtype_name
+from colltune.algorithms.state import TopkState
 from colltune.model.policy import AUTO, Overrides, Policy
-
 from colltune.train.common import (
+    _STATE_VERSION,
     TensorStats,
     TopkAlgorithm,
-    _Route,
-    _STATE_VERSION,
-    _topk_algorithms,
     _check_choice,
     _check_density,
     _check_int,
@@ -47,7 +44,9 @@ from colltune.train.common import (
     _resolve_policy,
     _restore_topk,
     _ring_bytes,
+    _Route,
     _route_for,
+    _topk_algorithms,
     _topk_traffic,
     _world_size,
 )
