@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: Source folder of each package, as pyproject.toml maps them.
 SOURCES = {"colltune": ROOT / "tuner", "colltune.algorithms": ROOT / "algorithms"}
 LAYERS = ("algorithms", "model", "select", "api", "train", "offline", "cli")

@@ -27,7 +27,7 @@ from colltune.model.policy import (
     policy_from_env,
 )
 
-POLICY_DIR = Path(__file__).resolve().parents[1] / "profiles" / "policies"
+POLICY_DIR = Path(__file__).resolve().parents[2] / "profiles" / "policies"
 
 
 def parse(text: str, source: str = "t.yaml") -> Policy:

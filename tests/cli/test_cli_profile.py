@@ -15,7 +15,7 @@ from colltune import cli
 from colltune.model.profile import load_profile
 from colltune.offline import profiling
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "1e-1", "--overlap", "0", "1",
         "--repeats", "2", "--no-progress"]
 
@@ -85,7 +85,7 @@ def test_a_killed_run_resumes_without_measuring_again(tmp_path):
     argv = [sys.executable, "-m", "colltune.cli", "profile", "--world-size", "2", "--n", "2^12", "2^13",
             "--density", "1e-3", "1e-2", "5e-2", "1e-1", "--overlap", "0", "1", "--repeats", "3",
             "--no-progress", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     proc = subprocess.Popen(argv, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     deadline = time.monotonic() + 25

@@ -13,7 +13,7 @@ from colltune.model import yamlsafe
 from colltune.model.policy import PolicyError, load_policy, parse_policy
 from colltune.model.profile import ProfileError, load_profile
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 #: Refusing takes milliseconds; this only catches a return of the old behaviour
 #: (tens of seconds and gigabytes) on a noisy shared machine.
 GENEROUS_S = 10.0

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: The pure layer and the torch-free modules of colltune.algorithms it reads.
 TYPED = ("colltune.model", "colltune.algorithms.errors", "colltune.algorithms.knobs",
          "colltune.algorithms.schedule", "colltune.algorithms.registry")

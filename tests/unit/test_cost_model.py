@@ -28,7 +28,7 @@ from colltune.model.cost_model import (
 from colltune.model.features import Features
 from colltune.model.profile import Measurement, Primitive, load_profile, profile_from_measurements, save_profile
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _f(n: int = 1 << 20, p: int = 8, density: float = 1e-3, overlap: float = 0.0, row: int = 1,

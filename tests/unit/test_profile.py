@@ -23,7 +23,7 @@ from colltune.model.profile import (
     save_profile,
 )
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 PRIMS = {
     "all_reduce": Primitive(alpha_us=10.0, beta_us_per_byte=1e-4, launch_us=5.0),

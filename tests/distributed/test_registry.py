@@ -163,7 +163,7 @@ def test_the_readme_knob_table_is_the_registry_s() -> None:
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("knob_table", root / "tools" / "knob_table.py")
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)

@@ -14,12 +14,12 @@ from colltune import cli
 from colltune.cli import common
 from colltune.offline import bench
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run_cli(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """Run ``python -m colltune.cli`` in a fresh process (a fresh forkserver, output captured)."""
-    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     return subprocess.run(
         [sys.executable, "-m", "colltune.cli", *argv],
         capture_output=True,
@@ -183,7 +183,7 @@ def check_targets_tool():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "check_targets.py"
+    path = Path(__file__).resolve().parents[2] / "tools" / "check_targets.py"
     spec = importlib.util.spec_from_file_location("check_targets", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -85,8 +85,8 @@ def test_switch_sends_cpu_tensors_down_the_device_path():
 
 def test_environment_variable_turns_the_device_path_on_at_import():
     code = "import torch; from colltune.algorithms.sparse import on_host; print(on_host(torch.zeros(1)))"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, COLLTUNE_DEVICE_PATH="1", PYTHONPATH=root)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, COLLTUNE_DEVICE_PATH="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "False", out
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
 
 
 @pytest.fixture(scope="module")
