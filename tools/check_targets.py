@@ -33,7 +33,11 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
     top-k mode Ok-Topk's entry words per rank stay within ``6k(P-1)/P``.
     A target with no matching configuration has ``holds: None``.
     """
-    out: dict[str, Any] = {}
+    return {"a": _target_a(report), "b": _target_b(report), "c": _target_c(report)}
+
+
+def _target_a(report: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate (a): ``allgather``'s time over ``torch``'s, everywhere and at density >= 1e-2."""
     rows = []
     for c in report.get("configs", []):
         cs = c["contenders"]
@@ -43,7 +47,7 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
     a_fail_10 = [(config_name(c), r) for c, r in rows if r > 1.10]
     a_dense = [(c, r) for c, r in rows if c["density"] >= 1e-2]
     a_fail_fast = [(config_name(c), r) for c, r in a_dense if r >= 1.0]
-    out["a"] = {
+    return {
         "what": "allgather time / torch time <= 1.10 everywhere, < 1 at density >= 1e-2",
         "holds": None if not rows else (not a_fail_10 and not a_fail_fast),
         "configs": len(rows),
@@ -54,6 +58,10 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
         "over_1.10": [{"config": n, "ratio": r} for n, r in a_fail_10],
         "not_faster_at_density_ge_1e-2": [{"config": n, "ratio": r} for n, r in a_fail_fast],
     }
+
+
+def _target_b(report: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate (b): ``oktopk``'s bytes and time against ``allgather``'s at P = 8, overlap 1, density 1e-2."""
     b_rows = []
     for c in report.get("configs", []):
         cs = c["contenders"]
@@ -71,13 +79,17 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
                     "time_ratio": cs["oktopk"]["median_ms"] / cs["allgather"]["median_ms"],
                 }
             )
-    out["b"] = {
+    return {
         "what": "oktopk at P=8, overlap 1, density 1e-2: bytes/rank <= 1/3 of allgather's, and faster",
         "holds": None if not b_rows else all(r["bytes_ratio"] <= 1 / 3 and r["time_ratio"] < 1 for r in b_rows),
         "bytes_holds": None if not b_rows else all(r["bytes_ratio"] <= 1 / 3 for r in b_rows),
         "time_holds": None if not b_rows else all(r["time_ratio"] < 1 for r in b_rows),
         "rows": b_rows,
     }
+
+
+def _target_c(report: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate (c): Ok-Topk's entry words per rank in top-k mode against ``6k(P-1)/P``."""
     c_rows = []
     for t in report.get("topk", []):
         ok = t["contenders"].get("oktopk")
@@ -95,13 +107,12 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
                 "over_bound_max": ok["words_over_bound_max"],
             }
         )
-    out["c"] = {
+    return {
         "what": "oktopk top-k: entry words per rank <= 6k(P-1)/P (metadata reported apart)",
         "holds": None if not c_rows else all(r["over_bound_max"] <= 1.0 for r in c_rows),
         "holds_median": None if not c_rows else all(r["over_bound_median"] <= 1.0 for r in c_rows),
         "rows": c_rows,
     }
-    return out
 
 
 def format_targets(targets: dict[str, Any]) -> str:
@@ -135,6 +146,7 @@ def format_targets(targets: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Print the verdicts of the report named in ``argv``; return 0 when no target fails, 1 when one does."""
     if len(argv) != 1:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2

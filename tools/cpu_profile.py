@@ -153,7 +153,8 @@ def measure_primitives(world_sizes: tuple[int, ...]) -> dict[str, Primitive]:
 
 def _meta(plan: bench.Plan, elapsed: float, row_shape: tuple[int, ...] = (), ns: tuple[int, ...] = GRID_N) -> dict:
     rows = f"rows of shape {row_shape}" if row_shape else "scalars"
-    n_text = f"2^{ns[0].bit_length() - 1}..2^{ns[-1].bit_length() - 1}" if len(ns) > 1 else f"2^{ns[0].bit_length() - 1}"
+    n_text = (f"2^{ns[0].bit_length() - 1}..2^{ns[-1].bit_length() - 1}" if len(ns) > 1
+              else f"2^{ns[0].bit_length() - 1}")
     return {
         "backend": "gloo",
         "world_sizes": list(GRID_WORLD),

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import colltune  # noqa: E402
+from colltune.model.files import write_text_atomic  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
 ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
@@ -138,10 +139,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> None:
                 ends.append(_ended(start, exc))
             else:
                 ends.append(_ended(start))
-    path = os.path.join(outdir, f"rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(ends, f)
-    os.replace(path + ".tmp", path)
+    write_text_atomic(os.path.join(outdir, f"rank{rank}.json"), json.dumps(ends))
     # Stay until every survivor reported (an exit closes sockets and would wake the others),
     # then the lowest rank ends a frozen victim so that the launch returns.
     _await([os.path.join(outdir, f"rank{r}.json") for r in range(victim)], LINGER_S)

@@ -86,6 +86,7 @@ def _choices_rank(rank: int, world_size: int, configs: list, profile: str | None
 
 
 def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap: float, rounds: int) -> dict | None:
+    """Time a fresh call site, a cached one, a forced algorithm and the bitmap estimate; rank 0 returns the row."""
     import itertools
 
     import colltune
@@ -110,21 +111,7 @@ def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap
         "fixed": lambda: colltune.sparse_allreduce(idx, vals, n, algorithm=fixed),
         "bitmap": lambda: estimate_union_collective(comm, cidx, counts),
     }
-    names = list(calls)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    out: dict[str, object] = {}
-    sources: list[str] = []
-    for i in range(rounds):  # interleaved, the order rotated every round
-        for key in names[i % len(names):] + names[: i % len(names)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            out[key] = calls[key]()
-            times[key].append(time.perf_counter() - t0)
-            if key == "first":
-                sources.append(str(out[key].decision.overlap_source))  # type: ignore[attr-defined]
-    flat = torch.tensor([t for key in names for t in times[key]], dtype=torch.float64)
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-    per = {key: flat[j * rounds : (j + 1) * rounds].tolist() for j, key in enumerate(names)}
+    out, per, sources = _rotated_rounds(calls, rounds)
     if rank != 0:
         return None
 
@@ -149,6 +136,30 @@ def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap
         "bitmap_overlap_estimate": est[1],  # type: ignore[index]
         "bitmap_ms": statistics.median(per["bitmap"]) * 1e3,
     }
+
+
+def _rotated_rounds(calls: dict, rounds: int) -> tuple[dict[str, object], dict[str, list[float]], list[str]]:
+    """Run every call once a round, the order rotated every round.
+
+    Returns:
+        The last output of each call, its times in seconds (the max over
+        ranks, per round) and the overlap sources of the ``first`` calls.
+    """
+    names = list(calls)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    out: dict[str, object] = {}
+    sources: list[str] = []
+    for i in range(rounds):
+        for key in names[i % len(names):] + names[: i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out[key] = calls[key]()
+            times[key].append(time.perf_counter() - t0)
+            if key == "first":
+                sources.append(str(out[key].decision.overlap_source))  # type: ignore[attr-defined]
+    flat = torch.tensor([t for key in names for t in times[key]], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    return out, {key: flat[j * rounds : (j + 1) * rounds].tolist() for j, key in enumerate(names)}, sources
 
 
 # --------------------------------------------------------------------------- pieces
@@ -315,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                              "on a loaded machine); the choices are this run's")
     parser.add_argument("--json", help="write everything here")
     args = parser.parse_args(argv)
-    out: dict = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "torch": str(torch.__version__)}
+    out: dict = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
+                 "torch": str(torch.__version__)}
 
     cached = cached_decision_us(args.profile)
     out["cached_decision"] = cached

@@ -323,8 +323,8 @@ def _print_run(run: dict, cfg: dict) -> None:
     skip = cfg["skip"]
     mib = statistics.median(run["bytes_per_step"][skip:] or run["bytes_per_step"]) / 2**20
     cpu = statistics.median(run["cpu_times"][skip:] or run["cpu_times"]) * 1e3
-    print(f"-- {run['mode']}: median step {_median_step(run, skip) * 1e3:.1f} ms (CPU {cpu:.1f} ms on rank 0), final train loss "
-          f"{run['losses'][-1]:.5f}, eval loss {run['eval_loss']:.5f}, sent {mib:.2f} MiB/step")
+    print(f"-- {run['mode']}: median step {_median_step(run, skip) * 1e3:.1f} ms (CPU {cpu:.1f} ms on rank 0), "
+          f"final train loss {run['losses'][-1]:.5f}, eval loss {run['eval_loss']:.5f}, sent {mib:.2f} MiB/step")
     for tensor, algo in run["algorithms"].items():
         print(f"     {tensor:<30} {algo}")
 
@@ -352,7 +352,7 @@ def summarize(runs: list[dict], cfg: dict, world_size: int) -> dict:
     for mode in EXACT_MODES:
         if base and mode in per_mode:
             out["speedup_vs_best_ddp"][mode] = _speedup(runs, per_mode, base, out["best_ddp"], mode, cfg)
-    if "colltune" in out["speedup_vs_best_ddp"]:  # the names earlier versions wrote
+    if "colltune" in out["speedup_vs_best_ddp"]:  # colltune's speedup under flat keys too, for readers of the summary
         sp = out["speedup_vs_best_ddp"]["colltune"]
         out["speedup_colltune_vs_best_ddp"] = sp["median_step"]
         out["speedup_per_repeat"] = sp["per_repeat"]
@@ -384,7 +384,8 @@ def _speedup(runs: list[dict], per_mode: dict, base: list[str], best: str, mode:
 def _print_summary(s: dict) -> None:
     print(f"\n== summary (P={s['world_size']}, medians over {s['config']['repeats']} interleaved repeats, "
           f"{s['config']['steps']} steps each, first {s['config']['skip']} not timed)")
-    print(f"{'mode':<18} {'step ms':>9} {'CPU ms':>8} {'MiB/step':>9} {'eval loss':>10} {'gap vs (a)':>11}  per repeat (ms)")
+    print(f"{'mode':<18} {'step ms':>9} {'CPU ms':>8} {'MiB/step':>9} {'eval loss':>10} {'gap vs (a)':>11}  "
+          "per repeat (ms)")
     for mode, v in s["modes"].items():
         gap = s.get("loss_gap_vs_ddp_dense", {}).get(mode)
         gap_s = f"{gap * 100:+.3f}%" if gap is not None else "-"
@@ -397,7 +398,8 @@ def _print_summary(s: dict) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=4, help="local ranks to start (ignored under torchrun)")
     ap.add_argument("--mode", nargs="+", choices=MODES, default=["colltune"],
                     help="how gradients are synchronized")

@@ -13,7 +13,7 @@ with the same size, dtype, op and algorithm. Each call
    every rank.
 
 Example:
-    >>> import torch, tuner
+    >>> import torch, colltune
     >>> res = colltune.sparse_allreduce(torch.tensor([3, 1, 3]), torch.ones(3), size=8)
     >>> res.indices.tolist(), res.values.tolist()
     ([1, 3], [1.0, 2.0])
@@ -192,6 +192,7 @@ def _abandoned(cause: BaseException) -> AbandonedCallError:
 
 
 def _submit(fn: Callable[[], Any], async_op: bool) -> Any:
+    """Run ``fn`` now, or queue it behind the pending calls; return its result, or a handle with ``async_op``."""
     global _executor, _pending
     with _lock:
         if not async_op and _pending == 0:
@@ -231,6 +232,7 @@ def _bad(cls: type[ColltuneError], argument: str, message: str) -> ColltuneError
 
 
 def _check_common(op: Any, algorithm: Any) -> None:
+    """Check ``op`` and ``algorithm``, the arguments both front-door functions take."""
     if not (isinstance(op, str) and op in OPS):
         raise _bad(ColltuneValueError, "op", f"op must be one of {', '.join(OPS)}, but got {op!r}.")
     if algorithm != "auto":
@@ -297,7 +299,8 @@ def _exchange_group(group: Any) -> Any:
 def _check_tensor(t: Any, argument: str, what: str) -> None:
     """Check that ``t`` is a strided torch.Tensor with data on a device the group's backend moves."""
     if not isinstance(t, torch.Tensor):
-        raise _bad(ColltuneTypeError, argument, f"{argument} must be a torch.Tensor {what}, but got {type(t).__name__}.")
+        raise _bad(ColltuneTypeError, argument,
+                   f"{argument} must be a torch.Tensor {what}, but got {type(t).__name__}.")
     if t.is_nested:
         raise _bad(ColltuneTypeError, argument, f"{argument} must be a regular tensor, but got a nested tensor; "
                    f"concatenate its components with torch.cat(list({argument}.unbind())).")
@@ -333,7 +336,10 @@ MAX_SIZE = (1 << 63) - 1
 
 
 def _as_int(x: Any) -> int | None:
-    """Return ``x`` as an int if it is an integer (``int``, NumPy or 0-d torch integers; not ``bool``), else ``None``."""
+    """Return ``x`` as an int if it is an integer, else ``None``.
+
+    Integers are ``int``, NumPy integers and 0-d torch integers; ``bool`` is not one.
+    """
     if isinstance(x, (bool, float)) or getattr(x, "dtype", None) == torch.bool:
         return None
     try:
@@ -454,6 +460,7 @@ def _selector_module() -> Any:
 
 
 def _check_name(name: Any) -> None:
+    """Check that ``name`` is a str or ``None``."""
     if name is not None and not isinstance(name, str):
         raise _bad(ColltuneTypeError, "name",
                    f"name must be a str (the tensor's name, for policy rules and decision caching) or None, "
@@ -562,6 +569,7 @@ def _decided_knobs(decision: Any, knobs: dict[str, dict[str, Any]]) -> dict[str,
 
 
 def _group_key(group: dist.ProcessGroup | None) -> int:
+    """Return the part of a call site's key that tells groups apart."""
     return 0 if group is None else id(group)
 
 
@@ -597,17 +605,9 @@ def _input_error(exc: Exception) -> ColltuneError:
 
 
 def sparse_allreduce(
-    indices: torch.Tensor,
-    values: torch.Tensor,
-    size: int | Sequence[int],
-    op: str = "sum",
-    group: dist.ProcessGroup | None = None,
-    algorithm: str = "auto",
-    async_op: bool = False,
-    *,
-    knobs: dict[str, Any] | None = None,
-    name: str | None = None,
-    policy: Any = None,
+    indices: torch.Tensor, values: torch.Tensor, size: int | Sequence[int], op: str = "sum",
+    group: dist.ProcessGroup | None = None, algorithm: str = "auto", async_op: bool = False, *,
+    knobs: dict[str, Any] | None = None, name: str | None = None, policy: Any = None,
 ) -> SparseResult | AsyncHandle:
     """Sum a sparse tensor over the ranks of ``group``; every rank gets the same result.
 
@@ -670,6 +670,11 @@ def _sparse_allreduce(
     name: Any = None,
     policy: Any = None,
 ) -> SparseResult:
+    """Run one ``sparse_allreduce`` on this rank: prepare, exchange the records, decide, run, return the result.
+
+    A failure while preparing rides in this rank's record, so every rank
+    raises at the exchange and none is left waiting.
+    """
     comm = _open(group, values)
     call = _SparseCall(comm, {"kind": _meta.name_code(_KIND_SPARSE)})
     error: BaseException | None = None
@@ -864,16 +869,9 @@ class TopkResult:
 
 
 def topk_allreduce(
-    tensor: torch.Tensor,
-    state: TopkState,
-    op: str = "avg",
-    group: dist.ProcessGroup | None = None,
-    algorithm: str = "auto",
-    async_op: bool = False,
-    *,
-    knobs: dict[str, Any] | None = None,
-    name: str | None = None,
-    policy: Any = None,
+    tensor: torch.Tensor, state: TopkState, op: str = "avg", group: dist.ProcessGroup | None = None,
+    algorithm: str = "auto", async_op: bool = False, *,
+    knobs: dict[str, Any] | None = None, name: str | None = None, policy: Any = None,
 ) -> TopkResult | AsyncHandle:
     """Sparsify a dense tensor to about k entries per rank and sum the selection over ranks.
 
@@ -906,6 +904,7 @@ def topk_allreduce(
 
 
 def _validate_topk(tensor: Any, state: Any, op: Any, algorithm: Any, group: Any) -> None:
+    """Check the arguments of ``topk_allreduce``."""
     _check_common(op, algorithm)
     _check_tensor(tensor, "tensor", "of floats")
     if tensor.dtype not in VALUE_DTYPES:
@@ -934,6 +933,11 @@ def _topk_allreduce(
     name: Any = None,
     policy: Any = None,
 ) -> TopkResult:
+    """Run one ``topk_allreduce`` on this rank: validate, exchange the records, decide, run, return the result.
+
+    A failure while validating rides in this rank's record, so every rank
+    raises at the exchange and none is left waiting.
+    """
     comm = _open(group, tensor)
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_TOPK)}
@@ -943,16 +947,7 @@ def _topk_allreduce(
         knobs_checked, sel, backend, code = _resolve(algorithm, knobs, policy, group, name)
         numel = tensor.numel()
         k = state.k_for(numel)
-        record.update(
-            size=numel,
-            row_numel=k,  # k must agree too: it is part of the shared call
-            **_meta.shape_fields(tuple(tensor.shape)),
-            dtype=_meta.name_code(_dtype_name(tensor.dtype)),
-            op=_meta.name_code(op),
-            algorithm=_meta.name_code(algorithm),
-            policy=code,
-            count=k,
-        )
+        record.update(_topk_fields(tensor, k, op, algorithm, code))
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
         error = _input_error(exc)
     _meta.exchange(comm, record, error)
@@ -961,13 +956,8 @@ def _topk_allreduce(
         decision: Any = None
     else:
         site = (_KIND_TOPK, name, numel, k, tensor.dtype, comm.world_size, _group_key(group))
-        decision = sel.decide_topk(
-            site, world_size=comm.world_size, rank=comm.rank, backend=backend, name=name, numel=numel, k=k,
-            dtype=tensor.dtype,
-        )
+        decision, knobs_checked = _decide_topk(sel, site, comm, backend, name, tensor, k, state, knobs_checked)
         algorithm = decision.algorithm
-        knobs_checked = _decided_knobs(decision, knobs_checked)
-        _apply_state_knobs(state, decision)
     out = _run_topk(tensor, state, comm, algorithm, knobs_checked)
     state.step += 1
     if sel is not None:
@@ -977,6 +967,34 @@ def _topk_allreduce(
                  numel, k, comm.world_size, algorithm, out.local_count, out.global_count)
     return TopkResult(out.indices, values.to(tensor.dtype), tuple(tensor.shape), algorithm, out.local_count,
                       out.global_count, out.sent, comm.traffic, decision)
+
+
+def _topk_fields(tensor: torch.Tensor, k: int, op: str, algorithm: str, code: int) -> dict[str, int]:
+    """Return the metadata record's fields of a top-k call; ``k`` must agree too: it is part of the shared call."""
+    return dict(
+        size=tensor.numel(),
+        row_numel=k,
+        **_meta.shape_fields(tuple(tensor.shape)),
+        dtype=_meta.name_code(_dtype_name(tensor.dtype)),
+        op=_meta.name_code(op),
+        algorithm=_meta.name_code(algorithm),
+        policy=code,
+        count=k,
+    )
+
+
+def _decide_topk(
+    sel: Any, site: tuple, comm: Comm, backend: str | None, name: Any, tensor: torch.Tensor, k: int, state: TopkState,
+    knobs: dict[str, dict[str, Any]],
+) -> tuple[Any, dict[str, Any]]:
+    """Return the selector's decision for an auto top-k call and its knobs; apply the knobs ``state`` keeps."""
+    decision = sel.decide_topk(
+        site, world_size=comm.world_size, rank=comm.rank, backend=backend, name=name, numel=tensor.numel(), k=k,
+        dtype=tensor.dtype,
+    )
+    checked = _decided_knobs(decision, knobs)
+    _apply_state_knobs(state, decision)
+    return decision, checked
 
 
 def _run_topk(tensor: torch.Tensor, state: TopkState, comm: Comm, algorithm: str, knobs: dict[str, Any]) -> TopkOutput:

@@ -25,8 +25,9 @@ the overlap asked), the timed rounds, each contender's median time in ms
 with its interquartile range (``!`` marks a result that disagreed with the
 reference), the speedup of each of ours over ``torch`` (above 1: faster),
 and KiB sent per rank (``torch*`` is a model estimate); then one block per
-top-k configuration and the verdict on the targets. A progress bar goes to
-stderr when it is a terminal. Example line::
+top-k configuration. A progress bar goes to stderr when it is a terminal.
+The team's acceptance checks read the JSON report
+(``python3 tools/check_targets.py colltune-bench.json``). Example line::
 
         n density  P overlap reps          dense ms      allgather ms ...
      2^20    0.01  4    0.50   15      9.10 ±0.52        4.02 ±0.31   ...
@@ -66,8 +67,8 @@ each world size, so a partial run keeps its results)::
 Times are the max over ranks of each rank's wall time for the call, one
 sample per round; bytes are what each rank sent in its last timed call.
 
-With the selector (``colltune.select.selector``) ``auto`` is a contender too
-(``--profile FILE`` chooses its profile), and every configuration gets the
+``auto``, the selector's choice (:mod:`colltune.select.selector`), is a contender
+too (``--profile FILE`` chooses its profile), and every configuration gets the
 *oracle* (the fastest fixed algorithm, measured) and auto's regret against
 it, printed as a decision table after the timings and stored as::
 
@@ -140,11 +141,13 @@ class BenchCommand(Command):
                        help="kill the ranks of one world size after this many seconds (default 3600)")
         k = parser.add_argument_group("top-k section")
         k.add_argument("--topk", action="store_true",
-                       help="also run topk_allreduce (dense, allgather, oktopk) for each P (see --topk-n, --topk-density)")
+                       help="also run topk_allreduce (dense, allgather, oktopk) for each P "
+                            "(see --topk-n, --topk-density)")
         k.add_argument("--topk-only", action="store_true", help="run only the top-k section")
         k.add_argument("--topk-steps", type=parse_positive_int, metavar="S",
                        help="steps of the top-k section (default 40; --quick: 10)")
-        k.add_argument("--topk-n", type=parse_n, metavar="N", help="elements of the gradient (default 2^20; --quick: 2^16)")
+        k.add_argument("--topk-n", type=parse_n, metavar="N",
+                       help="elements of the gradient (default 2^20; --quick: 2^16)")
         k.add_argument("--topk-density", type=parse_density, default=1e-2, metavar="D",
                        help="entries each rank selects over N (default 1e-2)")
         o = parser.add_argument_group("output")

@@ -103,13 +103,15 @@ parse_seconds = number_type(float, lambda v: v > 0, "a number of seconds > 0", "
 def check_writable(path: str) -> None:
     """Raise :class:`UsageError` unless ``path`` can be written (checked before a long run)."""
     if os.path.isdir(path):
-        raise UsageError(f"--json {path!r} is a directory; pass a file name such as {os.path.join(path, 'bench.json')!r}.")
+        raise UsageError(f"--json {path!r} is a directory; pass a file name such as "
+                         f"{os.path.join(path, 'bench.json')!r}.")
     existed = os.path.exists(path)
     try:
         with open(path, "a"):
             pass
     except OSError as exc:
-        raise UsageError(f"--json {path!r} cannot be written ({exc.strerror}); pass a path in a writable directory.") from None
+        raise UsageError(f"--json {path!r} cannot be written ({exc.strerror}); "
+                         "pass a path in a writable directory.") from None
     if not existed:
         os.remove(path)
 

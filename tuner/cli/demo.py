@@ -15,7 +15,14 @@ import os
 from colltune.cli.bench import BenchCommand
 from colltune.cli.common import parse_world
 from colltune.cli.profile import profile_summary
-from colltune.offline.profiling import PRIMITIVE_SIZES_QUICK, Grid, TimingPlan, check_output_path, journal_path, run_profile
+from colltune.offline.profiling import (
+    PRIMITIVE_SIZES_QUICK,
+    Grid,
+    TimingPlan,
+    check_output_path,
+    journal_path,
+    run_profile,
+)
 
 
 class DemoCommand:

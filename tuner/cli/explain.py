@@ -57,7 +57,8 @@ def parse_unit(low_open: bool):  # noqa: ANN202
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number in {'(' if low_open else '['}0, 1], got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected a number in {'(' if low_open else '['}0, 1], got {text!r}") from None
         if not ((0.0 < value) if low_open else (0.0 <= value)) or value > 1.0:
             raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}0, 1], got {text!r}")
         return value
@@ -86,7 +87,8 @@ class ExplainCommand:
         g.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
         g.add_argument("--name", help="tensor name, for policy rules")
         s = parser.add_argument_group("the selector")
-        s.add_argument("--profile", metavar="FILE", help="profile (default: the policy's, else the one shipped for --backend)")
+        s.add_argument("--profile", metavar="FILE",
+                       help="profile (default: the policy's, else the one shipped for --backend)")
         s.add_argument("--policy", metavar="FILE", help="policy file (default: COLLTUNE_POLICY, else none)")
         s.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                        help="whose shipped profile to use without --profile (default gloo)")

@@ -213,14 +213,18 @@ def parse_minutes(text: str) -> float:
 
 
 class FitCommand:
-    """``colltune fit``: cross-validate and fit the learned model of a profile (registered in :data:`colltune.cli.COMMANDS`)."""
+    """``colltune fit``: cross-validate and fit the learned model of a profile.
+
+    Registered in :data:`colltune.cli.COMMANDS`.
+    """
 
     name = "fit"
     help = "fit the learned cost model on a profile; print cross-validated error and regret; store the model"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("profile", metavar="PROFILE", help="a measured profile (colltune profile)")
-        parser.add_argument("--out", "-o", metavar="FILE", help="where to write the fitted profile (default: PROFILE, in place)")
+        parser.add_argument("--out", "-o", metavar="FILE",
+                            help="where to write the fitted profile (default: PROFILE, in place)")
         parser.add_argument("--folds", type=parse_positive_int, default=5, metavar="K",
                             help="cross-validation folds over configurations (default 5; 1: leave one out)")
         parser.add_argument("--estimator", choices=("gbr", "rf", "ridge", "none"), default="gbr",
@@ -265,7 +269,8 @@ def run_active(args: argparse.Namespace) -> int:
         return 0
     grid, plan = _grid_from_args(args)
     out = args.out or os.path.join("profiles", f"{args.backend}-active.yaml")
-    res = active.run_live(out, args.world_size or [2, 4], grid, count=args.measurements, backend=args.backend, plan=plan,
-                   resume=args.resume, seed=args.seed, show=not args.no_progress, timeout=args.timeout)
+    res = active.run_live(out, args.world_size or [2, 4], grid, count=args.measurements, backend=args.backend,
+                          plan=plan, resume=args.resume, seed=args.seed, show=not args.no_progress,
+                          timeout=args.timeout)
     print(profile_summary(res), flush=True)
     return 0

@@ -27,7 +27,8 @@ class ReportCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
 
         parser.add_argument("profile", metavar="PROFILE", help="a profile (colltune profile / fit)")
-        parser.add_argument("--out", "-o", required=True, metavar="DIR", help="directory for the PNG files and summary.md")
+        parser.add_argument("--out", "-o", required=True, metavar="DIR",
+                            help="directory for the PNG files and summary.md")
         parser.add_argument("--n", type=parse_n, metavar="N", help="rows of the decision maps (default: the "
                             "largest measured n up to 2^20)")
         parser.add_argument("--overlap", type=parse_overlap, default=0.5, metavar="O",

@@ -40,7 +40,8 @@ class TuneCommand:
         parser.add_argument("--trials", type=parse_positive_int, default=30, metavar="N",
                             help="finished trials the study should hold (default 30); a resumed study runs the rest")
         parser.add_argument("--storage", default="colltune-tune.journal", metavar="FILE",
-                            help="Optuna journal file of the study (default colltune-tune.journal); run again to resume")
+                            help="Optuna journal file of the study (default colltune-tune.journal); "
+                                 "run again to resume")
         parser.add_argument("--out", "-o", default="tuned-policy.yaml", metavar="FILE",
                             help="the policy to write (default tuned-policy.yaml)")
         parser.add_argument("--algorithm", choices=("all", "allgather", "oktopk"), default="all",

@@ -311,8 +311,9 @@ class ActiveChooser:
 
     @staticmethod
     def noise_of(measured: Sequence[Measurement]) -> float:
-        """Return the log-time noise of a measured time: the median standard error of the medians recorded (at least 5%)."""
-        se = [1.2533 * m.spread_us / 1.349 / math.sqrt(max(1, m.repeats)) / m.time_us for m in measured if m.time_us > 0]
+        """Return the log-time noise of a measured time: the median standard error of the medians (at least 5%)."""
+        se = [1.2533 * m.spread_us / 1.349 / math.sqrt(max(1, m.repeats)) / m.time_us
+              for m in measured if m.time_us > 0]
         return max(NOISE_SIGMA, float(np.median(se))) if se else NOISE_SIGMA
 
     def _acquisition(self, main: Any, members: Sequence[Any], idx: Sequence[int], n_configs: int,
@@ -433,20 +434,10 @@ def _first_reach(curve: Sequence[tuple[int, float]], target: float, stay: bool) 
 
 
 def simulate(
-    profile: Profile,
-    *,
-    seeds: int = 5,
-    test_fraction: float = 0.25,
-    limit: int | None = None,
-    trials: int = 40,
-    ensemble: int = 4,
-    world_sizes: Sequence[int] | None = None,
-    progress: Callable[[str], None] | None = None,
-    model_kw: Mapping[str, Any] | None = None,
-    member_kw: Mapping[str, Any] | None = None,
-    truth: str = "measured",
-    noise: float = 0.1,
-    explore_every: int = 0,
+    profile: Profile, *, seeds: int = 5, test_fraction: float = 0.25, limit: int | None = None, trials: int = 40,
+    ensemble: int = 4, world_sizes: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
+    model_kw: Mapping[str, Any] | None = None, member_kw: Mapping[str, Any] | None = None, truth: str = "measured",
+    noise: float = 0.1, explore_every: int = 0,
 ) -> dict[str, Any]:
     """Replay the fixed grid, active profiling and random order against a profile's stored measurements.
 
@@ -485,12 +476,28 @@ def simulate(
         raise ProfilingError(f"truth must be 'measured' or 'model', but got {truth!r}.")
     cands = _simulation_candidates(profile, world_sizes)
     prims = dict(profile.primitives)
-    true_t = None
-    if truth == "model":
-        surface = _fit([m for c in cands for m in c.measured.values()], prims)
-        true_t = np.exp(_log_predictions(surface, [c.features for c in cands], _ALGS))
+    true_t = _true_times(cands, prims) if truth == "model" else None
     settings = {"test_fraction": test_fraction, "limit": limit, "trials": trials, "ensemble": ensemble,
                 "model_kw": dict(model_kw or {}), "member_kw": member_kw, "explore_every": explore_every}
+    runs = _simulate_seeds(cands, prims, true_t, seeds, noise, settings, progress)
+    return {"setup": {"configs": len(cands), "test_fraction": test_fraction, "seeds": seeds, "trials": trials,
+                      "ensemble": ensemble, "algorithms": list(_ALGS), "truth": truth, "explore_every": explore_every,
+                      "noise": noise if truth == "model" else None,
+                      "world_sizes": sorted({c.coords[0] for c in cands}),
+                      "measurements_per_config": len(_ALGS)},
+            "runs": runs, "summary": _summary(runs)}
+
+
+def _true_times(cands: list[Candidate], prims: Mapping[str, Any]) -> np.ndarray:
+    """Return the true time of every candidate and algorithm under ``truth="model"``: a model fitted on them all."""
+    surface = _fit([m for c in cands for m in c.measured.values()], prims)
+    return np.exp(_log_predictions(surface, [c.features for c in cands], _ALGS))
+
+
+def _simulate_seeds(cands: list[Candidate], prims: Mapping[str, Any], true_t: np.ndarray | None, seeds: int,
+                    noise: float, settings: Mapping[str, Any],
+                    progress: Callable[[str], None] | None) -> list[dict[str, Any]]:
+    """Replay every seed (on noisy draws of ``true_t`` when given); report a status line after each."""
     runs = []
     t_start = time.perf_counter()
     for seed in range(seeds):
@@ -499,12 +506,7 @@ def simulate(
         runs.append(run)
         if progress is not None:
             progress(_seed_line(run, time.perf_counter() - t_start))
-    return {"setup": {"configs": len(cands), "test_fraction": test_fraction, "seeds": seeds, "trials": trials,
-                      "ensemble": ensemble, "algorithms": list(_ALGS), "truth": truth, "explore_every": explore_every,
-                      "noise": noise if truth == "model" else None,
-                      "world_sizes": sorted({c.coords[0] for c in cands}),
-                      "measurements_per_config": len(_ALGS)},
-            "runs": runs, "summary": _summary(runs)}
+    return runs
 
 
 def _simulation_candidates(profile: Profile, world_sizes: Sequence[int] | None) -> list[Candidate]:
@@ -609,7 +611,7 @@ def _seed_line(run: Mapping[str, Any], elapsed_s: float) -> str:
 
 
 def _summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per strategy: the configurations needed to reach the grid's regret per seed, the ratio grid/strategy, its median."""
+    """Summarize each strategy: configurations to reach the grid's regret per seed, ratio grid/strategy, median."""
     out: dict[str, Any] = {}
     for kind in ("first", "stays"):
         for name in ("active", "random"):
@@ -728,8 +730,9 @@ def _summary_rows(sm: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> l
 # --------------------------------------------------------------------------- live
 
 
-def _active_rank(rank: int, world_size: int, candidates: Sequence[Candidate], count: int, primitives: Mapping[str, Primitive],
-                 measured0: Sequence[Measurement], done0: Sequence[str], algorithms: Sequence[str], plan: Any,
+def _active_rank(rank: int, world_size: int, candidates: Sequence[Candidate], count: int,
+                 primitives: Mapping[str, Primitive], measured0: Sequence[Measurement], done0: Sequence[str],
+                 algorithms: Sequence[str], plan: Any,
                  journal: str, header: Mapping[str, Any], seed: int, trials: int, backend: str,
                  show: bool) -> dict[str, Any] | None:
     """The rank function of live active profiling at one world size: rank 0 chooses, every rank measures."""
@@ -785,7 +788,9 @@ def _merge(previous: Sequence[Measurement], journal: Any) -> list[Measurement]:
 def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | None = None, backend: str = "gloo",
              plan: Any = None, resume: bool = False, seed: int = 0, trials: int = 40, show: bool = True,
              timeout: float = 6 * 3600.0) -> Any:
-    """Measure ``count`` configurations of ``grid`` chosen actively (split evenly over the world sizes); write the profile.
+    """Measure ``count`` configurations of ``grid`` chosen actively; write the profile.
+
+    The count is split evenly over the world sizes.
 
     The primitives are measured first (by :func:`colltune.offline.profiling.run_profile`,
     which also keeps the journal); every measurement is journaled at once, so

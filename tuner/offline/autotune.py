@@ -119,7 +119,10 @@ class TuneTarget:
 
 
 def suggest(trial: Any, mode: str, algorithms: Sequence[str], world_size: int) -> dict[str, Any]:
-    """Suggest one setting: ``{"algorithm": a, "knobs": {...}}`` (conditional on the algorithm when several are tuned)."""
+    """Suggest one setting: ``{"algorithm": a, "knobs": {...}}``.
+
+    The knobs are conditional on the algorithm when several are tuned.
+    """
     algs = list(algorithms)
     alg = algs[0] if len(algs) == 1 else trial.suggest_categorical("algorithm", algs)
     knobs: dict[str, Any] = {}
@@ -170,11 +173,10 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
     alg = setting["algorithm"]
     tuned, base = dict(setting["knobs"]), _defaults(w.mode, alg, world_size)
     if w.mode == "exact":
-        from colltune.offline.workloads import Workload as Inputs
-        from colltune.offline.workloads import k_for_density
+        from colltune.offline.workloads import Workload, k_for_density
 
-        inp = Inputs(w.n, k_for_density(w.n, w.density), world_size, w.overlap, dtype=getattr(torch, w.dtype),
-                     seed=w.seed)
+        inp = Workload(w.n, k_for_density(w.n, w.density), world_size, w.overlap, dtype=getattr(torch, w.dtype),
+                       seed=w.seed)
         idx, vals = inp.make(rank)
         idx, vals = idx.to(device), vals.to(device)
 
@@ -267,7 +269,10 @@ def _storage(path: str) -> Any:
 
 
 def _open_study(storage_path: str, w: TuneTarget, algorithms: Sequence[str], seed: int) -> Any:
-    """Create or load the study; fail trials a kill left running and queue their knobs again; queue the defaults first."""
+    """Create or load the study; queue the defaults first.
+
+    Trials a kill left running are failed and their knobs queued again.
+    """
     import optuna
     from optuna.trial import TrialState
 
@@ -356,7 +361,10 @@ def format_trials(study: Any, algorithms: Sequence[str]) -> str:
 
 
 def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profile: str | None = None) -> str:
-    """Return the policy YAML holding the best knobs of each algorithm tuned (validated by :mod:`colltune.model.policy`)."""
+    """Return the policy YAML holding the best knobs of each algorithm tuned.
+
+    The text is validated by :mod:`colltune.model.policy`.
+    """
     import yaml
 
     from colltune.model.policy import parse_policy

@@ -47,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
 
 import torch
@@ -363,7 +363,9 @@ def _run_rounds(
     done: Callable[[float], bool],
     burst: int = 1,
 ) -> dict[str, Any]:
-    """Run interleaved rounds (:func:`_one_round`) until ``plan.max_repeats``, or ``done(start)`` after ``plan.min_repeats``.
+    """Run interleaved rounds (:func:`_one_round`) until ``plan.max_repeats``.
+
+    After ``plan.min_repeats`` rounds, stop as soon as ``done(start)`` is true.
 
     ``record(local_times, start)`` is called after every round; ``start`` is
     the ``time.perf_counter()`` of the first round. Returns the last output of each call.
@@ -505,7 +507,8 @@ def _add_oracle(out: dict[str, Any], auto_ran: str | None, auto_why: str | None)
         "regret": t_auto / cs[best]["median_ms"],
         # The same for the algorithm auto picked, timed as a fixed contender (no selector overhead).
         "choice_regret": (cs[auto_ran]["median_ms"] / cs[best]["median_ms"]) if auto_ran in fixed else None,
-        "speedup": {a: cs[a]["median_ms"] / t_auto for a in (*fixed_algorithms(), "torch") if "median_ms" in cs.get(a, {})},
+        "speedup": {a: cs[a]["median_ms"] / t_auto
+                    for a in (*fixed_algorithms(), "torch") if "median_ms" in cs.get(a, {})},
     }
 
 
@@ -687,21 +690,8 @@ def run(
             configuration for the running world size.
         colltune.offline.launch.RankError: a rank failed.
     """
-    contenders = tuple(all_contenders() if contenders is None else contenders)
-    unknown = [c for c in contenders if c not in all_contenders()]
-    if unknown or not contenders:
-        raise ColltuneValueError(
-            f"contenders must be a non-empty subset of {', '.join(all_contenders())}, but got {list(contenders)!r}."
-        )
-    report: dict[str, Any] = {
-        "format": "colltune-bench/1",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": _environment(),
-        "plan": asdict(plan),
-        "contenders": list(contenders),
-        "configs": [],
-        "topk": [],
-    }
+    contenders = _checked_contenders(contenders)
+    report = _new_report(plan, contenders)
     sizes = _world_sizes(configs, topk_configs)
     tasks_all: list[tuple[str, Any, tuple[str, ...]]] = [("exact", c, contenders) for c in configs]
     tasks_all += [("topk", c, topk_contenders()) for c in topk_configs]
@@ -712,23 +702,44 @@ def run(
         tasks = [t for t in tasks_all if t[1].world_size == p]
         if not tasks:
             continue
+        prog = (done, total) if progress else None
         if launch.in_torchrun():
-            records = launch.run_here(
-                _bench_rank, tasks, contenders, plan, show, (done, total) if progress else None, None, profile
-            )
+            records = launch.run_here(_bench_rank, tasks, contenders, plan, show, prog, None, profile)
             if records is None:  # not rank 0: only rank 0 reports
                 return report
             _publish(report, records, started, on_partial)
         else:
-            _run_tolerant(
-                tasks, p, contenders, plan, show, (done, total) if progress else None, timeout,
-                lambda recs: _publish(report, recs, started, on_partial), profile,
-            )
+            _run_tolerant(tasks, p, contenders, plan, show, prog, timeout,
+                          lambda recs: _publish(report, recs, started, on_partial), profile)
         done += len(tasks)
     if "auto" in contenders:
         report["profile"] = profile
         report["auto_summary"] = auto_summary(report)
     return report
+
+
+def _checked_contenders(contenders: Sequence[str] | None) -> tuple[str, ...]:
+    """Return the contenders to run (default all); raise on an unknown one or none."""
+    contenders = tuple(all_contenders() if contenders is None else contenders)
+    unknown = [c for c in contenders if c not in all_contenders()]
+    if unknown or not contenders:
+        raise ColltuneValueError(
+            f"contenders must be a non-empty subset of {', '.join(all_contenders())}, but got {list(contenders)!r}."
+        )
+    return contenders
+
+
+def _new_report(plan: Plan, contenders: tuple[str, ...]) -> dict[str, Any]:
+    """Return an empty report: its format, the environment, the plan and the contenders."""
+    return {
+        "format": "colltune-bench/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": _environment(),
+        "plan": asdict(plan),
+        "contenders": list(contenders),
+        "configs": [],
+        "topk": [],
+    }
 
 
 def _world_sizes(configs: Sequence[BenchConfig], topk_configs: Sequence[TopkConfig]) -> list[int]:
@@ -783,53 +794,77 @@ def _run_tolerant(
     run in a fresh launch. Failures that name no contender (a crash, the
     deadline) are re-raised.
     """
-    records: list[dict[str, Any]] = []
-    errors: dict[int, dict[str, str]] = {}
-    pending = list(range(len(tasks)))
-    launches = 0
+    state = _Relaunches(tasks, keep, pending=list(range(len(tasks))))
     with tempfile.TemporaryDirectory(prefix="colltune-bench-") as tmp:
-        while pending:
-            launches += 1
-            journal = os.path.join(tmp, f"journal{launches}.jsonl")
-            run_tasks = [
-                (tasks[i][0], tasks[i][1], tuple(c for c in tasks[i][2] if c not in errors.get(i, {}))) for i in pending
-            ]
-            prog = None if progress is None else (progress[0] + len(tasks) - len(pending), progress[1])
+        while state.pending:
+            state.launches += 1
+            journal = os.path.join(tmp, f"journal{state.launches}.jsonl")
+            prog = None if progress is None else (progress[0] + len(tasks) - len(state.pending), progress[1])
             failure: launch.RankError | None = None
             try:
-                launch.run_local(_bench_rank, p, run_tasks, columns, plan, show, prog, journal, profile, timeout=timeout)
+                launch.run_local(_bench_rank, p, state.next_tasks(), columns, plan, show, prog, journal, profile,
+                                 timeout=timeout)
             except launch.RankError as exc:
                 failure = exc
-            finished = _read_journal(journal)
-            for j, rec in enumerate(finished):
-                i = pending[j]
-                for name, msg in errors.get(i, {}).items():
-                    rec["contenders"][name] = {"error": msg}
-            records.extend(finished)
-            keep(finished)
+            finished = state.collect(journal)
             if failure is None:
                 break
             note = _read_failure(journal, failure.rank)
-            if note is None or note["task"] != len(finished) or launches >= _MAX_RELAUNCHES:
+            if note is None or note["task"] != finished or state.launches >= _MAX_RELAUNCHES:
                 raise failure
-            i = pending[note["task"]]
-            errors.setdefault(i, {})[note["contender"]] = note["error"]
-            kind, cfg, _ = tasks[i]
-            print(
-                f"bench: {note['contender']} raised on {kind} config {cfg}: {note['error']}; "
-                "recorded, and the benchmark goes on without it for this config",
-                file=sys.stderr,
-                flush=True,
-            )
-            pending = pending[note["task"] :]
-            left = tuple(c for c in tasks[i][2] if c not in errors[i])
-            if not left:
-                # Nothing of this task can run: record it with its errors only.
-                stub = {"section": kind, **_stub(kind, cfg, p), "contenders": {n: {"error": m} for n, m in errors[i].items()}}
-                records.append(dict(stub))
-                keep([stub])
-                pending = pending[1:]
-    return records
+            state.drop(note, p)
+    return state.records
+
+
+@dataclass
+class _Relaunches:
+    """The tasks of one world size over successive launches, and the contenders that raised in each task."""
+
+    tasks: list[tuple[str, Any, tuple[str, ...]]]
+    keep: Callable[[list[dict[str, Any]]], None]
+    pending: list[int]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    errors: dict[int, dict[str, str]] = field(default_factory=dict)
+    launches: int = 0
+
+    def next_tasks(self) -> list[tuple[str, Any, tuple[str, ...]]]:
+        """Return the pending tasks, each without the contenders that raised in it."""
+        out = []
+        for i in self.pending:
+            kind, cfg, contenders = self.tasks[i]
+            out.append((kind, cfg, tuple(c for c in contenders if c not in self.errors.get(i, {}))))
+        return out
+
+    def collect(self, journal: str) -> int:
+        """Keep the records a launch finished, with the errors of their dropped contenders; return how many."""
+        finished = _read_journal(journal)
+        for j, rec in enumerate(finished):
+            for name, msg in self.errors.get(self.pending[j], {}).items():
+                rec["contenders"][name] = {"error": msg}
+        self.records.extend(finished)
+        self.keep(finished)
+        return len(finished)
+
+    def drop(self, note: Mapping[str, Any], p: int) -> None:
+        """Record the contender a failure note names and go on from its task (past it when nothing of it is left)."""
+        i = self.pending[note["task"]]
+        self.errors.setdefault(i, {})[note["contender"]] = note["error"]
+        kind, cfg, _ = self.tasks[i]
+        print(
+            f"bench: {note['contender']} raised on {kind} config {cfg}: {note['error']}; "
+            "recorded, and the benchmark goes on without it for this config",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.pending = self.pending[note["task"] :]
+        left = tuple(c for c in self.tasks[i][2] if c not in self.errors[i])
+        if not left:
+            # Nothing of this task can run: record it with its errors only.
+            errors = {n: {"error": m} for n, m in self.errors[i].items()}
+            stub = {"section": kind, **_stub(kind, cfg, p), "contenders": errors}
+            self.records.append(dict(stub))
+            self.keep([stub])
+            self.pending = self.pending[1:]
 
 
 def _stub(kind: str, cfg: Any, p: int) -> dict[str, Any]:
@@ -865,9 +900,6 @@ def _read_failure(journal: str, first_rank: int | None) -> dict[str, Any] | None
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-# --------------------------------------------------------------------------- targets
 
 
 # --------------------------------------------------------------------------- formatting

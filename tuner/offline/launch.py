@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
+from colltune.model.files import atomic_path
 
 __all__ = ["RankError", "run_local", "run_here", "in_torchrun", "torchrun_rank"]
 
@@ -150,10 +151,8 @@ def rank_path(workdir: str, rank: int, what: str) -> str:
 
 def write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file, so that readers never see half a file."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
-    os.replace(tmp, path)
 
 
 #: How often a local rank checks that the process that launched it is still there, in seconds.
@@ -200,7 +199,7 @@ def setup_rank(
     pg_timeout: float = PG_TIMEOUT_S,
     parent_pid: int | None = None,
 ) -> None:
-    """Common start of every local rank: one thread, stack dumps on SIGUSR1, the process group (FileStore in ``workdir``).
+    """Start a local rank: one thread, stack dumps on SIGUSR1, the process group (FileStore in ``workdir``).
 
     With ``parent_pid`` (the launcher's pid), the rank also exits when that process is gone.
     """
@@ -218,7 +217,8 @@ def setup_rank(
         _KEEP_OPEN.append(stacks)  # faulthandler writes to its descriptor until the process ends
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=pg_timeout))
     # Wait until every rank has finished connecting: a rank that returned
     # (and closed its sockets) while another was still building its mesh
     # would make that one fail with a misleading "connection closed by peer".

@@ -287,7 +287,10 @@ class TimingPlan:
 
     @classmethod
     def for_grid(cls, name: str) -> "TimingPlan":
-        """Return the plan of a built-in grid: ``quick`` 3 to 9 rounds in 0.4 s to 8%, ``full`` 5 to 41 in 1.5 s to 4%."""
+        """Return the plan of a built-in grid.
+
+        ``quick``: 3 to 9 rounds in 0.4 s to 8%; ``full``: 5 to 41 in 1.5 s to 4%.
+        """
         return cls(1, 3, 9, 0.4, 0.08) if name == "quick" else cls()
 
     def bench_plan(self) -> Any:
@@ -305,7 +308,8 @@ def _median_rel_se(ts: Sequence[float]) -> float:
     return 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(ts)) / med if med > 0 else math.inf
 
 
-def timed_rounds(calls: Mapping[str, Callable[[], Any]], plan: TimingPlan) -> tuple[dict[str, list[float]], dict[str, Any]]:
+def timed_rounds(calls: Mapping[str, Callable[[], Any]],
+                 plan: TimingPlan) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Time interleaved rounds until every median is precise enough (collective: every rank calls it).
 
     Each round runs every call once, in an order rotated each round, each
@@ -574,7 +578,8 @@ PRIMITIVE_SIZES: tuple[int, ...] = (64, 4096, 65536, 1 << 20, 4 << 20)
 PRIMITIVE_SIZES_QUICK: tuple[int, ...] = (64, 16384, 1 << 20)
 
 
-def _primitive_calls(world_size: int, nbytes: int, device: Any) -> dict[str, tuple[Callable[[], Any], dict[str, float]]]:
+def _primitive_calls(world_size: int, nbytes: int,
+                     device: Any) -> dict[str, tuple[Callable[[], Any], dict[str, float]]]:
     """Return, per primitive, a timed call and its ``{calls, steps, bytes}`` under the cost model's schedules."""
     import torch
     import torch.distributed as dist
@@ -769,7 +774,8 @@ def _profile_rank(rank: int, world_size: int, todo: Sequence[ProfileConfig], alg
 # --------------------------------------------------------------------------- fitting
 
 
-def fit_primitives(samples: Iterable[Mapping[str, Any]], prior: Mapping[str, Primitive] | None = None) -> dict[str, Primitive]:
+def fit_primitives(samples: Iterable[Mapping[str, Any]],
+                   prior: Mapping[str, Primitive] | None = None) -> dict[str, Primitive]:
     """Fit ``launch + steps * alpha + bytes * beta`` per primitive to timed samples.
 
     Non-negative least squares of the relative error. With samples from one
@@ -809,7 +815,10 @@ def fit_primitives(samples: Iterable[Mapping[str, Any]], prior: Mapping[str, Pri
 
 
 def fit_model(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive] | None = None) -> Any:
-    """Return a :class:`~colltune.model.cost_model.LearnedCostModel` fitted on ``measurements``, ``primitives`` its prior."""
+    """Return a :class:`~colltune.model.cost_model.LearnedCostModel` fitted on ``measurements``.
+
+    ``primitives`` are its prior.
+    """
     from colltune.model.cost_model import LearnedCostModel
 
     prior = None if primitives is None else {k: p.to_dict() for k, p in primitives.items()}
@@ -892,13 +901,16 @@ def check_output_path(path: str, option: str = "--out") -> None:
 
 
 def _previous_profile(out: str, backend: str) -> tuple[list[Measurement], dict[str, Primitive] | None, list[int]]:
-    """Return the measurements, primitives and primitive-timed world sizes of an existing profile at ``out`` (``--resume``)."""
+    """Return what an existing profile at ``out`` holds, for ``--resume``.
+
+    That is its measurements, primitives and the world sizes its primitives were timed at.
+    """
     if not os.path.exists(out):
         return [], None, []
     prof = load_profile(out)  # a corrupt file is an error: it would be overwritten
     if prof.meta.get("backend") != backend:
-        raise ProfilingError(f"{out}: the existing profile is of backend {prof.meta.get('backend')!r}, not {backend!r}; "
-                             "pass another --out or --backend.")
+        raise ProfilingError(f"{out}: the existing profile is of backend {prof.meta.get('backend')!r}, "
+                             f"not {backend!r}; pass another --out or --backend.")
     timed = [int(p) for p in prof.meta.get("primitives_timed_at") or []]
     return list(prof.measurements), dict(prof.primitives), timed
 
@@ -910,24 +922,42 @@ def measurement_key(m: Measurement) -> str:
     return ProfileConfig(m.world_size, m.numel, m.k_max, int(s), m.dtype, m.row_numel).key
 
 
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+@dataclass(frozen=True)
+class _RunOptions:
+    """The keyword options of :func:`run_profile` (documented there), checked when built."""
+
+    backend: str = "gloo"
+    plan: TimingPlan = field(default_factory=TimingPlan)
+    algorithms: Sequence[str] = ALGORITHMS
+    budget_s: float | None = None
+    resume: bool = False
+    progress: bool = True
+    primitive_sizes: Sequence[int] = PRIMITIVE_SIZES
+    timeout: float = 6 * 3600.0
+    order: Callable[[list[ProfileConfig]], list[ProfileConfig]] | None = None
+    notes: str = ""
+    log: Callable[[str], None] = _print_line
+    statistic: str = "median"
+    keep_journal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.statistic not in STATISTICS:
+            raise ProfilingError(f"--statistic must be one of {', '.join(STATISTICS)}, but got {self.statistic!r}.")
+        for a in self.algorithms:
+            if a not in ALGORITHMS:
+                raise ProfilingError(f"algorithms must be among {', '.join(ALGORITHMS)}, but got {a!r}.")
+
+
 def run_profile(
-    out: str,
-    world_sizes: Sequence[int],
-    grid: Grid,
-    *,
-    backend: str = "gloo",
-    plan: TimingPlan | None = None,
-    algorithms: Sequence[str] = ALGORITHMS,
-    budget_s: float | None = None,
-    resume: bool = False,
-    progress: bool = True,
-    primitive_sizes: Sequence[int] = PRIMITIVE_SIZES,
-    timeout: float = 6 * 3600.0,
-    order: Callable[[list[ProfileConfig]], list[ProfileConfig]] | None = None,
-    notes: str = "",
-    log: Callable[[str], None] | None = None,
-    statistic: str = "median",
-    keep_journal: bool = False,
+    out: str, world_sizes: Sequence[int], grid: Grid, *, backend: str = "gloo", plan: TimingPlan | None = None,
+    algorithms: Sequence[str] = ALGORITHMS, budget_s: float | None = None, resume: bool = False, progress: bool = True,
+    primitive_sizes: Sequence[int] = PRIMITIVE_SIZES, timeout: float = 6 * 3600.0,
+    order: Callable[[list[ProfileConfig]], list[ProfileConfig]] | None = None, notes: str = "",
+    log: Callable[[str], None] | None = None, statistic: str = "median", keep_journal: bool = False,
 ) -> ProfileResult | None:
     """Measure ``grid`` at each world size, fit the model and write the profile to ``out``.
 
@@ -961,51 +991,62 @@ def run_profile(
         The result on rank 0 (or without ``torchrun``); ``None`` on other ranks.
 
     Raises:
-        ProfilingError: a journal exists without ``resume``, or is unusable;
-            ``out`` cannot be written.
+        ProfilingError: an unknown statistic or algorithm; a journal exists
+            without ``resume``, or is unusable; ``out`` cannot be written.
         colltune.offline.launch.RankError: a rank failed (what was measured stays in the journal).
     """
+    options = _RunOptions(backend=backend, plan=plan or TimingPlan(), algorithms=algorithms, budget_s=budget_s,
+                             resume=resume, progress=progress, primitive_sizes=primitive_sizes, timeout=timeout,
+                             order=order, notes=notes, log=log or _print_line, statistic=statistic,
+                             keep_journal=keep_journal)
+    return _run_profile(out, world_sizes, grid, options)
 
+
+def _run_profile(out: str, world_sizes: Sequence[int], grid: Grid, options: _RunOptions) -> ProfileResult | None:
+    """Measure, fit and write as :func:`run_profile` does, with its keyword options in ``options``."""
     started = time.monotonic()
-    plan = plan or TimingPlan()
-    say = log or (lambda s: print(s, flush=True))
-    if statistic not in STATISTICS:
-        raise ProfilingError(f"--statistic must be one of {', '.join(STATISTICS)}, but got {statistic!r}.")
-    for a in algorithms:
-        if a not in ALGORITHMS:
-            raise ProfilingError(f"algorithms must be among {', '.join(ALGORITHMS)}, but got {a!r}.")
     world_sizes, is_root = _run_world_sizes(world_sizes)
     jpath = journal_path(out)
-    header = {"backend": backend, "grid": grid.as_dict(), "algorithms": list(algorithms),
+    header = {"backend": options.backend, "grid": grid.as_dict(), "algorithms": list(options.algorithms),
               "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
-    run = _RunState.open(out, jpath, header, backend, resume, is_root)
+    run = _RunState.open(out, jpath, header, options.backend, options.resume, is_root)
     per_p = {p: grid.configs(p) for p in world_sizes}
     total = sum(len(v) for v in per_p.values())
     resumed = sum(1 for v in per_p.values() for c in v if c.key in run.done_keys)
-    if is_root and resume:
-        say(f"resuming: {resumed} of {total} configurations already measured"
-            + (f" ({len(run.previous)} measurements from {out})" if run.previous else "")
-            + f"; {total - resumed} to go")
-    deadline = None if budget_s is None else time.time() + budget_s
-    launches = _Launches(grid, run, algorithms, plan, primitive_sizes, jpath, header, deadline, backend, timeout,
-                         order, (resumed, total) if progress else None)
+    if is_root and options.resume:
+        options.log(f"resuming: {resumed} of {total} configurations already measured"
+                    + (f" ({len(run.previous)} measurements from {out})" if run.previous else "")
+                    + f"; {total - resumed} to go")
+    deadline = None if options.budget_s is None else time.time() + options.budget_s
+    launches = _Launches(grid, run, options, jpath, header, deadline, (resumed, total) if options.progress else None)
     measured, stopped = launches.run(world_sizes, per_p, is_root)
     if not is_root:
         return None
-    journal = Journal(jpath, header)  # re-read: the ranks appended to it
-    missing = total - sum(1 for v in per_p.values() for c in v if c.key in journal.configs or c.key in run.done_keys)
-    note = notes or ("" if missing == 0 else f"partial: {missing} of {total} configurations not measured yet")
-    profile = _profile_of_run(journal, run, world_sizes, grid, backend, note, statistic)
-    save_profile(profile, out)
-    if missing == 0 and not keep_journal:
-        try:
-            os.remove(jpath)
-        except OSError:
-            pass
+    profile, missing = _write_profile(out, Journal(jpath, header), run, per_p, grid, options)
     return ProfileResult(profile=profile, path=out, configs_total=total, configs_resumed=resumed,
                          configs_measured=measured, complete=missing == 0 and not stopped,
                          elapsed_s=time.monotonic() - started, journal="" if missing == 0 else jpath,
                          world_sizes=sorted({m.world_size for m in profile.measurements} | set(world_sizes)))
+
+
+def _write_profile(out: str, journal: Journal, run: _RunState, per_p: dict[int, list[ProfileConfig]], grid: Grid,
+                   options: _RunOptions) -> tuple[Profile, int]:
+    """Write the profile of a run to ``out``; return it and how many configurations it lacks.
+
+    ``journal`` is read after the ranks appended to it. The journal file is
+    removed once nothing is missing, unless ``options.keep_journal``.
+    """
+    total = sum(len(v) for v in per_p.values())
+    missing = total - sum(1 for v in per_p.values() for c in v if c.key in journal.configs or c.key in run.done_keys)
+    note = options.notes or ("" if missing == 0 else f"partial: {missing} of {total} configurations not measured yet")
+    profile = _profile_of_run(journal, run, sorted(per_p), grid, options.backend, note, options.statistic)
+    save_profile(profile, out)
+    if missing == 0 and not options.keep_journal:
+        try:
+            os.remove(journal.path)
+        except OSError:
+            pass
+    return profile, missing
 
 
 @dataclass
@@ -1014,15 +1055,10 @@ class _Launches:
 
     grid: Grid
     state: "_RunState"
-    algorithms: Sequence[str]
-    plan: TimingPlan
-    primitive_sizes: Sequence[int]
+    options: _RunOptions
     jpath: str
     header: dict[str, Any]
     deadline: float | None
-    backend: str
-    timeout: float
-    order: Callable[[list[ProfileConfig]], list[ProfileConfig]] | None
     progress: tuple[int, int] | None
 
     def run(self, world_sizes: list[int], per_p: dict[int, list[ProfileConfig]], is_root: bool) -> tuple[int, bool]:
@@ -1031,31 +1067,41 @@ class _Launches:
 
         measured = 0
         for p in world_sizes:
-            todo = [c for c in per_p[p] if c.key not in self.state.done_keys]
-            if self.order is not None:
-                todo = self.order(todo)
-            else:
-                random.Random(self.grid.seed * 7919 + p).shuffle(todo)
-            need_prims = p not in self.state.done_prims and self.primitive_sizes
+            todo = self._todo(p, per_p[p])
+            need_prims = p not in self.state.done_prims and self.options.primitive_sizes
             if not launch.in_torchrun():  # under torchrun every rank must enter the launch: rank 0 decides inside
                 if not todo and not need_prims:
                     continue
                 if self.deadline is not None and time.time() >= self.deadline:
                     return measured, True
-            progress = None if self.progress is None else (self.progress[0] + measured, self.progress[1])
-            args = (todo, tuple(self.algorithms), self.plan, tuple(self.primitive_sizes) if need_prims else None,
-                    self.jpath, self.header, self.deadline, progress, self.backend,
-                    None if launch.in_torchrun() else os.getpid())
-            if launch.in_torchrun():
-                got = launch.run_here(_profile_rank, *args, backend=self.backend)
-            else:
-                got = launch.run_local(_profile_rank, p, *args, backend=self.backend, timeout=self.timeout)[0]
+            got = self._launch(p, todo, bool(need_prims), measured)
             if not is_root:
                 return measured, False
             measured += got["measured"]
             if got["stopped"]:
                 return measured, True
         return measured, False
+
+    def _todo(self, p: int, configs: list[ProfileConfig]) -> list[ProfileConfig]:
+        """Return the configurations of world size ``p`` not done yet, in the order to measure them."""
+        todo = [c for c in configs if c.key not in self.state.done_keys]
+        if self.options.order is not None:
+            return self.options.order(todo)
+        random.Random(self.grid.seed * 7919 + p).shuffle(todo)
+        return todo
+
+    def _launch(self, p: int, todo: list[ProfileConfig], need_prims: bool, measured: int) -> Any:
+        """Run :func:`_profile_rank` on ``p`` ranks (or the running ones); return rank 0's tally."""
+        from colltune.offline import launch
+
+        o = self.options
+        progress = None if self.progress is None else (self.progress[0] + measured, self.progress[1])
+        args = (todo, tuple(o.algorithms), o.plan, tuple(o.primitive_sizes) if need_prims else None,
+                self.jpath, self.header, self.deadline, progress, o.backend,
+                None if launch.in_torchrun() else os.getpid())
+        if launch.in_torchrun():
+            return launch.run_here(_profile_rank, *args, backend=o.backend)
+        return launch.run_local(_profile_rank, p, *args, backend=o.backend, timeout=o.timeout)[0]
 
 
 def _run_world_sizes(world_sizes: Sequence[int]) -> tuple[list[int], bool]:
@@ -1192,8 +1238,8 @@ def format_fit_report(report: Mapping[str, Any]) -> str:
     """Return the cross-validation report of :func:`fit_profile` as text."""
     cv, an = report["cv"], report["cv_analytic"]
     lines = [
-        f"cross-validation: {cv['n_measurements']} measurements, {cv['n_groups']} configurations, {cv['n_folds']} folds "
-        "(each fold's configurations held out of the fit)",
+        f"cross-validation: {cv['n_measurements']} measurements, {cv['n_groups']} configurations, "
+        f"{cv['n_folds']} folds (each fold's configurations held out of the fit)",
         "",
         f"{'algorithm':<10} {'n':>5} {'median rel. error':>18} {'p90 rel. error':>15} {'alpha-beta only':>16}",
     ]

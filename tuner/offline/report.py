@@ -57,7 +57,10 @@ def model_of(profile: Profile) -> tuple[Any, str]:
 
 
 def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
-    """Return predicted times (us), shape ``(len(feats), 3)`` in :data:`_ALGS` order (inf for an algorithm never fitted)."""
+    """Return predicted times (us), shape ``(len(feats), 3)`` in :data:`_ALGS` order.
+
+    An algorithm never fitted is predicted ``inf``.
+    """
     from colltune.model.cost_model import AnalyticModel
 
     if isinstance(model, AnalyticModel):
@@ -183,7 +186,8 @@ def _cv_summary(ms: Sequence[Any], pred: np.ndarray, every: np.ndarray, folds: i
         return None
     per: dict[str, Any] = {}
     for a in _ALGS:
-        err = [abs(pred[i] - m.time_us) / m.time_us for i, m in enumerate(ms) if m.algorithm == a and np.isfinite(pred[i])]
+        err = [abs(pred[i] - m.time_us) / m.time_us
+               for i, m in enumerate(ms) if m.algorithm == a and np.isfinite(pred[i])]
         if err:
             per[a] = {"n": len(err), "median_rel_error": float(np.median(err)),
                       "p90_rel_error": float(np.percentile(err, 90))}
@@ -381,7 +385,8 @@ def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mappi
             lines.append(f"| {a} | {v['n']} | {100 * v['median_rel_error']:.1f}% | {100 * v['p90_rel_error']:.1f}% |")
         lines += ["", f"Selection regret on held-out configurations (time of the chosen algorithm over the fastest "
                       f"measured): geometric mean **{r['geomean']:.3f}**, p95 {r['p95']:.3f}, max {r['max']:.3f}; "
-                      f"the fastest was chosen in {100 * r['optimal_fraction']:.0f}% of {r['n_configs']} configurations."]
+                      f"the fastest was chosen in {100 * r['optimal_fraction']:.0f}% of {r['n_configs']} "
+                      "configurations."]
     cands = candidates_from_profile(profile, [a for a in _ALGS if any(m.algorithm == a for m in profile.measurements)]
                                     or _ALGS)
     if cands:

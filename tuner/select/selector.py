@@ -607,11 +607,12 @@ class Selector:
         indices: Any,
         sketches: Sequence[Any] | None = None,
     ) -> Choice:
-        """Return the algorithm of one exact sparse allreduce; collective only when the overlap is both unknown and decisive.
+        """Return the algorithm of one exact sparse allreduce.
 
         Called by every rank after the metadata exchange, with the same
         ``site_key``, ``counts`` and shared arguments; ``indices`` are this
-        rank's coalesced indices (used only by the overlap estimate).
+        rank's coalesced indices (used only by the overlap estimate). It runs
+        a collective only when the overlap is both unknown and decisive.
 
         Args:
             site_key: the call site (see the module docstring); every rank the same.
@@ -890,13 +891,14 @@ class Selector:
             rule = f"rule {decision.rule_index}" + (f" {decision.rule_name!r}" if decision.rule_name else "")
             reason += f"; {decision.reason} says auto"
         ov_note = "" if overlap is None else f"; overlap {overlap:.2f} ({source})"
-        return Choice(chosen, reason + ov_note, src, _knobs_for(decision, chosen), dict(pred), rule,  # type: ignore[arg-type]
-                      None if term is None else term[0], overlap, source, False, feats[chosen],
-                      _state_knobs_for(decision, chosen))
+        return Choice(chosen, reason + ov_note, src,  # type: ignore[arg-type]
+                      _knobs_for(decision, chosen), dict(pred), rule, None if term is None else term[0], overlap,
+                      source, False, feats[chosen], _state_knobs_for(decision, chosen))
 
     def _log(self, kind: str, name: str | None, site_key: tuple, choice: Choice, rank: int) -> None:
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s %s %s -> %s (%s)", kind, name or "-", _site_label(site_key), choice.algorithm, choice.reason)
+            logger.debug("%s %s %s -> %s (%s)", kind, name or "-", _site_label(site_key), choice.algorithm,
+                         choice.reason)
         if self.overrides.log_file is None:
             return
         path = self._log_file_cache.get(rank)
@@ -928,7 +930,8 @@ class Selector:
         elif decision.algorithm != AUTO:
             choice = self._from_policy(decision, f.overlap, "given")
         elif model is None:
-            choice = Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}", "default")
+            why = f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}"
+            choice = Choice(SAFE_DEFAULT, why, "default")
         else:
             choice = self._from_model(model, {a: f for a in candidates()}, decision, site, f.overlap, "given")
         rows = []
@@ -1166,8 +1169,8 @@ def selector_for(policy: Any) -> Selector:
         key = ("path", os.path.abspath(os.fspath(policy)))
     else:
         raise ColltuneTypeError(
-            f"policy must be a colltune.model.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
-            f"but got {type(policy).__name__}."
+            "policy must be a colltune.model.policy.Policy, a path to a policy YAML file, a colltune.Selector "
+            f"or None, but got {type(policy).__name__}."
         )
     sel = _by_policy.get(key)
     if sel is None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from colltune import algorithms as _algorithms
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
 from colltune.algorithms.state import TopkState
-from colltune.model.policy import AUTO, DEFAULT_POLICY, Decision, Overrides, Policy, load_policy, policy_from_env
+from colltune.model.policy import AUTO, Decision, Overrides, Policy, policy_from_env
 
 __all__ = ["TensorStats"]
 
@@ -77,26 +77,24 @@ def _check_choice(label: str, value: Any, allowed: tuple[str, ...]) -> str:
 def _resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
     """Return ``(policy, overrides, what to pass as policy= to the front door)``.
 
-    ``None`` means what ``auto`` calls use anyway: the process-wide selector's
-    policy when the selector exists, else ``COLLTUNE_POLICY`` or no rules.
+    The process-wide selector resolves the policy, as it does for ``auto``
+    calls: ``None`` means its policy (:func:`colltune.configure`, else
+    ``COLLTUNE_POLICY`` or no rules).
+
+    Raises:
+        ColltuneTypeError: ``policy`` is of none of the accepted types.
+        PolicyError: the environment or the policy file is invalid.
     """
-    try:
-        from colltune.select import selector as _selector
-    except ImportError:  # an older tree without the selector: read the policy ourselves
-        _selector = None  # type: ignore[assignment]
-    if _selector is not None and (policy is None or isinstance(policy, (Policy, str, os.PathLike, _selector.Selector))):
-        sel = _selector.selector_for(policy)
+    # Imported on first use, as the front door does: building a hook or a synchronizer loads no selector.
+    from colltune.select import selector
+
+    if policy is None or isinstance(policy, (Policy, str, os.PathLike, selector.Selector)):
+        sel = selector.selector_for(policy)
         return sel.policy, sel.overrides, policy
-    env_policy, overrides = policy_from_env()
-    if policy is None:
-        return env_policy or DEFAULT_POLICY, overrides, None
-    if isinstance(policy, Policy):
-        return env_policy or policy, overrides, policy
-    if isinstance(policy, (str, os.PathLike)):
-        return env_policy or load_policy(policy), overrides, policy
+    policy_from_env()  # an invalid environment is reported first, as for a policy of an accepted type
     raise ColltuneTypeError(
-        f"policy must be a colltune.model.policy.Policy, a path to a policy YAML file, a colltune.Selector or None, "
-        f"but got {type(policy).__name__}."
+        "policy must be a colltune.model.policy.Policy, a path to a policy YAML file, a colltune.Selector "
+        f"or None, but got {type(policy).__name__}."
     )
 
 

@@ -153,7 +153,9 @@ class ColltuneHookState:
         self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 1)
         self.algorithm = _check_choice("algorithm", algorithm, _topk_algorithms())
         if model is not None and not isinstance(model, nn.Module):
-            raise ColltuneTypeError(f"model must be a torch.nn.Module (or DDP model) or None, but got {type(model).__name__}.")
+            raise ColltuneTypeError(
+                f"model must be a torch.nn.Module (or DDP model) or None, but got {type(model).__name__}."
+            )
         self.topk_options = dict(topk_options or {})
         TopkState(density=self.density, **self.topk_options)  # validate the options now, not in the hook
         self.policy = policy
@@ -186,11 +188,13 @@ class ColltuneHookState:
 
     # -- policy
     def _routing(self) -> tuple[Policy, Overrides, Any]:
+        """Return the policy, the overrides and the front door's ``policy=`` argument, resolved on first use."""
         if self._policy is None:
             self._policy, self._overrides, self._policy_arg = _resolve_policy(self.policy)
         return self._policy, self._overrides, self._policy_arg  # type: ignore[return-value]
 
     def _name(self, p: torch.Tensor, bucket_index: int, position: int) -> str:
+        """Return the parameter's name in the model, or one made of its bucket, position and shape."""
         name = self._names.get(id(p))
         if name is not None:
             return name
@@ -265,6 +269,7 @@ class ColltuneHookState:
 
 
 def _bucket_routes(state: ColltuneHookState, params: list[torch.Tensor], idx: int) -> list[tuple[str, _Route]]:
+    """Return the name and route of every parameter of bucket ``idx``, in the bucket's order."""
     policy, overrides, _ = state._routing()
     p = _world_size(state.process_group)
     out = []

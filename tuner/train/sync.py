@@ -68,14 +68,14 @@ logger = logging.getLogger(__name__)
 
 DenseMode = Literal["allreduce", "topk", "skip"]
 
-
-
-
 _DENSE_MODES: tuple[str, ...] = ("allreduce", "topk", "skip")
 
 
 def sparse_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Return the parameters of ``model`` whose gradients are sparse (``Embedding``/``EmbeddingBag`` with ``sparse=True``)."""
+    """Return the parameters of ``model`` whose gradients are sparse.
+
+    They are the weights of ``nn.Embedding`` and ``nn.EmbeddingBag`` modules built with ``sparse=True``.
+    """
     out: dict[str, nn.Parameter] = {}
     for mname, module in model.named_modules():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
@@ -105,7 +105,35 @@ def _coalesce_rows(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor,
     return uniq, out
 
 
+def _gradient_rows(name: str, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the row indices and value rows of a parameter's gradient, for a sparse allreduce.
+
+    A missing gradient gives no rows; a dense one (e.g. an embedding with
+    ``sparse=False``) gives its nonzero rows.
+
+    Raises:
+        ColltuneValueError: the gradient is sparse over more than its first dimension.
+    """
+    grad = param.grad
+    if grad is None:
+        row_shape = tuple(param.shape[1:])
+        return (torch.empty(0, dtype=torch.int64, device=param.device),
+                torch.empty((0, *row_shape), dtype=param.dtype, device=param.device))
+    if grad.is_sparse:
+        if grad.sparse_dim() != 1:
+            raise ColltuneValueError(
+                f"the sparse gradient of {name} has {grad.sparse_dim()} sparse dimensions, but colltune "
+                "reduces COO tensors over the first dimension only (as nn.Embedding produces)."
+            )
+        if grad.is_coalesced():
+            return grad.indices()[0], grad.values()
+        return _coalesce_rows(grad._indices()[0], grad._values())
+    rows = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().view(-1)
+    return rows, grad.index_select(0, rows)
+
+
 def _ddp_owned(model: nn.Module) -> set[int]:
+    """Return the ids of the parameters inside a ``DistributedDataParallel`` submodule (DDP reduces them)."""
     owned: set[int] = set()
     for module in model.modules():
         if isinstance(module, nn.parallel.DistributedDataParallel):
@@ -250,7 +278,8 @@ class SparseGradSync:
                 min_compress_numel=self.min_compress_numel,
             )
             if route.route == "topk" and not compressing:
-                route = _Route("dense", "dense", reason=f"warm-up ({self.step} of {self.start_compression_iter} dense steps)")
+                warm_up = f"warm-up ({self.step} of {self.start_compression_iter} dense steps)"
+                route = _Route("dense", "dense", reason=warm_up)
             routes[name] = route
         self.decisions = {
             n: {"route": r.route, "algorithm": r.algorithm, "reason": r.reason, "policy_digest": policy.digest}
@@ -262,6 +291,7 @@ class SparseGradSync:
         return routes
 
     def _plan(self) -> dict[str, _Route]:
+        """Return the routes of this step, checked to be the same on every rank once per change of routes."""
         routes = self._compute_routes()
         if not self._routes_checked:
             _check_same_plan([[n, r.plan()] for n, r in routes.items()], self.group, "SparseGradSync")
@@ -302,24 +332,9 @@ class SparseGradSync:
         self._synced = True
 
     def _sync_sparse(self, name: str, param: nn.Parameter, route: _Route) -> int:
+        """Average one sparse gradient through :func:`colltune.sparse_allreduce`; return the bytes this rank sent."""
         grad = param.grad
-        row_shape = tuple(param.shape[1:])
-        if grad is None:
-            idx = torch.empty(0, dtype=torch.int64, device=param.device)
-            vals = torch.empty((0, *row_shape), dtype=param.dtype, device=param.device)
-        elif grad.is_sparse:
-            if grad.sparse_dim() != 1:
-                raise ColltuneValueError(
-                    f"the sparse gradient of {name} has {grad.sparse_dim()} sparse dimensions, but colltune "
-                    "reduces COO tensors over the first dimension only (as nn.Embedding produces)."
-                )
-            if grad.is_coalesced():
-                idx, vals = grad.indices()[0], grad.values()
-            else:
-                idx, vals = _coalesce_rows(grad._indices()[0], grad._values())
-        else:  # a dense gradient on an embedding (e.g. sparse switched off): send its nonzero rows
-            rows = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().view(-1)
-            idx, vals = rows, grad.index_select(0, rows)
+        idx, vals = _gradient_rows(name, param)
         res: Any = _api.sparse_allreduce(
             idx,
             vals,
@@ -342,6 +357,7 @@ class SparseGradSync:
         return nbytes
 
     def _sync_topk(self, name: str, param: nn.Parameter, route: _Route) -> int:
+        """Average one dense gradient through :func:`colltune.topk_allreduce`; return the bytes this rank sent."""
         grad = param.grad
         if grad is None:
             grad = param.grad = torch.zeros_like(param)
@@ -349,7 +365,8 @@ class SparseGradSync:
             grad = param.grad = grad.to_dense()
         st = self.topk_states.get(name)
         if st is None or (st.residual is not None and st.residual.numel() != grad.numel()):
-            st = self.topk_states[name] = _new_topk_state(self.density, {**self.topk_options, **dict(route.state_knobs)})
+            knobs = {**self.topk_options, **dict(route.state_knobs)}
+            st = self.topk_states[name] = _new_topk_state(self.density, knobs)
         res: Any = _api.topk_allreduce(
             grad,
             st,
@@ -366,13 +383,15 @@ class SparseGradSync:
         return nbytes
 
     def _sync_dense(self, items: list[tuple[str, nn.Parameter]], p: int) -> int:
+        """Average the dense gradients in buckets of one allreduce each; return the bytes this rank sent."""
         if not items or p == 1:
             for name, _ in items:
                 self.stats.setdefault(name, TensorStats("dense", "dense", "allreduce")).record("dense", 0)
             return 0
-        total = 0
-        # Buckets of one dtype and device, about bucket_cap_mb each; one flag per parameter
-        # rides along, so a gradient that is None on every rank stays None everywhere.
+        return sum(self._reduce_dense_bucket(bucket, p) for bucket in self._dense_buckets(items))
+
+    def _dense_buckets(self, items: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
+        """Group consecutive parameters of one dtype and device into buckets of about ``bucket_cap_mb``."""
         cap = int(self.bucket_cap_mb * 2**20)
         buckets: list[list[tuple[str, nn.Parameter]]] = []
         size = 0
@@ -380,40 +399,47 @@ class SparseGradSync:
             param = item[1]
             nbytes = param.numel() * param.element_size()
             last = buckets[-1] if buckets else None
-            if last is None or size + nbytes > cap or last[0][1].dtype != param.dtype or last[0][1].device != param.device:
+            if (last is None or size + nbytes > cap or last[0][1].dtype != param.dtype
+                    or last[0][1].device != param.device):
                 buckets.append([item])
                 size = nbytes
             else:
                 last.append(item)
                 size += nbytes
-        for bucket in buckets:
-            ref = bucket[0][1]
-            numel = sum(param.numel() for _, param in bucket)
-            flat = torch.zeros(numel + len(bucket), dtype=ref.dtype, device=ref.device)
-            pos = 0
-            for i, (_, param) in enumerate(bucket):
-                g = param.grad
-                if g is not None:
-                    flat[pos : pos + param.numel()] = (g.to_dense() if g.is_sparse else g).reshape(-1)
-                    flat[numel + i] = 1
-                pos += param.numel()
-            dist.all_reduce(flat, group=self.group)
-            flat[:numel].div_(p)
-            nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
-            total += nbytes
-            pos = 0
-            for i, (name, param) in enumerate(bucket):
-                n = param.numel()
-                if flat[numel + i] > 0:
-                    view = flat[pos : pos + n].view_as(param)
-                    if param.grad is None or param.grad.is_sparse:
-                        param.grad = view.clone()
-                    else:
-                        param.grad.copy_(view)
-                pos += n
-                share = nbytes * n // max(1, numel)
-                self.stats.setdefault(name, TensorStats("dense", "dense", "allreduce")).record("dense", share)
-        return total
+        return buckets
+
+    def _reduce_dense_bucket(self, bucket: list[tuple[str, nn.Parameter]], p: int) -> int:
+        """Average one bucket's gradients in one allreduce and put them back; return the bytes this rank sent.
+
+        One flag per parameter rides along, so a gradient that is ``None``
+        on every rank stays ``None`` everywhere.
+        """
+        ref = bucket[0][1]
+        numel = sum(param.numel() for _, param in bucket)
+        flat = torch.zeros(numel + len(bucket), dtype=ref.dtype, device=ref.device)
+        pos = 0
+        for i, (_, param) in enumerate(bucket):
+            g = param.grad
+            if g is not None:
+                flat[pos : pos + param.numel()] = (g.to_dense() if g.is_sparse else g).reshape(-1)
+                flat[numel + i] = 1
+            pos += param.numel()
+        dist.all_reduce(flat, group=self.group)
+        flat[:numel].div_(p)
+        nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
+        pos = 0
+        for i, (name, param) in enumerate(bucket):
+            n = param.numel()
+            if flat[numel + i] > 0:
+                view = flat[pos : pos + n].view_as(param)
+                if param.grad is None or param.grad.is_sparse:
+                    param.grad = view.clone()
+                else:
+                    param.grad.copy_(view)
+            pos += n
+            share = nbytes * n // max(1, numel)
+            self.stats.setdefault(name, TensorStats("dense", "dense", "allreduce")).record("dense", share)
+        return nbytes
 
     # -- turning it on
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
