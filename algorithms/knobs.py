@@ -2,7 +2,8 @@
 
 An algorithm declares its knobs as a tuple of :class:`Knob` in
 :attr:`~colltune.algorithms.base.Algorithm.knob_specs`; everything else reads
-them from there: the call's knob check (:meth:`Knob.check`), policy
+them from there: the call's knob check (:meth:`Knob.check_type`,
+:meth:`Knob.check_range`), policy
 validation, the tuner's search space (:attr:`Knob.search`, :attr:`Knob.tune`),
 ``colltune explain`` and the README's knob table.
 
@@ -82,16 +83,6 @@ class Knob:
         op = ">" if self.exclusive else ">="
         bound = int(self.minimum) if self.kind == "int" else self.minimum
         return f"{noun} {op} {bound}"
-
-    def check(self, value: Any, algorithm: str) -> Any:
-        """Return ``value`` if the knob accepts it, else raise an error naming the knob and ``algorithm``.
-
-        Raises:
-            ColltuneTypeError: the value has the wrong type (a ``bool`` for a number counts as wrong).
-            ColltuneValueError: not one of the choices, or below the minimum.
-        """
-        self.check_type(value, algorithm)
-        return self.check_range(value, algorithm)
 
     def check_type(self, value: Any, algorithm: str) -> Any:
         """Return ``value`` if its type fits the knob's kind, else raise :class:`ColltuneTypeError`."""

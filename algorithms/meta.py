@@ -78,6 +78,8 @@ FIELDS: tuple[str, ...] = (
     "payload",
     "error_arg",
 )
+#: Bytes of the record's fields (int64 each), before the eager slot.
+HEADER_BYTES = 8 * len(FIELDS)
 _SHAPE_DIMS = 4
 #: Fields every rank must agree on, with how to say them in an error.
 SHARED_FIELDS: tuple[str, ...] = (
@@ -254,7 +256,7 @@ def exchange(
             raise local_error
         return [dict(record, magic=_MAGIC, version=_VERSION, error=0)], None
     host, local_error = _pack_or_error(record, local_error, slot, slot_bytes(comm))
-    hbytes = 8 * len(FIELDS)
+    hbytes = HEADER_BYTES
     row = torch.from_numpy(host).to(comm.device)
     with comm.meta():
         table = comm.all_gather(row).view(comm.world_size, row.numel())
@@ -339,7 +341,7 @@ def _check_shared(records: list[dict[str, int]]) -> None:
 
 
 def _pack(record: dict[str, int], local_error: BaseException | None, slot: object, cap: int) -> np.ndarray:
-    """Return this rank's record and eager slot as one host buffer of ``8 * len(FIELDS) + cap`` bytes.
+    """Return this rank's record and eager slot as one host buffer of ``HEADER_BYTES + cap`` bytes.
 
     One buffer (one small copy to the device): on tiny inputs a call's time
     is its number of operations. Raises ``OverflowError`` for a field outside
@@ -349,7 +351,7 @@ def _pack(record: dict[str, int], local_error: BaseException | None, slot: objec
     full = dict(record, magic=_MAGIC, version=_VERSION, error=_ERROR_CODES[kind])
     if local_error is not None:
         full["error_arg"] = name_code(getattr(local_error, "argument", None) or "unknown")
-    hbytes = 8 * len(FIELDS)
+    hbytes = HEADER_BYTES
     host = np.zeros(hbytes + cap, dtype=np.uint8)
     host[:hbytes] = np.array([int(full.get(f, -1)) for f in FIELDS], dtype=np.int64).view(np.uint8)
     if slot is not None:

@@ -36,6 +36,7 @@ BUILTIN_NAMES: tuple[str, ...] = tuple(m.rsplit(".", 1)[1] for m in BUILTIN_MODU
 RESERVED: tuple[str, ...] = ("auto",)
 
 _registry: dict[str, "Algorithm"] = {}
+_names: tuple[str, ...] = ()  # the registry's names in the order names() returns, kept by _reorder()
 _lock = threading.RLock()
 _loaded = False
 _loading = False
@@ -57,6 +58,14 @@ def _load_builtins() -> None:
         finally:
             _loading = False
         _loaded = True
+
+
+def _reorder() -> None:
+    """Recompute the names' order: built-ins in their fixed order whichever was imported first, then the rest."""
+    global _names
+    order = list(_registry)
+    rank = {m: i for i, m in enumerate(BUILTIN_MODULES)}
+    _names = tuple(sorted(order, key=lambda n: (rank.get(type(_registry[n]).__module__, len(rank)), order.index(n))))
 
 
 def register(algorithm: A) -> A:
@@ -92,6 +101,7 @@ def register(algorithm: A) -> A:
                 argument="algorithm",
             )
         _registry[name] = instance
+        _reorder()
     return algorithm
 
 
@@ -99,16 +109,13 @@ def unregister(name: str) -> None:
     """Remove the algorithm registered as ``name`` (a no-op for unknown names)."""
     with _lock:
         _registry.pop(name, None)
+        _reorder()
 
 
 def names() -> tuple[str, ...]:
     """Return the names of the registered algorithms, built-ins first, in registration order."""
     _load_builtins()
-    with _lock:
-        order = list(_registry)
-        rank = {m: i for i, m in enumerate(BUILTIN_MODULES)}
-        # Built-ins in their fixed order whichever module was imported first.
-        return tuple(sorted(order, key=lambda n: (rank.get(type(_registry[n]).__module__, len(rank)), order.index(n))))
+    return _names
 
 
 def get(name: str) -> "Algorithm":

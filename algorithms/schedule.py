@@ -21,10 +21,6 @@ from typing import Any
 
 __all__ = ["Step", "Pricing"]
 
-#: Bytes of one metadata record field (int64).
-FIELD_BYTES = 8
-
-
 @dataclass(frozen=True)
 class Step:
     """One priced term of an algorithm's schedule.
@@ -68,7 +64,6 @@ class Pricing:
 
     def __init__(self, features: Any, record_bytes: float, *, record_known: bool = False) -> None:
         f = features
-        self.features = f
         self.p = int(f.world_size)
         self.n = float(f.numel)
         self.e = float(f.entry_bytes)

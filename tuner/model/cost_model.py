@@ -71,7 +71,7 @@ from sklearn.base import BaseEstimator, clone
 
 from colltune.algorithms import registry
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
-from colltune.algorithms.schedule import FIELD_BYTES, Pricing, Step
+from colltune.algorithms.schedule import Pricing, Step
 from colltune.model.features import Features
 from colltune.model.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
 
@@ -263,7 +263,7 @@ class AnalyticModel:
         if record is None:
             from colltune.algorithms import meta
 
-            record = FIELD_BYTES * len(meta.FIELDS) + meta.eager_capacity(features.world_size)
+            record = meta.HEADER_BYTES + meta.eager_capacity(features.world_size)
         pricing = Pricing(features, record, record_known=self.metadata_bytes is not None)
         out: dict[str, list[Step]] = {}
         for name in registry.names():

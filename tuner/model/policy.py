@@ -140,7 +140,6 @@ __all__ = [
     "knob_table",
     "SUPPORTED_VERSIONS",
     "DEFAULT_POLICY",
-    "KnobSpec",
     "PolicyError",
     "Rule",
     "Decision",
@@ -237,10 +236,6 @@ class PolicyError(ColltuneValueError):
 
 
 # --------------------------------------------------------------------------- knobs
-
-
-#: The spec of one knob: kind, bounds, choices, help (declared by its algorithm).
-KnobSpec = Knob
 
 
 def knob_table() -> dict[str, dict[str, Knob]]:
@@ -829,7 +824,7 @@ class _Parser:
             out[name] = self.knob_value(specs[name], vnode, f"{key}.{name}")
         return out
 
-    def knob_value(self, spec: KnobSpec, node: Node, key: str) -> Any:
+    def knob_value(self, spec: Knob, node: Node, key: str) -> Any:
         allowed = "allowed: " + spec.describe()
         if spec.kind == "choice":
             choice = self.string(node, key, allowed)
