@@ -11,7 +11,8 @@ module             contract
                    world size, dtype, row width); overlap estimation
 ``profile``        the profile file: primitives, measurements, fitted model
 ``cost_model``     the analytic model (the algorithms' schedules priced on a
-                   profile's primitives) and the learned model (scikit-learn)
+                   profile's primitives) and the learned model (fitted with
+                   scikit-learn, evaluated with NumPy)
 ``policy``         YAML policy files: rules that pin algorithms and knobs
 ``files``          atomic writes of every file colltune writes
 ``yamlsafe``       bounded safe YAML loading

@@ -1,12 +1,14 @@
 """Predict the time of each sparse allreduce algorithm: an analytic prior and a learned model.
 
-Two models, both pure (NumPy and scikit-learn; no process group):
+Two models, both pure (no process group). Predicting, and loading a stored
+model, take NumPy only; fitting a learned model imports scikit-learn and SciPy.
 
 * :class:`AnalyticModel` counts the messages and bytes of each algorithm's
   schedule and prices every primitive call with the alpha-beta constants of a
   profile (``launch + steps * alpha + bytes * beta``). :meth:`AnalyticModel.terms`
   breaks a prediction into named terms, so the selector can say which one decided.
-* :class:`LearnedCostModel` is a scikit-learn estimator fitted on measured
+* :class:`LearnedCostModel` follows the scikit-learn estimator conventions
+  (``get_params``, ``set_params``, ``clone``) and is fitted on measured
   profiles. It first recalibrates the alpha-beta constants on the measurements
   (a non-negative least-squares fit of relative error, with one constant
   overhead per algorithm), then learns, per algorithm, a regressor of the
@@ -62,12 +64,12 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
 
 import numpy as np
-from sklearn.base import BaseEstimator, clone
 
 from colltune.algorithms import registry
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
@@ -572,8 +574,8 @@ def _training_rows(X: Any, y: Any, algorithms: Any) -> tuple[list[Features], lis
     return feats, algs, times
 
 
-class LearnedCostModel(BaseEstimator):
-    """Per-algorithm time predictor fitted on measurements (a scikit-learn estimator).
+class LearnedCostModel:
+    """Per-algorithm time predictor fitted on measurements (a scikit-learn style estimator).
 
     Fitting has two stages. (1) Calibration: the alpha-beta constants of the
     :class:`AnalyticModel` (15 of them, see :data:`PARAM_NAMES`) and one
@@ -584,6 +586,11 @@ class LearnedCostModel(BaseEstimator):
     :func:`feature_vector` computed with the calibrated model. Prediction is
     ``calibrated * exp(correction)``. Everything is deterministic for a fixed
     ``random_state``.
+
+    The model keeps scikit-learn's estimator contract (``get_params``,
+    ``set_params``, ``sklearn.base.clone``) without deriving from its base
+    class, so that a model loaded with :meth:`from_dict` predicts with NumPy
+    alone: only :meth:`fit` imports scikit-learn and SciPy.
 
     Args:
         estimator: the correction regressor: ``"gbr"`` (gradient boosting),
@@ -640,6 +647,38 @@ class LearnedCostModel(BaseEstimator):
         self.calibrate = calibrate
         self.primitives = primitives
         self.random_state = random_state
+
+    # -- parameters (the scikit-learn estimator contract) ---------------------
+
+    @classmethod
+    def _get_param_names(cls) -> list[str]:
+        """Return the constructor's parameter names, sorted (as scikit-learn lists them)."""
+        sig = inspect.signature(cls.__init__)
+        return sorted(p.name for p in sig.parameters.values() if p.name != "self" and p.kind != p.VAR_KEYWORD)
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """Return the constructor's parameters by name (``deep`` is accepted for scikit-learn; none nest)."""
+        return {name: getattr(self, name) for name in self._get_param_names()}
+
+    def set_params(self, **params: Any) -> "LearnedCostModel":
+        """Set constructor parameters by name; return ``self``.
+
+        Raises:
+            ColltuneValueError: a name that is not a parameter of the constructor.
+        """
+        valid = self._get_param_names()
+        for name, value in params.items():
+            if name not in valid:
+                raise ColltuneValueError(
+                    f"Invalid parameter {name!r} for LearnedCostModel; valid parameters are {valid}."
+                )
+            setattr(self, name, value)
+        return self
+
+    def __repr__(self) -> str:
+        defaults = {p.name: p.default for p in inspect.signature(type(self).__init__).parameters.values()}
+        shown = [f"{k}={v!r}" for k, v in self.get_params(deep=False).items() if v != defaults.get(k)]
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     # -- fitting -------------------------------------------------------------
 
@@ -756,9 +795,15 @@ class LearnedCostModel(BaseEstimator):
     # -- prediction ----------------------------------------------------------
 
     def _check_fitted(self) -> None:
-        from sklearn.utils.validation import check_is_fitted
-
-        check_is_fitted(self, ("algorithms_", "residual_"))
+        if hasattr(self, "algorithms_") and hasattr(self, "residual_"):
+            return
+        msg = (f"This {type(self).__name__} instance is not fitted yet. Call 'fit' with appropriate "
+               "arguments, or load a fitted model with 'from_dict', before using this estimator.")
+        try:
+            from sklearn.exceptions import NotFittedError
+        except ImportError:  # scikit-learn is needed to fit, not to predict
+            raise ColltuneValueError(msg) from None
+        raise NotFittedError(msg)
 
     @property
     def analytic_(self) -> AnalyticModel:
@@ -776,7 +821,8 @@ class LearnedCostModel(BaseEstimator):
             Column ``j`` holds the prediction for ``algorithms_[j]``.
 
         Raises:
-            sklearn.exceptions.NotFittedError: before :meth:`fit`.
+            sklearn.exceptions.NotFittedError: before :meth:`fit` (``ColltuneValueError``
+                where scikit-learn is not installed; both are ``ValueError``).
         """
         self._check_fitted()
         feats = list(X)
@@ -994,6 +1040,7 @@ def cross_validate(
     Raises:
         ColltuneValueError: fewer than two groups, or mismatched ``groups``.
     """
+    from sklearn.base import clone
     from sklearn.model_selection import GroupKFold, LeaveOneGroupOut
 
     ms = _measurements_of(measurements)

@@ -111,7 +111,7 @@ from colltune.model.policy import (
 )
 from colltune.model.profile import Profile, ProfileError, load_profile
 
-if TYPE_CHECKING:  # the cost models pull in scikit-learn: imported when a profile is first used
+if TYPE_CHECKING:  # the cost models are imported when a profile is first used
     from colltune.model.cost_model import AnalyticModel, LearnedCostModel
 
 __all__ = [
