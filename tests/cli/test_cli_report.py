@@ -17,14 +17,14 @@ from colltune.model.profile import Measurement, profile_from_measurements, save_
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def synthetic_profile(path, world_sizes=(2, 4), seed=0):
+def synthetic_profile(path, world_sizes=(2, 4), seed=0, ns=(2**12, 2**16, 2**20), densities=(1e-4, 1e-3, 1e-2, 1e-1)):
     """Write a profile whose times are the alpha-beta model's, times a little noise (no ranks needed)."""
     rng = random.Random(seed)
     model = AnalyticModel(DEFAULT_PRIMITIVES)
     ms = []
     for p in world_sizes:
-        for n in (2**12, 2**16, 2**20):
-            for density in (1e-4, 1e-3, 1e-2, 1e-1):
+        for n in ns:
+            for density in densities:
                 k = max(1, round(density * n))
                 for overlap in (0.0, 0.5, 1.0):
                     s = min(k, round(overlap * k))
@@ -85,3 +85,77 @@ def test_report_of_an_analytic_profile(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path / "a.yaml"), "--out", str(tmp_path / "r")]) == 0
     assert (tmp_path / "r" / "decision-density-world.png").read_bytes()[:8] == PNG_SIGNATURE
     assert "alpha-beta" in (tmp_path / "r" / "summary.md").read_text()
+
+
+NAMES = ("decision-density-world.png", "decision-density-overlap.png", "predicted-vs-measured.png")
+
+
+def _drawn_tick_labels(ax):
+    """Return the tick labels ``ax`` draws: visible, not empty, at a tick inside the view."""
+    out = []
+    for axis, coord in ((ax.xaxis, 0), (ax.yaxis, 1)):
+        lo, hi = sorted(axis.get_view_interval())
+        slack = 1e-9 * max(1.0, abs(lo), abs(hi))
+        out += [t for t in axis.get_ticklabels(which="both")
+                if t.get_visible() and t.get_text() and lo - slack <= t.get_position()[coord] <= hi + slack]
+    return out
+
+
+def layout_problems(fig):
+    """Return what a reader would see clipped or overprinted: texts outside the figure, labels that overlap."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ticks = [t for ax in fig.axes for t in _drawn_tick_labels(ax)]
+    tick_ids = {id(t) for t in ticks}
+    all_ticks = {id(t) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis) for t in axis.get_ticklabels(which="both")}
+    texts = [t for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text() and (id(t) in tick_ids or id(t) not in all_ticks)]
+    frame = fig.bbox.padded(1)
+    problems = [f"outside the figure: {t.get_text()!r}" for t in texts
+                if not frame.contains(*t.get_window_extent(renderer).p0)
+                or not frame.contains(*t.get_window_extent(renderer).p1)]
+    titles = [t for t in (fig._suptitle, *(a.title for a in fig.axes), *(a.xaxis.label for a in fig.axes),
+                          *(a.yaxis.label for a in fig.axes)) if t is not None and t.get_text()]
+    labels = ticks + titles
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    for i in range(len(labels)):
+        for j in range(i + 1, len(labels)):
+            if boxes[i].overlaps(boxes[j]):
+                problems.append(f"overlap: {labels[i].get_text()!r} and {labels[j].get_text()!r}")
+    return problems
+
+
+@pytest.mark.parametrize(
+    ("world_sizes", "ns", "densities"),
+    [
+        ((2,), (2**14, 2**16, 2**18), (1e-3, 1e-2, 1e-1)),  # the quick grid at one P: times within a decade
+        ((2,), (2**12, 2**16, 2**20), (1e-4, 1e-2, 1e-1)),
+        ((2, 4, 8, 16, 32), (2**12, 2**20), (1e-3, 1e-1)),  # two rows of panels
+    ],
+)
+def test_report_figures_clip_nothing_and_overprint_no_label(world_sizes, ns, densities, tmp_path, monkeypatch):
+    from colltune.offline import report
+
+    path = synthetic_profile(tmp_path / "p.yaml", world_sizes=world_sizes, ns=ns, densities=densities)
+    seen = {}
+    save = report._save
+
+    def checked(fig, out):
+        seen[os.path.basename(out)] = layout_problems(fig)
+        save(fig, out)
+
+    monkeypatch.setattr(report, "_save", checked)
+    report.write_report(str(path), str(tmp_path / "r"), folds=3)
+    assert seen == {name: [] for name in NAMES}
+
+
+def test_log_ticks_are_round_and_few():
+    from colltune.offline.report import _log_ticks
+
+    for lo, hi in [(0.5, 1.2), (5, 40), (1.2, 18), (0.7, 6), (1, 1000), (1e-3, 1e6), (2.0, 3.2)]:
+        ticks = _log_ticks(lo, hi)
+        assert 1 <= len(ticks) <= 6 and all(lo <= t <= hi for t in ticks), (lo, hi, ticks)
+        assert all(float(f"{t:.2g}") == t for t in ticks), ticks
+    assert _log_ticks(5, 40) == [5, 7, 10, 15, 20, 30] and _log_ticks(1, 1000) == [1, 10, 100, 1000]

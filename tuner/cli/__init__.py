@@ -9,7 +9,12 @@ Subcommands are small classes registered in one table (:data:`COMMANDS`);
 2     bad usage: an unknown option, a bad option value, an
       unwritable output path (a one-line message, no traceback)
 130   interrupted
+141   standard output closed early (``colltune explain --json | head -1``):
+      the rest of the output is dropped, without a message, as a
+      shell tool stopped by ``SIGPIPE`` would end (128 + 13)
 ====  ==========================================================
+
+``colltune --version`` prints ``colltune <version>``.
 
 One module per subcommand (:mod:`colltune.cli.bench`, ``profile`` (with
 ``fit``), ``tune``, ``explain``, ``report``, ``demo``), each with its input
@@ -21,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
+import colltune
 from colltune.algorithms.errors import ColltuneError
 from colltune.cli.bench import BenchCommand
 from colltune.cli.common import Command, UsageError
@@ -33,15 +40,9 @@ from colltune.cli.profile import FitCommand, ProfileCommand
 from colltune.cli.report import ReportCommand
 from colltune.cli.tune import TuneCommand
 
-__all__ = ["main", "Command", "COMMANDS", "UsageError"]
+__all__ = ["main", "Command", "COMMANDS", "EXIT_BROKEN_PIPE", "UsageError"]
 
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- option parsing
-
-
-# --------------------------------------------------------------------------- bench
 
 
 #: Every subcommand, in the order ``colltune --help`` lists them.
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Autotuned sparse gradient collectives on torch.distributed.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"colltune {colltune.__version__}")
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -80,8 +82,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status when standard output is closed early: 128 + SIGPIPE, as a shell reports it.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``colltune`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    """Run ``colltune`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    A reader that closes standard output early (``colltune explain --json |
+    head -1``) ends the run quietly with status 141.
+    """
+    try:
+        status = _dispatch(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+    return status
+
+
+def _discard_stdout() -> None:
+    """Point standard output at ``os.devnull``, so the interpreter's last flush of it cannot fail again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a stream with no descriptor
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
+    """Parse ``argv``, run the chosen command and turn its errors into exit statuses."""
     from colltune.offline.launch import RankError
 
     parser = build_parser()
@@ -90,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    except SystemExit as exc:  # --help
+    except SystemExit as exc:  # --help, --version
         return int(exc.code or 0)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -110,4 +142,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"colltune {args.command}: interrupted", file=sys.stderr)
         return 130
-

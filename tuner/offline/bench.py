@@ -4,8 +4,10 @@ For every configuration (rows ``n``, density, overlap, world size ``P``) every
 rank builds its input from a shared seed (:class:`~colltune.offline.workloads.Workload`:
 ``k = round(density * n)`` entries per rank, a controlled index overlap), then
 
-1. **warms up** each contender and checks its result against the reference
-   (PyTorch's, when it runs): the same indices, values within 1e-4;
+1. **warms up** each contender and checks its result against the exact
+   sum: the float64 sum of every rank's input, rebuilt from the seed; the
+   indices must be the same, and each value within :func:`tolerance` of its
+   dtype (``P`` eps, relative to the sum of the magnitudes of its terms);
 2. **repeats** rounds in which every contender runs once, in an order rotated
    each round (so drift and noise from other processes spread evenly), with a
    barrier before each timed call (with :attr:`Plan.burst` > 1, before each
@@ -60,6 +62,9 @@ from colltune.offline import launch
 from colltune.offline.workloads import Workload, k_for_density
 
 __all__ = [
+    "agreement",
+    "format_agreement",
+    "tolerance",
     "all_contenders",
     "fixed_algorithms",
     "topk_contenders",
@@ -278,14 +283,46 @@ def _as_pair(name: str, out: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return out.indices, out.values
 
 
-def _mismatch(ref: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor]) -> float:
-    """Return the max relative error of ``got`` against ``ref``; inf if the indices differ."""
-    if ref[0].shape != got[0].shape or not torch.equal(ref[0], got[0]):
+def tolerance(dtype: str, world_size: int) -> float:
+    """Return the largest error a correct sum of ``world_size`` values of ``dtype`` may show: ``P`` eps.
+
+    The error is measured against the exact sum and relative to the sum of
+    the magnitudes of the terms (:func:`_rel_error`). Summing ``P`` terms in
+    any order with rounding to nearest errs by at most ``P - 1`` unit
+    roundoffs (eps / 2) of that sum, so ``P`` eps is more than twice the
+    worst a correct algorithm can do, and far below the error of a wrong one
+    (a term lost or counted twice errs by about that term). For float32 at
+    P = 2 that is 2.4e-7, for bfloat16 1.6e-2.
+    """
+    return max(1, world_size) * torch.finfo(_DTYPES[dtype]).eps
+
+
+def _exact_reference(w: Workload) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return the exact sum of every rank's input: sorted unique indices, float64 sums and sums of magnitudes.
+
+    Every rank rebuilds the other ranks' inputs from the workload's seed, so
+    the reference depends on no collective. Inputs of a narrower dtype are
+    exact in float64, and so, to within float64 rounding, are their sums.
+    """
+    parts = [w.make(r) for r in range(w.world_size)]
+    idx = torch.cat([i for i, _ in parts])
+    vals = torch.cat([v for _, v in parts]).double()
+    uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+    shape = (uniq.numel(), *vals.shape[1:])
+    total = torch.zeros(shape, dtype=torch.float64).index_add_(0, inverse, vals)
+    magnitude = torch.zeros(shape, dtype=torch.float64).index_add_(0, inverse, vals.abs())
+    return uniq, total, magnitude
+
+
+def _rel_error(ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Return the largest ``|got - exact| / sum(|terms|)`` over the entries; inf if the indices differ or a value is NaN."""
+    idx, total, magnitude = ref
+    if idx.shape != got[0].shape or not torch.equal(idx, got[0]):
         return math.inf
-    if ref[1].numel() == 0:
+    if total.numel() == 0:
         return 0.0
-    a, b = ref[1].double(), got[1].double().reshape(ref[1].shape)
-    return float(((a - b).abs() / (1.0 + a.abs())).max())
+    err = (got[1].double().reshape(total.shape) - total).abs() / magnitude.clamp_min(torch.finfo(torch.float64).tiny)
+    return float(torch.nan_to_num(err, nan=math.inf).max())
 
 
 def _stats(times_s: Sequence[float]) -> dict[str, Any]:
@@ -409,7 +446,8 @@ def _bench_one(
     idx, vals = w.make(rank)
     calls = {name: guard.wrap(name, _make_call(name, idx, vals, cfg.n)) for name in contenders}
     gc.collect()
-    ref_name, errors = _warm_up_and_check(calls, contenders, plan, vals, cfg)
+    errors = _warm_up_and_check(calls, contenders, plan, w, vals, cfg)
+    tol = tolerance(cfg.dtype, world_size)
     times, last = _timed_rounds(calls, plan)
     rounds = len(times[contenders[0]])
     flat = _reduce_max([t for name in contenders for t in times[name]])
@@ -429,7 +467,8 @@ def _bench_one(
         "dtype": cfg.dtype,
         "seed": cfg.seed,
         "repeats": rounds,
-        "reference": ref_name,
+        "reference": "float64",
+        "tolerance": tol,
         "contenders": {},
     }
     for j, name in enumerate(contenders):
@@ -438,6 +477,7 @@ def _bench_one(
         if name == "torch":
             entry["bytes_estimated"] = True
         entry["max_rel_err"] = errors[j]
+        entry["agrees"] = errors[j] <= tol
         out["contenders"][name] = entry
     if "torch" in out["contenders"]:
         t_ms = out["contenders"]["torch"]["median_ms"]  # errors are added by the parent, later
@@ -448,15 +488,15 @@ def _bench_one(
     return out
 
 
-def _warm_up_and_check(calls: dict[str, Callable[[], Any]], contenders: Sequence[str], plan: Plan,
-                       vals: torch.Tensor, cfg: BenchConfig) -> tuple[str, list[float]]:
-    """Warm up, interleaved too; return the reference's name and every contender's largest error against it.
+def _warm_up_and_check(calls: dict[str, Callable[[], Any]], contenders: Sequence[str], plan: Plan, w: Workload,
+                       vals: torch.Tensor, cfg: BenchConfig) -> list[float]:
+    """Warm up, interleaved too; return every contender's largest error (max over ranks) against the exact sum.
 
-    The reference is ``torch`` when it runs, else ``dense``, else the first
-    contender. A contender that changes its input values is an error.
+    The reference is :func:`_exact_reference`: the float64 sum of every
+    rank's input, built from the workload. A contender that changes its
+    input values is an error.
     """
     vals_before = vals.clone()
-    ref_name = "torch" if "torch" in calls else ("dense" if "dense" in calls else contenders[0])
     outputs: dict[str, Any] = {}
     for i in range(plan.warmup):
         shift = i % len(contenders)
@@ -465,11 +505,11 @@ def _warm_up_and_check(calls: dict[str, Callable[[], Any]], contenders: Sequence
             outputs[name] = calls[name]()
     if not outputs:
         outputs = {name: calls[name]() for name in contenders}
-    ref = _as_pair(ref_name, outputs[ref_name])
-    errors = _reduce_max([_mismatch(ref, _as_pair(name, outputs[name])) for name in contenders])
+    ref = _exact_reference(w)
+    errors = _reduce_max([_rel_error(ref, _as_pair(name, outputs[name])) for name in contenders])
     if not torch.equal(vals, vals_before):
         raise RuntimeError(f"a contender modified its input values in place (config {cfg}).")
-    return ref_name, errors
+    return errors
 
 
 def _contender_traffic(last: Mapping[str, Any], contenders: Sequence[str], cfg: BenchConfig, w: Workload,
@@ -523,10 +563,16 @@ def _progress(total: int, initial: int, desc: str) -> Any:
 def _emit(line: str, bar: Any, stream: TextIO | None) -> None:
     if stream is None:
         return
-    if bar is not None and not bar.disable:
-        bar.write(line, file=stream)
-    else:
-        print(line, file=stream, flush=True)
+    try:
+        if bar is not None and not bar.disable:
+            bar.write(line, file=stream)
+        else:
+            print(line, file=stream, flush=True)
+    except BrokenPipeError:
+        # The reader left (``colltune bench | head -3``): the benchmark goes on and still writes its report.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def _bench_rank(
@@ -715,6 +761,7 @@ def run(
     if "auto" in contenders:
         report["profile"] = profile
         report["auto_summary"] = auto_summary(report)
+    report["agreement"] = agreement(report)
     return report
 
 
@@ -943,7 +990,7 @@ def format_row(rec: dict[str, Any], contenders: Sequence[str] | None = None) -> 
         if c is None or "median_ms" not in c:
             cells += f"{'failed' if c else '-':>18}"
             continue
-        flag = "!" if c.get("max_rel_err", 0.0) > 1e-4 else ""
+        flag = "!" if c.get("agrees") is False else ""
         cells += f"{c['median_ms']:>10.2f} ±{c['iqr_ms']:<5.2f}{flag:1}"
     speed = ""
     if "torch" in contenders:
@@ -974,6 +1021,46 @@ def format_topk(rec: dict[str, Any]) -> str:
             f"meta words max {c['meta_words_per_rank_max']:.0f}"
         )
     return "\n".join(parts)
+
+
+def agreement(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Count, per dtype, the results that agree with the exact reference within :func:`tolerance`.
+
+    Returns:
+        ``{dtype: {"eps", "results", "agree", "worst", "disagree"}}``: the
+        dtype's machine epsilon, the results checked, those within tolerance,
+        the largest error as a fraction of its tolerance, and one
+        ``{"config", "contender", "error", "tolerance"}`` per disagreeing result.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for c in report.get("configs", []):
+        tol = c.get("tolerance")
+        for name, e in c["contenders"].items():
+            if tol is None or "max_rel_err" not in e:
+                continue  # failed, or a report from before the exact reference
+            d = out.setdefault(c["dtype"], {"eps": torch.finfo(_DTYPES[c["dtype"]]).eps, "results": 0, "agree": 0,
+                                            "worst": 0.0, "disagree": []})
+            d["results"] += 1
+            d["worst"] = max(d["worst"], e["max_rel_err"] / tol)
+            if e["max_rel_err"] <= tol:
+                d["agree"] += 1
+            else:
+                d["disagree"].append({"config": config_name(c), "contender": name, "error": e["max_rel_err"],
+                                      "tolerance": tol})
+    return out
+
+
+def format_agreement(report: dict[str, Any]) -> str:
+    """Return the agreement of the results with the exact reference: one line per dtype, one per disagreement."""
+    lines = ["results against the exact reference (the float64 sum of every rank's input), within P x eps "
+             "of their dtype relative to the sum of magnitudes:"]
+    for dtype, a in (report.get("agreement") or agreement(report)).items():
+        worst = f"largest error {a['worst']:.2g} of the tolerance" if math.isfinite(a["worst"]) else "indices differ"
+        lines.append(f"  {dtype} (eps {a['eps']:.1e}): {a['agree']} of {a['results']} agree; {worst}")
+        for d in a["disagree"]:
+            lines.append(f"    disagrees (marked !): {d['config']}: {d['contender']}: error {d['error']:.2e} "
+                         f"> tolerance {d['tolerance']:.2e}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- auto against the oracle

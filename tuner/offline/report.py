@@ -8,7 +8,8 @@ Files written to the output directory:
     predicted speedup of that choice over dense allreduce. World sizes the
     profile measured are marked with ``*`` (others are extrapolated).
 ``decision-density-overlap.png``
-    The same over density and overlap, one panel per measured world size.
+    The same over density and overlap, one panel per measured world size
+    (three to a row).
 ``predicted-vs-measured.png``
     Cross-validated predictions (each configuration predicted by a model
     fitted without it: ``GroupKFold`` over configurations) against the
@@ -20,7 +21,10 @@ Files written to the output directory:
     selection regret, the measured winners against the predicted ones, the
     configurations with the largest regret, and the pictures.
 
-Plots use matplotlib's Agg backend (no display needed).
+Plots use matplotlib's Agg backend (no display needed) and constrained
+layout; long titles wrap to the figure's width, and log axes carry a few
+round, plainly written ticks, so nothing clips or overprints whatever the
+number of world sizes or the range of the times.
 
 Example:
     >>> from colltune.offline.report import write_report
@@ -29,8 +33,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -124,8 +130,80 @@ def _draw_map(ax: Any, choice: np.ndarray, speed: np.ndarray, xs: Sequence[float
 def _legend(fig: Any) -> None:
     from matplotlib.patches import Patch
 
-    fig.legend(handles=[Patch(color=COLORS[a], label=a) for a in _ALGS], loc="lower center", ncol=3, fontsize=9,
-               frameon=False)
+    # "outside": constrained layout keeps a band below the axes for the legend.
+    fig.legend(handles=[Patch(color=COLORS[a], label=a) for a in _ALGS], loc="outside lower center", ncol=3,
+               fontsize=9, frameon=False)
+
+
+def _panels(count: int, width: float, height: float) -> tuple[Any, list[Any]]:
+    """Return a constrained-layout figure with ``count`` panels of ``width`` x ``height`` inches, 3 to a row.
+
+    Constrained layout makes room for titles, tick labels, the suptitle and
+    an outside legend, whatever the number of panels.
+    """
+    plt = _plt()
+    cols = min(3, max(1, count))
+    rows = math.ceil(max(1, count) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.6), squeeze=False,
+                             layout="constrained")
+    flat = list(axes.flat)
+    for ax in flat[count:]:
+        ax.remove()
+    return fig, flat[:count]
+
+
+def _fit_width(fig: Any, text: Any, share: float = 0.96) -> None:
+    """Wrap ``text`` (a title) onto more lines until it is at most ``share`` of the figure's width."""
+    renderer = fig.canvas.get_renderer()
+    words = text.get_text().replace("\n", " ")
+    width = len(words)
+    while text.get_window_extent(renderer).width > share * fig.bbox.width and width > 12:
+        width = int(width * 0.85)
+        text.set_text(textwrap.fill(words, width))
+
+
+#: Multipliers of each power of ten that may carry a labelled tick, sparsest first.
+_LOG_STEPS: tuple[tuple[float, ...], ...] = ((1.0,), (1.0, 3.0), (1.0, 2.0, 5.0), (1.0, 1.5, 2.0, 3.0, 5.0, 7.0),
+                                             (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0))
+
+
+def _log_ticks(lo: float, hi: float, most: int = 6) -> list[float]:
+    """Return labelled ticks for a log axis over ``[lo, hi]``: the densest round values, at most ``most`` of them.
+
+    Matplotlib's own log ticks label every minor tick over a range of about
+    one decade, and those labels run into each other.
+    """
+    if not 0 < lo < hi < math.inf:
+        return []  # nothing to label: matplotlib's own ticks
+    e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    best: list[float] = []
+    for subs in _LOG_STEPS:
+        values = (float(f"{m:g}e{e}") for e in range(e0, e1 + 1) for m in subs)
+        ticks = [v for v in values if lo <= v <= hi]
+        if len(ticks) > most:
+            break
+        best = ticks
+    if not best:  # many decades: every few decades
+        decades = [float(f"1e{e}") for e in range(e0, e1 + 1) if lo <= float(f"1e{e}") <= hi]
+        best = decades[:: max(1, math.ceil(len(decades) / most))]
+    return best
+
+
+def _log_axes(ax: Any, lo: float, hi: float) -> None:
+    """Make both axes of ``ax`` logarithmic over ``[lo, hi]``, labelled with :func:`_log_ticks` as plain numbers."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    ticks = _log_ticks(lo, hi)
+    ax.set_box_aspect(1)  # square, so the diagonal is at 45 degrees
+    for axis, set_scale, set_lim in ((ax.xaxis, ax.set_xscale, ax.set_xlim), (ax.yaxis, ax.set_yscale, ax.set_ylim)):
+        set_scale("log")
+        set_lim(lo, hi)
+        if not ticks:
+            continue
+        axis.set_major_locator(FixedLocator(ticks))
+        axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        axis.set_minor_locator(LogLocator(subs="auto"))
+        axis.set_minor_formatter(NullFormatter())
 
 
 def _save(fig: Any, path: str) -> None:
@@ -134,10 +212,9 @@ def _save(fig: Any, path: str) -> None:
         fig.savefig(tmp, dpi=110, format="png")
 
 
-def _finish_map(fig: Any, out_dir: str, name: str, *, top: float) -> str:
-    """Add the legend to a decision-map figure, lay it out, write ``out_dir/name.png``, close it; return the path."""
+def _finish_map(fig: Any, out_dir: str, name: str) -> str:
+    """Add the legend to a decision-map figure, write ``out_dir/name.png``, close it; return the path."""
     _legend(fig)
-    fig.tight_layout(rect=(0, 0.05, 1, top))
     path = os.path.join(out_dir, f"{name}.png")
     _save(fig, path)
     _plt().close(fig)
@@ -282,56 +359,54 @@ class _Maps:
 
     def density_world(self) -> str:
         """Draw density x world size (measured world sizes starred); return the file."""
-        plt = _plt()
         n, overlap, dtype, measured_p = self.n, self.overlap, self.dtype, self.measured_p
         worlds = sorted(set([2, 4, 8, 16, 32, 64] + measured_p))
         choice, speed = decision_grid(self.model, self.densities, worlds,
                                       lambda d, p: _features(n, d, p, overlap, dtype))
-        fig, ax = plt.subplots(figsize=(9, 4.2))
+        fig, (ax,) = _panels(1, 9, 3.6 + 0.1 * len(worlds))
         _draw_map(ax, choice, speed, self.densities, [f"{p}*" if p in measured_p else str(p) for p in worlds])
         ax.set_xlabel("density (entries per rank / n)")
         ax.set_ylabel("world size P  (* measured)")
         ax.set_title(f"chosen algorithm and predicted speedup over dense\nn = 2^{int(math.log2(n))} rows, overlap "
                      f"{overlap:g}, {dtype}; model: {self.label}", fontsize=10)
-        return _finish_map(fig, self.out_dir, "decision-density-world", top=1)
+        _fit_width(fig, ax.title)
+        return _finish_map(fig, self.out_dir, "decision-density-world")
 
     def density_overlap(self) -> str:
-        """Draw density x overlap, one panel per measured world size; return the file."""
-        plt = _plt()
+        """Draw density x overlap, one panel per measured world size (3 to a row); return the file."""
         n, dtype, measured_p = self.n, self.dtype, self.measured_p
         overlaps = [round(x, 2) for x in np.linspace(0, 1, 11)]
-        fig, axes = plt.subplots(1, len(measured_p), figsize=(6.2 * len(measured_p), 4.6), squeeze=False)
-        for ax, p in zip(axes[0], measured_p):
+        fig, axes = _panels(len(measured_p), 6.2, 4.4)
+        for ax, p in zip(axes, measured_p):
             choice, speed = decision_grid(self.model, self.densities, overlaps,
                                           lambda d, o, p=p: _features(n, d, p, o, dtype))
             _draw_map(ax, choice, speed, self.densities, [f"{o:.1f}" for o in overlaps])
             ax.set_xlabel("density")
             ax.set_ylabel("overlap")
             ax.set_title(f"P = {p}", fontsize=10)
-        fig.suptitle(f"chosen algorithm and predicted speedup over dense; n = 2^{int(math.log2(n))}, {dtype}; "
-                     f"model: {self.label}", fontsize=10)
-        return _finish_map(fig, self.out_dir, "decision-density-overlap", top=0.94)
+        title = fig.suptitle(f"chosen algorithm and predicted speedup over dense; n = 2^{int(math.log2(n))}, "
+                             f"{dtype}; model: {self.label}", fontsize=10)
+        _fit_width(fig, title)
+        return _finish_map(fig, self.out_dir, "decision-density-overlap")
 
 
 def _predicted_vs_measured(profile: Profile, ms: list[Any], pred: np.ndarray, n_folds: int, out_dir: str) -> str:
     """Draw the cross-validated predictions against the measurements, one panel per algorithm; return the file."""
-    plt = _plt()
     algs = [a for a in _ALGS if any(m.algorithm == a for m in ms)] or list(_ALGS)
-    fig, axes = plt.subplots(1, len(algs), figsize=(4.4 * len(algs), 4.4), squeeze=False)
+    fig, axes = _panels(len(algs), 4.4, 4.4)
     statistic = str(profile.meta.get("statistic") or "median").replace("-", " ")
-    for ax, a in zip(axes[0], algs):
+    for ax, a in zip(axes, algs):
         err = _scatter_algorithm(ax, a, ms, pred)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
         ax.set_xlabel(f"measured {statistic} (ms)")
         ax.set_ylabel("predicted, cross-validated (ms)")
         ax.set_title(f"{a}: median error {100 * err:.0f}%", fontsize=10)
-    fig.suptitle(f"predicted vs measured ({n_folds}-fold cross-validation over configurations; dotted: +-25%)",
-                 fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+        _fit_width(fig, ax.title, ax.get_position().width)
+    title = fig.suptitle(f"predicted vs measured ({n_folds}-fold cross-validation over configurations; "
+                         "dotted: +-25%)", fontsize=10)
+    _fit_width(fig, title)
     path = os.path.join(out_dir, "predicted-vs-measured.png")
     _save(fig, path)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
@@ -342,7 +417,7 @@ def _scatter_algorithm(ax: Any, a: str, ms: list[Any], pred: np.ndarray) -> floa
         return float("nan")
     meas = np.array([ms[i].time_us for i in sel]) / 1e3
     pr = pred[sel] / 1e3
-    for p, marker in zip(sorted({ms[i].world_size for i in sel}), "os^Dv<>"):
+    for p, marker in zip(sorted({ms[i].world_size for i in sel}), itertools.cycle("os^Dv<>")):
         idx = [j for j, i in enumerate(sel) if ms[i].world_size == p]
         ax.scatter(meas[idx], pr[idx], s=10, alpha=0.6, color=COLORS[a], marker=marker, label=f"P={p}")
     lo = float(min(meas.min(), pr.min())) * 0.8
@@ -350,9 +425,8 @@ def _scatter_algorithm(ax: Any, a: str, ms: list[Any], pred: np.ndarray) -> floa
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
     ax.plot([lo, hi], [lo * 1.25, hi * 1.25], "k:", lw=0.6)
     ax.plot([lo, hi], [lo / 1.25, hi / 1.25], "k:", lw=0.6)
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
-    ax.legend(fontsize=7, loc="upper left")
+    _log_axes(ax, lo, hi)
+    ax.legend(fontsize=7, loc="upper left", ncol=1 + (len(ax.collections) - 1) // 4)
     return float(np.median(np.abs(pr - meas) / meas))
 
 
