@@ -34,10 +34,18 @@ backend's calls: there the ring is one exchange already. NCCL keeps its own
 collectives, and so does every backend on the device path
 (:func:`~colltune.algorithms.sparse.device_path`), which runs what NCCL would. The
 README gives the measured effect and its command.
+
+Every collective runs on the group's *private twin* (:func:`private_group`):
+a group of the same ranks, backend and timeout that only colltune uses,
+made on the first call on that group. The caller's own collectives on the
+group (DDP's backward, a plain ``all_reduce``) therefore never pair with
+colltune's, whichever thread issues them and whenever; an asynchronous call
+may be followed by any of them before its ``wait()``.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
@@ -47,7 +55,7 @@ import torch.distributed as dist
 
 from colltune.algorithms.sparse import offsets, on_host
 
-__all__ = ["Traffic", "Comm"]
+__all__ = ["Traffic", "Comm", "private_group"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -148,6 +156,8 @@ class Comm:
         group: the process group, or ``None`` for the default group.
         device: where tensors handed to the backend live (CUDA for NCCL).
         traffic: where to count; a fresh :class:`Traffic` if omitted.
+        wire: the group the collectives run on (its :func:`private_group`);
+            ``group`` itself when omitted.
         direct: run ``all_gather``, ``all_to_all`` and small ``all_reduce``
             point to point with every peer at once (see the module
             docstring); ``None`` (the default) does so for tensors on the
@@ -155,7 +165,7 @@ class Comm:
             :data:`DIRECT_BACKENDS` in groups of 3 ranks or more.
     """
 
-    __slots__ = ("group", "rank", "world_size", "device", "traffic", "direct", "_meta")
+    __slots__ = ("group", "wire", "rank", "world_size", "device", "traffic", "direct", "_meta")
 
     def __init__(
         self,
@@ -163,8 +173,10 @@ class Comm:
         device: torch.device,
         traffic: Traffic | None = None,
         direct: bool | None = None,
+        wire: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.wire = wire if wire is not None else group
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
@@ -237,7 +249,7 @@ class Comm:
                     t.add_(rows[j])
             return t
         self._count("all_reduce", 2 * _nbytes(t) * (p - 1) // p, 2 * (p - 1))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.wire)
         return t
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -250,7 +262,7 @@ class Comm:
         if self.direct:
             return self._gather_direct(t)
         out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        _all_gather_single(out, t, group=self.group)
+        _all_gather_single(out, t, group=self.wire)
         return out
 
     def _gather_direct(self, t: torch.Tensor) -> torch.Tensor:
@@ -288,7 +300,7 @@ class Comm:
             self._post([(t[so[j] : so[j + 1]], j) for j in peers], [(out[ro[j] : ro[j + 1]], j) for j in peers])
             return out
         dist.all_to_all_single(
-            out, t.contiguous(), [int(c) for c in recv_counts], [int(c) for c in send_counts], group=self.group
+            out, t.contiguous(), [int(c) for c in recv_counts], [int(c) for c in send_counts], group=self.wire
         )
         return out
 
@@ -310,10 +322,10 @@ class Comm:
             if t.numel():
                 if count:
                     self._count("send", _nbytes(t), 1)
-                ops.append(dist.P2POp(dist.isend, t.contiguous(), self._global(peer), self.group, *tag))
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), self._global(peer), self.wire, *tag))
         for t, peer, *tag in recvs:
             if t.numel():
-                ops.append(dist.P2POp(dist.irecv, t, self._global(peer), self.group, *tag))
+                ops.append(dist.P2POp(dist.irecv, t, self._global(peer), self.wire, *tag))
         if not ops:
             return []
         return dist.batch_isend_irecv(ops)
@@ -392,6 +404,76 @@ class Comm:
         return list(torch.split(out, [int(c) for c in counts]))
 
     def _global(self, peer: int) -> int:
-        if self.group is None or self.group is dist.group.WORLD:
+        if self.wire is None or self.wire is dist.group.WORLD:
             return peer
-        return dist.get_global_rank(self.group, peer)
+        return dist.get_global_rank(self.wire, peer)
+
+
+_TWIN_LOCK = threading.Lock()
+
+
+def _timeout_of(group: Any) -> Any:
+    """Return ``group``'s timeout (a ``timedelta``) when its backend tells, else ``None`` (the backend default)."""
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for the device, or a torch without these (private) names
+            continue
+    return None
+
+
+def _make_twin(group: Any) -> dist.ProcessGroup:
+    """Create a group of ``group``'s ranks, in the same order, with its backend and timeout."""
+    parent = group if group is not None else dist.group.WORLD
+    kwargs: dict[str, Any] = {"backend": dist.get_backend(parent), "timeout": _timeout_of(parent)}
+    if parent is dist.group.WORLD:
+        # Every rank of the job makes calls on the default group, so every rank enters (torch's requirement).
+        return dist.new_group(**kwargs)
+    ranks = dist.get_process_group_ranks(parent)
+    if ranks != sorted(ranks):
+        kwargs["sort_ranks"] = False  # group rank r must be the same process in both groups
+    # Only the group's members call colltune on it: they alone take part in making its twin. torch names
+    # such a group from the count of groups this process belongs to, which differs between ranks of
+    # different memberships; the twin is named from its parent's name instead, which its members share.
+    c10d = dist.distributed_c10d
+    naming = getattr(c10d, "_process_group_name", None)
+    with _TWIN_LOCK:
+        if naming is not None:
+            c10d._process_group_name = lambda *_a, **_k: f"{parent.group_name}:colltune"
+        try:
+            return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+        finally:
+            if naming is not None:
+                c10d._process_group_name = naming
+
+
+def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """Return the private twin of ``group`` (``None``: the default group) that colltune's collectives run on.
+
+    Made on the first call on the group, on the calling thread, so that
+    every rank makes it at the same point of its sequence of calls on the
+    group (as every collective must); kept for as long as ``group`` lives.
+    ``None`` without a process group, for a single rank, or on a rank
+    outside ``group`` (which raises before any collective).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    parent = group if group is not None else dist.group.WORLD
+    if dist.get_rank(parent) < 0 or dist.get_world_size(parent) == 1:
+        return None
+    states = _GROUP_STATE.get(parent)
+    if states is None:
+        states = _GROUP_STATE[parent] = {}
+    twin = states.get("comm.private_group")
+    if twin is None:
+        twin = states["comm.private_group"] = _make_twin(parent)
+        weakref.finalize(parent, _destroy, twin)  # a destroyed group takes its twin along
+    return twin
+
+
+def _destroy(group: dist.ProcessGroup) -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - already gone with the default group, or torch shutting down
+        pass

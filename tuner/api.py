@@ -38,7 +38,7 @@ from colltune import algorithms
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.allgather import eager_slot, slot_need
 from colltune.algorithms.base import SparseInput, SparseResult, TopkOutput
-from colltune.algorithms.comm import Comm, Traffic
+from colltune.algorithms.comm import Comm, Traffic, private_group
 from colltune.algorithms.errors import (
     AbandonedCallError,
     CollectiveError,
@@ -191,9 +191,15 @@ def _abandoned(cause: BaseException) -> AbandonedCallError:
     return err
 
 
-def _submit(fn: Callable[[], Any], async_op: bool) -> Any:
-    """Run ``fn`` now, or queue it behind the pending calls; return its result, or a handle with ``async_op``."""
+def _submit(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
+    """Run ``fn(wire)`` now, or queue it behind the pending calls; return its result, or a handle with ``async_op``.
+
+    ``wire`` is ``group``'s :func:`~colltune.algorithms.comm.private_group`,
+    made here, on the calling thread, at the call's place in the caller's
+    sequence of calls on the group.
+    """
     global _executor, _pending
+    wire = _run(lambda: private_group(_exchange_group(group)))
     with _lock:
         if not async_op and _pending == 0:
             run_inline = True
@@ -204,7 +210,7 @@ def _submit(fn: Callable[[], Any], async_op: bool) -> Any:
             _pending += 1
         seen = _out_of_step
     if run_inline:
-        return _run(fn)
+        return _run(lambda: fn(wire))
 
     def _task() -> Any:
         global _pending
@@ -214,7 +220,7 @@ def _submit(fn: Callable[[], Any], async_op: bool) -> Any:
             if cause is not None:
                 # A call queued before this one failed after this one was submitted: drop it.
                 raise _abandoned(cause)
-            return _run(fn)
+            return _run(lambda: fn(wire))
         finally:
             with _lock:
                 _pending -= 1
@@ -231,10 +237,27 @@ def _bad(cls: type[ColltuneError], argument: str, message: str) -> ColltuneError
     return cls(message, argument=argument)
 
 
+#: ``torch.distributed.ReduceOp`` names of the ops in :data:`OPS`.
+_REDUCE_OPS = {"SUM": "sum", "AVG": "avg"}
+
+
+def _op_name(op: Any) -> Any:
+    """Return ``op`` as one of :data:`OPS` when it is ``dist.ReduceOp.SUM`` or ``AVG``; anything else unchanged."""
+    if isinstance(op, str):
+        return op
+    name = getattr(op, "name", None)  # a ReduceOp.RedOpType
+    if name is None and isinstance(op, dist.ReduceOp):
+        name = next((k for k in _REDUCE_OPS if op == getattr(dist.ReduceOp, k)), None)
+    return _REDUCE_OPS.get(name, op) if isinstance(name, str) else op
+
+
 def _check_common(op: Any, algorithm: Any) -> None:
     """Check ``op`` and ``algorithm``, the arguments both front-door functions take."""
     if not (isinstance(op, str) and op in OPS):
-        raise _bad(ColltuneValueError, "op", f"op must be one of {', '.join(OPS)}, but got {op!r}.")
+        said = f"ReduceOp.{op.name}" if isinstance(getattr(op, "name", None), str) else repr(op)
+        raise _bad(ColltuneValueError, "op",
+                   f"op must be one of {', '.join(repr(o) for o in OPS)} (or dist.ReduceOp.SUM, dist.ReduceOp.AVG), "
+                   f"but got {said}; colltune sums (and averages) only: reduce other ops with torch.distributed.")
     if algorithm != "auto":
         try:
             algorithms.get(algorithm)
@@ -306,8 +329,8 @@ def _check_tensor(t: Any, argument: str, what: str) -> None:
                    f"concatenate its components with torch.cat(list({argument}.unbind())).")
     if t.layout != torch.strided:
         hint = (
-            "for a sparse COO tensor t pass t.coalesce().indices()[0] as indices and t.coalesce().values() "
-            "as values" if t.layout == torch.sparse_coo else f"convert it with {argument}.to_dense()"
+            "pass a sparse COO tensor t alone, sparse_allreduce(t)" if t.layout == torch.sparse_coo
+            else f"convert it with {argument}.to_dense()"
         )
         raise _bad(ColltuneTypeError, argument, f"{argument} must be a dense (strided) tensor, but got layout "
                    f"{str(t.layout).replace('torch.', '')}; {hint}.")
@@ -370,6 +393,34 @@ def _check_size(size: Any, row_shape: tuple[int, ...]) -> int:
         raise _bad(ColltuneValueError, "size",
                    f"size must be at most 2^63 - 1 (indices are int64), but got {n}; pass the number of dense rows.")
     return n
+
+
+def _is_coo(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo
+
+
+def _unpack_coo(indices: Any, values: Any, size: Any) -> tuple[Any, Any, Any]:
+    """Return the row indices, values and shape of a sparse COO tensor passed alone; else the arguments as they came."""
+    alone = "pass it alone, sparse_allreduce(t) (its size is taken from it)"
+    if not _is_coo(indices):
+        if _is_coo(values):
+            raise _bad(ColltuneTypeError, "values", f"values is a sparse COO tensor; {alone}.")
+        if values is None or size is None:
+            missing = "values" if values is None else "size"
+            raise _bad(ColltuneTypeError, missing, f"{missing} is required: pass sparse_allreduce(indices, values, size), "
+                       "or a sparse COO tensor alone, sparse_allreduce(t).")
+        return indices, values, size
+    if values is not None or size is not None:
+        extra = "values" if values is not None else "size"
+        raise _bad(ColltuneTypeError, extra,
+                   f"indices is a sparse COO tensor, which carries its values and size, but {extra} was passed too; "
+                   f"{alone}, or pass its parts: sparse_allreduce(t._indices()[0], t._values(), t.shape).")
+    if indices.sparse_dim() != 1:
+        raise _bad(ColltuneValueError, "indices",
+                   f"a sparse COO tensor must have sparse rows (sparse_dim 1, the layout of nn.Embedding(sparse=True)'s "
+                   f"gradients), but got sparse_dim {indices.sparse_dim()} and shape {tuple(indices.shape)}; convert it "
+                   "with t.to_dense().to_sparse(1), or pass flat indices and values with a flat size.")
+    return indices._indices()[0], indices._values(), tuple(indices.shape)
 
 
 def _validate_sparse(
@@ -573,14 +624,14 @@ def _group_key(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else id(group)
 
 
-def _open(group: Any, hint: Any) -> Comm:
+def _open(group: Any, hint: Any, wire: Any) -> Comm:
     """Return the call's view of its group, on the device its collectives run on.
 
     Raises only for a rank outside ``group``, which no other rank waits for.
     """
     if isinstance(group, dist.ProcessGroup) and dist.is_initialized() and dist.get_rank(group) < 0:
         _backend_of(group)  # raises the error that names the group
-    return Comm(_exchange_group(group), _comm_device(group, hint))
+    return Comm(_exchange_group(group), _comm_device(group, hint), wire=wire)
 
 
 def _input_error(exc: Exception) -> ColltuneError:
@@ -605,7 +656,8 @@ def _input_error(exc: Exception) -> ColltuneError:
 
 
 def sparse_allreduce(
-    indices: torch.Tensor, values: torch.Tensor, size: int | Sequence[int], op: str = "sum",
+    indices: torch.Tensor, values: torch.Tensor | None = None, size: int | Sequence[int] | None = None,
+    op: str | dist.ReduceOp = "sum",
     group: dist.ProcessGroup | None = None, algorithm: str = "auto", async_op: bool = False, *,
     knobs: dict[str, Any] | None = None, name: str | None = None, policy: Any = None,
 ) -> SparseResult | AsyncHandle:
@@ -613,11 +665,14 @@ def sparse_allreduce(
 
     Args:
         indices: 1-D int32 or int64 row indices, any order, duplicates allowed
-            (they are summed).
+            (they are summed); or a sparse COO tensor with sparse rows (what
+            ``nn.Embedding(sparse=True)`` puts in ``.grad``), passed alone:
+            its indices, values and shape are used.
         values: ``[k]`` or ``[k, *row_shape]``, one row per index; float32,
             float64, float16 or bfloat16 (16-bit types are summed in fp32).
         size: the number of dense rows ``n``, or the dense shape ``(n, *row_shape)``.
-        op: ``sum`` or ``avg`` (the sum divided by the world size).
+        op: ``sum`` or ``avg`` (the sum divided by the world size), or
+            ``dist.ReduceOp.SUM`` / ``dist.ReduceOp.AVG``.
         group: the process group; ``None`` for the default group. Without an
             initialized process group the call is local (world size 1).
         algorithm: ``auto``, ``dense``, ``allgather`` or ``oktopk``.
@@ -654,8 +709,10 @@ def sparse_allreduce(
         >>> res = colltune.sparse_allreduce(idx, vals, size=1_000_000, op="avg")  # doctest: +SKIP
         >>> grad = res.to_dense()  # doctest: +SKIP
     """
+    op = _op_name(op)
     return _submit(
-        lambda: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs, name, policy), async_op
+        lambda wire: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs, name, policy, wire),
+        async_op, group,
     )
 
 
@@ -669,13 +726,14 @@ def _sparse_allreduce(
     knobs: dict[str, Any] | None,
     name: Any = None,
     policy: Any = None,
+    wire: Any = None,
 ) -> SparseResult:
     """Run one ``sparse_allreduce`` on this rank: prepare, exchange the records, decide, run, return the result.
 
     A failure while preparing rides in this rank's record, so every rank
     raises at the exchange and none is left waiting.
     """
-    comm = _open(group, values)
+    comm = _open(group, values if values is not None else indices, wire)
     call = _SparseCall(comm, {"kind": _meta.name_code(_KIND_SPARSE)})
     error: BaseException | None = None
     try:
@@ -695,10 +753,10 @@ def _sparse_allreduce(
         slot_need(counts, inp.row_numel, inp.size, inp.dtype) + call.payload_bytes
         if has_entries and algorithms.get(algorithm).eager_entries else 0,
     )
-    out_idx, out_vals = _run_sparse(inp, comm, algorithm, call.knobs_checked, op, values)
+    out_idx, out_vals = _run_sparse(inp, comm, algorithm, call.knobs_checked, op, call.values)
     if call.sel is not None:
         call.sel.observe_sparse(call.site, counts, out_idx.numel())
-    out_vals = out_vals.to(values.dtype).reshape((out_idx.numel(),) + inp.row_shape)
+    out_vals = out_vals.to(call.dtype).reshape((out_idx.numel(),) + inp.row_shape)
     return SparseResult(out_idx, out_vals, inp.size, algorithm, comm.traffic, decision)
 
 
@@ -713,17 +771,20 @@ class _SparseCall:
         self.eager, self.sketch_bytes, self.payload_bytes = _meta.EAGER_NONE, 0, 0
         self.knobs_checked: Any = None
         self.site: tuple = ()
+        self.values: Any = None  # the caller's values (a COO tensor's, when one came)
 
     def prepare(self, indices: Any, values: Any, size: Any, op: Any, group: Any, algorithm: Any,
                 knobs: dict[str, Any] | None, name: Any, policy: Any) -> None:
         """Validate and coalesce the input, resolve the algorithm's knobs, fill the record and its eager slot."""
         comm = self.comm
+        indices, values, size = _unpack_coo(indices, values, size)
         idx, vals, n, row_shape = _validate_sparse(indices, values, size, op, algorithm, group)
         self.knobs_checked, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
         if algorithm == "dense":
             _check_dense_fits(n, vals.shape[1], values.dtype, comm.device)
         idx, vals = coalesce(idx, vals, accum_dtype(values.dtype))
         self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
+        self.values = values
         self.record.update(
             size=n,
             row_numel=vals.shape[1],
@@ -869,7 +930,7 @@ class TopkResult:
 
 
 def topk_allreduce(
-    tensor: torch.Tensor, state: TopkState, op: str = "avg", group: dist.ProcessGroup | None = None,
+    tensor: torch.Tensor, state: TopkState, op: str | dist.ReduceOp = "avg", group: dist.ProcessGroup | None = None,
     algorithm: str = "auto", async_op: bool = False, *,
     knobs: dict[str, Any] | None = None, name: str | None = None, policy: Any = None,
 ) -> TopkResult | AsyncHandle:
@@ -882,7 +943,8 @@ def topk_allreduce(
     Args:
         tensor: a dense floating tensor (e.g. a gradient), same shape on every rank.
         state: this tensor's :class:`TopkState` (one per tensor).
-        op: ``avg`` (default, as for gradients) or ``sum``.
+        op: ``avg`` (default, as for gradients) or ``sum``, or
+            ``dist.ReduceOp.AVG`` / ``dist.ReduceOp.SUM``.
         group: the process group; ``None`` for the default group.
         algorithm: ``auto``, ``dense`` (no compression), ``allgather`` (TopkA)
             or ``oktopk``.
@@ -900,7 +962,10 @@ def topk_allreduce(
         >>> state = colltune.TopkState(density=0.01)  # doctest: +SKIP
         >>> grad.copy_(colltune.topk_allreduce(grad, state).to_dense())  # doctest: +SKIP
     """
-    return _submit(lambda: _topk_allreduce(tensor, state, op, group, algorithm, knobs, name, policy), async_op)
+    op = _op_name(op)
+    return _submit(
+        lambda wire: _topk_allreduce(tensor, state, op, group, algorithm, knobs, name, policy, wire), async_op, group
+    )
 
 
 def _validate_topk(tensor: Any, state: Any, op: Any, algorithm: Any, group: Any) -> None:
@@ -932,13 +997,14 @@ def _topk_allreduce(
     knobs: dict[str, Any] | None,
     name: Any = None,
     policy: Any = None,
+    wire: Any = None,
 ) -> TopkResult:
     """Run one ``topk_allreduce`` on this rank: validate, exchange the records, decide, run, return the result.
 
     A failure while validating rides in this rank's record, so every rank
     raises at the exchange and none is left waiting.
     """
-    comm = _open(group, tensor)
+    comm = _open(group, tensor, wire)
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_TOPK)}
     sel: Any = None

@@ -109,7 +109,7 @@ CASES: dict[str, Case] = {
     "size_2_64": bad("size", size=2**64 + 5),
     "values_on_meta": bad("values", values=lambda: torch.ones(5, device="meta")),
     "values_sparse_coo": bad("values", indices=lambda: torch.tensor([1, 3]), values=_coo),
-    "indices_sparse_coo": bad("indices", indices=lambda: torch.sparse_coo_tensor(
+    "indices_sparse_coo_and_values": bad("values", indices=lambda: torch.sparse_coo_tensor(
         torch.tensor([[0, 1]]), torch.tensor([1, 3]), (5,))),
     "values_sparse_csr": bad("values", indices=lambda: torch.tensor([1, 3]),
                              values=lambda: torch.eye(2).to_sparse_csr()),
