@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -227,6 +227,32 @@ def _submit(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
 
     future = _executor.submit(_task)  # type: ignore[union-attr]
     return AsyncHandle(future) if async_op else future.result()
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _outside_compile(fn: F) -> F:
+    """Have ``torch.compile`` run ``fn``, and everything it calls, as plain Python: one graph break at the call.
+
+    What ``torch.compiler.disable`` does, without importing Dynamo (seconds)
+    at import time: Dynamo breaks the graph at a function marked
+    ``_torchdynamo_disable`` instead of inlining it, and the frame strategy
+    makes it skip ``fn``'s frame and every frame below it. A torch without
+    these hooks leaves ``fn`` as it is.
+    """
+    try:
+        from torch._C._dynamo import eval_frame
+
+        skip = eval_frame._FrameAction.SKIP
+        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
+        fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    except (ImportError, AttributeError, TypeError, RuntimeError):  # pragma: no cover - other torch builds
+        pass
+    return fn
 
 
 # --------------------------------------------------------------------------- validation
@@ -655,6 +681,7 @@ def _input_error(exc: Exception) -> ColltuneError:
 # --------------------------------------------------------------------------- sparse_allreduce
 
 
+@_outside_compile
 def sparse_allreduce(
     indices: torch.Tensor, values: torch.Tensor | None = None, size: int | Sequence[int] | None = None,
     op: str | dist.ReduceOp = "sum",
@@ -929,6 +956,7 @@ class TopkResult:
         return out.view(self.shape)
 
 
+@_outside_compile
 def topk_allreduce(
     tensor: torch.Tensor, state: TopkState, op: str | dist.ReduceOp = "avg", group: dist.ProcessGroup | None = None,
     algorithm: str = "auto", async_op: bool = False, *,

@@ -124,3 +124,39 @@ def _subgroup(rank: int, world_size: int) -> list[str]:
 
 def test_async_on_a_subgroup_composes() -> None:
     assert run_ranks(_subgroup, 3, pg_timeout=PG_TIMEOUT_S, timeout=120) == [[]] * 3
+
+
+def _hook_overlap(rank: int, world_size: int) -> dict:
+    """With colltune's worker held up, the DDP hook still returns at once, with a Future not yet done."""
+    import threading
+
+    from colltune import api
+    from colltune.train import ColltuneHookState, colltune_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = ColltuneHookState(model=ddp, density=0.25, start_compression_iter=0, min_compress_numel=1,
+                              algorithm="allgather")
+    returned_done: list[bool] = []
+
+    def hook(s, bucket):
+        fut = colltune_hook(s, bucket)
+        returned_done.append(fut.done())
+        return fut
+
+    ddp.register_comm_hook(state, hook)
+    release = threading.Event()
+    api._submit(lambda wire: release.wait(30), True, None)  # holds the worker until released
+    threading.Timer(0.5, release.set).start()
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    ddp(x).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return {"returned_done": returned_done, "grads": grads}
+
+
+def test_ddp_hook_returns_before_its_allreduce_completes() -> None:
+    out = run_ranks(_hook_overlap, 2, pg_timeout=PG_TIMEOUT_S, timeout=120)
+    for o in out:
+        assert o["returned_done"] and not any(o["returned_done"]), o["returned_done"]
+    assert torch.equal(out[0]["grads"], out[1]["grads"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -54,6 +55,9 @@ from colltune.train.common import (
 __all__ = ["ColltuneHookState", "colltune_hook"]
 
 logger = logging.getLogger(__name__)
+
+#: Guards the hook state's counters, which the Futures' callbacks update from colltune's worker thread.
+_STATS_LOCK = threading.Lock()
 
 
 def _unwrapped_names(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -329,7 +333,9 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
     through :func:`colltune.topk_allreduce` with their
     :class:`~colltune.algorithms.state.TopkState` (what is not sent stays in its
     residual). DDP hands over gradients that are not pre-divided: they are
-    averaged here (``avg``).
+    averaged here (``avg``). Both run asynchronously (the top-k calls on
+    colltune's worker thread, over the group's private twin): the Future
+    completes when they do, and DDP hands over the next buckets meanwhile.
 
     Args:
         state: the hook's :class:`ColltuneHookState`.
@@ -344,18 +350,23 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
         return _dense_bucket(state, bucket, p)
     parts = _BucketParts(state, bucket)
     out = torch.empty_like(parts.buffer)
+    futures: list[torch.futures.Future[Any]] = []
     if parts.dense:
-        _reduce_dense(state, parts, out, p)
+        futures.append(_reduce_dense(state, parts, out, p))
     for (algo, knobs, _), members in parts.topk.items():
-        _reduce_topk(state, parts, out, members, algo, knobs)
+        futures.append(_reduce_topk(state, parts, out, members, algo, knobs))
     if bucket.is_last():
         for key in [k for k in state.topk_states if k not in state._used]:
             del state.topk_states[key]  # its parameters moved to other buckets (residuals already taken)
         state._used = set()
     state.maybe_increase_iter(bucket)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(out)
-    return fut
+
+    def done(all_done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
+        for f in all_done.value():
+            f.value()  # raises the error of a part that failed
+        return out
+
+    return torch.futures.collect_all(futures).then(done)
 
 
 def _dense_bucket(state: ColltuneHookState, bucket: dist.GradBucket, p: int) -> torch.futures.Future[torch.Tensor]:
@@ -425,42 +436,60 @@ class _BucketParts:
             pos += b - a
 
 
-def _reduce_dense(state: ColltuneHookState, parts: _BucketParts, out: torch.Tensor, p: int) -> None:
-    """Average the parts kept dense with one allreduce."""
+def _reduce_dense(
+    state: ColltuneHookState, parts: _BucketParts, out: torch.Tensor, p: int
+) -> torch.futures.Future[Any]:
+    """Average the parts kept dense with one asynchronous allreduce; return its Future."""
     flat = parts.gather(parts.dense).clone()
-    dist.all_reduce(flat, group=state.process_group)
-    parts.scatter(parts.dense, flat.div_(p), out)
+    work = dist.all_reduce(flat, group=state.process_group, async_op=True)
     nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
     stats = state.stats.setdefault(f"bucket{parts.buffer_index}/dense", TensorStats("dense", "dense"))
     stats.reason = "kept dense: " + "; ".join(sorted({parts.routes[i][1].reason for i in parts.dense}))
-    stats.record("dense", nbytes)
-    state.bytes_sent += nbytes
+    with _STATS_LOCK:
+        stats.record("dense", nbytes)
+        state.bytes_sent += nbytes
+
+    def done(fut: torch.futures.Future[Any]) -> None:
+        parts.scatter(parts.dense, fut.value()[0].div_(p), out)
+
+    return work.get_future().then(done)
 
 
 def _reduce_topk(
     state: ColltuneHookState, parts: _BucketParts, out: torch.Tensor, members: list[int], algo: str, knobs: tuple
-) -> None:
-    """Average one group of top-k parts through :func:`colltune.topk_allreduce` with their state."""
+) -> torch.futures.Future[Any]:
+    """Average one group of top-k parts through an asynchronous :func:`colltune.topk_allreduce`; return its Future.
+
+    The call runs on colltune's worker thread (on the group's private twin),
+    so DDP goes on with the next buckets meanwhile.
+    """
     names = [parts.routes[i][0] for i in members]
     key = "|".join(names)
     flat = parts.gather(members)
     ts = _hook_topk_state(state, key, names, flat.numel(), parts.routes[members[0]][1])
     state._used.add(key)
-    res: Any = _api.topk_allreduce(
+    handle: Any = _api.topk_allreduce(
         flat,
         ts,
         op="avg",
         group=state.process_group,
         algorithm=algo,
+        async_op=True,
         knobs=dict(knobs) or None,
         name=key if algo == AUTO else None,
         policy=state._routing()[2] if algo == AUTO else None,
     )
-    parts.scatter(members, res.to_dense().view(-1), out)
-    nbytes = _topk_traffic(res)
-    stats = state.stats.setdefault(key, TensorStats("topk", res.algorithm, parts.routes[members[0]][1].reason))
-    stats.record(res.algorithm, nbytes)
-    state.bytes_sent += nbytes
+    reason = parts.routes[members[0]][1].reason
+
+    def done(fut: torch.futures.Future[Any]) -> None:
+        res = fut.value()
+        parts.scatter(members, res.to_dense().view(-1), out)
+        nbytes = _topk_traffic(res)
+        with _STATS_LOCK:
+            state.stats.setdefault(key, TensorStats("topk", res.algorithm, reason)).record(res.algorithm, nbytes)
+            state.bytes_sent += nbytes
+
+    return handle.get_future().then(done)
 
 
 # DDP checks the hook's annotations against the real classes; postponed evaluation

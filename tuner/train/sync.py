@@ -28,11 +28,13 @@ Example (sparse embedding beside DDP over the dense tower)::
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Literal, Mapping
+import weakref
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from colltune import api as _api
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
@@ -141,6 +143,20 @@ def _ddp_owned(model: nn.Module) -> set[int]:
     return owned
 
 
+def _tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
+    """Return ``(name, parameter, sparse)`` of every trainable parameter that DDP does not reduce, once each."""
+    owned = _ddp_owned(model)
+    sparse_ids = {id(p) for p in sparse_parameters(model).values()}
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Parameter, bool]] = []
+    for name, param in model.named_parameters():
+        if id(param) in seen or id(param) in owned or not param.requires_grad:
+            continue
+        seen.add(id(param))
+        out.append((name, param, id(param) in sparse_ids))
+    return out
+
+
 class SparseGradSync:
     """Average the gradients of a model after backward, sparse ones through colltune's sparse allreduce.
 
@@ -179,6 +195,9 @@ class SparseGradSync:
             :class:`colltune.Selector`, or ``None`` for the process-wide one.
         bucket_cap_mb: dense gradients are allreduced in buckets of about this size.
         topk_options: extra :class:`~colltune.algorithms.state.TopkState` options.
+        init_sync: broadcast the parameters and buffers of the group's rank 0
+            to every rank now, as DDP does, so that ranks seeded differently
+            start from the same model; ``False`` leaves them as they are.
 
     Raises:
         ColltuneTypeError, ColltuneValueError: an option is invalid, or
@@ -204,6 +223,7 @@ class SparseGradSync:
         policy: Any = None,
         bucket_cap_mb: float = 25.0,
         topk_options: Mapping[str, Any] | None = None,
+        init_sync: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ColltuneTypeError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
@@ -233,15 +253,7 @@ class SparseGradSync:
         self.stats: dict[str, TensorStats] = {}
         self.bytes_sent = 0
         self.last_bytes = 0
-        owned = _ddp_owned(model)
-        sparse_ids = {id(p) for p in sparse_parameters(model).values()}
-        seen: set[int] = set()
-        self._params: list[tuple[str, nn.Parameter, bool]] = []
-        for name, param in model.named_parameters():
-            if id(param) in seen or id(param) in owned or not param.requires_grad:
-                continue
-            seen.add(id(param))
-            self._params.append((name, param, id(param) in sparse_ids))
+        self._params = _tracked_parameters(model)
         self._routes: dict[str, _Route] | None = None
         self._routes_compressing: bool | None = None
         self._routes_checked = False
@@ -249,6 +261,13 @@ class SparseGradSync:
         self._synced = False
         self._handles: list[Any] = []
         self._queued = False
+        self._attached: list[Any] = []  # the optimizers of attach()
+        self._stepped: set[int] = set()  # of those, the ones that stepped since the last synchronization
+        self._dirty: set[int] = set()  # parameters whose gradient grew in a backward since the last synchronization
+        self._grad_hooks: list[Any] = []
+        self._guard: Any = None
+        if init_sync:
+            _broadcast_states(model, group)
 
     # -- routing
     @property
@@ -330,6 +349,7 @@ class SparseGradSync:
         self.last_bytes = step_bytes
         self.bytes_sent += step_bytes
         self._synced = True
+        self._dirty.clear()
 
     def _sync_sparse(self, name: str, param: nn.Parameter, route: _Route) -> int:
         """Average one sparse gradient through :func:`colltune.sparse_allreduce`; return the bytes this rank sent."""
@@ -442,25 +462,78 @@ class SparseGradSync:
         return nbytes
 
     # -- turning it on
-    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Synchronize before every ``optimizer.step()`` (unless :meth:`synchronize` already ran since the last step).
+    def attach(self, *optimizers: torch.optim.Optimizer) -> Any:
+        """Synchronize once per step, before the first of ``optimizers`` steps (SparseAdam + Adam: pass both).
+
+        A step's synchronization runs at the first ``step()`` of any of the
+        optimizers after backward (unless :meth:`synchronize` already ran),
+        and not again until the next backward or until every attached
+        optimizer has stepped. An optimizer that was *not* passed and steps a
+        tracked parameter whose gradient is not synchronized yet raises
+        :class:`ColltuneValueError` before it changes anything, instead of
+        letting the ranks drift apart.
 
         Returns:
-            A handle whose ``remove()`` detaches the synchronizer again.
+            A handle whose ``remove()`` detaches the synchronizer from these optimizers.
         """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ColltuneTypeError(f"optimizer must be a torch.optim.Optimizer, but got {type(optimizer).__name__}.")
-
-        def pre(opt: Any, args: Any, kwargs: Any) -> None:
-            if not self._synced:
-                self.synchronize()
-
-        def post(opt: Any, args: Any, kwargs: Any) -> None:
-            self._synced = False
-
-        handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        if not optimizers:
+            raise ColltuneTypeError("attach() needs at least one optimizer, e.g. sync.attach(optimizer).")
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ColltuneTypeError(f"optimizers must be torch.optim.Optimizer objects, but got {type(opt).__name__}.")
+        handles: list[Any] = []
+        for opt in optimizers:
+            if opt in self._attached:
+                continue
+            self._attached.append(opt)
+            handles += [opt.register_step_pre_hook(self._before_step), opt.register_step_post_hook(self._after_step)]
+        if not self._grad_hooks:
+            self._grad_hooks = [param.register_post_accumulate_grad_hook(self._on_gradient)
+                                for _, param, _ in self._params]
+            self._handles.extend(self._grad_hooks)
+        if self._guard is None:
+            self._guard = _install_guard(self)
+            self._handles.append(self._guard)
         self._handles.extend(handles)
-        return _Handles(handles)
+        return _Handles(handles, on_remove=lambda: self._forget(optimizers))
+
+    def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if not self._synced:
+            self.synchronize()
+
+    def _after_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._stepped.add(id(opt))
+        if all(id(o) in self._stepped for o in self._attached):
+            self._synced = False  # every attached optimizer has stepped: the next step synchronizes again
+            self._stepped.clear()
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        self._dirty.add(id(param))
+        if self._synced:  # a new backward: its gradients are not synchronized yet
+            self._synced = False
+            self._stepped.clear()
+
+    def _forget(self, optimizers: tuple[Any, ...]) -> None:
+        self._attached = [o for o in self._attached if all(o is not x for x in optimizers)]
+        if not self._attached:
+            for h in self._grad_hooks + ([self._guard] if self._guard is not None else []):
+                h.remove()
+            self._grad_hooks, self._guard = [], None
+
+    def _check_unattached(self, opt: Any) -> None:
+        """Raise when ``opt`` (not attached) would step a tracked parameter whose gradient is not synchronized."""
+        if not self._dirty or any(opt is o for o in self._attached):
+            return
+        mine = {id(p): n for n, p, sparse in self._params if sparse or self.dense != "skip"}
+        stale = [mine[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in mine and id(p) in self._dirty]
+        if stale:
+            raise ColltuneValueError(
+                f"{type(opt).__name__}.step() would update {', '.join(stale[:5])} with gradients that are not "
+                f"synchronized across ranks: SparseGradSync is attached to "
+                f"{', '.join(type(o).__name__ for o in self._attached)}, which steps later, so the ranks would "
+                "drift apart. Pass every optimizer that steps the model: sync.attach(opt1, opt2), or call "
+                "sync.synchronize() before the first step."
+            )
 
     def attach_to_backward(self) -> Any:
         """Synchronize at the end of every backward pass (no gradient accumulation across backwards).
@@ -490,7 +563,7 @@ class SparseGradSync:
         """Remove every hook :meth:`attach` and :meth:`attach_to_backward` installed."""
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles, self._grad_hooks, self._guard, self._attached = [], [], None, []
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -561,14 +634,62 @@ class SparseGradSync:
 
 
 class _Handles:
-    """Removes a group of hooks at once."""
+    """Removes a group of hooks at once (then calls ``on_remove``, if given)."""
 
-    __slots__ = ("_handles",)
+    __slots__ = ("_handles", "_on_remove")
 
-    def __init__(self, handles: Iterable[Any]) -> None:
+    def __init__(self, handles: Iterable[Any], on_remove: Callable[[], None] | None = None) -> None:
         self._handles = list(handles)
+        self._on_remove = on_remove
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._on_remove is not None:
+            self._on_remove()
+            self._on_remove = None
+
+
+def _install_guard(sync: SparseGradSync) -> Any:
+    """Check every optimizer step of the process against ``sync`` (held weakly); return the hook's handle."""
+    ref = weakref.ref(sync)
+
+    def guard(opt: Any, args: Any, kwargs: Any) -> None:
+        target = ref()
+        if target is not None:
+            target._check_unattached(opt)
+
+    return register_optimizer_step_pre_hook(guard)
+
+
+def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_bytes: int = 250 * 2**20) -> None:
+    """Copy the parameters and buffers of the group's rank 0 to every rank, in buckets (as DDP does at creation).
+
+    Raises:
+        RankMismatchError: on every rank, when ranks hold models of different names, shapes or dtypes.
+    """
+    if _world_size(group) == 1:
+        return
+    seen: set[int] = set()
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) not in seen and t.numel() and not t.is_sparse:
+            seen.add(id(t))
+            tensors.append((name, t))
+    plan = [[n, list(t.shape), dtype_name(t.dtype) if t.is_floating_point() else str(t.dtype)] for n, t in tensors]
+    _check_same_plan(["init_sync", plan], group, "SparseGradSync(init_sync=True)")
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    for _, t in tensors:
+        runs = buckets.setdefault((t.dtype, t.device), [[]])
+        if runs[-1] and sum(x.numel() * x.element_size() for x in runs[-1]) + t.numel() * t.element_size() > bucket_bytes:
+            runs.append([])
+        runs[-1].append(t)
+    with torch.no_grad():
+        for runs in buckets.values():
+            for run in runs:
+                flat = torch.cat([t.detach().reshape(-1) for t in run])
+                dist.broadcast(flat, src=src, group=group)
+                for t, piece in zip(run, torch.split(flat, [t.numel() for t in run])):
+                    t.copy_(piece.view_as(t))

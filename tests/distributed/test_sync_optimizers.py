@@ -1,0 +1,138 @@
+"""SparseGradSync as recommendation models are trained: a same start on every rank, several optimizers.
+
+* Ranks seeded differently start from rank 0's parameters and buffers
+  (``init_sync``, as DDP does); with ``init_sync=False`` they keep their own.
+* SparseAdam for the embedding and Adam for the rest, both attached:
+  one synchronization per step whichever steps first, and the training
+  equals a one-process replica that averages every rank's gradients.
+* An optimizer that was not attached and steps a parameter whose sparse
+  gradient is not synchronized raises on every rank before changing it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from colltune.train import SparseGradSync
+
+from harness import expect_error, pool
+
+ROWS, DIM, STEPS = 64, 8, 8
+
+
+class Rec(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM, sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.register_buffer("scale", torch.rand(1) + 0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(ids).sum(1) * self.scale).squeeze(1)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, ROWS, (16, 3), generator=g), torch.randn(16, generator=g)
+
+
+def _optimizers(model: Rec) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    return torch.optim.SparseAdam(list(model.emb.parameters()), lr=0.05), torch.optim.Adam(model.mlp.parameters(), lr=0.01)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in list(model.parameters()) + list(model.buffers())])
+
+
+def _rank_init(rank: int, world_size: int, init_sync: bool) -> torch.Tensor:
+    torch.manual_seed(rank)  # seeded differently on every rank
+    model = Rec()
+    SparseGradSync(model, init_sync=init_sync)
+    return _flat(model)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_seeded_differently_start_from_rank_0(world_size: int) -> None:
+    out = pool(world_size).run(_rank_init, True)
+    assert all(torch.equal(out[0], o) for o in out[1:])
+    torch.manual_seed(0)
+    assert torch.equal(out[0], _flat(Rec()))  # rank 0's own model, unchanged
+    apart = pool(world_size).run(_rank_init, False)
+    assert not torch.equal(apart[0], apart[1])
+
+
+def _replica_step(replica: Rec, opts: tuple, world_size: int, step: int) -> None:
+    """One step of the one-process reference: every rank's gradients, averaged."""
+    grads: dict[str, torch.Tensor] = {}
+    for r in range(world_size):
+        replica.zero_grad()
+        ids, y = _batch(r, step)
+        nn.functional.mse_loss(replica(ids), y).backward()
+        for name, p in replica.named_parameters():
+            g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            grads[name] = grads.get(name, torch.zeros_like(p)) + g / world_size
+    for name, p in replica.named_parameters():
+        p.grad = grads[name].to_sparse() if name == "emb.weight" else grads[name]
+    for opt in opts:
+        opt.step()
+
+
+def _rank_two_optimizers(rank: int, world_size: int, order: str, separately: bool) -> dict:
+    torch.manual_seed(rank)
+    model = Rec()
+    sync = SparseGradSync(model)
+    replica = Rec()
+    replica.load_state_dict(model.state_dict())
+    sparse_adam, adam = _optimizers(model)
+    if separately:
+        sync.attach(sparse_adam)
+        sync.attach(adam)
+    else:
+        sync.attach(sparse_adam, adam)
+    ref_opts = _optimizers(replica)
+    for step in range(STEPS):
+        ids, y = _batch(rank, step)
+        nn.functional.mse_loss(model(ids), y).backward()
+        for opt in ((sparse_adam, adam) if order == "sparse-first" else (adam, sparse_adam)):
+            opt.step()
+        sparse_adam.zero_grad()
+        adam.zero_grad()
+        _replica_step(replica, ref_opts if order == "sparse-first" else ref_opts[::-1], world_size, step)
+    return {"params": _flat(model), "reference": _flat(replica), "syncs": sync.step}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("order, separately", [("sparse-first", False), ("dense-first", False), ("sparse-first", True)])
+def test_sparse_adam_and_adam_synchronize_once_per_step(world_size: int, order: str, separately: bool) -> None:
+    out = pool(world_size).run(_rank_two_optimizers, order, separately)
+    for o in out:
+        assert o["syncs"] == STEPS
+        assert torch.allclose(o["params"], o["reference"], atol=1e-5)
+        assert torch.equal(o["params"], out[0]["params"])
+
+
+def _rank_unattached(rank: int, world_size: int) -> dict:
+    torch.manual_seed(rank)
+    model = Rec()
+    sync = SparseGradSync(model)
+    sparse_adam, adam = _optimizers(model)
+    sync.attach(adam)  # the embedding's optimizer forgotten
+    ids, y = _batch(rank, 0)
+    nn.functional.mse_loss(model(ids), y).backward()
+    before = model.emb.weight.detach().clone()
+    raised = expect_error(sparse_adam.step)
+    unchanged = torch.equal(before, model.emb.weight)
+    adam.step()  # synchronizes; the embedding's optimizer may step now
+    sparse_adam.step()
+    return {"raised": raised, "unchanged": unchanged, "params": _flat(model)}
+
+
+def test_an_unattached_optimizer_stepping_unsynchronized_gradients_raises() -> None:
+    out = pool(2).run(_rank_unattached)
+    for o in out:
+        assert o["raised"].type == "ColltuneValueError", o["raised"]
+        assert "emb.weight" in o["raised"].message and "sync.attach(opt1, opt2)" in o["raised"].message
+        assert o["unchanged"]
+    assert torch.equal(out[0]["params"], out[1]["params"])
