@@ -38,10 +38,16 @@ def test_tune_resumes_from_its_storage_and_writes_a_policy(tmp_path, capsys):
     assert {t.number: t.value for t in done if t.number in values} == values  # the first three kept as they were
 
     policy = load_policy(out)
-    assert policy.default == "auto"
-    assert set(policy.knobs) <= {"allgather", "oktopk"} and policy.knobs
-    for alg, knobs in policy.knobs.items():
+    assert policy.default == "auto" and not policy.knobs  # nothing global: other world sizes keep the defaults
+    (rule,) = policy.rules
+    assert rule.world_size == (2, 2) and rule.backend == ("gloo",) and rule.use == "auto"
+    assert set(rule.knobs) <= {"allgather", "oktopk"} and rule.knobs
+    for alg, knobs in rule.knobs.items():
         assert set(knobs) <= set(autotune.space("exact")[alg])
+    tuned = policy.match(None, 1024, 0.01, 2, None, "float32", "gloo")
+    assert tuned.rule_index == 0 and tuned.knobs == rule.merged_knobs
+    assert policy.match(None, 1024, 0.01, 16, None, "float32", "gloo").rule_index is None
+    assert policy.match(None, 1024, 0.01, 2, None, "float32", "nccl").rule_index is None
     text = out.read_text()
     assert text.startswith("# colltune tune: study") and "# best trial #" in text
 
@@ -89,5 +95,5 @@ def test_a_written_policy_with_a_bool_knob_loads(tmp_path):
     text = autotune.policy_text(study, ("oktopk",), str(tmp_path / "s.journal"))
     out = tmp_path / "tuned.yaml"
     out.write_text(text)
-    knobs = load_policy(out).knobs["oktopk"]
+    knobs = load_policy(out).rules[0].knobs["oktopk"]
     assert knobs == {"balance": False, "peers_in_flight": 2} and knobs["balance"] is False

@@ -427,7 +427,7 @@ def test_message_format_matches_the_documented_example() -> None:
         parse_policy(text, "example.yaml")
     assert str(info.value) == (
         "example.yaml:7: rules[0].when: unknown key 'numell'; "
-        "allowed keys: tensor, numel, density, world_size, overlap, dtype"
+        "allowed keys: tensor, numel, density, world_size, overlap, dtype, backend"
     )
 
 
@@ -686,3 +686,37 @@ def test_module_stays_pure() -> None:
             imported.add(node.module)
     assert not any(m == "torch" or m.startswith("torch.") for m in imported), imported
     assert not any(m.startswith("tuner.") for m in imported), imported
+
+
+def test_env_chooses_a_profile(tmp_path: Path) -> None:
+    from colltune.model.profile import load_profile
+    from colltune.select.selector import Selector, shipped_profile
+
+    nccl = shipped_profile("nccl")
+    assert nccl is not None
+    _, ov = policy_from_env({"COLLTUNE_PROFILE": str(nccl)})
+    assert ov.profile_path == str(nccl)
+    # it replaces the profile passed in code, on every backend
+    sel = Selector(profile=shipped_profile("gloo"), environ={"COLLTUNE_PROFILE": str(nccl)})
+    assert sel.profile("gloo").digest == load_profile(nccl).digest
+    assert Selector(environ={}).profile("gloo").digest == load_profile(shipped_profile("gloo")).digest
+    with pytest.raises(PolicyError, match="COLLTUNE_PROFILE: profile file .* not found"):
+        policy_from_env({"COLLTUNE_PROFILE": str(tmp_path / "nope.yaml")})
+
+
+def test_a_rule_scoped_to_a_backend() -> None:
+    policy = parse_policy(textwrap.dedent("""
+        version: 1
+        rules:
+          - when: {backend: [NCCL, gloo], world_size: [8, null]}
+            use: dense
+          - when: {backend: gloo}
+            knobs: {oktopk: {peers_in_flight: 2}}
+    """))
+    assert policy.rules[0].backend == ("nccl", "gloo")
+    assert policy.match(None, 100, 0.1, 8, None, "float32", "nccl").algorithm == "dense"
+    assert policy.match(None, 100, 0.1, 4, None, "float32", "gloo").rule_index == 1
+    assert policy.match(None, 100, 0.1, 4, None, "float32", "nccl").rule_index is None
+    assert policy.match(None, 100, 0.1, 8, None, "float32").rule_index is None  # unknown backend: no match
+    with pytest.raises(PolicyError, match="backend"):
+        parse_policy("version: 1\nrules:\n  - when: {backend: ''}\n    use: dense\n")

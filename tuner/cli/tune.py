@@ -104,7 +104,7 @@ class TuneCommand:
             return 0
         print()
         print(format_trials(study, algorithms))
-        text = policy_text(study, algorithms, args.storage, args.profile)
+        text = policy_text(study, algorithms, args.storage, args.profile, args.backend)
         _write_text(args.out, text)
         print(f"\nwrote {args.out} (the best knobs as a policy; study {study.study_name!r} in {args.storage}, "
               f"{len(completed_trials(study))} trials; {time.monotonic() - t0:.0f} s)")

@@ -5,7 +5,7 @@ Python tags, nothing is ever instantiated), validated against a fixed schema,
 and every mistake is reported with the file, the 1-based line, the key and
 what is allowed there, for example::
 
-    example.yaml:7: rules[0].when: unknown key 'numell'; allowed keys: tensor, numel, density, world_size, overlap, dtype
+    example.yaml:7: rules[0].when: unknown key 'numell'; allowed keys: tensor, numel, density, world_size, overlap, dtype, backend
 
 This module is pure: PyYAML and the standard library. It needs no process
 group and can be tested on its own.
@@ -32,6 +32,7 @@ Format (version 1)
           world_size: [8, null]     # a single integer n means [n, n]
           overlap: [0.5, 1.0]       # within [0, 1]
           dtype: [float16, bfloat16]  # a dtype name or a list of them
+          backend: gloo             # the group's backend, or a list of them
         use: oktopk                 # optional: an algorithm or auto; omitted =
                                     # the policy default
         knobs:                      # optional; override the global knobs
@@ -40,7 +41,8 @@ Format (version 1)
 Rules:
 
 - ``when`` keys: ``tensor``, ``numel``, ``density``, ``world_size``,
-  ``overlap``, ``dtype``. A rule without ``when`` matches every call.
+  ``overlap``, ``dtype``, ``backend`` (``gloo``, ``nccl``...: the process
+  group's backend, lower case). A rule without ``when`` matches every call.
 - dtype names: ``float32``, ``float64``, ``float16``, ``bfloat16``; the
   aliases ``float``, ``double``, ``half``, ``fp32``, ``fp64``, ``fp16``,
   ``bf16`` and a ``torch.`` prefix are accepted and normalized.
@@ -84,6 +86,10 @@ Like NCCL's, they override the file. :func:`policy_from_env` reads them.
     algorithm. Case-insensitive. Knobs from the policy still apply.
 ``COLLTUNE_POLICY``
     Path of the policy file to load (relative to the working directory).
+``COLLTUNE_PROFILE``
+    Path of the profile whose cost model ``auto`` uses (one written by
+    ``colltune profile``); it replaces a profile passed in code and the
+    policy's ``profile``.
 ``COLLTUNE_DEBUG``
     Decision logging level: ``off`` (or ``0``, empty), ``warn``,
     ``info`` (or ``1``), ``debug`` / ``trace`` (or ``2``). Case-insensitive.
@@ -172,10 +178,11 @@ _DTYPE_ALIASES: dict[str, str] = {
 
 _TOP_KEYS = ("version", "profile", "default", "knobs", "rules")
 _RULE_KEYS = ("name", "when", "use", "knobs")
-_WHEN_KEYS = ("tensor", "numel", "density", "world_size", "overlap", "dtype")
+_WHEN_KEYS = ("tensor", "numel", "density", "world_size", "overlap", "dtype", "backend")
 
 ENV_ALGO = "COLLTUNE_ALGO"
 ENV_POLICY = "COLLTUNE_POLICY"
+ENV_PROFILE = "COLLTUNE_PROFILE"
 ENV_DEBUG = "COLLTUNE_DEBUG"
 ENV_LOG_FILE = "COLLTUNE_LOG_FILE"
 _DEBUG_LEVELS: dict[str, int | None] = {
@@ -323,6 +330,7 @@ class Rule:
         numel, density, world_size, overlap: inclusive ``(min, max)`` with
             ``None`` for an open end, or ``None`` for no constraint.
         dtype: canonical dtype names allowed, or ``None`` for any dtype.
+        backend: backend names allowed (lower case), or ``None`` for any backend.
         knobs: the rule's own knobs, per algorithm.
         merged_knobs: the policy's global knobs overridden by the rule's.
     """
@@ -337,6 +345,7 @@ class Rule:
     world_size: Range | None = None
     overlap: Range | None = None
     dtype: tuple[str, ...] | None = None
+    backend: tuple[str, ...] | None = None
     knobs: Mapping[str, Mapping[str, Any]] = field(default_factory=_FrozenDict)
     merged_knobs: Mapping[str, Mapping[str, Any]] = field(default_factory=_FrozenDict)
 
@@ -353,6 +362,7 @@ class Rule:
         world_size: int | None,
         overlap: float | None,
         dtype: str | None,
+        backend: str | None = None,
     ) -> bool:
         """Return whether a call with these conditions satisfies every ``when`` condition.
 
@@ -374,6 +384,8 @@ class Rule:
         if self.dtype is not None:
             if _dtype_name(dtype) not in self.dtype:
                 return False
+        if self.backend is not None and (backend is None or backend.lower() not in self.backend):
+            return False
         return True
 
     def when(self) -> dict[str, Any]:
@@ -387,6 +399,8 @@ class Rule:
                 out[key] = list(bounds)
         if self.dtype is not None:
             out["dtype"] = list(self.dtype)
+        if self.backend is not None:
+            out["backend"] = list(self.backend)
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -507,6 +521,7 @@ class Policy:
         world_size: int | None,
         overlap: float | None,
         dtype: str | None,
+        backend: str | None = None,
     ) -> Decision:
         """Return the decision of the first rule that matches the call, else the default.
 
@@ -518,13 +533,14 @@ class Policy:
             overlap: index overlap in [0, 1] (defined in :mod:`colltune.model.features`), or
                 ``None`` before it is measured.
             dtype: value dtype, as a name (``float32``) or a ``torch.dtype``.
+            backend: the process group's backend (``gloo``, ``nccl``), or ``None``.
 
         Returns:
             A shared, read-only :class:`Decision`. Any argument may be
             ``None`` (unknown); a rule that constrains it does not match.
         """
         for rule, decision in zip(self.rules, self._rule_decisions):
-            if rule.matches(name, numel, density, world_size, overlap, dtype):
+            if rule.matches(name, numel, density, world_size, overlap, dtype, backend):
                 return decision
         return self._default_decision
 
@@ -877,6 +893,8 @@ class _Parser:
                 out[k] = self.globs(vnode, path)
             elif k == "dtype":
                 out[k] = self.dtypes(vnode, path)
+            elif k == "backend":
+                out[k] = self.backends(vnode, path)
             elif k == "numel":
                 out[k] = self.range(vnode, path, integer=True, lo=0, hi=None, what="an integer >= 0")
             elif k == "world_size":
@@ -900,6 +918,15 @@ class _Parser:
             if not g:
                 raise self.fail(n, key, "empty glob", allowed)
             out.append(g)
+        return tuple(dict.fromkeys(out))
+
+    def backends(self, node: Node, key: str) -> tuple[str, ...]:
+        allowed = "allowed: a backend name such as gloo or nccl, or a list of them"
+        out = []
+        for b, n in self.string_list(node, key, allowed):
+            if not b.strip() or not b.strip().replace("_", "").replace(":", "").replace(",", "").isalnum():
+                raise self.fail(n, key, f"invalid backend name {b!r}", allowed)
+            out.append(b.strip().lower())
         return tuple(dict.fromkeys(out))
 
     def dtypes(self, node: Node, key: str) -> tuple[str, ...]:
@@ -1025,6 +1052,7 @@ class Overrides:
         algorithm: ``COLLTUNE_ALGO``: a forced algorithm or ``auto``; ``None``
             when unset.
         policy_path: ``COLLTUNE_POLICY``, or ``None``.
+        profile_path: ``COLLTUNE_PROFILE``, or ``None``.
         log_level: ``COLLTUNE_DEBUG`` as a :mod:`logging` level, or ``None``
             when off.
         log_file: ``COLLTUNE_LOG_FILE`` as written (with ``%h``/``%p``/``%r``),
@@ -1035,6 +1063,7 @@ class Overrides:
     policy_path: str | None = None
     log_level: int | None = None
     log_file: str | None = None
+    profile_path: str | None = None
 
     @property
     def log_decisions(self) -> bool:
@@ -1116,7 +1145,11 @@ def policy_from_env(environ: Mapping[str, str] = os.environ) -> tuple[Policy | N
             raise PolicyError(f"policy file {policy_path!r} not found", "environment", None, ENV_POLICY,
                               "allowed: a path to a readable policy YAML file, or unset it")
         policy = load_policy(policy_path)
-    overrides = Overrides(algorithm, policy_path, log_level, log_file)
+    profile_path = _env(environ, ENV_PROFILE)
+    if profile_path is not None and not os.path.isfile(profile_path):
+        raise PolicyError(f"profile file {profile_path!r} not found", "environment", None, ENV_PROFILE,
+                          "allowed: a path to a profile YAML file written by colltune profile, or unset it")
+    overrides = Overrides(algorithm, policy_path, log_level, log_file, profile_path)
     if overrides.log_decisions or algorithm is not None:
         logger.debug("environment overrides: %s", overrides)
     return policy, overrides

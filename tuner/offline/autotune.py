@@ -360,10 +360,14 @@ def format_trials(study: Any, algorithms: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profile: str | None = None) -> str:
+def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profile: str | None = None,
+                backend: str = "gloo") -> str:
     """Return the policy YAML holding the best knobs of each algorithm tuned.
 
-    The text is validated by :mod:`colltune.model.policy`.
+    The knobs sit in one rule scoped to the world size and backend they were
+    measured on (``when: {world_size: P, backend: B}``), so that a policy
+    tuned on 2 ranks never sets the knobs of a 16-rank job; other calls keep
+    the defaults. The text is validated by :mod:`colltune.model.policy`.
     """
     import yaml
 
@@ -390,7 +394,12 @@ def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profil
     if profile:
         doc["profile"] = profile
     doc["default"] = "auto"
-    doc["knobs"] = knobs
+    world_size = int(w.get("world_size", 0)) or None
+    if knobs:
+        when: dict[str, Any] = {"backend": backend}
+        if world_size is not None:
+            when = {"world_size": world_size, **when}
+        doc["rules"] = [{"name": f"tuned-P{world_size}-{backend}", "when": when, "use": "auto", "knobs": knobs}]
     body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
     text = "\n".join(head) + "\n" + body
     parse_policy(text, source="<tuned policy>")  # never write a policy the loader refuses

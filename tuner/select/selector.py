@@ -9,8 +9,9 @@ Precedence, for each call:
    hysteresis (below).
 4. ``dense``, the safe default, when no profile can be loaded.
 
-The profile is the one given (:func:`configure`, :class:`Selector`), else the
-one the policy names, else the profile shipped for the group's backend:
+The profile is the one ``COLLTUNE_PROFILE`` names, else the one given
+(:func:`configure`, :class:`Selector`), else the one the policy names, else
+the profile shipped for the group's backend:
 ``profiles/cpu-gloo.yaml`` (measured on CPU ranks over gloo) for gloo,
 ``profiles/analytic-nccl.yaml`` for NCCL. A profile with a stored learned
 model predicts with it; one with measurements only is fitted once on load;
@@ -59,6 +60,9 @@ built; pass ``environ={}`` to ignore it)
 ``COLLTUNE_POLICY``
     The policy file; it replaces a policy passed in code (the environment
     overrides the code, as NCCL's variables do).
+``COLLTUNE_PROFILE``
+    The profile file; it replaces a profile passed in code and the one the
+    policy names.
 ``COLLTUNE_DEBUG``
     ``info`` or ``debug``: attach a stderr handler to the ``colltune`` logger at
     that level if it has none. Decisions are logged at DEBUG, one line each,
@@ -178,6 +182,7 @@ class _Call:
     dtype_name: str
     counts: tuple[int, ...]
     world_size: int
+    backend: str | None = None
 
     @property
     def numel(self) -> int:
@@ -489,6 +494,10 @@ class Selector:
             logger.info("COLLTUNE_POLICY=%s replaces the policy %s passed in code", overrides.policy_path, given.source)
         self.policy: Policy = env_policy or given or DEFAULT_POLICY
         self.overrides: Overrides = overrides
+        if overrides.profile_path is not None:
+            if profile is not None:
+                logger.info("COLLTUNE_PROFILE=%s replaces the profile passed in code", overrides.profile_path)
+            profile = overrides.profile_path
         self._profile, self._profile_label = _as_profile(profile)
         if self._profile is None and self.policy.profile_path is not None:
             self._profile = load_profile(self.policy.profile_path)
@@ -646,7 +655,7 @@ class Selector:
         if row_numel == 0:  # the same for every algorithm, and outside what the cost model describes
             return _NO_VALUES
         site = self._site(site_key)
-        call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p)
+        call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p, backend)
         choice = self._choose_sparse(site, call, comm, backend, indices, sketches)
         site.last = site.latest = choice.algorithm
         site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, choice.overlap)
@@ -675,7 +684,7 @@ class Selector:
         name, p, k_sum, k_max = call.name, call.world_size, sum(call.counts), max(call.counts)
         dtype_name, density, numel = call.dtype_name, call.density, call.numel
         overlap, source = site.overlap, site.overlap_source
-        decision = self._match(name, numel, density, p, overlap, dtype_name)
+        decision = self._match(name, numel, density, p, overlap, dtype_name, backend)
         pinned = decision.algorithm != AUTO and (overlap is not None or not self._policy_uses_overlap)
         model = None if pinned else self.model(backend)
         if not pinned and overlap is None and (model is not None or self._policy_uses_overlap):
@@ -685,7 +694,7 @@ class Selector:
                 overlap, source = self._first_overlap(comm, indices, sketches, model, call)
                 site.overlap, site.overlap_source = overlap, source
             if self._policy_uses_overlap:
-                decision = self._match(name, numel, density, p, overlap, dtype_name)
+                decision = self._match(name, numel, density, p, overlap, dtype_name, backend)
         if decision.algorithm != AUTO:
             return self._from_policy(decision, overlap, source)
         if model is None:
@@ -744,8 +753,8 @@ class Selector:
     def _same_decision(self, model: _Model | None, call: _Call, overlaps: Sequence[float]) -> bool:
         """Return whether the policy and the cost model decide alike at every one of ``overlaps``."""
         if self._policy_uses_overlap:
-            rules = {self._match(call.name, call.numel, call.density, call.world_size, o, call.dtype_name).rule_index
-                     for o in overlaps}
+            rules = {self._match(call.name, call.numel, call.density, call.world_size, o, call.dtype_name,
+                                 call.backend).rule_index for o in overlaps}
             if len(rules) > 1:
                 return False
         if model is None:
@@ -801,7 +810,7 @@ class Selector:
         site = self._site(site_key)
         dtype_name = normalize_dtype(dtype)
         overlap = site.overlap
-        decision = self._match(name, numel, k / numel, p, overlap, dtype_name)
+        decision = self._match(name, numel, k / numel, p, overlap, dtype_name, backend)
         model = None if decision.algorithm != AUTO else self.model(backend)
         if decision.algorithm != AUTO:
             choice = self._from_policy(decision, overlap, site.overlap_source)
@@ -832,9 +841,10 @@ class Selector:
     # -- pieces ---------------------------------------------------------------
 
     def _match(
-        self, name: str | None, numel: int, density: float, p: int, overlap: float | None, dtype_name: str
+        self, name: str | None, numel: int, density: float, p: int, overlap: float | None, dtype_name: str,
+        backend: str | None,
     ) -> Decision:
-        decision = self.policy.match(name, numel, density, p, overlap, dtype_name)
+        decision = self.policy.match(name, numel, density, p, overlap, dtype_name, backend)
         if self.overrides.algorithm == AUTO and decision.algorithm != AUTO:
             return self.overrides.apply(decision)  # COLLTUNE_ALGO=auto: the cost model decides, knobs stay
         return decision
@@ -920,7 +930,7 @@ class Selector:
         The features' overlap is taken as known (a policy rule on overlap can match).
         """
         f = features
-        decision = self._match(name, f.numel * f.row_numel, f.density, f.world_size, f.overlap, f.dtype)
+        decision = self._match(name, f.numel * f.row_numel, f.density, f.world_size, f.overlap, f.dtype, backend)
         model = self.model(backend)
         site = _Site()
         if self._forced_choice is not None:

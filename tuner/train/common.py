@@ -110,6 +110,13 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
     return 1
 
 
+def _backend(group: dist.ProcessGroup | None) -> str:
+    """Return the group's backend in lower case (what policy rules match), or ``local`` without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend(group)).lower()
+    return "local"
+
+
 def _digest(data: Any) -> int:
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)

@@ -36,6 +36,7 @@ from colltune.train.common import (
     _STATE_VERSION,
     TensorStats,
     TopkAlgorithm,
+    _backend,
     _check_choice,
     _check_density,
     _check_int,
@@ -275,11 +276,11 @@ class ColltuneHookState:
 def _bucket_routes(state: ColltuneHookState, params: list[torch.Tensor], idx: int) -> list[tuple[str, _Route]]:
     """Return the name and route of every parameter of bucket ``idx``, in the bucket's order."""
     policy, overrides, _ = state._routing()
-    p = _world_size(state.process_group)
+    p, backend = _world_size(state.process_group), _backend(state.process_group)
     out = []
     for position, param in enumerate(params):
         name = state._name(param, idx, position)
-        decision = policy.match(name, param.numel(), state.density, p, None, dtype_name(param.dtype))
+        decision = policy.match(name, param.numel(), state.density, p, None, dtype_name(param.dtype), backend)
         route = _route_for(
             decision,
             overrides,

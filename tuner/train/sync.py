@@ -46,6 +46,7 @@ from colltune.train.common import (
     _STATE_VERSION,
     TensorStats,
     TopkAlgorithm,
+    _backend,
     _check_choice,
     _check_density,
     _check_int,
@@ -281,11 +282,11 @@ class SparseGradSync:
         if self._routes is not None and self._routes_compressing == compressing:
             return self._routes
         policy, overrides, self._policy_arg = _resolve_policy(self.policy)
-        p = _world_size(self.group)
+        p, backend = _world_size(self.group), _backend(self.group)
         routes: dict[str, _Route] = {}
         for name, param, sparse in self._params:
             density = None if sparse else self.density
-            decision = policy.match(name, param.numel(), density, p, None, dtype_name(param.dtype))
+            decision = policy.match(name, param.numel(), density, p, None, dtype_name(param.dtype), backend)
             route = _route_for(
                 decision,
                 overrides,
