@@ -5,7 +5,10 @@
 # torch==2.13.0 is installed first, so that resolving the other dependencies
 # never pulls a multi-GB CUDA build onto a CPU-only machine.
 #
-# Usage: bash tools/setup.sh [--test]     (--test adds pytest and hypothesis)
+# Usage: bash tools/setup.sh [--test]
+#   colltune with its command line's extras ([cli]: scikit-learn, SciPy,
+#   Optuna, tqdm, matplotlib); --test adds pytest, hypothesis, ruff and mypy.
+#   A training job alone needs only `pip install .` (torch, NumPy, PyYAML).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -13,7 +16,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     echo "setup: no torch found; installing the pinned CPU build torch==2.13.0"
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-extra=""
-if [[ "${1:-}" == "--test" ]]; then extra="[test]"; fi
+extra="[cli]"
+if [[ "${1:-}" == "--test" ]]; then extra="[cli,test]"; fi
 "$PY" -m pip install --quiet -e ".${extra}"
 "$PY" -c "import torch, colltune; print(f'setup: colltune ready (torch {torch.__version__})')"

@@ -55,3 +55,24 @@ def test_bench_into_head_still_writes_its_report(tmp_path):
     # The ranks print into the closed pipe too: the run goes on quietly and writes its report.
     assert proc.stderr in ("status 141\n", "status 0\n"), proc.stderr
     assert len(json.loads(out.read_text())["configs"]) == 2
+
+
+def test_a_missing_cli_extra_names_the_install_command(monkeypatch, capsys, tmp_path):
+    """Without the cli extra a command that needs it exits 2 and says what to install."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    for mod in [m for m in sys.modules if m.split(".")[0] == "matplotlib"]:
+        monkeypatch.delitem(sys.modules, mod)
+    from colltune.select.selector import shipped_profile
+
+    assert cli.main(["report", str(shipped_profile("gloo")), "--out", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'colltune[cli]'" in err and "matplotlib" in err

@@ -301,3 +301,36 @@ def test_every_truncation_is_detected(tmp_path: pathlib.Path) -> None:
         with pytest.raises(ProfileError) as info:
             load_profile(cut_path)
         assert str(cut_path) in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["cpu-gloo.yaml", "cpu-gloo-grid.yaml", "analytic-nccl.yaml"])
+def test_the_fast_reading_of_measurements_equals_yaml(name: str) -> None:
+    from colltune.model import profile as P
+    from colltune.model import yamlsafe
+    from colltune.select.selector import profiles_dir
+
+    text = (profiles_dir() / name).read_text()
+    fast = P._load_fast(text)
+    slow = yamlsafe.load(text)
+    if "\nmeasurements:\n" in text:
+        assert fast is not None
+    if fast is not None:
+        assert repr(fast) == repr(slow)  # the same values and the same types
+
+
+@pytest.mark.parametrize("line, value", [
+    ("- {algorithm: dense, numel: 4096, time_us: 1.0e-05}", {"algorithm": "dense", "numel": 4096, "time_us": 1e-05}),
+    ("- {algorithm: dense, numel: 0x10}", None),         # another notation: YAML reads it
+    ("- {algorithm: 'dense', numel: 1}", None),          # quoted
+    ("- {algorithm: yes, numel: 1}", None),              # a YAML boolean
+    ("# a comment", None),
+    ("- {algorithm: dense, algorithm: dense}", None),    # a duplicate key: YAML refuses it
+])
+def test_the_fast_reading_leaves_anything_unusual_to_yaml(line: str, value: dict | None) -> None:
+    from colltune.model import profile as P
+
+    got = P._load_fast("format: colltune-profile\nmeasurements:\n" + line + "\n")
+    if value is None:
+        assert got is None
+    else:
+        assert got == {"format": "colltune-profile", "measurements": [value]}

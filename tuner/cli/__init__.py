@@ -142,3 +142,13 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"colltune {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in CLI_EXTRAS:
+            raise
+        print(f"colltune {args.command}: error: it needs {exc.name.split('.')[0]}, one of the command line's "
+              "extras, which is not installed; install them with pip install 'colltune[cli]'", file=sys.stderr)
+        return 2
+
+
+#: Top-level modules of the ``cli`` extra (``pip install 'colltune[cli]'``); a training job needs none of them.
+CLI_EXTRAS = ("sklearn", "scipy", "optuna", "tqdm", "matplotlib")

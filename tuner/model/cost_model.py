@@ -1000,6 +1000,13 @@ def model_for_profile(profile: Profile) -> tuple[AnalyticModel | LearnedCostMode
             logger.warning("a profile's stored model cannot be used (%s); refitting from the measurements", exc)
     algs = {m.algorithm for m in profile.measurements}
     if len(profile.measurements) >= MIN_MEASUREMENTS_TO_FIT and len(algs) >= 2:
+        try:
+            import sklearn  # noqa: F401 - fitting needs it; evaluating a stored model does not
+        except ImportError:
+            logger.warning("a profile without a stored model needs scikit-learn to fit one, and it is not installed "
+                           "(pip install 'colltune[cli]'); using its analytic model. Store the model once with "
+                           "colltune fit PROFILE so that training jobs need no fitting")
+            return AnalyticModel(profile.primitives), "analytic"
         prior = {k: p.to_dict() for k, p in profile.primitives.items()}
         return LearnedCostModel(primitives=prior).fit(profile.measurements), "fitted"
     return AnalyticModel(profile.primitives), "analytic"
