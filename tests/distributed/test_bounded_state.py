@@ -44,7 +44,9 @@ def _rank_group_lifetime(rank: int, world_size: int) -> dict:
     def slots() -> int:
         return sum("meta.slot" in states for states in comm._GROUP_STATE.values())
 
+    gc.collect()  # groups of earlier calls in this pool that are already destroyed go first
     before = slots()
+    groups_before = len(dist.distributed_c10d._world.pg_map)
     for _ in range(3):
         group = dist.new_group(list(range(world_size)))
         colltune.sparse_allreduce(torch.tensor([rank]), torch.ones(1), 4, group=group, algorithm="allgather")
@@ -52,13 +54,15 @@ def _rank_group_lifetime(rank: int, world_size: int) -> dict:
         dist.destroy_process_group(group)
         del group
     gc.collect()
-    return {"before": before, "during": during, "after": slots()}
+    groups_after = len(dist.distributed_c10d._world.pg_map)  # private twins included
+    return {"before": before, "during": during, "after": slots(), "groups": (groups_before, groups_after)}
 
 
 def test_eager_slot_state_lives_as_long_as_its_group():
     for o in pool(2).run(_rank_group_lifetime):
         assert o["during"] == o["before"] + 1
         assert o["after"] == o["before"], o
+        assert o["groups"][0] == o["groups"][1], o  # a destroyed group took its private twin along
 
 
 def test_name_codes_stop_growing_at_their_bound(monkeypatch):
