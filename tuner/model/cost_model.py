@@ -54,7 +54,7 @@ per peer, and the rotated point-to-point exchange ``P-1`` messages in
 ``local`` primitive: ``alpha`` per kernel, ``beta`` per byte of memory traffic.
 
 Example:
-    >>> from colltune.model.features import Features
+    >>> from colltune.model.features import DTYPE_BYTES, Features
     >>> f = Features.build(numel=1 << 20, row_numel=1, dtype="float32",
     ...                    k_per_rank=[1000] * 8, union=7000.0)
     >>> model = AnalyticModel(DEFAULT_PRIMITIVES)
@@ -67,6 +67,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -74,7 +75,7 @@ import numpy as np
 from colltune.algorithms import registry
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 from colltune.algorithms.schedule import Pricing, Step
-from colltune.model.features import Features
+from colltune.model.features import DTYPE_BYTES, Features
 from colltune.model.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
 
 __all__ = [
@@ -959,6 +960,78 @@ def _calibrate(A: np.ndarray, times: np.ndarray, theta0: np.ndarray, n_theta: in
     res = lsq_linear(M, b, bounds=(0.0, np.inf), method="bvls")
     x[cols] = np.maximum(res.x, 0.0) / norms[cols]
     return x[:n_theta], x[n_theta:]
+
+
+# ---------------------------------------------------------------------------
+# Where a learned model was measured
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The calls a learned model was measured on: ranges of world size, rows and row width, and the dtypes.
+
+    A learned model is trusted inside its domain and fades out beyond it:
+    :meth:`weight` is 1 inside, falls linearly with the distance outside
+    (in factors of 2 along the farthest dimension) and reaches 0 at
+    :data:`FADE_DOUBLINGS`, where the analytic model alone decides. So a
+    profile measured at P = 2 to 8 blends at P = 16 and is not trusted at all
+    from P = 32 on.
+
+    Attributes:
+        world_size, numel, row_numel: inclusive ``(min, max)`` measured.
+        value_bytes: the value sizes measured (bytes per element of each dtype).
+    """
+
+    world_size: tuple[int, int]
+    numel: tuple[int, int]
+    row_numel: tuple[int, int]
+    value_bytes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, measurements: Sequence[Measurement]) -> "Domain | None":
+        """Return the domain of ``measurements``, or ``None`` for none."""
+        if not measurements:
+            return None
+        ps = [m.world_size for m in measurements]
+        ns = [m.numel for m in measurements]
+        rs = [m.row_numel for m in measurements]
+        sizes = sorted({DTYPE_BYTES[m.dtype] for m in measurements})
+        return cls((min(ps), max(ps)), (min(ns), max(ns)), (min(rs), max(rs)), tuple(sizes))
+
+    def distances(self, f: Features) -> dict[str, float]:
+        """Return, per dimension outside the domain, how far outside ``f`` lies (in factors of 2)."""
+        out: dict[str, float] = {}
+        for what, value, (lo, hi) in (("world size", f.world_size, self.world_size), ("rows", f.numel, self.numel),
+                                      ("row width", f.row_numel, self.row_numel)):
+            if value < lo or value > hi:
+                out[what] = abs(math.log2(max(value, 1) / (lo if value < lo else hi)))
+        if f.value_bytes not in self.value_bytes:
+            out["dtype"] = min(abs(math.log2(f.value_bytes / b)) for b in self.value_bytes)
+        return out
+
+    def weight(self, f: Features) -> float:
+        """Return how much the learned model counts for ``f``: 1 inside the domain, down to 0 far outside."""
+        d = self.distances(f)
+        return 1.0 if not d else max(0.0, 1.0 - max(d.values()) / FADE_DOUBLINGS)
+
+    def describe(self, f: Features) -> str | None:
+        """Return why ``f`` is outside the domain and what that does, or ``None`` inside it."""
+        d = self.distances(f)
+        if not d:
+            return None
+        measured = {"world size": f"P {self.world_size[0]}..{self.world_size[1]}",
+                    "rows": f"n {self.numel[0]}..{self.numel[1]}",
+                    "row width": f"rows of {self.row_numel[0]}..{self.row_numel[1]}",
+                    "dtype": "values of " + "/".join(f"{b} B" for b in self.value_bytes)}
+        w = self.weight(f)
+        what = "the analytic model alone" if w == 0 else f"{w:.0%} learned, {1 - w:.0%} analytic"
+        return ("extrapolating (" + ", ".join(f"{k} outside the measured {measured[k]}" for k in d)
+                + f"): {what}")
+
+
+#: Doublings outside a learned model's domain at which it no longer counts (:class:`Domain`).
+FADE_DOUBLINGS = 2.0
 
 
 # ---------------------------------------------------------------------------

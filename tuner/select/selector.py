@@ -116,7 +116,7 @@ from colltune.model.policy import (
 from colltune.model.profile import Profile, ProfileError, load_profile
 
 if TYPE_CHECKING:  # the cost models are imported when a profile is first used
-    from colltune.model.cost_model import AnalyticModel, LearnedCostModel
+    from colltune.model.cost_model import AnalyticModel, Domain, LearnedCostModel
 
 __all__ = [
     "SAFE_DEFAULT",
@@ -328,10 +328,16 @@ def requested(algorithm: str) -> Choice:
 class _Model:
     """A profile's cost model behind one interface: predicted times and (calibrated) analytic terms."""
 
-    __slots__ = ("kind", "label", "analytic", "learned")
+    __slots__ = ("kind", "label", "analytic", "learned", "domain")
 
-    def __init__(self, kind: str, label: str, analytic: AnalyticModel, learned: LearnedCostModel | None) -> None:
+    def __init__(self, kind: str, label: str, analytic: AnalyticModel, learned: LearnedCostModel | None,
+                 domain: Domain | None = None) -> None:
         self.kind, self.label, self.analytic, self.learned = kind, label, analytic, learned
+        self.domain = domain  # where the learned model was measured; it fades out beyond (None: everywhere)
+
+    def extrapolation(self, f: Features) -> str | None:
+        """Return why the learned model is not (fully) trusted for ``f``, or ``None``."""
+        return None if self.learned is None or self.domain is None else self.domain.describe(f)
 
     def predict(self, f: Features) -> dict[str, float]:
         return self.predict_many([f])[0]
@@ -346,14 +352,24 @@ class _Model:
         out = []
         for f, row in zip(feats, rows):
             got = dict(zip(algs, (float(t) for t in row)))
-            if any(a not in got for a in want):  # an algorithm the profile never measured: the analytic model
+            w = 1.0 if self.domain is None else self.domain.weight(f)
+            if w < 1.0 or any(a not in got for a in want):  # outside the measurements: the analytic model
                 base = self.analytic.predict(f)
-                got = {a: got[a] if a in got else base[a] for a in want}
+                got = {a: _blend(got[a], base[a], w) if a in got else base[a] for a in want}
             out.append(got)
         return out
 
     def terms(self, f: Features) -> dict[str, dict[str, float]]:
         return self.analytic.terms(f)
+
+
+def _blend(learned: float, analytic: float, w: float) -> float:
+    """Return ``learned ** w * analytic ** (1 - w)``: the learned model's share ``w`` in log time."""
+    if w >= 1.0:
+        return learned
+    if w <= 0.0 or learned <= 0.0 or analytic <= 0.0:
+        return analytic
+    return math.exp(w * math.log(learned) + (1.0 - w) * math.log(analytic))
 
 
 def model_for_profile(profile: Profile, label: str = "<profile>") -> _Model:
@@ -370,7 +386,7 @@ def model_for_profile(profile: Profile, label: str = "<profile>") -> _Model:
     if source == "fitted":
         logger.info("profile %s: fitted the learned model on %d measurements in %.1f s",
                     label, len(profile.measurements), time.perf_counter() - t0)
-    return _Model("learned", label, model.analytic_, model)
+    return _Model("learned", label, model.analytic_, model, cost_model.Domain.of(profile.measurements))
 
 
 # --------------------------------------------------------------------------- per-site state
@@ -896,6 +912,9 @@ class Selector:
             reason = f"cost model ({model.kind}, {model.label}): {order}"
             if term is not None:
                 reason += f"; decided by {term[0]} (+{_ms(term[1])})"
+        far = model.extrapolation(next(iter(feats.values())))
+        if far is not None:
+            reason += f"; {far}"
         rule = None
         if decision.rule_index is not None:
             rule = f"rule {decision.rule_index}" + (f" {decision.rule_name!r}" if decision.rule_name else "")

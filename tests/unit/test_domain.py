@@ -1,0 +1,68 @@
+"""A learned model is trusted where it was measured and fades into the analytic model beyond.
+
+The shipped gloo profile was measured at P = 2 to 8 on one machine: at P = 16
+the selector blends the learned and analytic predictions half and half, from
+P = 32 on it uses the analytic model alone, and the reason says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from colltune.model.cost_model import FADE_DOUBLINGS, Domain
+from colltune.model.features import Features
+from colltune.model.profile import load_profile
+from colltune.select.selector import Selector, model_for_profile, shipped_profile
+
+
+def _f(p: int = 4, n: int = 2**16, row: int = 1, dtype: str = "float32") -> Features:
+    k = max(1, n // 100)
+    return Features.build(numel=n, row_numel=row, dtype=dtype, k_per_rank=[k] * p, union=k * p * 0.75)
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    profile = load_profile(shipped_profile("gloo"))
+    return profile, model_for_profile(profile, "cpu-gloo.yaml")
+
+
+def test_the_domain_is_what_was_measured(gloo) -> None:
+    profile, model = gloo
+    d = model.domain
+    assert d == Domain.of(profile.measurements)
+    assert d.world_size == (min(m.world_size for m in profile.measurements), max(m.world_size for m in profile.measurements))
+    assert d.weight(_f(p=4)) == 1.0 and d.describe(_f(p=4)) is None
+
+
+@pytest.mark.parametrize("p, weight", [(8, 1.0), (16, 0.5), (32, 0.0), (1024, 0.0)])
+def test_the_learned_model_fades_with_the_world_size(gloo, p: int, weight: float) -> None:
+    _, model = gloo
+    f = _f(p=p)
+    assert model.domain.weight(f) == pytest.approx(weight)
+    learned = model.learned.predict([f])[0]
+    analytic = model.analytic.predict(f)
+    got = model.predict(f)
+    for i, a in enumerate(model.learned.algorithms_):
+        want = math.exp(weight * math.log(learned[i]) + (1 - weight) * math.log(analytic[a]))
+        assert got[a] == pytest.approx(want, rel=1e-9)
+
+
+def test_other_dimensions_fade_too(gloo) -> None:
+    _, model = gloo
+    d = model.domain
+    assert d.weight(_f(n=d.numel[1] * 2)) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
+    assert d.weight(_f(row=d.row_numel[1] * 4)) == 0.0
+    assert "dtype" in d.distances(_f(dtype="bfloat16"))
+    assert d.weight(_f(dtype="float64")) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
+
+
+def test_explain_says_when_it_extrapolates() -> None:
+    sel = Selector(environ={})
+    inside = sel.explain(_f(p=4), backend="gloo").choice.reason
+    far = sel.explain(_f(p=64), backend="gloo").choice.reason
+    half = sel.explain(_f(p=16), backend="gloo").choice.reason
+    assert "extrapolating" not in inside
+    assert "world size outside the measured P 2..8): the analytic model alone" in far
+    assert "50% learned, 50% analytic" in half
