@@ -151,6 +151,9 @@ class Features:
         union: size ``u`` of the union of the index sets (exact or estimated).
         overlap: ``(K - u) / (K - k_max)``, in [0, 1].
         dtype: value dtype name, a key of :data:`DTYPE_BYTES`.
+        ranks_per_node: ranks of the group on each node (at most ``P``; a
+            group inside one node has ``P``), or ``None`` when unknown (the
+            cost model then takes the profile's layout).
     """
 
     numel: int
@@ -163,6 +166,7 @@ class Features:
     union: float
     overlap: float
     dtype: str
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("numel", self.numel, 1)
@@ -192,6 +196,14 @@ class Features:
         object.__setattr__(self, "overlap", _check_float("overlap", self.overlap, 0.0, 1.0))
         for name in ("numel", "row_numel", "value_bytes", "index_bytes", "world_size", "k_max", "k_sum"):
             object.__setattr__(self, name, int(getattr(self, name)))
+        if self.ranks_per_node is not None:
+            rpn = _check_int("ranks_per_node", self.ranks_per_node, 1)
+            object.__setattr__(self, "ranks_per_node", min(int(rpn), self.world_size))
+
+    @property
+    def nodes(self) -> int | None:
+        """Nodes the group spans, ``ceil(P / ranks_per_node)``, or ``None`` when unknown."""
+        return None if self.ranks_per_node is None else -(-self.world_size // self.ranks_per_node)
 
     @classmethod
     def build(
@@ -202,6 +214,7 @@ class Features:
         dtype: object,
         k_per_rank: Sequence[int],
         union: float,
+        ranks_per_node: int | None = None,
     ) -> "Features":
         """Build features from per-rank nonzero counts and a union size.
 
@@ -212,6 +225,7 @@ class Features:
             k_per_rank: nonzero rows of each rank after coalescing; its length is ``P``.
             union: exact or estimated union size; clipped to the feasible range
                 ``[max(k_p), min(sum(k_p), numel)]``.
+            ranks_per_node: ranks of the group per node, or ``None`` when unknown.
 
         Returns:
             The features, with ``overlap`` from :func:`overlap_from_union`.
@@ -236,6 +250,7 @@ class Features:
             union=u,
             overlap=overlap_from_union(ks, u),
             dtype=name,
+            ranks_per_node=ranks_per_node,
         )
 
     @property

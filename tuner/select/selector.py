@@ -183,6 +183,7 @@ class _Call:
     counts: tuple[int, ...]
     world_size: int
     backend: str | None = None
+    ranks_per_node: int | None = None
 
     @property
     def numel(self) -> int:
@@ -196,7 +197,8 @@ class _Call:
         """The call's features at ``overlap`` (the union it implies)."""
         k_sum, k_max = sum(self.counts), max(self.counts)
         return Features.build(numel=self.size, row_numel=self.row_numel, dtype=self.dtype_name,
-                              k_per_rank=list(self.counts), union=k_sum - overlap * (k_sum - k_max))
+                              k_per_rank=list(self.counts), union=k_sum - overlap * (k_sum - k_max),
+                              ranks_per_node=self.ranks_per_node)
 
 
 def _ms(us: float) -> str:
@@ -631,6 +633,7 @@ class Selector:
         counts: Sequence[int],
         indices: Any,
         sketches: Sequence[Any] | None = None,
+        ranks_per_node: int | None = None,
     ) -> Choice:
         """Return the algorithm of one exact sparse allreduce.
 
@@ -671,7 +674,7 @@ class Selector:
         if row_numel == 0:  # the same for every algorithm, and outside what the cost model describes
             return _NO_VALUES
         site = self._site(site_key)
-        call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p, backend)
+        call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p, backend, ranks_per_node)
         choice = self._choose_sparse(site, call, comm, backend, indices, sketches)
         site.last = site.latest = choice.algorithm
         site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, choice.overlap)
@@ -798,6 +801,7 @@ class Selector:
         numel: int,
         k: int,
         dtype: Any,
+        ranks_per_node: int | None = None,
     ) -> Choice:
         """Return the algorithm of one top-k allreduce (no collective: numel, k, P and dtype decide).
 
@@ -837,8 +841,10 @@ class Selector:
             ov = 0.0 if overlap is None else overlap
             k = min(k, numel)
             u = p * k - ov * (p * k - k)
-            sparse = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[k] * p, union=u)
-            dense = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[numel] * p, union=numel)
+            layout = {"ranks_per_node": ranks_per_node}
+            sparse = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[k] * p, union=u, **layout)
+            dense = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[numel] * p, union=numel,
+                                   **layout)
             feats = {"dense": dense, "allgather": sparse, "oktopk": sparse}
             choice = self._from_model(model, feats, decision, site, overlap, site.overlap_source)
         site.last = site.latest = choice.algorithm
