@@ -190,7 +190,7 @@ def test_no_private_attribute_across_layers() -> None:
 
 
 PURE = ("colltune.model.features", "colltune.model.profile", "colltune.model.cost_model",
-        "colltune.model.policy", "colltune.model.files", "colltune.model.yamlsafe")
+        "colltune.model.policy", "colltune.model.files", "colltune.model.yamlsafe", "colltune.model.nccl")
 
 
 def test_the_pure_layer_has_no_module_level_torch() -> None:

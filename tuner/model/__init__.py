@@ -13,6 +13,9 @@ module             contract
 ``cost_model``     the analytic model (the algorithms' schedules priced on a
                    profile's primitives) and the learned model (fitted with
                    scikit-learn, evaluated with NumPy)
+``nccl``           NCCL's own tuning model (v2.21.5): each collective's time on
+                   a topology of nodes, GPUs per node and network, from the
+                   constants in ``profiles/nccl-tuning.yaml``
 ``policy``         YAML policy files: rules that pin algorithms and knobs
 ``files``          atomic writes of every file colltune writes
 ``yamlsafe``       bounded safe YAML loading
