@@ -164,6 +164,10 @@ class AnalyticModel:
         dense_fallback_ratio: Ok-Topk sends a region dense when its sparse
             bytes reach this multiple of its dense bytes (knob
             ``oktopk.dense_fallback_ratio``).
+        network: a GPU cluster (:class:`Network`): its collectives, all-to-all
+            and point-to-point steps are priced with NCCL's tuning model
+            (:mod:`colltune.model.nccl`) on the call's layout instead of the
+            alpha-beta constants; local work keeps ``primitives["local"]``.
 
     Raises:
         ColltuneValueError: a required primitive is missing, a constant is negative.
@@ -182,6 +186,7 @@ class AnalyticModel:
         peers_in_flight: int | None = None,
         dense_fallback_ratio: float | None = None,
         knobs: Mapping[str, Mapping[str, Any]] | None = None,
+        network: "Network | None" = None,
     ) -> None:
         if isinstance(primitives, Profile):
             primitives = primitives.primitives
@@ -226,9 +231,11 @@ class AnalyticModel:
         self._theta = np.array(
             [getattr(prims[p], f) for p in PRIMITIVES for f in _PARAM_FIELDS], dtype=np.float64
         )
+        self.network = network
 
     def __repr__(self) -> str:
-        return f"AnalyticModel(primitives={self.primitives!r})"
+        extra = "" if self.network is None else f", network={self.network!r}"
+        return f"AnalyticModel(primitives={self.primitives!r}{extra})"
 
     @classmethod
     def from_profile(cls, profile: Profile, **kwargs: Any) -> "AnalyticModel":
@@ -277,7 +284,9 @@ class AnalyticModel:
                 continue
         return out
 
-    def _cost(self, s: Step) -> float:
+    def _cost(self, s: Step, features: Features | None = None) -> float:
+        if self.network is not None and features is not None and s.primitive != "local":
+            return self.network.price(s, features)
         prim = self.primitives[s.primitive]
         return s.calls * prim.launch_us + s.steps * prim.alpha_us + s.nbytes * prim.beta_us_per_byte
 
@@ -291,7 +300,8 @@ class AnalyticModel:
             ``{algorithm: {term: us}}`` with the terms of :attr:`TERMS`; the
             terms of an algorithm sum to its :meth:`predict` value.
         """
-        return {alg: {s.term: self._cost(s) for s in steps} for alg, steps in self.schedule(features).items()}
+        return {alg: {s.term: self._cost(s, features) for s in steps}
+                for alg, steps in self.schedule(features).items()}
 
     def predict(self, features: Features) -> dict[str, float]:
         """Return the predicted time of every algorithm, in microseconds."""
@@ -309,8 +319,10 @@ class AnalyticModel:
         """Return, per algorithm, the coefficients of its time on :data:`PARAM_NAMES`.
 
         ``predict(f)[alg] == design(f)[alg] @ parameter_vector()`` (up to
-        rounding): the time is linear in the constants, which is what lets
-        :class:`LearnedCostModel` recalibrate them by least squares.
+        rounding) without a :attr:`network`: the time is linear in the
+        constants, which is what lets :class:`LearnedCostModel` recalibrate
+        them by least squares. (With a network the collectives follow NCCL's
+        model, which is not linear in them.)
         """
         out = {}
         for alg, steps in self.schedule(features).items():
@@ -963,6 +975,68 @@ def _calibrate(A: np.ndarray, times: np.ndarray, theta0: np.ndarray, n_theta: in
 
 
 # ---------------------------------------------------------------------------
+# A GPU cluster under NCCL
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Network:
+    """The GPU cluster an NCCL profile describes, for pricing steps with NCCL's tuning model.
+
+    A call's layout comes from its features (``ranks_per_node``, learned from
+    the process group) or else from :attr:`ranks_per_node`; a group of ``P``
+    ranks spans ``ceil(P / ranks_per_node)`` nodes, as evenly as it can, and a
+    group inside one node is priced as intra-node.
+
+    Attributes:
+        gpu: the GPU generation (a section of ``profiles/nccl-tuning.yaml``).
+        ranks_per_node: ranks per node when a call does not say (8 on DGX nodes).
+        nic_gbps: inter-node bandwidth per GPU in Gbit/s, or ``None`` for the generation's.
+    """
+
+    gpu: str
+    ranks_per_node: int = 8
+    nic_gbps: float | None = None
+
+    @classmethod
+    def of(cls, meta: Mapping[str, Any]) -> "Network | None":
+        """Return the network an NCCL profile's ``meta`` names (``gpu``, ``ranks_per_node``, ``nic_gbps``), or ``None``."""
+        if str(meta.get("backend", "")).lower() != "nccl" or not meta.get("gpu"):
+            return None
+        return cls(str(meta["gpu"]), int(meta.get("ranks_per_node") or 8), meta.get("nic_gbps"))
+
+    def topology(self, features: Features) -> Any:
+        """Return the :class:`colltune.model.nccl.Topology` of a call with these features."""
+        from colltune.model import nccl
+
+        p = features.world_size
+        rpn = min(features.ranks_per_node or self.ranks_per_node, p)
+        nodes = -(-p // rpn)
+        return nccl.Topology(nodes=nodes, gpus_per_node=-(-p // nodes), gpu=self.gpu, nic_gbps=self.nic_gbps)
+
+    def price(self, s: Step, features: Features) -> float:
+        """Return the time of step ``s`` (not ``local``) in microseconds, with NCCL's model on the call's layout."""
+        from colltune.model import nccl
+
+        p = features.world_size
+        if s.calls <= 0 or p == 1:
+            return 0.0
+        topo = self.topology(features)
+        if s.primitive == "all_reduce":  # Pricing: nbytes = calls * 2 (P-1)/P * L
+            size = s.nbytes / (s.calls * 2 * (p - 1) / p)
+            return s.calls * nccl.collective_time_us("all_reduce", round(size), topo)
+        if s.primitive == "all_gather":  # nbytes = calls * (P-1) * L; NCCL counts the whole output, P L
+            size = s.nbytes / (s.calls * (p - 1)) * p
+            return s.calls * nccl.collective_time_us("all_gather", round(size), topo)
+        if s.primitive == "all_to_all":  # nbytes = calls * (P-1) * per peer
+            return s.calls * nccl.all_to_all_time_us(round(s.nbytes / (s.calls * (p - 1))), topo)
+        # p2p: P - 1 rotated sends of nbytes / (P-1) each, (P-1) / calls of them in flight per call
+        in_flight = max(1, round(s.steps / s.calls))
+        inter = topo.nodes > 1
+        return s.calls * nccl.p2p_time_us(round(s.nbytes / max(s.steps, 1.0)), topo, in_flight, inter_node=inter)
+
+
+# ---------------------------------------------------------------------------
 # Where a learned model was measured
 # ---------------------------------------------------------------------------
 
@@ -1079,10 +1153,10 @@ def model_for_profile(profile: Profile) -> tuple[AnalyticModel | LearnedCostMode
             logger.warning("a profile without a stored model needs scikit-learn to fit one, and it is not installed "
                            "(pip install 'colltune[cli]'); using its analytic model. Store the model once with "
                            "colltune fit PROFILE so that training jobs need no fitting")
-            return AnalyticModel(profile.primitives), "analytic"
+            return AnalyticModel(profile.primitives, network=Network.of(profile.meta)), "analytic"
         prior = {k: p.to_dict() for k, p in profile.primitives.items()}
         return LearnedCostModel(primitives=prior).fit(profile.measurements), "fitted"
-    return AnalyticModel(profile.primitives), "analytic"
+    return AnalyticModel(profile.primitives, network=Network.of(profile.meta)), "analytic"
 
 
 def cross_validate(

@@ -14,7 +14,11 @@ Format (version 1)::
       backend: nccl                 # required (str)
       world_sizes: [2, 4, 8]        # list of int
       nodes: 1                      # int
-      ranks_per_node: 8             # int
+      ranks_per_node: 8             # int: the layout assumed when a call's own is unknown
+      gpu: h100                     # str: a GPU generation of profiles/nccl-tuning.yaml; with it
+                                    # an NCCL profile prices collectives with NCCL's tuning model
+      nic_gbps: 400                 # number: inter-node bandwidth per GPU, Gbit/s (default: the
+                                    # generation's)
       torch_version: 2.13.0         # str
       host: node001                 # str
       date: '2025-01-31'            # str (a bare YAML date is accepted)
@@ -120,6 +124,7 @@ MEASUREMENT_FIELDS: tuple[str, ...] = (
 _META_TYPES: dict[str, tuple[type, ...]] = {
     "backend": (str,), "world_sizes": (list,), "nodes": (int,), "ranks_per_node": (int,),
     "torch_version": (str,), "host": (str,), "date": (str,), "notes": (str,),
+    "gpu": (str,), "nic_gbps": (int, float),
 }
 _TOP_KEYS = ("format", "version", "checksum", "kind", "meta", "primitives", "model", "measurements")
 
