@@ -38,6 +38,7 @@ from colltune.cli.demo import DemoCommand
 from colltune.cli.explain import ExplainCommand
 from colltune.cli.profile import FitCommand, ProfileCommand
 from colltune.cli.report import ReportCommand
+from colltune.cli.simulate import SimulateCommand
 from colltune.cli.tune import TuneCommand
 
 __all__ = ["main", "Command", "COMMANDS", "EXIT_BROKEN_PIPE", "UsageError"]
@@ -49,8 +50,8 @@ logger = logging.getLogger(__name__)
 COMMANDS: dict[str, Command] = {  # type: ignore[misc]
     c.name: c
     for c in (
-        BenchCommand(), ProfileCommand(), FitCommand(), TuneCommand(), ExplainCommand(), ReportCommand(),
-        DemoCommand(),
+        BenchCommand(), ProfileCommand(), FitCommand(), TuneCommand(), ExplainCommand(), SimulateCommand(),
+        ReportCommand(), DemoCommand(),
     )
 }
 

@@ -9,7 +9,8 @@ Input: options only::
     colltune explain --numel 2^20 --density 1e-2 --world-size 4 --overlap 0.5
     colltune explain --numel 1000000 --density 1e-3 --world-size 8 --overlap 0.9 \\
         --profile profiles/cpu-gloo.yaml --policy profiles/policies/example.yaml --name emb.weight
-    colltune explain ... --backend nccl           # the profile shipped for NCCL clusters
+    colltune explain ... --backend nccl           # the profile shipped for NCCL clusters (DGX H100)
+    colltune explain ... --backend nccl --gpu a100 --gpus-per-node 8 --nic-gbps 200
     colltune explain ... --json                   # the same as one JSON object
 
 Output: the call's statistics, the cost model (learned or analytic, and the
@@ -92,10 +93,15 @@ class ExplainCommand:
         s.add_argument("--policy", metavar="FILE", help="policy file (default: COLLTUNE_POLICY, else none)")
         s.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                        help="whose shipped profile to use without --profile (default gloo)")
+        s.add_argument("--gpus-per-node", type=parse_world, metavar="G",
+                       help="NCCL: ranks per node (default: the profile's)")
+        s.add_argument("--gpu", help="NCCL: GPU generation, v100, a100 or h100 (default: the profile's)")
+        s.add_argument("--nic-gbps", type=float, metavar="X", help="NCCL: inter-node bandwidth per GPU, Gbit/s")
         s.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
     def run(self, args: argparse.Namespace) -> int:
         """Print the explanation; return 0."""
+        from colltune.cli.simulate import cluster_profile
         from colltune.model.features import Features
         from colltune.offline.workloads import shared_count
         from colltune.select.selector import Selector, format_explanation
@@ -111,9 +117,12 @@ class ExplainCommand:
                 )
         k_sum = p * k
         union = k_sum - args.overlap * (k_sum - k)
+        profile, _ = cluster_profile(args)
+        rpn = profile.meta.get("ranks_per_node") if profile.meta.get("backend") == "nccl" else None
         features = Features.build(numel=n, row_numel=args.row_numel, dtype=args.dtype, k_per_rank=[k] * p,
-                                  union=union)
-        selector = Selector(policy=args.policy, profile=args.profile)
+                                  union=union, ranks_per_node=rpn)
+        changed = any(v is not None for v in (args.gpu, args.gpus_per_node, args.nic_gbps))
+        selector = Selector(policy=args.policy, profile=profile if changed else args.profile)
         explanation = selector.explain(features, name=args.name, backend=args.backend)
         if args.json:
             print(json.dumps(explanation.as_dict(), indent=1, default=str))

@@ -1,0 +1,76 @@
+"""``colltune simulate`` (and ``explain``'s cluster options): what colltune would do on a cluster, per world size."""
+
+from __future__ import annotations
+
+import json
+
+from colltune import cli
+
+CALL = ["--numel", "2^20", "--density", "5e-2"]
+
+
+def test_simulate_prints_every_world_size_and_a_choice(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "-P", "8", "64", "1024"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["8", "64", "1024"]
+    assert [r[1] for r in rows] == ["1", "8", "128"] and all(r[2] == "8" for r in rows)
+    assert all(r[-1] in ("dense", "allgather", "oktopk") for r in rows)
+    assert "it receives as much" in out
+
+
+def test_simulate_json_holds_times_bytes_and_choices(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "-P", "8", "1024", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    first, last = doc["points"]
+    assert first["world_size"] == 8 and last["nodes"] == 128
+    for pt in doc["points"]:
+        assert set(pt["predicted_us"]) == {"dense", "allgather", "oktopk"}
+        assert pt["choice"] == min(pt["predicted_us"], key=pt["predicted_us"].get)
+        assert pt["bytes_received"] == pt["bytes_sent"]
+    # at 1024 ranks allgather receives 40x dense's bytes: the NCCL model no longer picks it
+    assert last["bytes_sent"]["allgather"] > 4 * last["bytes_sent"]["dense"] and last["choice"] != "allgather"
+
+
+def test_the_layout_options_change_the_pricing(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "--nodes", "16", "--gpus-per-node", "4", "--gpu", "a100", "--json"]) == 0
+    (pt,) = json.loads(capsys.readouterr().out)["points"]
+    assert (pt["world_size"], pt["nodes"], pt["ranks_per_node"]) == (64, 16, 4)
+    assert cli.main(["simulate", *CALL, "--nodes", "16", "--gpus-per-node", "4", "--gpu", "h100", "--json"]) == 0
+    (faster,) = json.loads(capsys.readouterr().out)["points"]
+    assert faster["predicted_us"]["dense"] < pt["predicted_us"]["dense"]
+
+
+def test_simulate_draws_its_plot(tmp_path, capsys) -> None:
+    png = tmp_path / "sim.png"
+    assert cli.main(["simulate", "--topk", "--numel", "1e7", "--density", "1e-3", "-P", "32", "256",
+                     "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in capsys.readouterr().out
+
+
+def test_simulate_says_when_a_measured_profile_extrapolates(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "--backend", "gloo", "-P", "4", "64"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert "extrapolating" not in lines[0] and "world size outside the measured" in lines[1]
+
+
+def test_bad_cluster_options_exit_2(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "--gpu", "z80"]) == 2
+    assert "--gpu" in capsys.readouterr().err
+    assert cli.main(["simulate", *CALL, "--backend", "gloo", "--gpus-per-node", "8"]) == 2
+    assert "NCCL cluster" in capsys.readouterr().err
+    assert cli.main(["simulate", *CALL, "--nodes", "2", "-P", "16"]) == 2
+
+
+def test_explain_takes_the_cluster_options(capsys) -> None:
+    base = ["explain", "--numel", "2^20", "--density", "1e-2", "--world-size", "64", "--overlap", "0.5",
+            "--backend", "nccl", "--json"]
+    assert cli.main([*base, "--gpus-per-node", "8"]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    assert cli.main([*base, "--gpus-per-node", "1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    times = {d["algorithm"]: d["predicted_us"] for d in eight["algorithms"]}
+    spread = {d["algorithm"]: d["predicted_us"] for d in one["algorithms"]}
+    assert times["dense"] != spread["dense"]  # 8 nodes of 8 against 64 nodes of 1

@@ -1,0 +1,138 @@
+"""``colltune simulate``: what colltune would do on a cluster, at each world size, before you rent it.
+
+No process group is needed. The cluster is the NCCL profile shipped for
+``--backend nccl`` (DGX H100 nodes), or ``--profile FILE``, with its layout
+changed by ``--gpu``, ``--gpus-per-node`` and ``--nic-gbps`` (an NCCL
+profile prices its collectives with NCCL's tuning model on that layout);
+a measured profile is priced by its learned model, faded into its analytic
+model outside what it measured. The workload is one call: every rank holds
+``round(density * numel)`` entries whose index sets overlap by
+``overlap``; ``--topk`` prices top-k of a dense tensor of ``numel``
+elements instead.
+
+Input: options only::
+
+    colltune simulate --numel 2^24 --density 1e-2 --overlap 0.5 -P 8 64 512 1024
+    colltune simulate --nodes 64 --gpus-per-node 8 --gpu a100 --nic-gbps 200 --numel 1e6 --row-shape 64 --density 1e-3
+    colltune simulate --topk --numel 3.4e8 --density 1e-3 -P 32 64 128 256 --gpus-per-node 1 --plot bert.png
+    colltune simulate ... --json
+
+Output: per world size, the nodes and ranks per node priced, each
+algorithm's predicted time and the bytes one rank sends per call (it
+receives as much), and the cost model's choice (policies and hysteresis
+are not applied). ``--plot FILE`` draws time and bytes against P and the
+decision map over density and P (PNG); ``--json`` prints one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any, ClassVar
+
+from colltune.algorithms.errors import ColltuneValueError
+from colltune.cli.common import UsageError, parse_world
+from colltune.cli.explain import parse_numel, parse_unit
+
+__all__ = ["SimulateCommand", "cluster_profile"]
+
+#: World sizes simulated without ``--world-size`` or ``--nodes``.
+DEFAULT_WORLD_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class SimulateCommand:
+    """``colltune simulate``: each algorithm's predicted time and bytes per world size, and the choice."""
+
+    name: ClassVar[str] = "simulate"
+    help: ClassVar[str] = "predict each algorithm's time and bytes on a cluster, per world size, and the choice"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the options of ``simulate`` to ``parser``."""
+        w = parser.add_argument_group("the call")
+        w.add_argument("--numel", "--n", type=parse_numel, required=True, metavar="N", help="dense rows n, e.g. 2^24")
+        w.add_argument("--density", type=parse_unit(True), required=True, metavar="D",
+                       help="entries per rank over n, in (0, 1] (top-k: k / n)")
+        w.add_argument("--overlap", type=parse_unit(False), default=0.0, metavar="O",
+                       help="index overlap between ranks, 0 (disjoint, default) to 1 (identical)")
+        w.add_argument("--row-shape", type=parse_numel, default=1, metavar="D",
+                       help="elements per row (embedding width; default 1)")
+        w.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
+        w.add_argument("--topk", action="store_true", help="top-k of a dense tensor of n elements (TopkA, Ok-Topk)")
+        c = parser.add_argument_group("the cluster")
+        c.add_argument("--world-size", "-P", type=parse_world, nargs="+", metavar="P",
+                       help=f"world sizes (default {' '.join(map(str, DEFAULT_WORLD_SIZES))})")
+        c.add_argument("--nodes", type=parse_world, metavar="N", help="one world size: N x --gpus-per-node")
+        c.add_argument("--gpus-per-node", type=parse_world, metavar="G",
+                       help="ranks per node (default: the profile's)")
+        c.add_argument("--gpu", help="GPU generation of an NCCL profile: v100, a100, h100 (default: the profile's)")
+        c.add_argument("--nic-gbps", type=float, metavar="X", help="inter-node bandwidth per GPU, Gbit/s")
+        c.add_argument("--profile", metavar="FILE", help="profile (default: the one shipped for --backend)")
+        c.add_argument("--backend", choices=("gloo", "nccl"), default="nccl", help="whose shipped profile (default nccl)")
+        o = parser.add_argument_group("output")
+        o.add_argument("--plot", metavar="FILE", help="draw times, bytes and the decision map (PNG)")
+        o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+    def run(self, args: argparse.Namespace) -> int:
+        """Print the simulation (and draw it); return 0."""
+        from colltune.offline.simulate import MAP_DENSITIES, Workload, decision_map, format_points, plot, simulate
+        from colltune.select.selector import model_for_profile
+
+        profile, label = cluster_profile(args)
+        rpn = profile.meta.get("ranks_per_node") if profile.meta.get("backend") == "nccl" else None
+        sizes = _world_sizes(args, rpn)
+        workload = Workload(args.numel, args.density, args.overlap, 1 if args.topk else args.row_shape, args.dtype,
+                            "topk" if args.topk else "exact")
+        model = model_for_profile(profile, label)
+        label = f"{model.kind} ({label})"
+        points = simulate(model, workload, sizes, ranks_per_node=rpn)
+        if args.json:
+            print(json.dumps({"workload": dataclasses.asdict(workload), "cost_model": label,
+                              "points": [pt.as_dict() for pt in points]}, indent=1))
+        else:
+            print(format_points(points, workload, label))
+        if args.plot:
+            choices = decision_map(model, workload, sizes, MAP_DENSITIES, ranks_per_node=rpn)
+            plot(points, args.plot, workload, label, choices)
+            if not args.json:
+                print(f"wrote {args.plot}")
+        return 0
+
+
+def cluster_profile(args: argparse.Namespace) -> tuple[Any, str]:
+    """Return the profile of ``--profile``/``--backend`` with ``--gpu``, ``--gpus-per-node``, ``--nic-gbps`` applied, and its label."""
+    import os
+
+    from colltune.model.profile import load_profile
+    from colltune.select.selector import shipped_profile
+
+    path = args.profile or shipped_profile(args.backend)
+    if path is None:
+        raise UsageError(f"no profile is shipped for --backend {args.backend}; pass --profile FILE")
+    profile = load_profile(path)
+    changes = {"gpu": args.gpu, "ranks_per_node": args.gpus_per_node, "nic_gbps": args.nic_gbps}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if changes and profile.meta.get("backend") != "nccl":
+        raise UsageError(f"--gpu, --gpus-per-node and --nic-gbps describe an NCCL cluster, but {path} is a "
+                         f"{profile.meta.get('backend')} profile; pass --backend nccl or an NCCL --profile")
+    if changes:
+        if "gpu" in changes:
+            from colltune.model.nccl import Topology
+
+            try:
+                Topology(1, 1, changes["gpu"])
+            except ColltuneValueError as exc:
+                raise UsageError(f"--gpu: {exc}") from None
+        profile = dataclasses.replace(profile, meta={**profile.meta, **changes})
+    return profile, os.path.basename(str(path))
+
+
+def _world_sizes(args: argparse.Namespace, rpn: int | None) -> list[int]:
+    if args.nodes is not None:
+        if args.world_size:
+            raise UsageError("give either --nodes (with --gpus-per-node) or --world-size, not both")
+        return [args.nodes * (rpn or 1)]
+    sizes = sorted(set(args.world_size or DEFAULT_WORLD_SIZES))
+    if sizes[0] < 2:
+        raise UsageError(f"--world-size must be at least 2, got {sizes[0]}")
+    return sizes

@@ -1,0 +1,227 @@
+"""What colltune would do on a cluster you do not have yet (``colltune simulate``).
+
+Given a cluster (an NCCL profile and its layout: GPU generation, GPUs per
+node, network bandwidth; or a measured profile) and a workload (rows,
+row shape, dtype, density, overlap, exact or top-k), :func:`simulate`
+prices each algorithm at each world size with the profile's cost model, as
+the selector does, and reports per world size the predicted times, the
+bytes each rank sends (and receives: every schedule here is symmetric, so
+a rank receives what it sends), the cost model's choice and why. A learned
+model asked outside what it measured fades into the analytic model, and the
+reason says so (:class:`colltune.model.cost_model.Domain`).
+
+The choice is the cost model's argmin: a policy's pins and the selector's
+hysteresis (``margin``) are not applied.
+
+Example:
+    >>> from colltune.offline.simulate import Workload, simulate
+    >>> rows = simulate(model, Workload(numel=2**24, density=1e-2), [8, 64, 1024], ranks_per_node=8)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from colltune.model.features import Features
+from colltune.model.files import atomic_path
+
+__all__ = ["Workload", "Point", "simulate", "decision_map", "format_points", "plot", "MAP_DENSITIES"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One call to simulate.
+
+    Attributes:
+        numel: rows ``n`` (the first dimension; the whole tensor's elements in top-k mode).
+        row_numel: elements per row (1 for scalars; top-k mode has 1).
+        dtype: value dtype name.
+        density: entries per rank over ``n`` (top-k: ``k / numel``).
+        overlap: index overlap between ranks, 0 (disjoint) to 1 (identical).
+        mode: ``exact`` (sparse allreduce) or ``topk`` (top-k of a dense tensor).
+    """
+
+    numel: int
+    density: float
+    overlap: float = 0.0
+    row_numel: int = 1
+    dtype: str = "float32"
+    mode: str = "exact"
+
+    def k(self) -> int:
+        """Entries per rank."""
+        return max(1, min(self.numel, round(self.density * self.numel)))
+
+
+@dataclass
+class Point:
+    """The simulation at one world size.
+
+    Attributes:
+        world_size, nodes, ranks_per_node: the layout priced.
+        predicted_us: predicted time per algorithm.
+        bytes_sent: bytes one rank sends per algorithm (and receives).
+        choice: the algorithm with the smallest predicted time.
+        note: why the model is not fully trusted there (extrapolation), or ``""``.
+    """
+
+    world_size: int
+    nodes: int | None
+    ranks_per_node: int | None
+    predicted_us: dict[str, float] = field(default_factory=dict)
+    bytes_sent: dict[str, float] = field(default_factory=dict)
+    choice: str = ""
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the point as JSON-ready plain data."""
+        return {"world_size": self.world_size, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                "predicted_us": dict(self.predicted_us), "bytes_sent": dict(self.bytes_sent),
+                "bytes_received": dict(self.bytes_sent), "choice": self.choice, "note": self.note}
+
+
+def _features(w: Workload, p: int, rpn: int | None) -> dict[str, Features]:
+    """Return the features each algorithm is priced on, as the selector builds them for this kind of call."""
+    k = w.k()
+    union = p * k - w.overlap * (p * k - k)
+    sparse = Features.build(numel=w.numel, row_numel=w.row_numel, dtype=w.dtype, k_per_rank=[k] * p,
+                            union=union, ranks_per_node=rpn)
+    if w.mode != "topk":
+        return {"dense": sparse, "allgather": sparse, "oktopk": sparse}
+    dense = Features.build(numel=w.numel, row_numel=1, dtype=w.dtype, k_per_rank=[w.numel] * p,
+                           union=w.numel, ranks_per_node=rpn)
+    return {"dense": dense, "allgather": sparse, "oktopk": sparse}
+
+
+def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
+             ranks_per_node: int | None = None) -> list[Point]:
+    """Price ``workload`` at each world size with ``model`` (the selector's view of a profile).
+
+    Args:
+        model: what :func:`colltune.select.selector.model_for_profile` returns.
+        workload: the call.
+        world_sizes: the world sizes to price, each >= 2.
+        ranks_per_node: ranks per node (``None``: the profile's layout).
+
+    Returns:
+        One :class:`Point` per world size, in the order given.
+    """
+    points = []
+    for p in world_sizes:
+        rpn = None if ranks_per_node is None else min(ranks_per_node, p)
+        feats = _features(workload, p, rpn)
+        pred = {a: model.predict(f)[a] for a, f in feats.items()}
+        steps = {a: model.analytic.schedule(f)[a] for a, f in feats.items()}
+        sent = {a: math.fsum(s.nbytes for s in steps[a] if s.primitive != "local") for a in feats}
+        nodes = None if rpn is None else -(-p // rpn)
+        points.append(Point(p, nodes, rpn, pred, sent, min(pred, key=lambda a: (pred[a], list(pred).index(a))),
+                            model.extrapolation(feats["allgather"]) or ""))
+    return points
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _time(us: float) -> str:
+    return f"{us / 1e3:.3g} ms" if us >= 1e3 else f"{us:.3g} us"
+
+
+def format_points(points: Sequence[Point], workload: Workload, label: str) -> str:
+    """Return the simulation as a table: per world size each algorithm's time and bytes, and the choice."""
+    algs = list(points[0].predicted_us) if points else []
+    w = workload
+    head = (f"{w.mode} call: n={w.numel} rows x {w.row_numel}, {w.dtype}, density {w.density:g} "
+            f"(k={w.k()} per rank), overlap {w.overlap:g}; cost model: {label}")
+    width = max([12] + [len(a) + 7 for a in algs])
+    cols = "".join(f"{a + ' time':>{width}}{a + ' sent':>{width}}" for a in algs)
+    lines = [head, "", f"{'P':>6}{'nodes':>7}{'per node':>9}{cols}  choice", "-" * (24 + 2 * width * len(algs) + 10)]
+    for pt in points:
+        cells = "".join(f"{_time(pt.predicted_us[a]):>{width}}{_size(pt.bytes_sent[a]):>{width}}" for a in algs)
+        nodes = "-" if pt.nodes is None else str(pt.nodes)
+        rpn = "-" if pt.ranks_per_node is None else str(pt.ranks_per_node)
+        lines.append(f"{pt.world_size:>6}{nodes:>7}{rpn:>9}{cells}  {pt.choice}" + (f"  ({pt.note})" if pt.note else ""))
+    lines.append("")
+    lines.append("sent: bytes one rank puts on the wire per call (it receives as much: the schedules are symmetric).")
+    return "\n".join(lines)
+
+
+#: Densities of the decision map, per decade from 1e-5 to 1.
+MAP_DENSITIES: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+
+def decision_map(model: Any, workload: Workload, world_sizes: Sequence[int], densities: Sequence[float], *,
+                 ranks_per_node: int | None = None) -> list[list[str]]:
+    """Return the choice at each density (rows) and world size (columns), the rest of ``workload`` fixed."""
+    out = []
+    for d in densities:
+        w = Workload(workload.numel, d, workload.overlap, workload.row_numel, workload.dtype, workload.mode)
+        out.append([pt.choice for pt in simulate(model, w, world_sizes, ranks_per_node=ranks_per_node)])
+    return out
+
+
+def plot(points: Sequence[Point], path: str, workload: Workload, label: str,
+         choices: Sequence[Sequence[str]] | None = None, densities: Sequence[float] = MAP_DENSITIES) -> None:
+    """Draw time and bytes sent against world size per algorithm (log-log, the choice circled) and the decision map.
+
+    ``choices`` is :func:`decision_map` over ``densities`` and the points'
+    world sizes; without it the map is left out.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from colltune.offline.report import COLORS
+
+    ps = [pt.world_size for pt in points]
+    fig, axes = plt.subplots(1, 3 if choices else 2, figsize=(16 if choices else 11, 4.8), layout="constrained")
+    ax_t, ax_b = axes[0], axes[1]
+    if choices:
+        _draw_choices(axes[2], choices, ps, densities, COLORS)
+    for a in points[0].predicted_us:
+        color = COLORS.get(a)
+        ax_t.plot(ps, [pt.predicted_us[a] / 1e3 for pt in points], marker="o", ms=3, label=a, color=color)
+        ax_b.plot(ps, [max(pt.bytes_sent[a], 1.0) for pt in points], marker="o", ms=3, label=a, color=color)
+        chosen = [(pt.world_size, pt.predicted_us[a] / 1e3) for pt in points if pt.choice == a]
+        if chosen:
+            ax_t.scatter(*zip(*chosen), s=70, facecolors="none", edgecolors=color, linewidths=1.5)
+    for ax, ylabel in ((ax_t, "predicted time (ms); circled: the choice"), (ax_b, "bytes sent per rank per call")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("world size P")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    w = workload
+    fig.suptitle(f"{w.mode}: n={w.numel} x {w.row_numel} {w.dtype}, density {w.density:g}, overlap {w.overlap:g} "
+                 f"({label})", fontsize=10)
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def _draw_choices(ax: Any, choices: Sequence[Sequence[str]], ps: Sequence[int], densities: Sequence[float],
+                  colors: dict[str, str]) -> None:
+    """Draw the decision map: one cell per (world size, density), coloured by the choice."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    names = list(colors)
+    grid = [[names.index(c) if c in names else len(names) for c in row] for row in choices]
+    ax.imshow(grid, cmap=ListedColormap([colors[a] for a in names] + ["#999999"]), vmin=0, vmax=len(names),
+              aspect="auto", origin="lower")
+    ax.set_xticks(range(len(ps)))
+    ax.set_xticklabels([str(p) for p in ps], rotation=60, fontsize=8)
+    ax.set_yticks(range(len(densities)))
+    ax.set_yticklabels([f"{d:g}" for d in densities], fontsize=8)
+    ax.set_xlabel("world size P")
+    ax.set_ylabel("density")
+    ax.set_title("the cost model's choice", fontsize=9)
+    ax.legend(handles=[Patch(color=colors[a], label=a) for a in names], fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), frameon=False)
