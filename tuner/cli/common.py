@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import abc
 import argparse
+import dataclasses
 import json
 import os
 from typing import Any, ClassVar
 
 import numpy as np
 
-from colltune.algorithms.errors import ColltuneError
+from colltune.algorithms.errors import ColltuneError, ColltuneValueError
 from colltune.model.files import write_text_atomic
 
 
@@ -127,3 +128,33 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, np.ndarray):
         return o.tolist()
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def cluster_profile(args: argparse.Namespace) -> tuple[Any, str]:
+    """Return the profile of ``--profile`` (else ``--backend``'s) with the cluster options applied, and its label.
+
+    The cluster options are ``--gpu``, ``--gpus-per-node`` and ``--nic-gbps``;
+    they describe an NCCL cluster (``colltune simulate``, ``colltune explain``).
+    """
+    from colltune.model.profile import load_profile
+    from colltune.select.selector import shipped_profile
+
+    path = args.profile or shipped_profile(args.backend)
+    if path is None:
+        raise UsageError(f"no profile is shipped for --backend {args.backend}; pass --profile FILE")
+    profile = load_profile(path)
+    changes = {"gpu": args.gpu, "ranks_per_node": args.gpus_per_node, "nic_gbps": args.nic_gbps}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if changes and profile.meta.get("backend") != "nccl":
+        raise UsageError(f"--gpu, --gpus-per-node and --nic-gbps describe an NCCL cluster, but {path} is a "
+                         f"{profile.meta.get('backend')} profile; pass --backend nccl or an NCCL --profile")
+    if changes:
+        if "gpu" in changes:
+            from colltune.model.nccl import Topology
+
+            try:
+                Topology(1, 1, changes["gpu"])
+            except ColltuneValueError as exc:
+                raise UsageError(f"--gpu: {exc}") from None
+        profile = dataclasses.replace(profile, meta={**profile.meta, **changes})
+    return profile, os.path.basename(str(path))

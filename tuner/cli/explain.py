@@ -43,7 +43,7 @@ import json
 from typing import ClassVar
 
 from colltune.algorithms.errors import ColltuneValueError
-from colltune.cli.common import parse_n, parse_world
+from colltune.cli.common import cluster_profile, parse_n, parse_world
 
 __all__ = ["ExplainCommand"]
 
@@ -101,7 +101,6 @@ class ExplainCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         """Print the explanation; return 0."""
-        from colltune.cli.simulate import cluster_profile
         from colltune.model.features import Features
         from colltune.offline.workloads import shared_count
         from colltune.select.selector import Selector, format_explanation

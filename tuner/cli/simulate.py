@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from colltune.algorithms.errors import ColltuneValueError
-from colltune.cli.common import UsageError, parse_world
+from colltune.cli.common import UsageError, cluster_profile, parse_world
 from colltune.cli.explain import parse_numel, parse_unit
 
-__all__ = ["SimulateCommand", "cluster_profile"]
+__all__ = ["SimulateCommand"]
 
 #: World sizes simulated without ``--world-size`` or ``--nodes``.
 DEFAULT_WORLD_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -97,34 +96,6 @@ class SimulateCommand:
             if not args.json:
                 print(f"wrote {args.plot}")
         return 0
-
-
-def cluster_profile(args: argparse.Namespace) -> tuple[Any, str]:
-    """Return the profile of ``--profile``/``--backend`` with ``--gpu``, ``--gpus-per-node``, ``--nic-gbps`` applied, and its label."""
-    import os
-
-    from colltune.model.profile import load_profile
-    from colltune.select.selector import shipped_profile
-
-    path = args.profile or shipped_profile(args.backend)
-    if path is None:
-        raise UsageError(f"no profile is shipped for --backend {args.backend}; pass --profile FILE")
-    profile = load_profile(path)
-    changes = {"gpu": args.gpu, "ranks_per_node": args.gpus_per_node, "nic_gbps": args.nic_gbps}
-    changes = {k: v for k, v in changes.items() if v is not None}
-    if changes and profile.meta.get("backend") != "nccl":
-        raise UsageError(f"--gpu, --gpus-per-node and --nic-gbps describe an NCCL cluster, but {path} is a "
-                         f"{profile.meta.get('backend')} profile; pass --backend nccl or an NCCL --profile")
-    if changes:
-        if "gpu" in changes:
-            from colltune.model.nccl import Topology
-
-            try:
-                Topology(1, 1, changes["gpu"])
-            except ColltuneValueError as exc:
-                raise UsageError(f"--gpu: {exc}") from None
-        profile = dataclasses.replace(profile, meta={**profile.meta, **changes})
-    return profile, os.path.basename(str(path))
 
 
 def _world_sizes(args: argparse.Namespace, rpn: int | None) -> list[int]:
