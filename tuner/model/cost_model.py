@@ -1030,10 +1030,26 @@ class Network:
             return s.calls * nccl.collective_time_us("all_gather", round(size), topo)
         if s.primitive == "all_to_all":  # nbytes = calls * (P-1) * per peer
             return s.calls * nccl.all_to_all_time_us(round(s.nbytes / (s.calls * (p - 1))), topo)
-        # p2p: P - 1 rotated sends of nbytes / (P-1) each, (P-1) / calls of them in flight per call
+        return self._rotated(s, topo)
+
+    @staticmethod
+    def _rotated(s: Step, topo: Any) -> float:
+        """Price P - 1 rotated point-to-point sends, ``steps / calls`` of them in flight per call.
+
+        The peers on the rank's own node go over NVLink and the others over
+        the node's NICs at the same time, each in rounds of the sends in
+        flight; the step takes as long as the slower of the two.
+        """
+        from colltune.model import nccl
+
         in_flight = max(1, round(s.steps / s.calls))
-        inter = topo.nodes > 1
-        return s.calls * nccl.p2p_time_us(round(s.nbytes / max(s.steps, 1.0)), topo, in_flight, inter_node=inter)
+        size = round(s.nbytes / max(s.steps, 1.0))
+        times = [0.0]
+        for peers, inter in ((topo.gpus_per_node - 1, False), (topo.world_size - topo.gpus_per_node, True)):
+            if peers > 0:
+                at_once = min(in_flight, peers)
+                times.append(-(-peers // at_once) * nccl.p2p_time_us(size, topo, at_once, inter_node=inter))
+        return max(times)
 
 
 # ---------------------------------------------------------------------------
