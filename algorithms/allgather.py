@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from colltune.algorithms import meta as _meta
+from colltune.algorithms import sizes
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import Knob
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
+    SPLIT_MIN_ROW_BYTES,
     Magnitudes,
     accum_dtype,
     entry_bytes,
@@ -71,9 +72,10 @@ def gather_merge(
     if mode == "p2p" and comm.world_size > 1:
         return gather_merge_p2p(comm, idx.to(comm.device), vals.to(comm.device), counts, size, wire_dtype)
     if on_host(comm.device):
+        # One gather into one buffer, unpacked and merged in one pass: rank order is buffer order.
         buf = torch.from_numpy(pack_host(idx, vals, index_dtype, wire_dtype))
-        pieces = comm.all_gather_v(buf, counts, mode)
-        return merge_host_pieces([unpack_host(piece.numpy(), r, index_dtype, wire_dtype) for piece in pieces], size)
+        flat = comm.all_gather_flat(buf, counts, mode)
+        return merge_host_pieces([unpack_host(flat.numpy(), r, index_dtype, wire_dtype)], size)
     buf = pack(idx.to(comm.device), vals.to(comm.device), index_dtype, wire_dtype)
     pieces = comm.all_gather_v(buf, counts, mode)
     sources = [unpack(piece, r, index_dtype, wire_dtype) for piece in pieces]
@@ -131,9 +133,68 @@ def eager_slot(
     return pack(idx[:m], vals[:m], wire_index_dtype(size), dtype).view(-1)
 
 
+def _merge_bytes(c: Pricing) -> float:
+    """Memory traffic of merging ``P k_max`` gathered entries: a dense scratch when ``n <= 4 K``, else a sort."""
+    gathered = c.p * c.k_max * c.e
+    if c.n <= 4 * c.ksum:
+        return gathered + c.n * c.rba + c.ksum * c.rba + c.n + c.u * c.out_entry
+    return gathered + c.ksum * math.log2(max(c.ksum, 2.0)) * 8.0 + c.ksum * (8.0 + c.rba) + c.u * c.out_entry
+
+
+def _slot_and_rest(c: Pricing) -> tuple[float, float]:
+    """Return the eager slot a group settles at for calls like this one, and the entries per rank it carries.
+
+    The slot grows to the next power of two that holds the largest rank's
+    entries, up to :func:`~colltune.algorithms.sizes.slot_limit`; ``(0, 0)``
+    when the record's size was given (the entries are then priced apart).
+    """
+    if c.record_known or c.p == 1 or c.e <= 0:
+        return 0.0, 0.0
+    need = c.k_max * c.e
+    limit = sizes.slot_limit(c.p)
+    slot = float(limit if need > limit else max(sizes.eager_capacity(c.p), 1 << max(math.ceil(need) - 1, 0).bit_length()))
+    return slot, float(math.floor(slot / c.e))
+
+
 def slot_need(counts: Any, row_numel: int, size: int, dtype: torch.dtype) -> int:
     """Return the bytes of the largest rank's entries packed for the eager slot."""
     return max(counts, default=0) * entry_bytes(row_numel, wire_index_dtype(size), dtype)
+
+
+def _merge_eager_host(
+    inp: SparseInput, head: list[int], rest: list[int], tails: np.ndarray | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge every rank's first ``head[j]`` entries (from the eager slots) and its ``rest[j]`` others, in rank order.
+
+    ``tails`` holds the rest of every rank, gathered in rank order (or
+    ``None`` when every rank's entries fit the slot). Everything is unpacked
+    in one go, then put in rank order: by slices while the ranks hold a few
+    hundred entries each, else in one scatter (no per-rank work).
+    """
+    p, r, mu = len(head), inp.row_numel, max(head)
+    e = entry_bytes(r, inp.index_dtype, inp.dtype)
+    idx, vals = unpack_host(inp.eager.numpy()[:, : mu * e].reshape(p * mu, e), r, inp.index_dtype, inp.dtype)
+    if min(head) < mu:  # keep each rank's first head[j] entries
+        keep = (np.arange(mu) < np.asarray(head)[:, None]).reshape(-1)
+        idx, vals = idx[keep], vals[keep]
+    if tails is None:
+        return merge_host_pieces([(idx, vals)], inp.size)
+    tidx, tvals = unpack_host(tails, r, inp.index_dtype, inp.dtype)
+    if idx.size + tidx.size >= 256 * p:  # a few hundred entries per rank: slices, one concatenation
+        hs, ts = offsets(head), offsets(rest)
+        pieces = []
+        for j in range(p):
+            pieces += [(idx[hs[j] : hs[j + 1]], vals[hs[j] : hs[j + 1]]), (tidx[ts[j] : ts[j + 1]], tvals[ts[j] : ts[j + 1]])]
+        return merge_host_pieces(pieces, inp.size)
+    h, t = np.asarray(head, dtype=np.int64), np.asarray(rest, dtype=np.int64)
+    start = np.cumsum(h + t) - (h + t)  # where rank j's entries start in rank order: its head, then its rest
+    at_h = np.repeat(start - (np.cumsum(h) - h), h) + np.arange(idx.size)
+    at_t = np.repeat(start + h - (np.cumsum(t) - t), t) + np.arange(tidx.size)
+    out_idx = np.empty(idx.size + tidx.size, dtype=idx.dtype)
+    out_vals = np.empty((out_idx.size,) + vals.shape[1:], dtype=vals.dtype)
+    out_idx[at_h], out_idx[at_t] = idx, tidx
+    out_vals[at_h], out_vals[at_t] = vals, tvals
+    return merge_host_pieces([(out_idx, out_vals)], inp.size)
 
 
 @register
@@ -152,28 +213,30 @@ class Allgather(Algorithm):
     eager_entries = True
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
-        """The record (carrying the entries when they fit its eager slot), the entries' gather, the merge."""
+        """The record (carrying the entries, or their first part, in its eager slot), the rest's gather, the merge.
+
+        In top-k mode (TopkA) the record carries no entries: every rank's
+        exact top-k is all-gathered, padded (all ranks hold ``k``), after a
+        local top-k selection.
+        """
         c = pricing
-        gathered = c.p * c.k_max * c.e
-        if c.n <= 4 * c.ksum:
-            merge_bytes = gathered + c.n * c.rba + c.ksum * c.rba + c.n + c.u * c.out_entry
-        else:
-            merge_bytes = (gathered + c.ksum * math.log2(max(c.ksum, 2.0)) * 8.0 + c.ksum * (8.0 + c.rba)
-                           + c.u * c.out_entry)
-        meta = c.metadata()
-        if not c.record_known and c.k_max * c.e <= _meta.slot_limit(c.p):
-            # Every rank's entries ride in the metadata record's eager slot,
-            # grown to fit them (a call site that keeps to allgather): one
-            # collective, its record larger by the entries.
-            base = _meta.eager_capacity(c.p)
-            slot = max(base, 1 << max(int(math.ceil(c.k_max * c.e)) - 1, 0).bit_length())
-            meta = c.metadata(c.record_bytes - base + slot)
+        if c.topk:
+            k = c.kavg
+            select = 4 * c.n * c.rba + k * math.log2(max(k, 2.0)) * 8.0
+            return [c.metadata(), c.all_gather("entries_gather", k * c.e), c.local("merge", select + _merge_bytes(c), 5.0)]
+        slot, rest = _slot_and_rest(c)
+        meta = c.metadata(c.record_bytes - sizes.eager_capacity(c.p) + slot) if slot else c.metadata()
+        rest_max = max(0.0, c.k_max - rest)  # entries beyond the slot, of the largest rank
+        if rest_max == 0:
             entries = c.free("entries_gather", "all_gather")
-        elif 4 * c.p * c.k_max <= 5 * c.ksum:  # all_gather_v "auto": pad while padding adds <= 1/4
-            entries = c.all_gather("entries_gather", c.k_max * c.e)
-        else:  # every rank sends its entries to each peer; the largest rank bounds the time
-            entries = c.all_to_all("entries_gather", c.k_max * c.e)
-        return [meta, entries, c.local("merge", merge_bytes, 4.0)]
+        elif knobs["mode"] == "p2p" or (knobs["mode"] == "auto" and c.rb >= SPLIT_MIN_ROW_BYTES):
+            # Indices and rows to every peer, in one batch, received in place: this rank's own rest only.
+            entries = c.p2p("entries_gather", 1.0, 2 * (c.p - 1.0), (c.p - 1) * max(0.0, c.kavg - rest) * c.e)
+        elif 4 * c.p * rest_max <= 5 * max(c.ksum - c.p * rest, rest_max):  # all_gather_v "auto": pad while it adds <= 1/4
+            entries = c.all_gather("entries_gather", rest_max * c.e)
+        else:  # every rank sends its rest to each peer; the largest rank bounds the time
+            entries = c.all_to_all("entries_gather", rest_max * c.e)
+        return [meta, entries, c.local("merge", _merge_bytes(c), 4.0)]
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         counts = list(inp.counts)
@@ -205,21 +268,8 @@ class Allgather(Algorithm):
                 else pack(i1.to(comm.device), v1.to(comm.device), index_dtype, inp.dtype)
             )
         if host:
-            # Unpack the used part of every slot in one go; keep each rank's first head[p] entries.
-            block = inp.eager.numpy()[:, : mu * e].reshape(p * mu, e)
-            idx, vals = unpack_host(block, r, index_dtype, inp.dtype)
-            if tail_buf is None:
-                if min(head) < mu:
-                    keep = (np.arange(mu) < np.asarray(head)[:, None]).reshape(-1)
-                    idx, vals = idx[keep], vals[keep]
-                return merge_host_pieces([(idx, vals)], inp.size)
-            tails = [unpack_host(piece.numpy(), r, index_dtype, inp.dtype) for piece in
-                     comm.all_gather_v(tail_buf, rest, mode)]
-            pieces = []
-            for j in range(p):
-                pieces.append((idx[j * mu : j * mu + head[j]], vals[j * mu : j * mu + head[j]]))
-                pieces.append(tails[j])
-            return merge_host_pieces(pieces, inp.size)
+            tails = None if tail_buf is None else comm.all_gather_flat(tail_buf, rest, mode).numpy()
+            return _merge_eager_host(inp, head, rest, tails)
         block = inp.eager[:, : mu * e].reshape(p * mu, e)
         idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
         idx_all, vals_all = idx_all.view(p, mu), vals_all.view(p, mu, r)

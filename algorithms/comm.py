@@ -403,6 +403,32 @@ class Comm:
         out = self.all_to_all(t.repeat((p,) + (1,) * len(tail)), [t.shape[0]] * p, list(counts))
         return list(torch.split(out, [int(c) for c in counts]))
 
+    def all_gather_flat(self, t: torch.Tensor, counts: Sequence[int], mode: str = "auto") -> torch.Tensor:
+        """Gather a different number of rows from every rank; return them concatenated in rank order.
+
+        The same exchange as :meth:`all_gather_v` (same ``mode`` rule, same
+        traffic), but one tensor out, made in one operation whatever the
+        world size, instead of one view per rank.
+        """
+        p = self.world_size
+        if p == 1:
+            return t
+        kmax = max(counts)
+        tail = tuple(t.shape[1:])
+        if kmax == 0:
+            return t.new_empty((0,) + tail)
+        if mode == "auto":
+            mode = "pad" if kmax * p * 4 <= 5 * sum(counts) else "alltoall"
+        if mode != "pad":
+            return self.all_to_all(t.repeat((p,) + (1,) * len(tail)), [t.shape[0]] * p, list(counts))
+        padded = t.new_zeros((kmax,) + tail)
+        padded[: t.shape[0]] = t
+        out = self.all_gather(padded).view((p, kmax) + tail)
+        if min(counts) == kmax:
+            return out.view((p * kmax,) + tail)
+        keep = torch.arange(kmax, device=t.device) < torch.tensor(list(counts), device=t.device).view(p, 1)
+        return out[keep]
+
     def _global(self, peer: int) -> int:
         if self.wire is None or self.wire is dist.group.WORLD:
             return peer

@@ -31,8 +31,20 @@ class Dense(Algorithm):
     TERMS = ("metadata", "value_all_reduce", "mask_all_reduce", "densify_extract")
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
-        """The record, the values' and the mask's all_reduce, then densify and extract the union."""
+        """The record, the values' and the mask's all_reduce, then densify and extract the union.
+
+        In top-k mode the accumulated tensor is already dense: its
+        all_reduce is the whole call (no mask travels, nothing is densified;
+        the local work is the copy reduced in place and the zeroed residual).
+        """
         c = pricing
+        if c.topk:
+            return [
+                c.metadata(),
+                c.all_reduce("value_all_reduce", c.n * c.rba),
+                c.free("mask_all_reduce", "all_reduce"),
+                c.local("densify_extract", 3 * c.n * c.rba, 2.0),
+            ]
         return [
             c.metadata(),
             c.all_reduce("value_all_reduce", c.n * c.rba),

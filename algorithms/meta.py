@@ -21,65 +21,51 @@ collective costs a fixed hand-off (a few hundred microseconds on a loaded
 host) whatever its size. The slot is sized per process group from what the
 group's recent calls needed (:func:`slot_bytes`, :func:`note_slot_use`):
 it starts at :func:`eager_capacity` bytes (1 KiB, shrinking as
-``16 KiB / P``), grows at once to the next power of two that holds the
+``16 KiB / P`` down to 256 B), grows at once to the next power of two that holds the
 largest rank's entries of an ``allgather`` call (up to :func:`slot_limit`),
 and shrinks back after :data:`SHRINK_AFTER` calls in a row that used less
-than a quarter of it. Every rank updates the size from the same gathered
-records and the same decision, so all ranks always agree on the record's
-size; a rank that disagreed on the call raises before anything is updated.
+than a quarter of it. While Ok-Topk runs on the group the slot also holds
+its ``P`` counts per region (:func:`note_payload`; ``8 P`` bytes more from
+``P = 64`` on, where they no longer fit half the starting slot), so at no
+world size do they need a collective of their own. Every rank updates the
+size from the same gathered records and the same decision, so all ranks
+always agree on the record's size; a rank that disagreed on the call raises
+before anything is updated. The sizes are plain arithmetic in
+:mod:`colltune.algorithms.sizes`, which the cost model reads too.
 """
 
 from __future__ import annotations
 
 import zlib
+from typing import Iterator, Sequence, overload
 
 import numpy as np
 import torch
 
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
+from colltune.algorithms.sizes import FIELDS, HEADER_BYTES, eager_capacity, payload_reserve, slot_limit
 
 __all__ = [
     "FIELDS",
+    "HEADER_BYTES",
     "SHARED_FIELDS",
     "name_code",
     "shape_fields",
     "exchange",
+    "Records",
     "eager_capacity",
     "slot_limit",
     "slot_bytes",
     "note_slot_use",
+    "note_payload",
     "SHRINK_AFTER",
+    "PAYLOAD_IDLE",
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 4
+_VERSION = 5  # 5: the slot holds Ok-Topk's counts at any P, and never drops below 256 bytes
 
-#: Field order of the record.
-FIELDS: tuple[str, ...] = (
-    "magic",
-    "version",
-    "kind",
-    "size",
-    "row_numel",
-    "row_shape",
-    "dtype",
-    "op",
-    "algorithm",
-    "policy",
-    "count",
-    "error",
-    "shape_ndim",
-    "shape_0",
-    "shape_1",
-    "shape_2",
-    "shape_3",
-    "eager",
-    "payload",
-    "error_arg",
-)
-#: Bytes of the record's fields (int64 each), before the eager slot.
-HEADER_BYTES = 8 * len(FIELDS)
 _SHAPE_DIMS = 4
 #: Fields every rank must agree on, with how to say them in an error.
 SHARED_FIELDS: tuple[str, ...] = (
@@ -90,6 +76,9 @@ SHARED_FIELDS: tuple[str, ...] = (
 #: ``payload`` says how many bytes at the slot's start are an algorithm's
 #: own payload (:meth:`~colltune.algorithms.base.Algorithm.eager_payload`).
 EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
+
+_MAGIC_AT, _VERSION_AT, _ERROR_AT = FIELDS.index("magic"), FIELDS.index("version"), FIELDS.index("error")
+_SHARED_AT = [FIELDS.index(f) for f in SHARED_FIELDS]
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
 _ERROR_KINDS = {1: "invalid", 2: "wrong type of"}
@@ -160,30 +149,21 @@ def _say(fieldname: str, value: int) -> str:
     return str(value)
 
 
-def eager_capacity(world_size: int) -> int:
-    """Return the starting (and smallest) size in bytes of the eager slot for a group of ``world_size``."""
-    # 1 KiB holds 128 scalar fp32 entries: the inputs whose time is all
-    # latency. The slot starts there and grows only for groups whose calls
-    # need more (see slot_bytes).
-    return min(1024, (16384 // max(world_size, 1)) // 8 * 8)
-
-
-def slot_limit(world_size: int) -> int:
-    """Return the largest eager slot in bytes for a group of ``world_size``: 256 KiB over ``P``, at least the start."""
-    # Every rank receives P slots per record, so the gathered record stays
-    # under 256 KiB; past that the bytes, not the hand-off, dominate a call.
-    return max(eager_capacity(world_size), (262144 // max(world_size, 1)) // 8 * 8)
-
-
 #: Calls in a row that use less than a quarter of the slot before it shrinks.
 SHRINK_AFTER = 8
 
 
+#: Exchanges in a row without Ok-Topk before the slot gives back the room it held for Ok-Topk's counts.
+PAYLOAD_IDLE = 32
+
+
 class _Slot:
-    __slots__ = ("nbytes", "low")
+    """One group's slot: ``nbytes`` for entries and sketches, plus ``payload`` held for Ok-Topk's counts."""
+
+    __slots__ = ("nbytes", "low", "payload", "idle")
 
     def __init__(self, nbytes: int) -> None:
-        self.nbytes, self.low = nbytes, 0
+        self.nbytes, self.low, self.payload, self.idle = nbytes, 0, 0, 0
 
 
 def _group_slot(comm: Comm) -> _Slot:
@@ -195,7 +175,8 @@ def slot_bytes(comm: Comm) -> int:
     """Return the size in bytes of the eager slot the next exchange on ``comm``'s group carries."""
     if comm.world_size == 1:
         return 0
-    return _group_slot(comm).nbytes
+    st = _group_slot(comm)
+    return st.nbytes + st.payload
 
 
 def note_slot_use(comm: Comm, need: int) -> None:
@@ -213,6 +194,9 @@ def note_slot_use(comm: Comm, need: int) -> None:
     if comm.world_size == 1:
         return
     st = _group_slot(comm)
+    st.idle += 1
+    if st.payload and st.idle > PAYLOAD_IDLE:
+        st.payload = 0
     base, limit = eager_capacity(comm.world_size), slot_limit(comm.world_size)
     if need > st.nbytes and st.nbytes < limit:
         st.nbytes = min(limit, max(base, 1 << (int(need) - 1).bit_length()))
@@ -226,12 +210,27 @@ def note_slot_use(comm: Comm, need: int) -> None:
         st.low = 0
 
 
+def note_payload(comm: Comm) -> None:
+    """Record that Ok-Topk ran on ``comm``'s group: its ``P`` counts per region ride in the next records.
+
+    Called by every rank from inside the algorithm (the same calls on every
+    rank), after :func:`note_slot_use` of the same call. From the next call
+    on, the slot holds :func:`~colltune.algorithms.sizes.payload_reserve`
+    bytes more where the counts do not fit it, until :data:`PAYLOAD_IDLE`
+    exchanges in a row run without Ok-Topk.
+    """
+    if comm.world_size == 1:
+        return
+    st = _group_slot(comm)
+    st.payload, st.idle = payload_reserve(comm.world_size), 0
+
+
 def exchange(
     comm: Comm,
     record: dict[str, int],
     local_error: BaseException | None,
     slot: torch.Tensor | np.ndarray | None = None,
-) -> tuple[list[dict[str, int]], torch.Tensor | None]:
+) -> tuple[Sequence[dict[str, int]], torch.Tensor | None]:
     """All-gather ``record`` and check that every rank agrees; return every rank's record and eager slot.
 
     Args:
@@ -243,7 +242,8 @@ def exchange(
             NumPy array) to deliver to every rank with the record, or ``None``.
 
     Returns:
-        ``(records, slots)``: every rank's record, and every rank's slot as
+        ``(records, slots)``: every rank's record (a :class:`Records`, or a
+        list on a single rank), and every rank's slot as
         one ``uint8`` tensor of shape ``[P, slot_bytes]`` (``None`` on a single rank, where
         nothing is exchanged).
 
@@ -261,14 +261,54 @@ def exchange(
     with comm.meta():
         table = comm.all_gather(row).view(comm.world_size, row.numel())
     host_table = table.numpy() if comm.host else table[:, :hbytes].cpu().numpy()
-    head = np.ascontiguousarray(host_table[:, :hbytes]).view(np.int64).tolist()
-    records = [dict(zip(FIELDS, r)) for r in head]
-    _check_versions(records)
+    records = Records(np.ascontiguousarray(host_table[:, :hbytes]).view(np.int64))
+    head = records.table
+    # Checked column by column (a few NumPy operations whatever P); the per-rank loops only say what is wrong.
+    if not ((head[:, _MAGIC_AT] == _MAGIC) & (head[:, _VERSION_AT] == _VERSION)).all():
+        _check_versions(list(records))
     if local_error is not None:
         raise local_error
-    _check_remote_errors(records, comm.rank)
-    _check_shared(records)
+    if head[:, _ERROR_AT].any():
+        _check_remote_errors(list(records), comm.rank)
+    if (head[:, _SHARED_AT] != head[:1, _SHARED_AT]).any():
+        _check_shared(list(records))
     return records, table[:, hbytes:]
+
+
+class Records(Sequence[dict[str, int]]):
+    """Every rank's record, as gathered: item ``r`` is rank ``r``'s fields, a fresh ``dict`` on each access.
+
+    The records stay one int64 table (``[P, len(FIELDS)]``) until read, so
+    a call at ``P = 1024`` makes no thousand dictionaries it does not need;
+    :meth:`column` reads one field of every rank as a list.
+    """
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return int(self.table.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, int]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, int]]: ...
+
+    def __getitem__(self, i: int | slice) -> dict[str, int] | list[dict[str, int]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return dict(zip(FIELDS, self.table[i].tolist()))
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        for row in self.table.tolist():
+            yield dict(zip(FIELDS, row))
+
+    def column(self, name: str) -> list[int]:
+        """Return field ``name`` of every rank, in rank order."""
+        return self.table[:, FIELDS.index(name)].tolist()
 
 
 def _pack_or_error(

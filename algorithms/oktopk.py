@@ -8,18 +8,21 @@ Exact mode (``sparse_allreduce``):
 2. **Split and reduce.** Counts go first: while the boundaries are
    cached, every rank's count per region rides in the metadata record
    (:meth:`OkTopk.eager_payload`; calls that name ``oktopk``, and auto calls
-   whose site last chose it), otherwise an ``all_to_all`` of ``P``
-   integers moves them. Then each rank sends its entries for region ``j`` to rank
+   whose site last chose it; from ``P = 64`` on the record's slot grows by
+   the ``8 P`` bytes while Ok-Topk runs on the group, see
+   :func:`~colltune.algorithms.meta.note_payload`), otherwise (refreshes)
+   an ``all_to_all`` of ``P`` integers moves them. Then each rank sends its entries for region ``j`` to rank
    ``j``: at step ``i`` rank ``r`` sends to ``(r+i) % P`` and receives from
    ``(r-i) % P``, ``peers_in_flight`` steps posted at once, so no rank
    receives from many at once. The owner sums what it received, in rank
    order. Rows of 32 bytes or more (embedding rows) travel as two messages
    per peer, indices and rows, received in place into one buffer per kind;
-   narrower entries travel packed.
+   narrower entries travel packed, received in place into one buffer too.
 3. **Allgatherv.** Owners' reduced sizes are all-gathered (``P`` integers),
    then every region travels to every rank: for wide rows point to point,
    landing in place in the result (which is in index order because the
-   regions are); otherwise packed, in one gather. A region whose reduced
+   regions are); otherwise packed, in one gather, each region with its
+   size when the last call's sizes give it room (no exchange of sizes). A region whose reduced
    entries would cost more sparse than dense (SparCML's rule, scaled by
    ``dense_fallback_ratio``) travels dense, as its rows plus a presence
    bitmap, and then every region travels packed. With ``avg`` each owner
@@ -32,7 +35,8 @@ feedback done by the caller):
    calls; in between the previous threshold is reused, and nudged by
    ``nudge`` while the count is outside the band, with an exact recompute if
    nudging does not bring it back.
-2. Split and reduce of the selected entries, as above.
+2. Split and reduce of the selected entries, as above (the counts go
+   first on every call: the top-k record carries no payload).
 3. Global selection: owners keep reduced entries at or above the global
    threshold: exact every ``global_refresh`` calls (a radix select over all
    owners' magnitudes, four ``all_reduce`` calls of 256 counts, no entries
@@ -40,8 +44,11 @@ feedback done by the caller):
    entry moves, and a reused threshold whose total leaves the band is
    replaced by the exact one on the same call, so the gathered volume stays
    inside the band (and within Eq. 3's bound).
-4. Balance: the kept entries, in index order, are re-cut into ``P`` equal
-   blocks and moved point to point, then all-gathered without padding waste.
+4. Balance: the owners' kept entries are evened out into ``P`` equal
+   blocks, moving only each owner's surplus (one batch of point-to-point
+   messages, :mod:`~colltune.algorithms.balance`), then all-gathered and
+   put back in index order. Split, balance and gather together stay within
+   Eq. 3's ``6k(P-1)/P`` words.
 
 Every rank ends with the same bits: each region is reduced once, by its
 owner, and then copied to everyone.
@@ -56,6 +63,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from colltune.algorithms import meta as _meta
+from colltune.algorithms import sizes
+from colltune.algorithms.balance import balance_and_gather
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import Knob
@@ -67,7 +77,6 @@ from colltune.algorithms.sparse import (
     entry_bytes,
     gather_mode,
     merge_runs,
-    merge_sources,
     offsets,
     pack,
     reinterpret,
@@ -127,7 +136,7 @@ def split_reduce(
     wire_dtype: torch.dtype,
     acc: torch.dtype,
     peers_in_flight: int,
-    region_counts: list[list[int]] | None = None,
+    counts: tuple[list[int], list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send each entry to the owner of its region; return this rank's reduced region.
 
@@ -138,9 +147,10 @@ def split_reduce(
         wire_dtype: the dtype values travel in.
         acc: the dtype the owner sums in.
         peers_in_flight: rotated steps posted at once.
-        region_counts: every rank's entry count per region under these
-            cuts (``[P][P]``), when already known (else this rank cuts its
-            indices and an ``all_to_all`` exchanges the counts).
+        counts: ``(send, recv)`` under these cuts, when already known: this
+            rank's entry count per region, and every rank's count for this
+            rank's region (else this rank cuts its indices and an
+            ``all_to_all`` exchanges the counts).
 
     Returns:
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
@@ -150,43 +160,41 @@ def split_reduce(
     indices and the value rows, each sent from a slice of the input and
     received straight into its place in one buffer per kind: no packing,
     unpacking or concatenation of the rows, which are most of the bytes.
-    Narrow entries (top-k's scalars) travel packed, one message per peer.
+    Narrow entries (top-k's scalars) travel packed, one message per peer,
+    received in place into one buffer and unpacked once.
     """
-    p, me = comm.world_size, comm.rank
+    me = comm.rank
     r = vals.shape[1]
     index_dtype = wire_index_dtype(size)
-    off, recv_counts = _split_counts(comm, idx, cuts, region_counts)
+    off, recv_counts = _split_counts(comm, idx, cuts, counts)
     if split_layout(r, wire_dtype):
         return _split_reduce_soa(comm, idx, vals, off, recv_counts, cuts, index_dtype, wire_dtype, acc, peers_in_flight)
     buf = pack(idx, vals, index_dtype, wire_dtype)
-    ebytes = buf.shape[1] if buf.dim() == 2 else entry_bytes(r, index_dtype, wire_dtype)
-    received: dict[int, torch.Tensor] = {me: buf[off[me] : off[me + 1]]}
-    for j in range(p):
-        if j != me:
-            received[j] = torch.empty((recv_counts[j], ebytes), dtype=torch.uint8, device=comm.device)
+    at = offsets(recv_counts)  # source j's entries land at rows [at[j], at[j+1]), in rank order
+    recv = torch.empty((at[-1], entry_bytes(r, index_dtype, wire_dtype)), dtype=torch.uint8, device=comm.device)
+    recv[at[me] : at[me + 1]] = buf[off[me] : off[me + 1]]
     comm.rotated_exchange(
-        peers_in_flight, lambda dst: [(buf[off[dst] : off[dst + 1]], 0)], lambda src: [(received[src], 0)]
+        peers_in_flight, lambda dst: [(buf[off[dst] : off[dst + 1]], 0)], lambda src: [(recv[at[src] : at[src + 1]], 0)]
     )
     # Merge in region-relative coordinates, so a dense scratch (when the
     # region is dense enough for one) is sized to the region, not the tensor.
     base = cuts[me]
-    sources = [unpack(received[j], r, index_dtype, wire_dtype) for j in range(p)]
-    sources = [(i - base, v) for i, v in sources]
-    ridx, rvals = merge_sources(sources, cuts[me + 1] - base, r, acc, comm.device)
-    return ridx + base, rvals
+    ridx, rvals = unpack(recv, r, index_dtype, wire_dtype)
+    uidx, uvals = merge_runs(ridx - base, rvals, at, cuts[me + 1] - base, acc)
+    return uidx + base, uvals
 
 
 def _split_counts(
-    comm: Comm, idx: torch.Tensor, cuts: list[int], region_counts: list[list[int]] | None
+    comm: Comm, idx: torch.Tensor, cuts: list[int], counts: tuple[list[int], list[int]] | None
 ) -> tuple[list[int], list[int]]:
     """Return where each region starts in this rank's entries, and how many entries each peer sends this rank.
 
-    From ``region_counts`` when every rank's counts are known; else from
-    this rank's cut of its indices and an ``all_to_all`` of the counts.
+    From ``counts`` when known; else from this rank's cut of its indices
+    and an ``all_to_all`` of the counts.
     """
-    p, me = comm.world_size, comm.rank
-    if region_counts is not None:
-        return offsets(region_counts[me]), [region_counts[j][me] for j in range(p)]
+    p = comm.world_size
+    if counts is not None:
+        return offsets(counts[0]), counts[1]
     off = _slices(idx, cuts)
     send_counts = [off[j + 1] - off[j] for j in range(p)]
     with comm.meta():
@@ -284,6 +292,9 @@ def _gather_regions(
         if not any(dense):
             return (*_gather_regions_p2p(comm, ridx, rvals, sizes, index_dtype, wire_dtype, peers_in_flight), sizes)
         mode = "auto"  # a dense region travels with its bitmap, packed
+    if not any(dense):  # every region packed: one gather, one unpack (regions are in index order)
+        flat = comm.all_gather_flat(pack(ridx, rvals, index_dtype, wire_dtype), sizes, mode)
+        return (*unpack(flat, r, index_dtype, wire_dtype), sizes)
     if dense[me]:
         blob = _dense_region_bytes(ridx - cuts[me], rvals, lengths[me], wire_dtype, comm.device)
     else:
@@ -324,27 +335,30 @@ def _unpack_regions(
     wire_dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the gathered regions' entries in owner order: global indices and ``[u, r]`` rows."""
+    """Return the gathered regions' entries in owner order: global indices and ``[u, r]`` rows.
+
+    The sparse regions are unpacked together, in one operation; each dense
+    region (rows and a bitmap) on its own.
+    """
     ebytes = entry_bytes(r, index_dtype, wire_dtype)
     rowbytes = r * wire_dtype.itemsize
-    out_idx, out_vals = [], []
+    packed = [j for j in range(len(pieces)) if sizes[j] and not dense[j]]
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if packed:
+        i, v = unpack(torch.cat([pieces[j] for j in packed]).view(-1, ebytes), r, index_dtype, wire_dtype)
+        counts = [sizes[j] for j in packed]
+        parts = dict(zip(packed, zip(torch.split(i, counts), torch.split(v, counts))))
     for j, piece in enumerate(pieces):
-        if sizes[j] == 0:
-            continue
-        if dense[j]:
+        if sizes[j] and dense[j]:
             length = cuts[j + 1] - cuts[j]
             nb = length * rowbytes
             rows = reinterpret(piece[:nb], wire_dtype).view(length, r)
             local = _unpack_bits(piece[nb:], length).nonzero().view(-1)
-            out_idx.append(local + cuts[j])
-            out_vals.append(rows.index_select(0, local))
-        else:
-            i, v = unpack(piece.view(sizes[j], ebytes), r, index_dtype, wire_dtype)
-            out_idx.append(i)
-            out_vals.append(v)
-    if not out_idx:
+            parts[j] = (local + cuts[j], rows.index_select(0, local))
+    if not parts:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty((0, r), dtype=wire_dtype, device=device)
-    return torch.cat(out_idx), torch.cat(out_vals)
+    ordered = [parts[j] for j in sorted(parts)]
+    return torch.cat([i for i, _ in ordered]), torch.cat([v for _, v in ordered])
 
 
 def eager_region_capacity(last_size: int) -> int:
@@ -363,43 +377,57 @@ def _gather_regions_eager(
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Gather packed regions without a separate exchange of their sizes.
 
-    Owner ``j`` sends every peer one message of a size all ranks know: an
-    int64 count, then room for :func:`eager_region_capacity` ``(last[j])``
-    packed entries (its first entries, zero-padded). An owner whose region
-    outgrew its room sends the rest in a second exchange, which every rank
-    knows of from the counts. So a call whose sizes are near the last
-    call's makes one exchange instead of two; the padding costs at most a
-    sixteenth of the entries plus a few.
+    Owner ``j`` sends every peer one message of a size all ranks know: its
+    count (an int64 in the first of ``h = ceil(8 / entry bytes)`` rows),
+    then room for :func:`eager_region_capacity` ``(last[j])`` packed entries
+    (its first entries, zero-padded). An owner whose region outgrew its
+    room sends the rest in a second exchange, which every rank knows of from
+    the counts. So a call whose sizes are near the last call's makes one
+    exchange instead of two; the padding costs at most a sixteenth of the
+    entries plus a few. Every message lands in place in one buffer, whose
+    counts and entries are then read in one operation each.
     """
     p, me = comm.world_size, comm.rank
     r = rvals.shape[1]
     e = entry_bytes(r, index_dtype, wire_dtype)
+    h = -(-8 // e)
     caps = [eager_region_capacity(c) for c in last]
+    at = offsets([h + c for c in caps])  # owner j's message: rows [at[j], at[j+1])
     blob = pack(ridx, rvals, index_dtype, wire_dtype)
     u = blob.shape[0]
     first = min(u, caps[me])
-    mine = torch.zeros(8 + caps[me] * e, dtype=torch.uint8, device=comm.device)
-    mine[:8] = torch.tensor([u], dtype=torch.int64, device=comm.device).view(torch.uint8)
-    mine[8 : 8 + first * e] = blob[:first].reshape(-1)
-    msgs = {me: mine}
+    msgs = torch.empty((at[-1], e), dtype=torch.uint8, device=comm.device)
+    mine = msgs[at[me] : at[me + 1]]
+    mine.zero_()
+    mine.view(-1)[:8] = torch.tensor([u], dtype=torch.int64, device=comm.device).view(torch.uint8)
+    mine[h : h + first] = blob[:first]
+    comm.rotated_exchange(peers_in_flight, lambda dst: [(mine, 0)], lambda src: [(msgs[at[src] : at[src + 1]], 0)])
+    heads = torch.tensor(at[:-1], dtype=torch.int64, device=comm.device).view(p, 1) * e + torch.arange(8, device=comm.device)
+    sizes = msgs.view(-1)[heads].view(torch.int64).view(-1).tolist()
+    rest = [max(0, sizes[j] - caps[j]) for j in range(p)]
+    if not any(rest):
+        gidx, gvals = unpack(msgs[_rows_mask(at, h, sizes, comm.device)], r, index_dtype, wire_dtype)
+        return gidx, gvals, sizes
+    tails = {me: blob[first:]}  # some region outgrew its room: its owner sends the rest to everyone
     for j in range(p):
         if j != me:
-            msgs[j] = torch.empty(8 + caps[j] * e, dtype=torch.uint8, device=comm.device)
-    comm.rotated_exchange(peers_in_flight, lambda dst: [(mine, 0)], lambda src: [(msgs[src], 0)])
-    sizes = torch.cat([msgs[j][:8] for j in range(p)]).view(torch.int64).tolist()
-    rest = [max(0, sizes[j] - caps[j]) for j in range(p)]
-    tails = {me: blob[first:]}
-    if any(rest):  # some region outgrew its room: its owner sends the rest to everyone
-        for j in range(p):
-            if j != me:
-                tails[j] = torch.empty((rest[j], e), dtype=torch.uint8, device=comm.device)
-        comm.rotated_exchange(peers_in_flight, lambda dst: [(tails[me], 1)], lambda src: [(tails[src], 1)])
+            tails[j] = torch.empty((rest[j], e), dtype=torch.uint8, device=comm.device)
+    comm.rotated_exchange(peers_in_flight, lambda dst: [(tails[me], 1)], lambda src: [(tails[src], 1)])
     pieces = []
     for j in range(p):
-        head = msgs[j][8 : 8 + min(sizes[j], caps[j]) * e].view(-1, e)
+        head = msgs[at[j] + h : at[j] + h + min(sizes[j], caps[j])]
         pieces.append(torch.cat((head, tails[j])) if rest[j] else head)
     gidx, gvals = unpack(torch.cat(pieces), r, index_dtype, wire_dtype)
     return gidx, gvals, sizes
+
+
+def _rows_mask(at: list[int], h: int, sizes: list[int], device: torch.device) -> torch.Tensor:
+    """Return which rows of the eager gather's buffer hold entries: rows ``[at[j] + h, at[j] + h + sizes[j])``."""
+    marks = np.zeros(at[-1] + 1, dtype=np.int64)
+    starts = np.asarray(at[:-1], dtype=np.int64) + h
+    np.add.at(marks, starts, 1)
+    np.add.at(marks, starts + np.asarray(sizes, dtype=np.int64), -1)
+    return torch.from_numpy(np.cumsum(marks[:-1]) > 0).to(device)
 
 
 def _gather_regions_p2p(
@@ -451,6 +479,100 @@ def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm, total_bound: int |
     return torch.tensor([prefix], dtype=torch.int32).view(torch.float32).item()
 
 
+def _split_step(c: Pricing, per_peer_entries: float, messages_per_peer: float, flight: int) -> Step:
+    """The rotated split: ``per_peer_entries`` to each peer, only non-empty messages (about ``1 - e^-x`` of them)."""
+    sent = c.p2p_rotated("split_p2p", per_peer_entries * c.e, flight)
+    x = per_peer_entries  # a message is empty with probability e^-x (entries spread like Poisson counts)
+    busy = 1.0 if x > 20 else -math.expm1(-x) if x > 0 else 0.0
+    return Step("split_p2p", "p2p", sent.calls, sent.steps * messages_per_peer * busy, sent.nbytes)
+
+
+def _region_reduce(c: Pricing, k: float) -> float:
+    """Memory traffic of unpacking and merging about ``k`` received entries."""
+    return 2 * k * c.e + k * math.log2(max(k, 2.0)) * 8.0 + k * c.rba
+
+
+def _exact_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
+    refresh = 1.0 / knobs["boundary_refresh"]
+    flight = knobs["peers_in_flight"]
+    region = math.ceil(c.n / c.p)
+    region_dense_bytes = region * c.rb + math.ceil(region / 8)
+    per_owner = c.u / c.p
+    region_dense = math.ceil(per_owner) * c.e >= knobs["dense_fallback_ratio"] * region_dense_bytes
+    wide = c.rb >= SPLIT_MIN_ROW_BYTES
+    if region_dense:  # sizes first, then the regions packed, dense ones with their bitmap
+        block_bytes = float(region_dense_bytes)
+        gathers = [c.all_gather("sizes_all_gather", 8.0), c.all_gather("union_gather", block_bytes)]
+    elif not wide:
+        # Eager gather: each count rides with its region, in room sized from the last call (1/16 more, plus 4).
+        h = math.ceil(8 / c.e)
+        block_bytes = (h + eager_region_capacity(math.ceil(per_owner))) * c.e
+        gathers = [c.free("sizes_all_gather", "all_gather"), c.p2p_rotated("union_gather", block_bytes, flight)]
+    else:  # wide rows: sizes first, then indices and rows point to point, in place
+        block_bytes = per_owner * c.e
+        union = c.p2p_rotated("union_gather", block_bytes, flight)
+        gathers = [c.all_gather("sizes_all_gather", 8.0), Step("union_gather", "p2p", union.calls, 2 * union.steps,
+                                                               union.nbytes)]
+    payload = 0 if c.record_known else sizes.payload_reserve(c.p)
+    kavg = c.kavg
+    return [
+        c.metadata(c.record_bytes + payload),
+        c.all_reduce("boundaries_all_reduce", c.p * 8.0, share=refresh),
+        c.all_to_all("counts_all_to_all", 8.0, share=refresh),  # in the record between refreshes
+        _split_step(c, kavg / c.p, 2.0 if wide else 1.0, flight),
+        c.local("region_reduce", _region_reduce(c, kavg), 3.0),
+        c.free("threshold_all_reduce", "all_reduce"),
+        gathers[0],
+        c.free("balance_p2p", "p2p"),
+        gathers[1],
+        c.local("unpack", c.p * block_bytes + c.u * c.out_entry, 2.0),
+    ]
+
+
+def _moved_share(per_owner: float) -> float:
+    """Return the share of the kept entries the balance moves, for owners keeping ``per_owner`` on average.
+
+    The surplus over the block ``ceil(per_owner)`` of owners whose kept
+    counts spread like Poisson counts: ``E (x - 1)^+ / c = (c - 1 + e^-c) / c``
+    below one entry per owner, about ``0.4 / sqrt(c)`` (a normal's mean
+    excess) above.
+    """
+    c = per_owner
+    if c <= 0:
+        return 0.0
+    if c < 1:
+        return (c - 1 + math.exp(-c)) / c
+    return min(1.0, 0.4 / math.sqrt(c))
+
+
+def _topk_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
+    k, p = c.kavg, c.p
+    per = k / p
+    g = 1.0 / knobs["global_refresh"]
+    hist = 256.0 * (4 if c.n < 2**31 else 8)
+    radix = c.all_reduce("threshold_all_reduce", hist, share=4 * g)  # four rounds of 256 counts, on refreshes
+    # Balanced blocks of ceil(k / P); unbalanced, the largest owner's kept count (about two deviations over).
+    block = math.ceil(per) if knobs["balance"] else math.ceil(per + 2 * math.sqrt(per))
+    if 4 * p * block <= 5 * k:  # all_gather_v "auto": padded to the largest block while that adds <= 1/4
+        gather = c.all_gather("union_gather", block * c.e)
+    else:
+        gather = c.all_to_all("union_gather", per * c.e)
+    moved = _moved_share(per) * per if knobs["balance"] else 0.0
+    select = 3 * c.n * c.rba + 2 * c.n * c.rba / knobs["local_refresh"]
+    return [
+        c.metadata(),
+        c.all_reduce("boundaries_all_reduce", p * 8.0, share=1.0 / knobs["boundary_refresh"]),
+        c.all_to_all("counts_all_to_all", 8.0),
+        _split_step(c, per, 1.0, knobs["peers_in_flight"]),
+        c.local("region_reduce", select + _region_reduce(c, k), 6.0),
+        radix,
+        c.all_gather("sizes_all_gather", 8.0 * ((1 - g) * (2 * GLOBAL_NUDGES + 1) + g)),
+        c.p2p("balance_p2p", 1.0, 1.0, moved * c.e) if moved else c.free("balance_p2p", "p2p"),
+        gather,
+        c.local("unpack", p * block * c.e + k * c.out_entry + (k * c.e if moved else 0.0), 2.0),
+    ]
+
+
 #: Nudged global thresholds tried on each side of a reused one, all counted
 #: in one exchange: factors ``(1 + nudge) ** (j / 2)``, ``|j| <= GLOBAL_NUDGES``
 #: (+-22% in steps of 2.5% with the default nudge 0.05). Half steps: near
@@ -482,42 +604,25 @@ class OkTopk(Algorithm):
     )
     TERMS = (
         "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
-        "region_reduce", "sizes_all_gather", "union_gather", "unpack",
+        "region_reduce", "threshold_all_reduce", "sizes_all_gather", "balance_p2p", "union_gather", "unpack",
     )
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
-        """Boundaries and counts on refreshes, the rotated split, the reduce, the regions' gather, the unpack."""
+        """Boundaries and counts on refreshes, the rotated split, the reduce, the regions' gather, the unpack.
+
+        Exact mode: the counts per region ride in the metadata record while
+        the boundaries are cached (the slot makes room for them from
+        ``P = 64`` on), so only refreshes send them. Top-k mode: the counts
+        go first on every call; then the global threshold (the radix
+        select's four all_reduces on refreshes, the 17 candidates' counts
+        in the kept-size exchange otherwise), the balance and the gather of
+        about ``k`` entries in all.
+        """
         c = pricing
-        refresh = 1.0 / knobs["boundary_refresh"]
-        flight = knobs["peers_in_flight"]
-        region = math.ceil(c.n / c.p)
-        region_dense_bytes = region * c.rb + math.ceil(region / 8)
-        block_sparse_bytes = math.ceil(c.u / c.p) * c.e
-        region_dense = block_sparse_bytes >= knobs["dense_fallback_ratio"] * region_dense_bytes
-        block_bytes = float(region_dense_bytes if region_dense else block_sparse_bytes)
-        if region_dense:  # sizes first, then the regions packed, dense ones with their bitmap
-            sizes = c.all_gather("sizes_all_gather", 8.0)
-            union = c.all_gather("union_gather", block_bytes)
-        elif c.rb < SPLIT_MIN_ROW_BYTES:
-            # Eager gather: each count rides with its region, in room sized from the last call (1/16 more).
-            sizes = c.free("sizes_all_gather", "all_gather")
-            union = c.p2p_rotated("union_gather", block_bytes * 17 / 16 + 8.0, flight)
-        else:  # wide rows: sizes first, then indices and rows point to point, in place
-            sizes = c.all_gather("sizes_all_gather", 8.0)
-            union = c.p2p_rotated("union_gather", block_bytes, flight)
-        kavg = c.kavg
-        return [
-            c.metadata(),
-            c.all_reduce("boundaries_all_reduce", c.p * 8.0, share=refresh),
-            # The counts ride in the metadata record while the boundaries are cached: only refreshes send them.
-            c.all_to_all("counts_all_to_all", 8.0, share=refresh),
-            c.p2p_rotated("split_p2p", kavg / c.p * c.e, flight),
-            c.local("region_reduce", 2 * kavg * c.e + kavg * math.log2(max(kavg, 2.0)) * 8.0 + kavg * c.rba, 3.0),
-            sizes,
-            union,
-            c.local("unpack", c.p * block_bytes + c.u * c.out_entry, 2.0),
-        ]
+        if c.topk:
+            return _topk_schedule(c, {**{k.name: k.default for k in self.knob_specs}, **knobs})
+        return _exact_schedule(c, knobs)
 
     @staticmethod
     def _state(comm: Comm, size: int, knobs: dict[str, Any]) -> _ExactState:
@@ -557,15 +662,17 @@ class OkTopk(Algorithm):
         p = comm.world_size
         # The payload's counts were cut by these boundaries if they are still cached (the same state, no
         # refresh due); a state made afresh for other knobs refreshes, and the counts travel again.
-        region_counts = None
+        counts = None
         if inp.payload is not None and inp.payload.shape[1] == 8 * p and not st.bounds.due(inp.size, p):
-            region_counts = inp.payload.cpu().contiguous().numpy().view(np.int64).tolist()
+            table = inp.payload.cpu().contiguous().numpy().view(np.int64)  # row r: rank r's count per region
+            counts = table[comm.rank].tolist(), table[:, comm.rank].tolist()
         with comm.meta():
             cuts = st.bounds.get(idx, inp.size, comm)
         ridx, rvals = split_reduce(
             comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"],
-            region_counts,
+            counts,
         )
+        _meta.note_payload(comm)  # the counts ride in the next records (the slot makes room for them)
         early = inp.op == "avg" and p > 1 and inp.dtype == inp.acc_dtype
         if early:
             rvals.div_(p)  # the owner's rows only: the same bits as dividing the gathered sum
@@ -643,11 +750,11 @@ class OkTopk(Algorithm):
         if not exact:
             cands = [gth * (1 + state.nudge) ** (j / 2) for j in range(-GLOBAL_NUDGES, GLOBAL_NUDGES + 1)]
             table = self._counts(comm, [rmag.count(t) for t in cands])
-            totals = [sum(row[j] for row in table) for j in range(len(cands))]
+            totals = table.sum(axis=0).tolist()
             fits = [j for j, t in enumerate(totals) if lo <= t <= hi]
             if fits:
                 best = min(fits, key=lambda j: (abs(totals[j] - k), abs(j - GLOBAL_NUDGES)))
-                gth, sizes = cands[best], [row[best] for row in table]
+                gth, sizes = cands[best], table[:, best].tolist()
                 keep = rmag.mask(gth)
             else:
                 exact = True
@@ -661,52 +768,22 @@ class OkTopk(Algorithm):
 
     @staticmethod
     def _sizes(comm: Comm, count: int) -> list[int]:
-        return [row[0] for row in OkTopk._counts(comm, [count])]
+        return OkTopk._counts(comm, [count])[:, 0].tolist()
 
     @staticmethod
-    def _counts(comm: Comm, counts: list[int]) -> list[list[int]]:
-        """All-gather each rank's ``counts`` (the same length on every rank); return them by rank."""
+    def _counts(comm: Comm, counts: list[int]) -> np.ndarray:
+        """All-gather each rank's ``counts`` (the same length on every rank); return them by rank, ``[P, len]``."""
         with comm.meta():
             t = torch.tensor(counts, dtype=torch.int64, device=comm.device)
-            return comm.all_gather(t).view(comm.world_size, len(counts)).tolist()
+            return comm.all_gather(t).view(comm.world_size, len(counts)).cpu().numpy()
 
     @staticmethod
     def _balanced_gather(
         comm: Comm, kidx: torch.Tensor, kvals: torch.Tensor, sizes: list[int], n: int, dtype: torch.dtype, balance: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        p, me = comm.world_size, comm.rank
+        """Return every owner's kept entries, in index order: balanced (:mod:`~colltune.algorithms.balance`), then gathered."""
         index_dtype = wire_index_dtype(n)
-        total = sum(sizes)
-        buf = pack(kidx, kvals, index_dtype, dtype)
-        ebytes = entry_bytes(1, index_dtype, dtype)
-        if balance and p > 1 and total:
-            # Re-cut the concatenation (in index order) into P equal blocks.
-            block = -(-total // p)
-            starts = [sum(sizes[:j]) for j in range(p)]
-
-            def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
-                lo_, hi_ = max(a0, b0), min(a1, b1)
-                return lo_, max(lo_, hi_)
-
-            mine0, mine1 = starts[me], starts[me] + sizes[me]
-            my_block = (min(me * block, total), min((me + 1) * block, total))
-            sends, recvs, parts = [], [], {}
-            for j in range(p):
-                s0, s1 = overlap(mine0, mine1, min(j * block, total), min((j + 1) * block, total))
-                r0, r1 = overlap(starts[j], starts[j] + sizes[j], *my_block)
-                if j == me:
-                    parts[j] = buf[s0 - mine0 : s1 - mine0]
-                    continue
-                sends.append((buf[s0 - mine0 : s1 - mine0], j))
-                t = torch.empty((r1 - r0, ebytes), dtype=torch.uint8, device=comm.device)
-                recvs.append((t, j))
-                parts[j] = t
-            for work in comm.exchange(sends, recvs):
-                work.wait()
-            buf = torch.cat([parts[j] for j in range(p)])
-            sizes = [min((j + 1) * block, total) - min(j * block, total) for j in range(p)]
-        pieces = comm.all_gather_v(buf, sizes, "pad" if balance else "auto")
-        sources = [unpack(piece, 1, index_dtype, dtype) for piece in pieces]
-        if not sources or total == 0:
+        if sum(sizes) == 0:
             return torch.empty(0, dtype=torch.int64, device=comm.device), kvals.new_empty((0, 1))
-        return torch.cat([s[0] for s in sources]), torch.cat([s[1] for s in sources])
+        flat = balance_and_gather(comm, pack(kidx, kvals, index_dtype, dtype), sizes, balance)
+        return unpack(flat, 1, index_dtype, dtype)

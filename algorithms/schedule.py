@@ -8,7 +8,11 @@ model (:class:`colltune.model.cost_model.AnalyticModel`) prices a step as
 
 :class:`Pricing` holds the call's quantities in the units the schedules use
 and builds the steps of the standard collectives (ring all_reduce, all_gather,
-all_to_all, rotated point-to-point) at the call's world size.
+all_to_all, rotated point-to-point) at the call's world size. Its ``mode``
+says which call is priced: ``exact`` (``sparse_allreduce``: ``k_sum`` and
+``union`` are the ranks' coalesced entries) or ``topk`` (``topk_allreduce``:
+every rank selects about ``k = k_sum / P`` of the ``n`` values of a flat
+tensor, and ``n`` rows of one value each are what dense moves).
 
 This module needs no torch: the features it reads are plain numbers.
 """
@@ -18,6 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from colltune.algorithms import sizes
+from colltune.algorithms.errors import ColltuneValueError
 
 __all__ = ["Step", "Pricing"]
 
@@ -47,22 +54,29 @@ class Pricing:
         features: the call's global statistics (a
             :class:`colltune.model.features.Features`: ``world_size``,
             ``numel``, ``row_numel``, ``entry_bytes``, ``row_bytes``,
-            ``accum_bytes``, ``k_sum``, ``k_max``, ``union``).
+            ``accum_bytes``, ``k_sum``, ``k_max``, ``union``; and ``mode``
+            when it has one).
         record_bytes: bytes per rank of the metadata record every call
-            exchanges, or ``None`` for the real record at this world size.
+            exchanges, or ``None`` for the real record at this world size
+            (:func:`~colltune.algorithms.sizes.record_bytes`: the header and the
+            starting eager slot; an algorithm whose payload rides in the
+            slot adds what that takes).
         record_known: whether ``record_bytes`` was given (an algorithm whose
             entries can ride in the record's eager slot prices that only for
             the real record).
+        mode: ``exact`` or ``topk``; ``None`` takes ``features.mode``, else ``exact``.
 
     Attributes:
         p: world size. n: rows. e: bytes of one packed entry (index and row).
         rb: bytes of one row. rba: bytes of one row in the accumulation dtype.
-        ksum: entries over all ranks. kavg: entries per rank on average.
-        u: rows of the union. out_entry: bytes of one output entry (int64
-        index and a row).
+        ksum: entries over all ranks. kavg: entries per rank on average (in
+        top-k mode, ``k``). u: rows of the union. out_entry: bytes of one
+        output entry (int64 index and a row). mode: ``exact`` or ``topk``.
     """
 
-    def __init__(self, features: Any, record_bytes: float, *, record_known: bool = False) -> None:
+    def __init__(
+        self, features: Any, record_bytes: float | None = None, *, record_known: bool = False, mode: str | None = None
+    ) -> None:
         f = features
         self.p = int(f.world_size)
         self.n = float(f.numel)
@@ -74,8 +88,16 @@ class Pricing:
         self.k_max = float(f.k_max)
         self.u = float(f.union)
         self.out_entry = 8.0 + self.rb
-        self.record_bytes = float(record_bytes)
+        self.mode = str(mode or getattr(f, "mode", None) or "exact")
+        if self.mode not in ("exact", "topk"):
+            raise ColltuneValueError(f"`mode` must be 'exact' or 'topk', but got {self.mode!r}.")
         self.record_known = record_known
+        self.record_bytes = float(sizes.record_bytes(self.p) if record_bytes is None else record_bytes)
+
+    @property
+    def topk(self) -> bool:
+        """True when the priced call is a ``topk_allreduce``."""
+        return self.mode == "topk"
 
     def metadata(self, record_bytes: float | None = None) -> Step:
         """The all_gather of the metadata record every call starts with."""
@@ -109,6 +131,12 @@ class Pricing:
             return Step(term, "p2p", 0.0, 0.0, 0.0)
         calls = float(math.ceil((p - 1) / peers_in_flight))
         return Step(term, "p2p", calls, p - 1.0, (p - 1) * nbytes_per_step)
+
+    def p2p(self, term: str, calls: float, messages: float, nbytes: float) -> Step:
+        """Point-to-point messages: ``calls`` batches posted, ``messages`` sent, ``nbytes`` in all."""
+        if self.p == 1:
+            return Step(term, "p2p", 0.0, 0.0, 0.0)
+        return Step(term, "p2p", calls, messages, nbytes)
 
     @staticmethod
     def local(term: str, nbytes: float, kernels: float) -> Step:

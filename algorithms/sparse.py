@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
+from itertools import accumulate
 from typing import Any, Iterator
 
 import numpy as np
@@ -325,10 +326,7 @@ def gather_mode(mode: str, row_numel: int, wire_dtype: torch.dtype) -> str:
 
 def offsets(counts: "list[int] | tuple[int, ...]") -> list[int]:
     """Return the prefix sums ``[0, c0, c0 + c1, ...]`` of ``counts``."""
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + int(c))
-    return out
+    return [0, *accumulate(map(int, counts))]
 
 
 def entry_bytes(row_numel: int, index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:

@@ -62,7 +62,7 @@ def _rank_ops(rank: int, world_size: int) -> dict:
     by_name = colltune.sparse_allreduce(idx, vals, 8, op="sum")
     by_op = colltune.sparse_allreduce(idx, vals, 8, op=dist.ReduceOp.SUM)
     state = colltune.TopkState(k=2)
-    topk = colltune.topk_allreduce(torch.arange(8.0), state, op=dist.ReduceOp.AVG)
+    topk = colltune.topk_allreduce(torch.arange(8.0), state, op=dist.ReduceOp.AVG, algorithm="allgather")
     return {
         "same": torch.equal(by_name.to_dense(), by_op.to_dense()),
         "topk": topk.to_dense(),

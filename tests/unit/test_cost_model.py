@@ -126,7 +126,9 @@ def test_message_counts_of_each_schedule() -> None:
     assert get("oktopk", "all_to_all.beta_us_per_byte") == pytest.approx((p - 1) * 8 / 64)
     assert get("oktopk", "p2p.launch_us") == 2 and get("oktopk", "p2p.alpha_us") == 2 * (p - 1)
     split_bytes = (p - 1) * (k * p / p / p) * e
-    gather_bytes = (p - 1) * (math.ceil(300 / p) * e * 17 / 16 + 8)
+    # Each region's message: its count (one entry's room: 8 bytes), then room for ceil(u/P) + 1/16 + 4 entries.
+    block = math.ceil(300 / p)
+    gather_bytes = (p - 1) * (1 + block + block // 16 + 4) * e
     assert get("oktopk", "p2p.beta_us_per_byte") == pytest.approx(split_bytes + gather_bytes)
     assert get("oktopk", "all_gather.launch_us") == 1 and get("oktopk", "all_gather.alpha_us") == p - 1
     assert get("oktopk", "all_gather.beta_us_per_byte") == (p - 1) * 48
@@ -140,7 +142,8 @@ def test_allgather_switches_to_all_to_all_when_padding_is_wasteful() -> None:
     col = PARAM_NAMES.index
     assert model.design(even)["allgather"][col("all_gather.launch_us")] == 2  # metadata + padded gather
     assert model.design(skewed)["allgather"][col("all_gather.launch_us")] == 1  # metadata only
-    assert model.design(skewed)["allgather"][col("all_to_all.beta_us_per_byte")] == 3 * 10000 * 8
+    # The slot at its limit carries 8192 entries of each rank; the largest rank's other 1808 go to each peer.
+    assert model.design(skewed)["allgather"][col("all_to_all.beta_us_per_byte")] == 3 * (10000 - 65536 // 8) * 8
 
 
 def test_allgather_entries_that_fit_the_grown_slot_ride_in_the_record() -> None:
@@ -162,8 +165,9 @@ def test_oktopk_sends_a_dense_region_once_the_union_outgrows_it() -> None:
     dense = Features.build(numel=n, row_numel=1, dtype="float32", k_per_rank=[300] * p, union=600)
     gather = lambda f: model.terms(f)["oktopk"]["union_gather"]  # noqa: E731
     ag, p2p = DEFAULT_PRIMITIVES["all_gather"], DEFAULT_PRIMITIVES["p2p"]
-    # 400 * 8 < 1000 * 4: sparse, the eager gather (point to point, each region with its count and 1/16 room).
-    eager = p2p.launch_us + (p - 1) * p2p.alpha_us + (p - 1) * (100 * 8 * 17 / 16 + 8) * p2p.beta_us_per_byte
+    # 400 * 8 < 1000 * 4: sparse, the eager gather (point to point, each region with its count in the room of
+    # one entry, and room for 1/16 more entries plus 4).
+    eager = p2p.launch_us + (p - 1) * p2p.alpha_us + (p - 1) * (1 + 100 + 6 + 4) * 8 * p2p.beta_us_per_byte
     assert gather(sparse) == pytest.approx(eager)
     # 600 * 8 >= 1000 * 4: dense regions, rows and bitmap, all-gathered after the sizes.
     assert gather(dense) == pytest.approx(ag.launch_us + (p - 1) * ag.alpha_us + (p - 1) * (250 * 4 + 32) * ag.beta_us_per_byte)

@@ -269,12 +269,8 @@ class AnalyticModel:
         Returns:
             ``{algorithm: [Step, ...]}`` in registry order.
         """
-        record = self.metadata_bytes
-        if record is None:
-            from colltune.algorithms import meta
-
-            record = meta.HEADER_BYTES + meta.eager_capacity(features.world_size)
-        pricing = Pricing(features, record, record_known=self.metadata_bytes is not None)
+        # None: the real record at this world size (colltune.algorithms.sizes, no torch).
+        pricing = Pricing(features, self.metadata_bytes, record_known=self.metadata_bytes is not None)
         out: dict[str, list[Step]] = {}
         for name in registry.names():
             algo = registry.get(name)
@@ -1034,21 +1030,25 @@ class Network:
 
     @staticmethod
     def _rotated(s: Step, topo: Any) -> float:
-        """Price P - 1 rotated point-to-point sends, ``steps / calls`` of them in flight per call.
+        """Price ``steps`` point-to-point messages of ``nbytes / steps`` each, ``steps / calls`` in flight per call.
 
-        The peers on the rank's own node go over NVLink and the others over
-        the node's NICs at the same time, each in rounds of the sends in
+        The peers are spread as the group is: a share ``(G-1)/(P-1)`` on the
+        rank's own node, over NVLink, the rest over the node's NICs. Both go
+        at the same time, each in rounds of its share of the messages in
         flight; the step takes as long as the slower of the two.
         """
         from colltune.model import nccl
 
-        in_flight = max(1, round(s.steps / s.calls))
-        size = round(s.nbytes / max(s.steps, 1.0))
+        msgs = max(s.steps, 1.0)
+        size, per_call = round(s.nbytes / msgs), max(1.0, msgs / s.calls)
+        p, g = topo.world_size, topo.gpus_per_node
         times = [0.0]
-        for peers, inter in ((topo.gpus_per_node - 1, False), (topo.world_size - topo.gpus_per_node, True)):
-            if peers > 0:
-                at_once = min(in_flight, peers)
-                times.append(-(-peers // at_once) * nccl.p2p_time_us(size, topo, at_once, inter_node=inter))
+        for share, inter in (((g - 1) / (p - 1), False), ((p - g) / (p - 1), True)):
+            m = msgs * share
+            if m <= 0:
+                continue
+            at_once = max(1, min(round(per_call * share), math.ceil(m)))
+            times.append(math.ceil(m / at_once) * nccl.p2p_time_us(size, topo, at_once, inter_node=inter))
         return max(times)
 
 

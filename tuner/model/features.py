@@ -154,6 +154,9 @@ class Features:
         ranks_per_node: ranks of the group on each node (at most ``P``; a
             group inside one node has ``P``), or ``None`` when unknown (the
             cost model then takes the profile's layout).
+        mode: ``exact`` (a sparse allreduce) or ``topk`` (top-k of a dense
+            tensor: ``numel`` elements, ``k_max`` picked per rank); the
+            algorithms price each mode as it runs.
     """
 
     numel: int
@@ -167,8 +170,11 @@ class Features:
     overlap: float
     dtype: str
     ranks_per_node: int | None = None
+    mode: str = "exact"
 
     def __post_init__(self) -> None:
+        if self.mode not in ("exact", "topk"):
+            raise ColltuneValueError(f"`mode` must be 'exact' or 'topk', but got {self.mode!r}.")
         _check_int("numel", self.numel, 1)
         _check_int("row_numel", self.row_numel, 1)
         _check_int("world_size", self.world_size, 1)
@@ -215,6 +221,7 @@ class Features:
         k_per_rank: Sequence[int],
         union: float,
         ranks_per_node: int | None = None,
+        mode: str = "exact",
     ) -> "Features":
         """Build features from per-rank nonzero counts and a union size.
 
@@ -226,6 +233,7 @@ class Features:
             union: exact or estimated union size; clipped to the feasible range
                 ``[max(k_p), min(sum(k_p), numel)]``.
             ranks_per_node: ranks of the group per node, or ``None`` when unknown.
+            mode: ``exact`` or ``topk``.
 
         Returns:
             The features, with ``overlap`` from :func:`overlap_from_union`.
@@ -251,6 +259,7 @@ class Features:
             overlap=overlap_from_union(ks, u),
             dtype=name,
             ranks_per_node=ranks_per_node,
+            mode=mode,
         )
 
     @property

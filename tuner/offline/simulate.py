@@ -87,11 +87,11 @@ def _features(w: Workload, p: int, rpn: int | None) -> dict[str, Features]:
     k = w.k()
     union = p * k - w.overlap * (p * k - k)
     sparse = Features.build(numel=w.numel, row_numel=w.row_numel, dtype=w.dtype, k_per_rank=[k] * p,
-                            union=union, ranks_per_node=rpn)
+                            union=union, ranks_per_node=rpn, mode=w.mode)
     if w.mode != "topk":
         return {"dense": sparse, "allgather": sparse, "oktopk": sparse}
     dense = Features.build(numel=w.numel, row_numel=1, dtype=w.dtype, k_per_rank=[w.numel] * p,
-                           union=w.numel, ranks_per_node=rpn)
+                           union=w.numel, ranks_per_node=rpn, mode="topk")
     return {"dense": dense, "allgather": sparse, "oktopk": sparse}
 
 

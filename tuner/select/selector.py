@@ -841,7 +841,7 @@ class Selector:
             ov = 0.0 if overlap is None else overlap
             k = min(k, numel)
             u = p * k - ov * (p * k - k)
-            layout = {"ranks_per_node": ranks_per_node}
+            layout = {"ranks_per_node": ranks_per_node, "mode": "topk"}
             sparse = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[k] * p, union=u, **layout)
             dense = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[numel] * p, union=numel,
                                    **layout)

@@ -1,0 +1,229 @@
+"""The algorithms' cost schedules and the record's sizes at every world size (no process group).
+
+``tests/distributed/test_scale.py`` checks the priced bytes against the
+bytes real calls count at P = 2 to 4; this file checks what needs no call:
+the schedules' shape in both modes, the paper's Eq. 3 bound over world sizes
+to 1024, the record and eager slot at large world sizes, and the balance
+step's plan.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from colltune.algorithms import registry, sizes
+from colltune.algorithms.errors import ColltuneValueError
+from colltune.algorithms.schedule import Pricing
+from colltune.model.features import Features
+
+WORLD_SIZES = (2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _features(p: int, n: int, k: int, union: float | None = None, row: int = 1, dtype: str = "float32") -> Features:
+    return Features.build(numel=n, row_numel=row, dtype=dtype, k_per_rank=[k] * p,
+                          union=min(n, p * k) if union is None else union)
+
+
+def _steps(name: str, f: Features, mode: str, **knobs) -> dict:
+    algo = registry.get(name)
+    return {s.term: s for s in algo.schedule(Pricing(f, mode=mode), {**algo.knobs, **knobs})}
+
+
+@pytest.mark.parametrize("mode", ["exact", "topk"])
+@pytest.mark.parametrize("name", ["dense", "allgather", "oktopk"])
+def test_every_schedule_returns_its_terms_in_both_modes(name, mode):
+    algo = registry.get(name)
+    for p in (1, 2, 1024):
+        steps = algo.schedule(Pricing(_features(p, 2**20, 1000), mode=mode), algo.knobs)
+        assert tuple(s.term for s in steps) == algo.TERMS
+        assert all(s.calls >= 0 and s.steps >= 0 and s.nbytes >= 0 for s in steps)
+        if p == 1:
+            assert all(s.nbytes == 0 for s in steps if s.primitive != "local")
+
+
+def test_mode_comes_from_the_features_or_the_argument():
+    f = _features(4, 2**16, 100)
+    assert Pricing(f).mode == "exact" and Pricing(f, mode="topk").topk
+    with pytest.raises(ColltuneValueError, match="mode"):
+        Pricing(f, mode="approx")
+
+
+def test_dense_topk_sends_no_mask():
+    p, n = 8, 2**20
+    f = _features(p, n, n, union=n)
+    exact, topk = _steps("dense", f, "exact"), _steps("dense", f, "topk")
+    assert exact["mask_all_reduce"].nbytes == pytest.approx(2 * (p - 1) / p * n)
+    assert topk["mask_all_reduce"].nbytes == 0 and topk["mask_all_reduce"].calls == 0
+    assert topk["value_all_reduce"].nbytes == pytest.approx(2 * (p - 1) / p * n * 4)
+
+
+def test_topka_gathers_every_ranks_k_without_the_slot():
+    p, k = 16, 1000
+    steps = _steps("allgather", _features(p, 2**20, k), "topk")
+    assert steps["entries_gather"].nbytes == (p - 1) * k * 8
+    assert steps["metadata"].nbytes == (p - 1) * sizes.record_bytes(p)  # the record carries no entries
+
+
+@pytest.mark.parametrize("p", [16, 256, 1024])
+def test_oktopk_topk_gathers_about_k_not_the_union(p):
+    n, k = 2**24, 16_384
+    steps = _steps("oktopk", _features(p, n, k, union=p * k), "topk")
+    words = steps["union_gather"].nbytes / 4
+    assert words <= 2 * k * (p - 1) / p * 1.25  # k entries of 2 words, padded to ceil(k / P) at most
+    assert steps["union_gather"].nbytes < 2 * (p - 1) * k * 8 / p  # far below the union's P k entries
+
+
+def test_oktopk_topk_prices_its_threshold_exchanges():
+    p, g = 8, 32
+    steps = _steps("oktopk", _features(p, 2**20, 1000), "topk", global_refresh=g)
+    radix = steps["threshold_all_reduce"]
+    assert radix.calls == pytest.approx(4 / g)  # four all_reduces of 256 int32 counts on refreshes
+    assert radix.nbytes == pytest.approx(4 / g * 2 * (p - 1) / p * 1024)
+    sizes_ = steps["sizes_all_gather"]
+    assert sizes_.calls == 1 and sizes_.nbytes == pytest.approx((p - 1) * 8 * (17 * (1 - 1 / g) + 1 / g))
+    assert steps["counts_all_to_all"].calls == 1  # top-k mode: the counts go first on every call
+    assert steps["balance_p2p"].primitive == "p2p" and steps["balance_p2p"].nbytes > 0
+    exact = _steps("oktopk", _features(p, 2**20, 1000), "exact")
+    assert exact["threshold_all_reduce"].nbytes == exact["balance_p2p"].nbytes == 0
+
+
+def test_oktopk_topk_is_never_priced_above_eq3():
+    """Over a grid to P = 1024: the data terms of Ok-Topk's top-k schedule stay within 6k(P-1)/P words."""
+    algo = registry.get("oktopk")
+    worst = 0.0
+    for p in WORLD_SIZES:
+        for n in (2**16, 2**20, 2**24, 340_000_000):
+            for density in (1e-5, 1e-4, 1e-3, 1e-2, 5e-2):
+                k = max(1, round(density * n))
+                c = Pricing(_features(p, n, k), mode="topk")
+                data = sum(s.nbytes for s in algo.schedule(c, algo.knobs)
+                           if s.term in ("split_p2p", "balance_p2p", "union_gather"))
+                eq3 = 6 * k * (p - 1) / p * (c.e / 2)  # a word: an index or a value, half an entry
+                worst = max(worst, data / eq3)
+                assert data <= eq3, f"P={p} n={n} density={density}: priced {data:.0f} B of entries > Eq. 3's {eq3:.0f} B"
+    assert worst > 1 / 3  # it does price the entries: at least the lower bound, a third of Eq. 3
+
+
+@pytest.mark.parametrize("p", WORLD_SIZES)
+def test_oktopk_exact_counts_ride_in_the_record_at_every_world_size(p):
+    steps = _steps("oktopk", _features(p, 2**24, 10_000), "exact", boundary_refresh=64)
+    assert steps["counts_all_to_all"].calls == pytest.approx(1 / 64)  # refreshes only, whatever P
+    record = sizes.HEADER_BYTES + sizes.eager_capacity(p) + sizes.payload_reserve(p)
+    assert steps["metadata"].nbytes == (p - 1) * record
+
+
+def test_record_sizes_at_large_world_sizes():
+    assert [sizes.eager_capacity(p) for p in (2, 16, 32, 64, 256, 1024)] == [1024, 1024, 512, 256, 256, 256]
+    assert sizes.eager_capacity(1024) // 4 == 64  # overlap-sketch hashes per rank at any world size
+    # Ok-Topk's P counts fit half the starting slot up to P = 32; from 64 on the slot grows by exactly 8 P.
+    assert [sizes.payload_reserve(p) for p in (2, 16, 32, 64, 1024)] == [0, 0, 0, 512, 8192]
+    assert sizes.record_bytes(1024) == 160 + 256 and sizes.record_bytes(1024, payload=True) == 160 + 256 + 8192
+    assert sizes.slot_limit(1024) == 256 and sizes.slot_limit(4) == 65536
+
+
+class _Group:
+    pass
+
+
+def _comm(p: int):
+    from colltune.algorithms.comm import Comm
+
+    comm = Comm(_Group(), torch.device("cpu"))
+    comm.world_size = p
+    return comm
+
+
+def test_the_slot_holds_oktopks_counts_while_oktopk_runs():
+    from colltune.algorithms import meta
+
+    comm = _comm(1024)
+    assert meta.slot_bytes(comm) == 256
+    meta.note_slot_use(comm, 0)
+    meta.note_payload(comm)  # an Ok-Topk call ran: the next records carry its 1024 counts
+    assert meta.slot_bytes(comm) == 256 + 8192
+    for _ in range(meta.PAYLOAD_IDLE):
+        meta.note_slot_use(comm, 0)
+    assert meta.slot_bytes(comm) == 256 + 8192  # still within the idle allowance
+    meta.note_slot_use(comm, 0)
+    assert meta.slot_bytes(comm) == 256  # given back after PAYLOAD_IDLE exchanges without Ok-Topk
+    small = _comm(16)
+    meta.note_payload(small)
+    assert meta.slot_bytes(small) == 1024  # 16 counts fit the slot as it is
+
+
+def test_oktopk_payload_fits_the_slot_at_1024_ranks():
+    from colltune.algorithms import meta
+    from colltune.algorithms.oktopk import OkTopk, _ExactState
+
+    comm = _comm(1024)
+    algo = OkTopk()
+    st = OkTopk._state(comm, 1 << 20, algo.knobs)
+    st.bounds.cuts = torch.arange(1025, dtype=torch.int64) * 1024
+    st.bounds.size, st.bounds.world_size, st.bounds.calls = 1 << 20, 1024, 1
+    assert isinstance(st, _ExactState)
+    idx = torch.arange(0, 1 << 20, 97, dtype=torch.int64)
+    assert algo.eager_payload(idx, 1 << 20, comm, algo.knobs, meta.slot_bytes(comm)) is None  # no room yet
+    meta.note_payload(comm)
+    payload = algo.eager_payload(idx, 1 << 20, comm, algo.knobs, meta.slot_bytes(comm))
+    assert payload is not None and payload.size == 8 * 1024
+    assert int(payload.view(np.int64).sum()) == idx.numel()
+
+
+def _simulate_balance(sizes_: list[int]) -> list[tuple[int, int]]:
+    """Run the balance plan on labelled entries ``(owner, i)``; return the gathered entries in the order it gives."""
+    from colltune.algorithms.balance import owner_order, plan
+
+    pl = plan(sizes_)
+    blocks = [[(j, i) for i in range(int(pl.keep[j]))] for j in range(len(sizes_))]
+    for m in range(pl.count.size):  # in stream order: by source, then position
+        a, b = int(pl.src[m]), int(pl.dst[m])
+        start = int(pl.keep[a] + pl.sent_before[m])
+        assert len(blocks[b]) == int(pl.keep[b] + pl.got_before[m])
+        blocks[b] += [(a, i) for i in range(start, start + int(pl.count[m]))]
+    assert [len(b) for b in blocks] == pl.target.tolist()
+    flat = [e for b in blocks for e in b]
+    order = owner_order(pl)
+    return flat if order is None else [flat[i] for i in order]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_balance_moves_only_the_surplus_and_restores_index_order(seed):
+    from colltune.algorithms.balance import plan
+
+    rng = random.Random(seed)
+    p = rng.choice([1, 2, 3, 4, 7, 16, 64])
+    shape = rng.choice(["even", "skewed", "sparse", "one"])
+    if shape == "even":
+        s = [rng.randint(90, 110) for _ in range(p)]
+    elif shape == "skewed":
+        s = [rng.randint(0, 400) if rng.random() < 0.2 else rng.randint(0, 20) for _ in range(p)]
+    elif shape == "sparse":
+        s = [rng.randint(0, 2) for _ in range(p)]
+    else:
+        s = [0] * p
+        s[rng.randrange(p)] = rng.randint(0, 50)
+    got = _simulate_balance(s)
+    assert got == [(j, i) for j in range(p) for i in range(s[j])]
+    pl = plan(s)
+    assert int(pl.count.sum()) == int(np.maximum(np.asarray(s) - pl.target, 0).sum())  # the fewest possible
+    pairs = list(zip(pl.src.tolist(), pl.dst.tolist()))
+    assert len(pairs) == len(set(pairs)) and all(a != b for a, b in pairs)  # one message per pair at most
+
+
+def test_the_balance_plan_is_linear_in_p():
+    """A plan for 1024 owners takes a few NumPy operations: well under the time of one collective."""
+    import time
+
+    from colltune.algorithms.balance import owner_order, plan
+
+    s = np.random.default_rng(0).poisson(50, 1024).tolist()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        owner_order(plan(s))
+    assert (time.perf_counter() - t0) / 10 < 0.01
+    assert math.isclose(sum(plan(s).target), sum(s))
