@@ -45,6 +45,7 @@ may be followed by any of them before its ``wait()``.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ import torch.distributed as dist
 
 from colltune.algorithms.sparse import offsets, on_host
 
-__all__ = ["Traffic", "Comm", "private_group"]
+__all__ = ["Traffic", "Comm", "private_group", "group_serial"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -503,3 +504,24 @@ def _destroy(group: dist.ProcessGroup) -> None:
             dist.destroy_process_group(group)
     except Exception:  # noqa: BLE001 - already gone with the default group, or torch shutting down
         pass
+
+
+_SERIALS = itertools.count(1)
+
+
+def group_serial(group: Any) -> int:
+    """Return a number that stands for ``group`` in this process while it lives, and is never reused (0 for ``None``).
+
+    Caches keyed by it cannot meet a later group that happens to reuse a
+    destroyed group's memory (and so its ``id()``), which differs between
+    ranks, since each collects garbage at its own pace.
+    """
+    if group is None:
+        return 0
+    states = _GROUP_STATE.get(group)
+    if states is None:
+        states = _GROUP_STATE[group] = {}
+    serial = states.get("comm.serial")
+    if serial is None:
+        serial = states["comm.serial"] = next(_SERIALS)
+    return serial

@@ -40,7 +40,7 @@ from colltune import algorithms
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.allgather import eager_slot, slot_need
 from colltune.algorithms.base import SparseInput, SparseResult, TopkOutput
-from colltune.algorithms.comm import Comm, Traffic, private_group
+from colltune.algorithms.comm import Comm, Traffic, group_serial, private_group
 from colltune.algorithms.errors import (
     AbandonedCallError,
     CollectiveError,
@@ -683,8 +683,8 @@ def _decided_knobs(decision: Any, knobs: dict[str, dict[str, Any]]) -> dict[str,
 
 
 def _group_key(group: dist.ProcessGroup | None) -> int:
-    """Return the part of a call site's key that tells groups apart."""
-    return 0 if group is None else id(group)
+    """Return the part of a call site's key that tells groups apart (never a destroyed group's)."""
+    return group_serial(group) if isinstance(group, dist.ProcessGroup) else 0
 
 
 def _open(group: Any, hint: Any, wire: Any) -> Comm:
