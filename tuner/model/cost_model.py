@@ -18,40 +18,37 @@ model, take NumPy only; fitting a learned model imports scikit-learn and SciPy.
   loaded from a profile predicts exactly what the fitted one did, and loading
   costs no refit.
 
-Schedules priced by :class:`AnalyticModel` (``P`` ranks, ``n`` rows, ``e``
-bytes per packed entry, ``K = k_sum``, ``k = K / P``, ``u`` the union size),
-as the algorithms in ``algorithms/`` run them with their default knobs::
+Each algorithm owns its schedule (``Algorithm.schedule``, in ``algorithms/``):
+the steps it runs at the call's world size and mode (``Features.mode``:
+``exact`` or ``topk``), each a primitive with its calls, latency-bound
+steps and bytes. In short (``P`` ranks, ``n`` rows, ``K = k_sum``)::
 
-    every algorithm   metadata all_gather of ``metadata_bytes`` per rank
-    dense             all_reduce of n rows in the accumulation dtype (fp32
-                      for fp16/bf16), all_reduce of an n-byte uint8 mask
-                      (MAX), local densify and extract (memory traffic)
-    allgather         gather of k_max packed entries per rank: one all_gather
-                      padded to k_max (P k_max entries in all) while padding
-                      adds at most a quarter (4 P k_max <= 5 K), else an
-                      all_to_all of each rank's entries to every peer; then a
-                      local merge of K entries: a dense scratch when
-                      n <= 4 K, else a sort (~K log2 K)
-    oktopk            boundary all_reduce of P float64 every
-                      ``boundary_period`` calls (amortized), all_to_all of P
-                      int64 counts on those calls only (otherwise they ride
-                      in the metadata record), P-1 rotated point-to-point messages of
-                      k/P entries (``peers_in_flight`` per call), local reduce
-                      of the region, then the reduced union in P blocks of
-                      ceil(u/P) entries to every peer: narrow entries point
-                      to point with their count (the eager gather, 1/16 room),
-                      wide rows point to point after a sizes all_gather, and,
-                      once a region's sparse bytes reach
-                      ``dense_fallback_ratio`` times its dense bytes (n/P rows
-                      plus an n/P-bit bitmap, SparCML's rule), a sizes
-                      all_gather and an all_gather of the blocks; local unpack
+    every algorithm   the metadata record's all_gather (its eager slot carries
+                      allgather's first entries, a first-call sketch and
+                      Ok-Topk's counts per region at every P)
+    dense             all_reduce of n rows in the accumulation dtype, plus (exact
+                      mode only) an n-byte mask; local densify and extract
+    allgather         the entries beyond the slot: a padded all_gather, an
+                      all_to_all of exact sizes, or (rows of 32 bytes or more)
+                      point-to-point messages; a local merge of K entries
+    oktopk            boundaries every ``boundary_refresh`` calls (amortized),
+                      P-1 rotated point-to-point messages (``peers_in_flight`` per
+                      call), a local reduce of the region, then the reduced
+                      union gathered (regions denser than SparCML's break-even
+                      travel dense); in top-k mode about k entries (the
+                      re-selected global top-k, within Eq. 3's 6k(P-1)/P words),
+                      the exact threshold's radix select every
+                      ``global_refresh`` calls and the balance of the kept entries
 
-Primitives are priced under ring schedules: ``all_reduce`` of L bytes takes
-``2(P-1)`` steps sending ``2 L (P-1)/P`` bytes, ``all_gather`` of L bytes per
-rank ``P-1`` steps sending ``(P-1) L``, ``all_to_all`` ``P-1`` messages, one
-per peer, and the rotated point-to-point exchange ``P-1`` messages in
-``ceil((P-1) / peers_in_flight)`` calls. With ``P = 1`` no primitive is called. Local work is priced by the
-``local`` primitive: ``alpha`` per kernel, ``beta`` per byte of memory traffic.
+Without a :class:`Network`, primitives are priced under ring schedules:
+``all_reduce`` of L bytes takes ``2(P-1)`` steps sending ``2 L (P-1)/P``
+bytes, ``all_gather`` of L bytes per rank ``P-1`` steps sending ``(P-1) L``,
+``all_to_all`` ``P-1`` messages, one per peer, and the rotated
+point-to-point exchange ``P-1`` messages in ``ceil((P-1) / peers_in_flight)``
+calls. With a :class:`Network` (an NCCL profile naming its GPUs) they follow
+NCCL's own tuning model on the call's layout (:mod:`colltune.model.nccl`).
+With ``P = 1`` no primitive is called. Local work is priced by the ``local``
+primitive: ``alpha`` per kernel, ``beta`` per byte of memory traffic.
 
 Example:
     >>> from colltune.model.features import DTYPE_BYTES, Features
