@@ -66,3 +66,29 @@ def test_explain_says_when_it_extrapolates() -> None:
     assert "extrapolating" not in inside
     assert "world size outside the measured P 2..8): the analytic model alone" in far
     assert "50% learned, 50% analytic" in half
+
+
+def test_a_measured_nccl_profile_fades_into_nccls_model(gloo) -> None:
+    import dataclasses
+
+    from colltune.model.cost_model import Network
+
+    profile, _ = gloo
+    nccl_profile = dataclasses.replace(profile, meta={**profile.meta, "backend": "nccl", "gpu": "h100",
+                                                      "ranks_per_node": 8})
+    model = model_for_profile(nccl_profile, "measured-on-nccl")
+    assert model.analytic.network == Network("h100", 8)
+    far = _f(p=256)
+    assert model.domain.weight(far) == 0.0
+    assert model.predict(far) == pytest.approx(model.analytic.predict(far))  # NCCL's model alone, far outside
+
+
+def test_profiling_names_the_gpu_generation(monkeypatch) -> None:
+    import torch
+
+    from colltune.offline import profiling
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, gen in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-40GB", "a100"), ("Tesla T4", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        assert profiling.gpu_generation() == gen

@@ -825,6 +825,20 @@ def fit_model(measurements: Sequence[Measurement], primitives: Mapping[str, Prim
     return LearnedCostModel(primitives=prior).fit(list(measurements))
 
 
+#: GPU generations of the NCCL model (profiles/nccl-tuning.yaml), by a word of the device's name.
+_GPU_NAMES = {"V100": "v100", "A100": "a100", "A800": "a100", "H100": "h100", "H800": "h100", "H200": "h100"}
+
+
+def gpu_generation() -> str | None:
+    """Return the NCCL model's generation of this process's CUDA device (``h100``...), or ``None``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().upper()
+    return next((gen for word, gen in _GPU_NAMES.items() if word in name), None)
+
+
 def _meta(backend: str, world_sizes: Sequence[int], grid: Grid | None, notes: str) -> dict[str, Any]:
     import torch
 
@@ -846,6 +860,9 @@ def _meta(backend: str, world_sizes: Sequence[int], grid: Grid | None, notes: st
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "notes": notes,
     }
+    gpu = gpu_generation() if backend == "nccl" else None
+    if gpu is not None:
+        meta["gpu"] = gpu  # the NCCL model's layout for this cluster (colltune.model.cost_model.Network)
     if grid is not None:
         meta["grid"] = grid.as_dict()
     return meta

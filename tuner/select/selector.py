@@ -388,7 +388,11 @@ def model_for_profile(profile: Profile, label: str = "<profile>") -> _Model:
     if source == "fitted":
         logger.info("profile %s: fitted the learned model on %d measurements in %.1f s",
                     label, len(profile.measurements), time.perf_counter() - t0)
-    return _Model("learned", label, model.analytic_, model, cost_model.Domain.of(profile.measurements))
+    # Beyond what was measured the model fades into the analytic one: NCCL's model of the profile's cluster
+    # when the profile names its GPUs, else the calibrated alpha-beta constants.
+    network = cost_model.Network.of(profile.meta)
+    fallback = model.analytic_ if network is None else cost_model.AnalyticModel(profile.primitives, network=network)
+    return _Model("learned", label, fallback, model, cost_model.Domain.of(profile.measurements))
 
 
 # --------------------------------------------------------------------------- per-site state
