@@ -45,7 +45,9 @@ may be followed by any of them before its ``wait()``.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import socket
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -56,7 +58,7 @@ import torch.distributed as dist
 
 from colltune.algorithms.sparse import offsets, on_host
 
-__all__ = ["Traffic", "Comm", "private_group", "group_serial"]
+__all__ = ["Traffic", "Comm", "private_group", "ranks_per_node", "group_serial", "group_timeout"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -216,16 +218,7 @@ class Comm:
         object. A lookup without ``factory`` changes nothing, so it may run
         where a rank with bad input skips it.
         """
-        states = _GROUP_STATE.get(self.group_object)
-        if states is None:
-            if factory is None:
-                return None
-            states = _GROUP_STATE[self.group_object] = {}
-        if key not in states:
-            if factory is None:
-                return None
-            states[key] = factory()
-        return states[key]
+        return _group_state(self.group_object, key, factory)
 
     def meta(self) -> _MetaScope:
         """Count the traffic of the calls inside (a ``with`` block) as control data (see :class:`Traffic`)."""
@@ -439,7 +432,21 @@ class Comm:
 _TWIN_LOCK = threading.Lock()
 
 
-def _timeout_of(group: Any) -> Any:
+def _group_state(group: Any, key: str, factory: Callable[[], T] | None = None) -> T | None:
+    """Return what ``group`` keeps under ``key``, made by ``factory`` when missing (see :meth:`Comm.group_state`)."""
+    states = _GROUP_STATE.get(group)
+    if states is None:
+        if factory is None:
+            return None
+        states = _GROUP_STATE[group] = {}
+    if key not in states:
+        if factory is None:
+            return None
+        states[key] = factory()
+    return states[key]
+
+
+def group_timeout(group: Any) -> Any:
     """Return ``group``'s timeout (a ``timedelta``) when its backend tells, else ``None`` (the backend default)."""
     for device in ("cuda", "cpu"):
         try:
@@ -452,7 +459,7 @@ def _timeout_of(group: Any) -> Any:
 def _make_twin(group: Any) -> dist.ProcessGroup:
     """Create a group of ``group``'s ranks, in the same order, with its backend and timeout."""
     parent = group if group is not None else dist.group.WORLD
-    kwargs: dict[str, Any] = {"backend": dist.get_backend(parent), "timeout": _timeout_of(parent)}
+    kwargs: dict[str, Any] = {"backend": dist.get_backend(parent), "timeout": group_timeout(parent)}
     if parent is dist.group.WORLD:
         # Every rank of the job makes calls on the default group, so every rank enters (torch's requirement).
         return dist.new_group(**kwargs)
@@ -474,28 +481,53 @@ def _make_twin(group: Any) -> dist.ProcessGroup:
                 c10d._process_group_name = naming
 
 
+#: Per-group state keys of the private twin and of the group's ranks per node.
+_TWIN, _RANKS_PER_NODE = "comm.private_group", "comm.ranks_per_node"
+
+
 def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """Return the private twin of ``group`` (``None``: the default group) that colltune's collectives run on.
 
     Made on the first call on the group, on the calling thread, so that
     every rank makes it at the same point of its sequence of calls on the
     group (as every collective must); kept for as long as ``group`` lives.
-    ``None`` without a process group, for a single rank, or on a rank
-    outside ``group`` (which raises before any collective).
+    Right after it is made, one 8-byte host id per rank is gathered on it,
+    once, for :func:`ranks_per_node`. ``None`` without a process group, for
+    a single rank, or on a rank outside ``group`` (which raises before any
+    collective). Later calls cost one dictionary lookup.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
     parent = group if group is not None else dist.group.WORLD
-    if dist.get_rank(parent) < 0 or dist.get_world_size(parent) == 1:
-        return None
     states = _GROUP_STATE.get(parent)
-    if states is None:
-        states = _GROUP_STATE[parent] = {}
-    twin = states.get("comm.private_group")
-    if twin is None:
-        twin = states["comm.private_group"] = _make_twin(parent)
+    if states is not None and _TWIN in states:
+        return states[_TWIN]
+    if dist.get_rank(parent) < 0:
+        return None
+    twin = None if dist.get_world_size(parent) == 1 else _make_twin(parent)
+    if twin is not None:
         weakref.finalize(parent, _destroy, twin)  # a destroyed group takes its twin along
+        _group_state(parent, _RANKS_PER_NODE, lambda: _gather_layout(twin))
+    _group_state(parent, _TWIN, lambda: twin)
     return twin
+
+
+def _gather_layout(twin: dist.ProcessGroup) -> int:
+    """Return the largest count of the group's ranks sharing a host (host names hashed and gathered on ``twin``)."""
+    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
+    backend = str(dist.get_backend(twin)).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    mine = torch.tensor([int.from_bytes(digest, "big", signed=True)], dtype=torch.int64, device=device)
+    hosts = torch.empty(dist.get_world_size(twin), dtype=torch.int64, device=device)
+    _all_gather_single(hosts, mine, group=twin)
+    ids = hosts.tolist()
+    return max(ids.count(h) for h in set(ids))
+
+
+def ranks_per_node(group: dist.ProcessGroup | None) -> int | None:
+    """Return how many of ``group``'s ranks share a node (``P`` for a group inside one), or ``None`` before its first call."""
+    parent = group if group is not None else (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
+    return None if parent is None else _group_state(parent, _RANKS_PER_NODE)
 
 
 def _destroy(group: dist.ProcessGroup) -> None:
@@ -516,12 +548,4 @@ def group_serial(group: Any) -> int:
     destroyed group's memory (and so its ``id()``), which differs between
     ranks, since each collects garbage at its own pace.
     """
-    if group is None:
-        return 0
-    states = _GROUP_STATE.get(group)
-    if states is None:
-        states = _GROUP_STATE[group] = {}
-    serial = states.get("comm.serial")
-    if serial is None:
-        serial = states["comm.serial"] = next(_SERIALS)
-    return serial
+    return 0 if group is None else _group_state(group, "comm.serial", lambda: next(_SERIALS))  # type: ignore[return-value]

@@ -22,11 +22,9 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
 import operator
 import os
-import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,7 +38,7 @@ from colltune import algorithms
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.allgather import eager_slot, slot_need
 from colltune.algorithms.base import SparseInput, SparseResult, TopkOutput
-from colltune.algorithms.comm import Comm, Traffic, group_serial, private_group
+from colltune.algorithms.comm import Comm, Traffic, group_serial, group_timeout, private_group, ranks_per_node
 from colltune.algorithms.errors import (
     AbandonedCallError,
     CollectiveError,
@@ -130,12 +128,8 @@ _PEER_FAILURE = (
 
 def _pg_timeout_s() -> float | None:
     """Return the default group's timeout in seconds, when its backend tells (gloo and NCCL do)."""
-    for device in ("cpu", "cuda"):
-        try:
-            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except Exception:  # noqa: BLE001 - no backend for the device, or a torch without these (private) names
-            continue
-    return None
+    timeout = group_timeout(dist.group.WORLD)
+    return None if timeout is None else timeout.total_seconds()
 
 
 def _collective_error(exc: BaseException) -> CollectiveError | None:
@@ -202,8 +196,6 @@ def _submit(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
     """
     global _executor, _pending
     wire = _run(lambda: private_group(_exchange_group(group)))
-    if wire is not None:
-        _run(lambda: _ranks_per_node(group, wire))
     with _lock:
         if not async_op and _pending == 0:
             run_inline = True
@@ -234,37 +226,6 @@ def _submit(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- topology
-
-#: The per-group state key of how many of the group's ranks share a node.
-_RANKS_PER_NODE = "topology.ranks_per_node"
-
-
-def _host_id() -> int:
-    """Return this host's name as a signed 64-bit hash."""
-    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
-def _ranks_per_node(group: Any, wire: Any) -> int:
-    """Return how many ranks of the group share a node, learned once per group from its hosts' names.
-
-    The first call on a group gathers one 8-byte host id per rank on its
-    private twin (on the calling thread, in call order, like the twin
-    itself); the largest count of ranks on one host is kept for the
-    group's lifetime. A group inside one node gets ``P``.
-    """
-    comm = Comm(_exchange_group(group), torch.device("cpu"), wire=wire)
-
-    def gather() -> int:
-        backend = str(dist.get_backend(wire)).lower()
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        comm.device = device
-        mine = torch.tensor([_host_id()], dtype=torch.int64, device=device)
-        hosts = comm.all_gather(mine).tolist()
-        return max(hosts.count(h) for h in set(hosts))
-
-    return comm.group_state(_RANKS_PER_NODE, gather)  # type: ignore[return-value]
-
 
 # --------------------------------------------------------------------------- torch.compile
 
@@ -914,7 +875,7 @@ class _SparseCall:
         decision = sel.decide_sparse(
             self.site, comm=self.comm, backend=self.backend, name=name, size=self.n, row_numel=self.vals.shape[1],
             dtype=self.dtype, counts=counts, indices=self.idx, sketches=sketches,
-            ranks_per_node=self.comm.group_state(_RANKS_PER_NODE),
+            ranks_per_node=ranks_per_node(self.comm.group),
         )
         self.knobs_checked = _decided_knobs(decision, self.knobs_checked)
         if logger.isEnabledFor(logging.DEBUG):
@@ -1122,7 +1083,7 @@ def _decide_topk(
     """Return the selector's decision for an auto top-k call and its knobs; apply the knobs ``state`` keeps."""
     decision = sel.decide_topk(
         site, world_size=comm.world_size, rank=comm.rank, backend=backend, name=name, numel=tensor.numel(), k=k,
-        dtype=tensor.dtype, ranks_per_node=comm.group_state(_RANKS_PER_NODE),
+        dtype=tensor.dtype, ranks_per_node=ranks_per_node(comm.group),
     )
     checked = _decided_knobs(decision, knobs)
     _apply_state_knobs(state, decision)

@@ -130,8 +130,9 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-def cluster_profile(args: argparse.Namespace) -> tuple[Any, str]:
-    """Return the profile of ``--profile`` (else ``--backend``'s) with the cluster options applied, and its label.
+def cluster_profile(args: argparse.Namespace) -> tuple[Any, str, bool]:
+    """Return the profile of ``--profile`` (else ``--backend``'s) with the cluster options applied, its label,
+    and whether an option changed it.
 
     The cluster options are ``--gpu``, ``--gpus-per-node`` and ``--nic-gbps``;
     they describe an NCCL cluster (``colltune simulate``, ``colltune explain``).
@@ -157,4 +158,4 @@ def cluster_profile(args: argparse.Namespace) -> tuple[Any, str]:
             except ColltuneValueError as exc:
                 raise UsageError(f"--gpu: {exc}") from None
         profile = dataclasses.replace(profile, meta={**profile.meta, **changes})
-    return profile, os.path.basename(str(path))
+    return profile, os.path.basename(str(path)), bool(changes)

@@ -116,11 +116,10 @@ class ExplainCommand:
                 )
         k_sum = p * k
         union = k_sum - args.overlap * (k_sum - k)
-        profile, _ = cluster_profile(args)
+        profile, _, changed = cluster_profile(args)
         rpn = profile.meta.get("ranks_per_node") if profile.meta.get("backend") == "nccl" else None
         features = Features.build(numel=n, row_numel=args.row_numel, dtype=args.dtype, k_per_rank=[k] * p,
                                   union=union, ranks_per_node=rpn)
-        changed = any(v is not None for v in (args.gpu, args.gpus_per_node, args.nic_gbps))
         selector = Selector(policy=args.policy, profile=profile if changed else args.profile)
         explanation = selector.explain(features, name=args.name, backend=args.backend)
         if args.json:

@@ -77,7 +77,7 @@ class SimulateCommand:
         from colltune.offline.simulate import MAP_DENSITIES, Workload, decision_map, format_points, plot, simulate
         from colltune.select.selector import model_for_profile
 
-        profile, label = cluster_profile(args)
+        profile, label, _ = cluster_profile(args)
         rpn = profile.meta.get("ranks_per_node") if profile.meta.get("backend") == "nccl" else None
         sizes = _world_sizes(args, rpn)
         workload = Workload(args.numel, args.density, args.overlap, 1 if args.topk else args.row_shape, args.dtype,

@@ -51,7 +51,9 @@ With ``P = 1`` no primitive is called. Local work is priced by the ``local``
 primitive: ``alpha`` per kernel, ``beta`` per byte of memory traffic.
 
 Example:
-    >>> from colltune.model.features import DTYPE_BYTES, Features
+    >>> from colltune.model import nccl
+from colltune.model import nccl
+from colltune.model.features import DTYPE_BYTES, Features
     >>> f = Features.build(numel=1 << 20, row_numel=1, dtype="float32",
     ...                    k_per_rank=[1000] * 8, union=7000.0)
     >>> model = AnalyticModel(DEFAULT_PRIMITIVES)
@@ -65,6 +67,7 @@ import inspect
 import logging
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -72,6 +75,7 @@ import numpy as np
 from colltune.algorithms import registry
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 from colltune.algorithms.schedule import Pricing, Step
+from colltune.model import nccl
 from colltune.model.features import DTYPE_BYTES, Features
 from colltune.model.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
 
@@ -998,19 +1002,12 @@ class Network:
             return None
         return cls(str(meta["gpu"]), int(meta.get("ranks_per_node") or 8), meta.get("nic_gbps"))
 
-    def topology(self, features: Features) -> Any:
+    def topology(self, features: Features) -> nccl.Topology:
         """Return the :class:`colltune.model.nccl.Topology` of a call with these features."""
-        from colltune.model import nccl
-
-        p = features.world_size
-        rpn = min(features.ranks_per_node or self.ranks_per_node, p)
-        nodes = -(-p // rpn)
-        return nccl.Topology(nodes=nodes, gpus_per_node=-(-p // nodes), gpu=self.gpu, nic_gbps=self.nic_gbps)
+        return _layout(self, features.world_size, features.ranks_per_node or self.ranks_per_node)
 
     def price(self, s: Step, features: Features) -> float:
         """Return the time of step ``s`` (not ``local``) in microseconds, with NCCL's model on the call's layout."""
-        from colltune.model import nccl
-
         p = features.world_size
         if s.calls <= 0 or p == 1:
             return 0.0
@@ -1034,8 +1031,6 @@ class Network:
         at the same time, each in rounds of its share of the messages in
         flight; the step takes as long as the slower of the two.
         """
-        from colltune.model import nccl
-
         msgs = max(s.steps, 1.0)
         size, per_call = round(s.nbytes / msgs), max(1.0, msgs / s.calls)
         p, g = topo.world_size, topo.gpus_per_node
@@ -1047,6 +1042,13 @@ class Network:
             at_once = max(1, min(round(per_call * share), math.ceil(m)))
             times.append(math.ceil(m / at_once) * nccl.p2p_time_us(size, topo, at_once, inter_node=inter))
         return max(times)
+
+
+@lru_cache(maxsize=1024)
+def _layout(network: Network, p: int, rpn: int) -> nccl.Topology:
+    """P ranks, ``rpn`` per node, spread as evenly as they go over ``ceil(P / rpn)`` nodes (cached: every step asks)."""
+    nodes = -(-p // min(rpn, p))
+    return nccl.Topology(nodes=nodes, gpus_per_node=-(-p // nodes), gpu=network.gpu, nic_gbps=network.nic_gbps)
 
 
 # ---------------------------------------------------------------------------

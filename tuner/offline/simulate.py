@@ -112,9 +112,11 @@ def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
     for p in world_sizes:
         rpn = None if ranks_per_node is None else min(ranks_per_node, p)
         feats = _features(workload, p, rpn)
-        pred = {a: model.predict(f)[a] for a, f in feats.items()}
-        steps = {a: model.analytic.schedule(f)[a] for a, f in feats.items()}
-        sent = {a: math.fsum(s.nbytes for s in steps[a] if s.primitive != "local") for a in feats}
+        distinct = {id(f): f for f in feats.values()}  # exact calls price every algorithm on one set of features
+        preds = {i: model.predict(f) for i, f in distinct.items()}
+        steps = {i: model.analytic.schedule(f) for i, f in distinct.items()}
+        pred = {a: preds[id(f)][a] for a, f in feats.items()}
+        sent = {a: math.fsum(s.nbytes for s in steps[id(f)][a] if s.primitive != "local") for a, f in feats.items()}
         nodes = None if rpn is None else -(-p // rpn)
         points.append(Point(p, nodes, rpn, pred, sent, min(pred, key=lambda a: (pred[a], list(pred).index(a))),
                             model.extrapolation(feats["allgather"]) or ""))

@@ -682,11 +682,15 @@ def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_
     _check_same_plan(["init_sync", plan], group, "SparseGradSync(init_sync=True)")
     src = 0 if group is None else dist.get_global_rank(group, 0)
     buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes in each kind's last bucket
     for _, t in tensors:
-        runs = buckets.setdefault((t.dtype, t.device), [[]])
-        if runs[-1] and sum(x.numel() * x.element_size() for x in runs[-1]) + t.numel() * t.element_size() > bucket_bytes:
+        kind, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
+        runs = buckets.setdefault(kind, [[]])
+        if runs[-1] and filled[kind] + nbytes > bucket_bytes:
             runs.append([])
+            filled[kind] = 0
         runs[-1].append(t)
+        filled[kind] = filled.get(kind, 0) + nbytes
     with torch.no_grad():
         for runs in buckets.values():
             for run in runs:
