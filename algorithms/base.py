@@ -257,6 +257,20 @@ class Algorithm(abc.ABC):
         The result must be bitwise identical on every rank.
         """
 
+    def sparse_allreduce_parts(
+        self, inp: SparseInput, comm: Comm, knobs: dict[str, Any], bounds: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`sparse_allreduce`, for the tensors of a fused call laid end to end.
+
+        Part ``j`` holds rows ``[bounds[j], bounds[j + 1])`` of ``inp``. Each
+        part's rows must come out with the bits :meth:`sparse_allreduce` of
+        that part alone gives. An algorithm that sums every row in rank
+        order, wherever the row sits, meets that with one call (this
+        default); one whose sums depend on where a row sits in a buffer (a
+        backend's ``all_reduce``) overrides it.
+        """
+        return self.sparse_allreduce(inp, comm, knobs)
+
     @abc.abstractmethod
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         """Select entries of the flat accumulated tensor ``acc`` and sum the selection over ranks.

@@ -246,6 +246,39 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.wire)
         return t
 
+    def all_reduce_parts(self, t: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+        """Sum the rows of ``t`` across the group in place, part by part; return ``t``.
+
+        Part ``j`` is rows ``[bounds[j], bounds[j + 1])``, and comes out with
+        the bits :meth:`all_reduce` of that part alone gives (a fused call's
+        tensors keep their own calls' bits). Parts that :meth:`all_reduce`
+        would sum directly, in rank order, travel together in one exchange:
+        rank order is the same wherever a row sits. Every other part has
+        its own ``all_reduce``, whose order depends on the part's size.
+        """
+        p = self.world_size
+        if p == 1:
+            return t
+        row_bytes = _nbytes(t[:1]) if t.shape[0] else 0
+        parts = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo and row_bytes]
+        together = [(lo, hi) for lo, hi in parts if self.direct and (hi - lo) * row_bytes <= DIRECT_ALL_REDUCE_BYTES]
+        if len(together) > 1:
+            flat = torch.cat([t[lo:hi].reshape(-1) for lo, hi in together])
+            self._count("all_reduce", (p - 1) * _nbytes(flat), p - 1)
+            rows = self._gather_direct(flat.view(1, -1)).view(p, -1)
+            flat.copy_(rows[0])
+            for j in range(1, p):  # rank by rank, as all_reduce's direct path adds
+                flat.add_(rows[j])
+            at = 0
+            for lo, hi in together:
+                size = (hi - lo) * t[0].numel()
+                t[lo:hi].view(-1).copy_(flat[at : at + size])
+                at += size
+        for lo, hi in parts:
+            if len(together) <= 1 or (lo, hi) not in together:
+                self.all_reduce(t[lo:hi])
+        return t
+
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Return the concatenation along dimension 0 of ``t`` from every rank, in rank order."""
         p = self.world_size

@@ -53,18 +53,43 @@ class Dense(Algorithm):
         ]
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        n, r = inp.size, inp.row_numel
-        buf = torch.zeros((n, r), dtype=inp.acc_dtype, device=comm.device)
-        mask = torch.zeros(n, dtype=torch.uint8, device=comm.device)
-        idx = inp.indices.to(comm.device)
-        if idx.numel():
-            buf.index_copy_(0, idx, inp.values.to(comm.device))
-            mask[idx] = 1
+        buf, mask = self._densify(inp, comm)
         comm.all_reduce(buf)
         with comm.meta():
             comm.all_reduce(mask, op="max")
         union = mask.nonzero().view(-1)
         return union, buf.index_select(0, union)
+
+    def sparse_allreduce_parts(
+        self, inp: SparseInput, comm: Comm, knobs: dict[str, Any], bounds: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One buffer and one mask for every part; each part's values summed as its own call sums them.
+
+        A backend's ``all_reduce`` sums an element in an order set by the
+        buffer's size and the element's place in it, so each part's values
+        go through :meth:`Comm.all_reduce_parts`, which gives every part the
+        bits of an ``all_reduce`` of that part alone. The mask's ``MAX`` is
+        exact in any order: one ``all_reduce`` for all parts.
+        """
+        if len(bounds) <= 2:
+            return self.sparse_allreduce(inp, comm, knobs)
+        buf, mask = self._densify(inp, comm)
+        comm.all_reduce_parts(buf, bounds)
+        with comm.meta():
+            comm.all_reduce(mask, op="max")
+        union = mask.nonzero().view(-1)
+        return union, buf.index_select(0, union)
+
+    @staticmethod
+    def _densify(inp: SparseInput, comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return this rank's entries as a dense ``[n, r]`` buffer and a one-byte-per-row mask."""
+        buf = torch.zeros((inp.size, inp.row_numel), dtype=inp.acc_dtype, device=comm.device)
+        mask = torch.zeros(inp.size, dtype=torch.uint8, device=comm.device)
+        idx = inp.indices.to(comm.device)
+        if idx.numel():
+            buf.index_copy_(0, idx, inp.values.to(comm.device))
+            mask[idx] = 1
+        return buf, mask
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         total = comm.all_reduce(acc.clone())

@@ -53,7 +53,13 @@ class RankMismatchError(ColltuneError, RuntimeError):
 
     Raised on every rank of the group, never on one alone, so no rank is left
     waiting in a collective the others have abandoned.
+
+    Attributes:
+        field: the metadata record's field the ranks disagree on (``"size"``,
+            ``"dtype"``...), or ``None`` when no single field says it.
     """
+
+    field: str | None = None
 
 
 class RemoteInputError(ColltuneError, ValueError):

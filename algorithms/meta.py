@@ -37,7 +37,7 @@ before anything is updated. The sizes are plain arithmetic in
 from __future__ import annotations
 
 import zlib
-from typing import Iterator, Sequence, overload
+from typing import Iterator, Mapping, Sequence, overload
 
 import numpy as np
 import torch
@@ -51,6 +51,7 @@ __all__ = [
     "HEADER_BYTES",
     "SHARED_FIELDS",
     "name_code",
+    "name_of",
     "shape_fields",
     "exchange",
     "Records",
@@ -85,7 +86,7 @@ _ERROR_KINDS = {1: "invalid", 2: "wrong type of"}
 #: Argument names a record's ``error_arg`` may carry, known to every rank so it can name them.
 ARGUMENTS: tuple[str, ...] = (
     "indices", "values", "size", "op", "group", "algorithm", "knobs", "name", "policy", "tensor", "state",
-    "async_op", "unknown",
+    "async_op", "tensors", "bucket_cap_mb", "unknown",
 )
 _HISTORY_HINT = (
     "the ranks hold different histories for this call site (make the same calls, in the same order, "
@@ -112,6 +113,11 @@ def name_code(name: str | None) -> int:
             _codes[name] = code
             _names[code] = name
     return code
+
+
+def name_of(code: int) -> str:
+    """Return the string :func:`name_code` gave ``code``, or the code itself when this process never saw it."""
+    return _names.get(code, str(code))
 
 
 def digest(*parts: object) -> int:
@@ -230,6 +236,7 @@ def exchange(
     record: dict[str, int],
     local_error: BaseException | None,
     slot: torch.Tensor | np.ndarray | None = None,
+    labels: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[Sequence[dict[str, int]], torch.Tensor | None]:
     """All-gather ``record`` and check that every rank agrees; return every rank's record and eager slot.
 
@@ -240,6 +247,9 @@ def exchange(
         local_error: the validation error of this rank, or ``None``.
         slot: up to :func:`slot_bytes` bytes (``uint8``, a tensor or a
             NumPy array) to deliver to every rank with the record, or ``None``.
+        labels: for a call whose fields mean something else than a single
+            tensor's (a fused call), what to call a shared field and how to
+            fix a disagreement on it, by field name.
 
     Returns:
         ``(records, slots)``: every rank's record (a :class:`Records`, or a
@@ -249,7 +259,8 @@ def exchange(
 
     Raises:
         The rank's own ``local_error``; :class:`RemoteInputError` if another
-        rank's input was invalid; :class:`RankMismatchError` if ranks disagree.
+        rank's input was invalid; :class:`RankMismatchError` if ranks disagree
+        (its ``field`` names the first field they disagree on).
     """
     if comm.world_size == 1:
         if local_error is not None:
@@ -271,7 +282,7 @@ def exchange(
     if head[:, _ERROR_AT].any():
         _check_remote_errors(list(records), comm.rank)
     if (head[:, _SHARED_AT] != head[:1, _SHARED_AT]).any():
-        _check_shared(list(records))
+        _check_shared(list(records), labels or {})
     return records, table[:, hbytes:]
 
 
@@ -367,17 +378,19 @@ _SHARED_HINTS: dict[str, str] = {
 }
 
 
-def _check_shared(records: list[dict[str, int]]) -> None:
+def _check_shared(records: list[dict[str, int]], labels: Mapping[str, tuple[str, str]]) -> None:
     """Raise :class:`RankMismatchError` on the first shared field the ranks disagree on, with every rank's value."""
     for f in SHARED_FIELDS:
         values = [rec[f] for rec in records]
         if len(set(values)) > 1:
-            if f == "row_shape":
+            if f == "row_shape" and f not in labels:
                 per_rank = ", ".join(f"rank {r}: {_say_shape(rec)}" for r, rec in enumerate(records))
             else:
                 per_rank = ", ".join(f"rank {r}: {_say(f, v)}" for r, v in enumerate(values))
-            hint = _SHARED_HINTS.get(f, "pass the same value on every rank")
-            raise RankMismatchError(f"ranks disagree on {f!r} ({per_rank}); {hint}.")
+            what, hint = labels.get(f, (repr(f), _SHARED_HINTS.get(f, "pass the same value on every rank")))
+            err = RankMismatchError(f"ranks disagree on {what} ({per_rank}); {hint}.")
+            err.field = f
+            raise err
 
 
 def _pack(record: dict[str, int], local_error: BaseException | None, slot: object, cap: int) -> np.ndarray:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     )
     from colltune.algorithms.state import TopkState
     from colltune.api import AsyncHandle, TopkResult, sparse_allreduce, topk_allreduce
+    from colltune.fused import sparse_allreduce_many
     from colltune.select.selector import Selector
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "AsyncHandle": "colltune.api",
     "TopkResult": "colltune.api",
     "sparse_allreduce": "colltune.api",
+    "sparse_allreduce_many": "colltune.fused",
     "topk_allreduce": "colltune.api",
     "SparseResult": "colltune.algorithms.base",
     "Traffic": "colltune.algorithms.comm",
@@ -74,6 +76,7 @@ __all__ = [
     "configure",
     "get_selector",
     "sparse_allreduce",
+    "sparse_allreduce_many",
     "topk_allreduce",
 ]
 

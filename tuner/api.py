@@ -895,14 +895,21 @@ class _SparseCall:
 
 
 def _run_sparse(
-    inp: SparseInput, comm: Comm, algorithm: str, knobs: dict[str, Any], op: str, values: torch.Tensor
+    inp: SparseInput, comm: Comm, algorithm: str, knobs: dict[str, Any], op: str, values: torch.Tensor,
+    bounds: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the algorithm (nothing to move when no rank has entries) and apply ``avg`` where it did not."""
+    """Run the algorithm (nothing to move when no rank has entries) and apply ``avg`` where it did not.
+
+    ``bounds``: the row offsets of a fused call's tensors laid end to end in ``inp``.
+    """
     if inp.k_sum == 0:
         return (torch.empty(0, dtype=torch.int64, device=comm.device),
                 torch.empty((0, inp.row_numel), dtype=inp.acc_dtype, device=comm.device))
     algo = algorithms.get(algorithm)
-    out_idx, out_vals = algo.sparse_allreduce(inp, comm, knobs)
+    if bounds is None:
+        out_idx, out_vals = algo.sparse_allreduce(inp, comm, knobs)
+    else:
+        out_idx, out_vals = algo.sparse_allreduce_parts(inp, comm, knobs, bounds)
     if op == "avg" and not algo.applies_avg and comm.world_size > 1:
         # In place: an algorithm's result shares no memory with its input (checked, for registered ones).
         shared = out_vals.untyped_storage().data_ptr() in (

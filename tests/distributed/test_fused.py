@@ -1,0 +1,207 @@
+"""The fused call against per-tensor calls, bit for bit, and its errors on every rank.
+
+Every rank builds the same list of cases (mixed sizes, row shapes, dtypes,
+empty tensors and empty ranks), reduces them one call each and in one
+``sparse_allreduce_many`` call, and returns both; the parent checks that they
+are the same bits and close to the float64 dense reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import colltune
+from colltune.algorithms.sparse import device_path
+from colltune.fused import plan_buckets
+
+from harness import expect_error, pool
+from sparse_cases import ALGORITHMS, assert_close_to_reference, case, make_input, raw, reference
+
+ALL_SIZES = [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)]
+
+
+def _mixed(p: int, op: str = "sum") -> list[dict]:
+    """A list of tables as a model has them: scalars and rows, four dtypes, empty tensors and empty ranks."""
+    grow = [10 + 7 * r for r in range(p)]
+    return [
+        case(seed=101, size=50, counts=grow, op=op),
+        case(seed=102, size=40, counts=grow, row_shape=(4,), op=op),
+        case(seed=103, size=5000, counts=[0] * p, row_shape=(4,), op=op),  # empty everywhere
+        case(seed=104, size=300, counts=[0, *grow[1:]], row_shape=(16,), dtype="float16", op=op),  # rank 0 empty
+        case(seed=105, size=64, counts=[30] * p, row_shape=(2, 2), pattern="identical", op=op),  # same width as (4,)
+        case(seed=106, size=2**20, counts=grow, dtype="bfloat16", row_shape=(8,), index_dtype="int32", op=op),
+        case(seed=107, size=7, counts=[20] * p, dtype="float64", op=op),
+        case(seed=108, size=1, counts=[3] * p, op=op),
+        case(seed=109, size=400, counts=[25] * p, pattern="disjoint", row_shape=(4,), op=op),
+    ]
+
+
+def _inputs(cases: list[dict], rank: int, p: int, as_coo: set[int] = frozenset()) -> list:
+    items = []
+    for i, c in enumerate(cases):
+        idx, vals = make_input(c, rank, p)
+        size = (c["size"], *c["row_shape"])
+        items.append(torch.sparse_coo_tensor(idx.long().view(1, -1), vals, size) if i in as_coo else (idx, vals, size))
+    return items
+
+
+def _as_dict(res) -> dict:
+    return {"indices": res.indices.clone(), "values": res.values.clone(), "algorithm": res.algorithm}
+
+
+def _run_both(rank, world_size, cases, algorithm, cap_mb, calls=1, device=False):
+    with device_path(device):
+        return _both(rank, world_size, cases, algorithm, cap_mb, calls)
+
+
+def _both(rank, world_size, cases, algorithm, cap_mb, calls):
+    op = cases[0]["op"]
+    items = _inputs(cases, rank, world_size, as_coo={1, 4})
+    out = []
+    for _ in range(calls):
+        single = [colltune.sparse_allreduce(*(it if isinstance(it, tuple) else (it,)), op=op, algorithm=algorithm)
+                  for it in items]
+        fused = colltune.sparse_allreduce_many(items, op=op, algorithm=algorithm, bucket_cap_mb=cap_mb, name="tables")
+        out.append({"single": [_as_dict(r) for r in single], "fused": [_as_dict(r) for r in fused]})
+    return out
+
+
+def _check(cases, world_size, out):
+    for r, calls in enumerate(out):
+        for c_i, got in enumerate(calls):
+            for t, (s, f) in enumerate(zip(got["single"], got["fused"])):
+                what = f"rank {r} call {c_i} tensors[{t}]"
+                assert raw(f["indices"]) == raw(s["indices"]), what
+                assert f["values"].dtype == s["values"].dtype and f["values"].shape == s["values"].shape, what
+                assert raw(f["values"]) == raw(s["values"]), what
+                assert raw(f["values"]) == raw(out[0][c_i]["fused"][t]["values"]), what + " differs from rank 0"
+    for t, c in enumerate(cases):
+        res = out[0][-1]["fused"][t]
+        assert_close_to_reference(res["values"], res["indices"], reference(c, world_size), res["values"].dtype, f"[{t}]")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("cap_mb", [25.0, 1e-4])
+@pytest.mark.parametrize("world_size", ALL_SIZES)
+def test_fused_call_gives_each_tensor_the_bits_of_its_own_call(world_size, cap_mb, algorithm):
+    cases = _mixed(world_size)
+    _check(cases, world_size, pool(world_size).run(_run_both, cases, algorithm, cap_mb, 2))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_fused_call_on_the_device_path(world_size, algorithm):
+    # What CUDA tensors run (the backend's own collectives, torch where the host runs NumPy), on CPU tensors.
+    cases = _mixed(world_size)
+    _check(cases, world_size, pool(world_size).run(_run_both, cases, algorithm, 25.0, 1, True))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fused_avg(world_size):
+    cases = _mixed(world_size, op="avg")
+    _check(cases, world_size, pool(world_size).run(_run_both, cases, "auto", 25.0))
+
+
+def _run_many_tables(rank, world_size, t, calls):
+    # More tensors than the first record's slot holds counts for: a gather of its own, then a grown slot.
+    cases = [case(seed=200 + i, size=20 + i, counts=[i % 4 + r for r in range(world_size)]) for i in range(t)]
+    items = _inputs(cases, rank, world_size)
+    got = []
+    for _ in range(calls):
+        before = colltune.algorithms.meta.slot_bytes(colltune.algorithms.Comm(None, torch.device("cpu")))
+        res = colltune.sparse_allreduce_many(items, algorithm="allgather")
+        got.append((before, [raw(r.values) for r in res], [raw(r.indices) for r in res]))
+    single = [colltune.sparse_allreduce(*it, algorithm="allgather") for it in items]
+    return got, [raw(r.values) for r in single], [raw(r.indices) for r in single]
+
+
+def test_many_tables_more_than_the_slot_holds():
+    out = pool(2).run(_run_many_tables, 300, 3)
+    for got, single_vals, single_idx in out:
+        assert got[0][0] < 8 * 300 <= got[-1][0], [g[0] for g in got]  # the slot grew to hold the counts
+        for _, vals, idx in got:
+            assert vals == single_vals and idx == single_idx
+
+
+def _run_async(rank, world_size):
+    cases = _mixed(world_size)
+    items = _inputs(cases, rank, world_size)
+    handle = colltune.sparse_allreduce_many(items, async_op=True)
+    plain = torch.full((4,), float(rank))
+    torch.distributed.all_reduce(plain)
+    res = handle.wait()
+    single = [colltune.sparse_allreduce(*it) for it in items]
+    return [raw(r.values) == raw(s.values) for r, s in zip(res, single)], plain.tolist()
+
+
+def test_async_fused_call_beside_a_plain_collective():
+    for same, plain in pool(3).run(_run_async):
+        assert all(same) and plain == [3.0] * 4
+
+
+def _run_disagree(rank, world_size, how):
+    cases = _mixed(world_size)
+    items = _inputs(cases, rank, world_size)
+    kw = {}
+    if rank == 1:
+        if how == "length":
+            items = items[:-1]
+        elif how == "size":
+            idx, vals, size = items[6]
+            items[6] = (idx, vals, (size[0] + 1,))
+        elif how == "dtype":
+            idx, vals, size = items[2]
+            items[2] = (idx, vals.double(), size)
+        elif how == "cap":
+            kw["bucket_cap_mb"] = 1.0
+        elif how == "bad_item":
+            items[3] = "not a tensor"
+        elif how == "bad_index":
+            idx, vals, size = items[0]
+            items[0] = (idx + size[0], vals, size)
+    return expect_error(colltune.sparse_allreduce_many, items, **kw)
+
+
+@pytest.mark.parametrize("how, expect", [
+    ("length", "the number of tensors"),
+    ("size", "tensors[6]"),
+    ("dtype", "tensors[2]"),
+    ("cap", "bucket_cap_mb"),
+])
+def test_ranks_that_pass_different_lists_all_raise(how, expect):
+    out = pool(3).run(_run_disagree, how)
+    for r, o in enumerate(out):
+        assert o.isa("RankMismatchError"), (r, o)
+        assert expect in o.message, (r, o.message)
+
+
+@pytest.mark.parametrize("how, expect", [("bad_item", "tensors[3]"), ("bad_index", "tensors[0]")])
+def test_a_bad_tensor_on_one_rank_raises_on_every_rank(how, expect):
+    out = pool(3).run(_run_disagree, how)
+    assert out[1].isa("ColltuneError") and expect in out[1].message, out[1]
+    for r in (0, 2):
+        assert out[r].isa("RemoteInputError") and "'tensors'" in out[r].message, out[r]
+    # The group is still in step: a normal call afterwards works.
+    assert all(not o.raised for o in pool(3).run(_run_disagree, "none"))
+
+
+def test_empty_list_and_bad_arguments_locally():
+    assert colltune.sparse_allreduce_many([]) == []
+    for bad, arg in (("x", "tensors"), ([(torch.tensor([0]), torch.ones(1))], "tensors")):
+        with pytest.raises(colltune.ColltuneError, match="tensors"):
+            colltune.sparse_allreduce_many(bad)
+    for cap in (0, -1.0, float("nan"), "25", True):
+        with pytest.raises(colltune.ColltuneError, match="bucket_cap_mb"):
+            colltune.sparse_allreduce_many([], bucket_cap_mb=cap)
+
+
+def test_plan_buckets():
+    keys = [(1, "f"), (4, "f"), (1, "f"), (1, "h"), (1, "f"), (4, "f")]
+    nbytes = np.array([[10, 50, 10, 5, 30, 60], [20, 0, 10, 5, 30, 60]], dtype=float)
+    # Cap 45: tensors 0 and 2 share one bucket (30 on the larger rank), 4 would make 60; 1 and 5 make 110.
+    assert plan_buckets(keys, nbytes, 45) == [[0, 2], [1], [3], [4], [5]]
+    assert plan_buckets(keys, nbytes, 1000) == [[0, 2, 4], [1, 5], [3]]
+    assert plan_buckets(keys, nbytes, 1) == [[0], [1], [2], [3], [4], [5]]
+    assert plan_buckets([], np.zeros((2, 0)), 10) == []

@@ -1,0 +1,393 @@
+"""The fused front door: ``sparse_allreduce_many``, many sparse tensors in one call.
+
+A step of a recommendation model holds one sparse gradient per embedding
+table: DLRM on Criteo has 26. Reduced one call at a time, each pays its own
+metadata exchange, its own decision and its own collectives, and on small
+tables those fixed costs are most of the time. The fused call
+
+1. validates every tensor and coalesces it, as ``sparse_allreduce`` does;
+2. exchanges one metadata record per rank for the whole list: the list's
+   length and a digest of every tensor's size, row shape and dtype (ranks
+   that disagree all raise, naming the first tensor that differs), the op,
+   the algorithm, the policy and the bucket capacity; every rank's entry
+   count per tensor rides in the record's slot (a gather of its own only
+   when ``8 T`` bytes exceed the largest slot the group allows);
+3. groups the tensors into buckets, in list order, from data every rank
+   holds: tensors of one row width and dtype share a bucket until its
+   largest rank's entries would exceed ``bucket_cap_mb``;
+4. reduces each bucket as one sparse tensor whose index space is its
+   tensors' index spaces laid end to end, with the algorithm chosen for the
+   bucket's own features (size, density, counts, overlap);
+5. cuts each bucket's result back into one result per tensor.
+
+Every algorithm sums each index in rank order, whatever else travels with
+it, so each tensor's result is bit for bit what its own ``sparse_allreduce``
+returns.
+
+Example:
+    >>> import torch, colltune
+    >>> a = (torch.tensor([3, 1, 3]), torch.ones(3), 8)
+    >>> b = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 4), (5, 4))
+    >>> ra, rb = colltune.sparse_allreduce_many([a, b])
+    >>> ra.indices.tolist(), ra.values.tolist(), rb.indices.tolist()
+    ([1, 3], [1.0, 2.0], [0, 2])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from colltune.algorithms import meta as _meta
+from colltune.algorithms.base import SparseInput, SparseResult
+from colltune.algorithms.comm import Comm, ranks_per_node
+from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError, RankMismatchError
+from colltune.algorithms.sizes import slot_limit
+from colltune.algorithms.sparse import accum_dtype, coalesce, offsets
+from colltune.api import (
+    AsyncHandle,
+    _bad,
+    _check_dense_fits,
+    _decided_knobs,
+    _dtype_name,
+    _group_key,
+    _input_error,
+    _is_coo,
+    _op_name,
+    _open,
+    _outside_compile,
+    _resolve,
+    _run_sparse,
+    _submit,
+    _unpack_coo,
+    _validate_sparse,
+)
+
+__all__ = ["sparse_allreduce_many", "DEFAULT_BUCKET_CAP_MB", "plan_buckets"]
+
+#: The default bucket capacity, in MiB of one rank's entries (indices and rows), as DDP's ``bucket_cap_mb``.
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+_KIND_FUSED = "fused"
+_meta.name_code(_KIND_FUSED)
+#: ``eager`` of a fused record: whether the slot carries the entry counts.
+_COUNTS_NONE, _COUNTS_IN_SLOT = 0, 1
+_SAME_LIST = "pass the same list of tensors, in the same order, on every rank"
+#: What the shared fields of a fused record mean, for the error that names a disagreement.
+_LABELS = {
+    "size": ("the number of tensors", _SAME_LIST),
+    "row_shape": ("the tensors' sizes, row shapes and dtypes", _SAME_LIST),
+    "row_numel": ("bucket_cap_mb (in bytes)", "pass the same bucket_cap_mb on every rank"),
+}
+
+
+@_outside_compile
+def sparse_allreduce_many(
+    tensors: Sequence[Any],
+    op: str | dist.ReduceOp = "sum",
+    group: dist.ProcessGroup | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+    *,
+    knobs: dict[str, Any] | None = None,
+    name: str | None = None,
+    policy: Any = None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+) -> list[SparseResult] | AsyncHandle:
+    """Sum many sparse tensors over the ranks of ``group`` in one call; one result per tensor.
+
+    Args:
+        tensors: a list; each item a sparse COO tensor with sparse rows
+            (``nn.Embedding(sparse=True)``'s gradient) or a tuple
+            ``(indices, values, size)`` as :func:`colltune.sparse_allreduce`
+            takes them. Sizes, row shapes and dtypes may differ between
+            items; the list must be the same on every rank (entries differ).
+        op: ``sum`` or ``avg``, or ``dist.ReduceOp.SUM`` / ``AVG``.
+        group: the process group; ``None`` for the default group.
+        algorithm: ``auto`` (chosen per bucket), ``dense``, ``allgather`` or ``oktopk``.
+        async_op: return an :class:`~colltune.AsyncHandle` whose ``wait()`` returns the list.
+        knobs: as :func:`colltune.sparse_allreduce`, applied to every bucket.
+        name: the call's name: policy rules match it, and each bucket's
+            decisions are cached under it. The same on every rank.
+        policy: as :func:`colltune.sparse_allreduce`.
+        bucket_cap_mb: the most MiB of one rank's entries (indices and rows)
+            a bucket holds before the next tensor opens a new one; a tensor
+            larger than that is a bucket of its own. The same on every rank.
+
+    Returns:
+        One :class:`~colltune.SparseResult` per tensor, in order, each bit
+        for bit what ``sparse_allreduce`` of that tensor alone returns. Its
+        ``algorithm`` and ``decision`` are its bucket's; its ``traffic`` is
+        the whole call's.
+
+    Raises:
+        As :func:`colltune.sparse_allreduce`. A tensor's own error names it
+        (``tensors[3]: ...``); ranks whose lists differ raise
+        :class:`~colltune.RankMismatchError` naming the first tensor that differs.
+
+    Example:
+        >>> grads = [emb.weight.grad for emb in tables]  # doctest: +SKIP
+        >>> for emb, res in zip(tables, colltune.sparse_allreduce_many(grads, op="avg")):  # doctest: +SKIP
+        ...     emb.weight.grad = res.to_sparse_coo()
+    """
+    op = _op_name(op)
+    return _submit(
+        lambda wire: _fused(tensors, op, group, algorithm, knobs, name, policy, bucket_cap_mb, wire), async_op, group
+    )
+
+
+def _fused(tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: Any, policy: Any,
+           cap_mb: Any, wire: Any) -> list[SparseResult]:
+    """Run one fused call on this rank: prepare, exchange, plan the buckets, reduce each, cut the results."""
+    comm = _open(group, _first_tensor(tensors), wire)
+    call = _FusedCall(comm)
+    error: BaseException | None = None
+    try:
+        call.prepare(tensors, op, group, algorithm, knobs, name, policy, cap_mb)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
+        error, call.slot = _input_error(exc), None
+    counts = call.exchange(error)
+    results: list[SparseResult | None] = [None] * len(call.idx)
+    for members in plan_buckets(call.keys, call.entry_bytes * counts, call.cap):
+        for t, res in zip(members, call.run_bucket(members, counts, algorithm, op, name)):
+            results[t] = res
+    return results  # type: ignore[return-value]
+
+
+def _first_tensor(tensors: Any) -> Any:
+    """Return a tensor of the list that tells the call's device (``None`` when there is none)."""
+    if isinstance(tensors, (list, tuple)) and tensors:
+        item = tensors[0]
+        if isinstance(item, (list, tuple)) and len(item) >= 2:
+            return item[1]
+        return item
+    return None
+
+
+def plan_buckets(keys: Sequence[Any], nbytes: np.ndarray, cap: int) -> list[list[int]]:
+    """Group tensors into buckets; every rank gets the same buckets from the same arguments.
+
+    Args:
+        keys: per tensor, what tensors of one bucket share (row width and dtype).
+        nbytes: ``[P, T]``: the bytes of every rank's entries of every tensor.
+        cap: the most bytes of one rank's entries a bucket holds.
+
+    Returns:
+        The buckets, each a list of tensor positions in list order, ordered
+        by their first tensor. A tensor joins the open bucket of its key
+        while that bucket's largest rank stays within ``cap``; a bucket with
+        no tensor yet takes any tensor, however large.
+    """
+    open_: dict[Any, tuple[list[int], np.ndarray]] = {}
+    done: list[list[int]] = []
+    for t, key in enumerate(keys):
+        col = nbytes[:, t]
+        got = open_.get(key)
+        if got is not None and float((got[1] + col).max()) > cap:
+            done.append(got[0])
+            got = None
+        if got is None:
+            open_[key] = ([t], col.astype(np.float64))
+        else:
+            got[0].append(t)
+            got[1][:] += col
+    done += [members for members, _ in open_.values()]
+    return sorted(done, key=lambda members: members[0])
+
+
+def _check_cap(cap_mb: Any) -> int:
+    """Return ``bucket_cap_mb`` in bytes, or raise naming it."""
+    ok = isinstance(cap_mb, (int, float)) and not isinstance(cap_mb, bool)
+    if not ok or not math.isfinite(cap_mb) or cap_mb <= 0:
+        raise _bad(ColltuneValueError if ok else ColltuneTypeError, "bucket_cap_mb",
+                   f"bucket_cap_mb must be a positive number of MiB (the default is {DEFAULT_BUCKET_CAP_MB:g}), "
+                   f"but got {cap_mb!r:.60}.")
+    return max(1, int(cap_mb * 2**20))
+
+
+def _item(tensors: Sequence[Any], i: int) -> tuple[Any, Any, Any]:
+    """Return item ``i`` of the list as ``(indices, values, size)``, checked as ``sparse_allreduce`` checks them."""
+    item = tensors[i]
+    if _is_coo(item):
+        return _unpack_coo(item, None, None)
+    if isinstance(item, (list, tuple)) and len(item) == 3:
+        return _unpack_coo(*item)
+    raise _bad(ColltuneTypeError, "tensors",
+               f"each item must be a sparse COO tensor or a tuple (indices, values, size), but got "
+               f"{type(item).__name__}{f' of length {len(item)}' if isinstance(item, (list, tuple)) else ''}.")
+
+
+def _named(exc: Exception, i: int) -> Exception:
+    """Return ``exc`` as an error about ``tensors[i]`` (its own message after the position)."""
+    if isinstance(exc, ColltuneError):
+        out = type(exc)(f"tensors[{i}]: {exc}", argument="tensors")
+        out.__cause__ = exc
+        return out
+    return exc
+
+
+class _FusedCall:
+    """One rank's side of a fused call: every tensor coalesced, the record, then the buckets."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.idx: list[torch.Tensor] = []
+        self.vals: list[torch.Tensor] = []
+        self.desc: list[tuple[int, tuple[int, ...], torch.dtype]] = []
+        self.keys: list[tuple[int, torch.dtype]] = []
+        self.entry_bytes = np.zeros(0)
+        self.cap = 1
+        self.record: dict[str, int] = {"kind": _meta.name_code(_KIND_FUSED)}
+        self.slot: np.ndarray | None = None
+        self.knobs: Any = None
+        self.sel: Any = None
+        self.backend: str | None = None
+        self.group: Any = None
+
+    def prepare(self, tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: Any, policy: Any,
+                cap_mb: Any) -> None:
+        """Validate and coalesce every tensor, resolve the algorithm, fill the record and the counts."""
+        if not isinstance(tensors, (list, tuple)):
+            raise _bad(ColltuneTypeError, "tensors",
+                       f"tensors must be a list of sparse COO tensors or (indices, values, size) tuples, but got "
+                       f"{type(tensors).__name__}; for one tensor call colltune.sparse_allreduce.")
+        cap, self.group = _check_cap(cap_mb), group
+        for i in range(len(tensors)):
+            try:
+                idx, vals, n, row_shape = _validate_sparse(*_item(tensors, i), op, algorithm, group)
+            except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
+                raise _named(exc, i)
+            self.desc.append((n, row_shape, vals.dtype))
+            self.keys.append((vals.shape[1], vals.dtype))
+            idx, coalesced = coalesce(idx, vals, accum_dtype(vals.dtype))
+            self.idx.append(idx)
+            self.vals.append(coalesced)
+        self.knobs, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
+        if algorithm == "dense":
+            total = sum(n * r for (n, _, _), (r, _) in zip(self.desc, self.keys))
+            _check_dense_fits(total, 1, max((d for _, _, d in self.desc), key=lambda d: d.itemsize, default=torch.float32),
+                              self.comm.device)
+        self.cap, self.entry_bytes = cap, np.array(
+            [8 + r * dtype.itemsize for r, dtype in self.keys], dtype=np.float64)
+        self.fill_record(op, algorithm, code)
+
+    def fill_record(self, op: str, algorithm: str, code: int) -> None:
+        """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""
+        t = len(self.idx)
+        in_slot = 8 * t <= _meta.slot_bytes(self.comm)
+        self.record.update(
+            size=t,
+            row_shape=_meta.digest([(n, shape, _dtype_name(d)) for n, shape, d in self.desc]),
+            row_numel=self.cap,
+            op=_meta.name_code(op),
+            algorithm=_meta.name_code(algorithm),
+            policy=code,
+            count=sum(int(i.numel()) for i in self.idx),
+            eager=_COUNTS_IN_SLOT if in_slot else _COUNTS_NONE,
+            payload=8 * t if in_slot else 0,
+        )
+        if in_slot and self.comm.world_size > 1:
+            self.slot = self.local_counts().view(np.uint8)
+
+    def local_counts(self) -> np.ndarray:
+        return np.array([int(i.numel()) for i in self.idx], dtype=np.int64)
+
+    def exchange(self, error: BaseException | None) -> np.ndarray:
+        """Exchange the records; return every rank's entry count per tensor (``[P, T]`` int64)."""
+        comm = self.comm
+        try:
+            records, slots = _meta.exchange(comm, self.record, error, self.slot, labels=_LABELS)
+        except RankMismatchError as exc:
+            if exc.field == "row_shape":  # the same length, other tensors: say which one
+                _name_the_difference(comm, self.desc)
+            raise
+        t = len(self.idx)
+        if comm.world_size == 1:
+            return self.local_counts().reshape(1, t)
+        if records[0]["eager"] == _COUNTS_IN_SLOT:
+            counts = slots[:, : 8 * t].cpu().contiguous().numpy().view(np.int64)  # type: ignore[index]
+        else:
+            with comm.meta():
+                row = torch.from_numpy(self.local_counts()).to(comm.device)
+                counts = comm.all_gather(row).view(comm.world_size, t).cpu().numpy()
+        # Room for the counts in the next records, as far as the slot may grow.
+        _meta.note_slot_use(comm, min(8 * t, slot_limit(comm.world_size)))
+        return counts
+
+    def run_bucket(self, members: list[int], counts: np.ndarray, algorithm: str, op: str,
+                   name: Any) -> list[SparseResult]:
+        """Reduce the tensors of one bucket as one sparse tensor; return one result per tensor."""
+        comm = self.comm
+        at = offsets([self.desc[t][0] for t in members])
+        r, dtype = self.keys[members[0]]
+        if len(members) == 1:
+            idx, vals = self.idx[members[0]], self.vals[members[0]]
+        else:
+            idx = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
+            vals = torch.cat([self.vals[t] for t in members])
+        bucket_counts = tuple(int(c) for c in counts[:, members].sum(axis=1))
+        knobs, decision = self.knobs, None
+        if self.sel is not None:
+            site = ("fused", name, tuple(members), at[-1], r, dtype, comm.world_size, _group_key(self.group))
+            decision = self.sel.decide_sparse(
+                site, comm=comm, backend=self.backend, name=name, size=at[-1], row_numel=r, dtype=dtype,
+                counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
+            algorithm, knobs = decision.algorithm, _decided_knobs(decision, self.knobs)
+        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None)
+        out_idx, out_vals = _run_sparse(inp, comm, algorithm, knobs, op, vals, at)
+        if self.sel is not None:
+            self.sel.observe_sparse(site, bucket_counts, out_idx.numel())
+        return self.cut(members, at, out_idx, out_vals, algorithm, decision)
+
+    def cut(self, members: list[int], at: list[int], out_idx: torch.Tensor, out_vals: torch.Tensor,
+            algorithm: str, decision: Any) -> list[SparseResult]:
+        """Cut a bucket's result at its tensors' offsets into one result per tensor."""
+        bounds = torch.tensor(at, dtype=torch.int64, device=out_idx.device)
+        cuts = torch.searchsorted(out_idx, bounds).tolist() if len(members) > 1 else [0, out_idx.numel()]
+        out: list[SparseResult] = []
+        for j, t in enumerate(members):
+            n, row_shape, dtype = self.desc[t]
+            lo, hi = cuts[j], cuts[j + 1]
+            idx = out_idx[lo:hi] - at[j] if at[j] else out_idx[lo:hi]
+            vals = out_vals[lo:hi].to(dtype).reshape((hi - lo,) + row_shape)
+            out.append(SparseResult(idx, vals, n, algorithm, self.comm.traffic, decision))
+        return out
+
+
+def _name_the_difference(comm: Comm, desc: list[tuple[int, tuple[int, ...], torch.dtype]]) -> None:
+    """Gather every rank's tensor descriptions and raise :class:`RankMismatchError` naming the first that differs.
+
+    Called by every rank together: all of them saw the same records disagree.
+    """
+    width = 3 + max((len(shape) for _, shape, _ in desc), default=0)
+    width = int(_max_over_ranks(comm, width))
+    mine = np.full((len(desc), width), -1, dtype=np.int64)
+    for t, (n, shape, dtype) in enumerate(desc):
+        mine[t, :3] = (n, _meta.name_code(_dtype_name(dtype)), len(shape))
+        mine[t, 3 : 3 + len(shape)] = shape
+    with comm.meta():
+        row = torch.from_numpy(mine.reshape(-1)).to(comm.device)
+        table = comm.all_gather(row).view(comm.world_size, len(desc), width).cpu().numpy()
+    t = int(np.argmax((table != table[:1]).any(axis=(0, 2))))
+
+    def say(row: np.ndarray) -> str:
+        ndim = int(row[2])
+        return f"size {int(row[0])}, row shape {tuple(int(d) for d in row[3 : 3 + ndim])}, " \
+            f"{_meta.name_of(int(row[1]))}"
+
+    per_rank = "; ".join(f"rank {r}: {say(table[r, t])}" for r in range(comm.world_size))
+    err = RankMismatchError(f"ranks disagree on tensors[{t}] ({per_rank}); {_SAME_LIST}.")
+    err.field = "row_shape"
+    raise err
+
+
+def _max_over_ranks(comm: Comm, value: int) -> int:
+    """Return the largest ``value`` any rank passed (one small all_gather)."""
+    with comm.meta():
+        got = comm.all_gather(torch.tensor([value], dtype=torch.int64, device=comm.device))
+    return int(got.max())
