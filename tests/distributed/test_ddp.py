@@ -97,10 +97,14 @@ def _sync_vs_ddp(rank: int, world_size: int, algorithms: list[str]) -> dict:
     ref = nn.parallel.DistributedDataParallel(_net(False), find_unused_parameters=True)
     nn.functional.mse_loss(ref(ids, bag), y).backward()
     want = {n: _dense_grad(p) for n, p in ref.module.named_parameters()}
-    out: dict = {"want": want, "got": {}, "coalesced": {}, "algorithm": {}}
+    out: dict = {"want": want, "got": {}, "coalesced": {}, "algorithm": {}, "per_table": {}}
     for algo in algorithms:
         model = _net(True)
         nn.functional.mse_loss(model(ids, bag), y).backward()
+        alone = _net(True)  # the same gradients, one sparse_allreduce per table
+        nn.functional.mse_loss(alone(ids, bag), y).backward()
+        SparseGradSync(alone, algorithm=algo, fuse=False).synchronize()
+        out["per_table"][algo] = {n: _dense_grad(p) for n, p in alone.named_parameters()}
         sync = SparseGradSync(model, algorithm=algo)
         sync.synchronize()
         out["got"][algo] = {n: _dense_grad(p) for n, p in model.named_parameters()}
@@ -294,6 +298,8 @@ def test_sync_equals_dense_ddp(world_size):
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (algo, name, (got - want).abs().max())
             for r in range(1, world_size):  # the same bits on every rank
                 assert torch.equal(out[r]["got"][algo][name], got), (algo, name, r)
+            alone = out[0]["per_table"][algo][name]  # fused (the default) gives each table its own call's bits
+            assert alone is not None and torch.equal(alone.view(torch.uint8), got.view(torch.uint8)), (algo, name)
         assert all(o["coalesced"][algo] for o in out), algo
         if algo != "auto":
             assert out[0]["algorithm"][algo]["emb.weight"] == algo

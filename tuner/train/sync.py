@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from colltune import api as _api
+from colltune import fused as _fused
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 from colltune.algorithms.meta import dtype_name
 from colltune.algorithms.sparse import on_host
@@ -168,8 +169,10 @@ class SparseGradSync:
     What each gradient goes through (see the module docstring for the precedence):
 
     * sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``):
-      :func:`colltune.sparse_allreduce` with ``op="avg"``, exact; the result
-      is put back as a coalesced sparse gradient. Works on gloo and NCCL.
+      all of a step's in one :func:`colltune.sparse_allreduce_many` (``fuse``,
+      the default) or one :func:`colltune.sparse_allreduce` each, with
+      ``op="avg"``, exact; each result is put back as a coalesced sparse
+      gradient. Works on gloo and NCCL.
     * dense gradients: ``dense="allreduce"`` averages them in one bucketed
       allreduce; ``dense="topk"`` compresses those with at least
       ``min_compress_numel`` elements with top-k and error feedback (after
@@ -199,6 +202,14 @@ class SparseGradSync:
         init_sync: broadcast the parameters and buffers of the group's rank 0
             to every rank now, as DDP does, so that ranks seeded differently
             start from the same model; ``False`` leaves them as they are.
+        fuse: reduce the step's sparse gradients together, in one
+            :func:`colltune.sparse_allreduce_many` per route (algorithm and
+            knobs): one metadata exchange for all tables, buckets of up to
+            ``bucket_cap_mb`` each run one algorithm chosen from the bucket's
+            features. Each gradient gets the bits its own call would give.
+            ``False``: one :func:`colltune.sparse_allreduce` per gradient, each
+            named after its parameter (policy rules on measured density
+            then match per parameter; fused calls are named :attr:`fused_name`).
 
     Raises:
         ColltuneTypeError, ColltuneValueError: an option is invalid, or
@@ -209,6 +220,9 @@ class SparseGradSync:
         >>> sync.attach(optimizer)                   # doctest: +SKIP
         >>> loss.backward(); optimizer.step()        # doctest: +SKIP
     """
+
+    #: The ``name`` of the fused calls (policy rules and decision caches see it).
+    fused_name = "SparseGradSync"
 
     def __init__(
         self,
@@ -225,6 +239,7 @@ class SparseGradSync:
         bucket_cap_mb: float = 25.0,
         topk_options: Mapping[str, Any] | None = None,
         init_sync: bool = True,
+        fuse: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ColltuneTypeError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
@@ -245,6 +260,9 @@ class SparseGradSync:
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ColltuneValueError(f"bucket_cap_mb must be a number > 0, but got {bucket_cap_mb!r}.")
         self.bucket_cap_mb = float(bucket_cap_mb)
+        if not isinstance(fuse, bool):
+            raise ColltuneTypeError(f"fuse must be True or False, but got {type(fuse).__name__} {fuse!r:.40}.")
+        self.fuse = fuse
         self.topk_options = dict(topk_options or {})
         TopkState(density=self.density, **self.topk_options)  # validate now
         self.policy = policy
@@ -335,16 +353,21 @@ class SparseGradSync:
         p = _world_size(self.group)
         step_bytes = 0
         dense_items: list[tuple[str, nn.Parameter]] = []
+        sparse_items: list[tuple[str, nn.Parameter, _Route]] = []
         for name, param, sparse in self._params:
             route = routes[name]
             if route.route == "skip":
                 continue
             if route.route == "dense":
                 dense_items.append((name, param))
+            elif route.route == "sparse" and self.fuse:
+                sparse_items.append((name, param, route))
             elif route.route == "sparse":
                 step_bytes += self._sync_sparse(name, param, route)
             else:
                 step_bytes += self._sync_topk(name, param, route)
+        if sparse_items:
+            step_bytes += self._sync_sparse_fused(sparse_items)
         step_bytes += self._sync_dense(dense_items, p)
         self.step += 1
         self.last_bytes = step_bytes
@@ -354,7 +377,6 @@ class SparseGradSync:
 
     def _sync_sparse(self, name: str, param: nn.Parameter, route: _Route) -> int:
         """Average one sparse gradient through :func:`colltune.sparse_allreduce`; return the bytes this rank sent."""
-        grad = param.grad
         idx, vals = _gradient_rows(name, param)
         res: Any = _api.sparse_allreduce(
             idx,
@@ -367,13 +389,43 @@ class SparseGradSync:
             name=name,
             policy=self._policy_arg if route.algorithm == AUTO else None,
         )
+        return self._put_sparse(name, param, route, res, _topk_traffic(res))
+
+    def _sync_sparse_fused(self, items: list[tuple[str, nn.Parameter, _Route]]) -> int:
+        """Average sparse gradients that share a route in one :func:`colltune.sparse_allreduce_many` per route.
+
+        Returns the bytes this rank sent. Each call's bytes are shared out
+        among its gradients in proportion to their entries, for the per-tensor stats.
+        """
+        groups: dict[tuple, list[tuple[str, nn.Parameter, _Route]]] = {}
+        for item in items:
+            route = item[2]
+            groups.setdefault((route.algorithm, tuple(sorted(route.knobs.items()))), []).append(item)
+        total = 0
+        for (algorithm, knobs), members in groups.items():
+            tensors = [(*_gradient_rows(name, param), tuple(param.shape)) for name, param, _ in members]
+            results: Any = _fused.sparse_allreduce_many(
+                tensors, op="avg", group=self.group, algorithm=algorithm, knobs=dict(knobs) or None,
+                name=self.fused_name, policy=self._policy_arg if algorithm == AUTO else None,
+                bucket_cap_mb=self.bucket_cap_mb,
+            )
+            nbytes = _topk_traffic(results[0]) if results else 0
+            entries = [int(t[0].numel()) for t in tensors]
+            whole = max(1, sum(entries))
+            for (name, param, route), res, k in zip(members, results, entries):
+                self._put_sparse(name, param, route, res, nbytes * k // whole)
+            total += nbytes
+        return total
+
+    def _put_sparse(self, name: str, param: nn.Parameter, route: _Route, res: Any, nbytes: int) -> int:
+        """Put a reduced sparse gradient back on ``param`` and count it; return ``nbytes``."""
+        grad = param.grad
         if grad is not None and not grad.is_sparse:
             grad.copy_(res.to_dense())  # the caller keeps a dense gradient dense
         elif res.indices.numel() == 0:
             param.grad = None
         else:
             param.grad = res.to_sparse_coo()
-        nbytes = _topk_traffic(res)
         self.stats.setdefault(name, TensorStats("sparse", res.algorithm, route.reason)).record(res.algorithm, nbytes)
         return nbytes
 
