@@ -7,9 +7,13 @@ collective moves both. Unequal counts are either padded to the largest
 (``all_gather``) or sent exactly (``all_to_all_single`` with splits); the
 ``mode`` knob chooses, ``auto`` pads unless padding adds more than a quarter.
 Wide rows (embedding rows, :func:`~colltune.algorithms.sparse.split_layout`) are not
-packed: under ``auto`` (or ``p2p``) each rank sends its indices and its rows
-to every peer point to point, and they land in place in one buffer per kind,
-already in rank order for the merge.
+packed under ``p2p``, nor under ``auto`` on the host path or inside one node
+(:func:`~colltune.algorithms.schedule.p2p_gathers`): each rank sends its
+indices and its rows to every peer point to point, and they land in place in
+one buffer per kind, already in rank order for the merge. On the device path
+(NCCL) across nodes ``auto`` packs them and gathers collectively, as narrow
+entries: there NCCL's model prices ``P - 1`` messages per rank well above a
+ring ``all_gather``.
 
 Entries travel in the eager slot of the metadata record
 (:func:`colltune.algorithms.meta.slot_bytes` per rank, sized from the group's recent
@@ -68,7 +72,7 @@ def gather_merge(
     """All-gather coalesced entries and merge them in rank order (see :func:`merge_sources`)."""
     index_dtype = wire_index_dtype(size)
     r = vals.shape[1]
-    mode = gather_mode(mode, r, wire_dtype)
+    mode = gather_mode(mode, r, wire_dtype, comm.p2p_gathers)
     if mode == "p2p" and comm.world_size > 1:
         return gather_merge_p2p(comm, idx.to(comm.device), vals.to(comm.device), counts, size, wire_dtype)
     if on_host(comm.device):
@@ -205,8 +209,9 @@ class Allgather(Algorithm):
     knob_specs = (
         Knob("mode", "auto", "`p2p` (indices and rows sent to every peer as separate messages, received in place: no packing), "
              "`pad` (one `all_gather` of packed entries padded to the largest count), `alltoall` (exact sizes), "
-             "`auto` (`p2p` for rows of 32 bytes or more, such as embedding rows, else pad unless padding adds "
-             "over 25%)", choices=_MODES,
+             "`auto` (`p2p` for rows of 32 bytes or more, such as embedding rows, on the host path or within one "
+             "node; otherwise, as on NCCL across nodes, where a ring all_gather beats P-1 messages per rank, pad "
+             "unless padding adds over 25%)", choices=_MODES,
              tune=("exact",)),
     )
     TERMS = ("metadata", "entries_gather", "merge")
@@ -229,7 +234,7 @@ class Allgather(Algorithm):
         rest_max = max(0.0, c.k_max - rest)  # entries beyond the slot, of the largest rank
         if rest_max == 0:
             entries = c.free("entries_gather", "all_gather")
-        elif knobs["mode"] == "p2p" or (knobs["mode"] == "auto" and c.rb >= SPLIT_MIN_ROW_BYTES):
+        elif knobs["mode"] == "p2p" or (knobs["mode"] == "auto" and c.p2p_gathers and c.rb >= SPLIT_MIN_ROW_BYTES):
             # Indices and rows to every peer, in one batch, received in place: this rank's own rest only.
             entries = c.p2p("entries_gather", 1.0, 2 * (c.p - 1.0), (c.p - 1) * max(0.0, c.kavg - rest) * c.e)
         elif 4 * c.p * rest_max <= 5 * max(c.ksum - c.p * rest, rest_max):  # all_gather_v "auto": pad while it adds <= 1/4
@@ -251,7 +256,7 @@ class Allgather(Algorithm):
         head = [min(c, m) for c in counts]
         rest = [c - h for c, h in zip(counts, head)]
         comm.traffic.reclassify((p - 1) * head[me] * e)
-        mode = gather_mode(knobs["mode"], r, inp.dtype)
+        mode = gather_mode(knobs["mode"], r, inp.dtype, comm.p2p_gathers)
         if any(rest) and mode == "p2p":
             return gather_merge_p2p(
                 comm, inp.indices.to(comm.device), inp.values.to(comm.device), counts, inp.size,

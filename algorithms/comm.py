@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from colltune.algorithms.schedule import p2p_gathers
 from colltune.algorithms.sparse import offsets, on_host
 
 __all__ = ["Traffic", "Comm", "private_group", "ranks_per_node", "group_serial", "group_timeout"]
@@ -203,6 +204,17 @@ class Comm:
     def host(self) -> bool:
         """True when this view's tensors take the host path (:func:`~colltune.algorithms.sparse.on_host` of its device)."""
         return on_host(self.device)
+
+    @property
+    def p2p_gathers(self) -> bool:
+        """Whether ``auto`` gathers go point to point here (:func:`~colltune.algorithms.schedule.p2p_gathers`).
+
+        True on the host path and in a group inside one node (or whose
+        layout is not known yet); False on the device path across nodes.
+        The layout is the group's :func:`ranks_per_node`, the same on every
+        rank, so every rank resolves the same gather.
+        """
+        return p2p_gathers(self.world_size, ranks_per_node(self.group), self.host)
 
     @property
     def group_object(self) -> Any:

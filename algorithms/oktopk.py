@@ -19,10 +19,14 @@ Exact mode (``sparse_allreduce``):
    per peer, indices and rows, received in place into one buffer per kind;
    narrower entries travel packed, received in place into one buffer too.
 3. **Allgatherv.** Owners' reduced sizes are all-gathered (``P`` integers),
-   then every region travels to every rank: for wide rows point to point,
-   landing in place in the result (which is in index order because the
-   regions are); otherwise packed, in one gather, each region with its
-   size when the last call's sizes give it room (no exchange of sizes). A region whose reduced
+   then every region travels to every rank. On the host path, or in a group
+   inside one node: for wide rows point to point, landing in place in the
+   result (which is in index order because the regions are); otherwise
+   packed, point to point too, each region with its size when the last
+   call's sizes give it room (no exchange of sizes). On the device path
+   across nodes, packed in one collective gather, wide rows included: there
+   NCCL's model prices ``P - 1`` messages per rank well above its ring
+   ``all_gather`` (:func:`~colltune.algorithms.schedule.p2p_gathers`). A region whose reduced
    entries would cost more sparse than dense (SparCML's rule, scaled by
    ``dense_fallback_ratio``) travels dense, as its rows plus a presence
    bitmap, and then every region travels packed. With ``avg`` each owner
@@ -263,12 +267,15 @@ def _gather_regions(
     indices and rows received straight into their place in the result (no
     padding, packing or concatenation; only when no region travels dense);
     ``pad`` and ``alltoall`` pack the regions and gather them as
-    :meth:`Comm.all_gather_v` does; ``auto`` takes ``p2p`` for wide rows
-    (:func:`~colltune.algorithms.sparse.split_layout`) when no region is dense; for
-    packed entries, when ``last`` (every owner's size on the group's last
-    call) is known and sent no region dense, the eager gather
-    (:func:`_gather_regions_eager`: sizes and entries in one exchange); else
-    ``all_gather_v``'s own choice.
+    :meth:`Comm.all_gather_v` does. ``auto`` sends point to point only where
+    :attr:`Comm.p2p_gathers` allows (the host path, or a group inside one
+    node): there it takes ``p2p`` for wide rows
+    (:func:`~colltune.algorithms.sparse.split_layout`) when no region is dense,
+    and for packed entries, when ``last`` (every owner's size on the group's
+    last call) is known and sent no region dense, the eager gather
+    (:func:`_gather_regions_eager`: sizes and entries in one exchange). Else,
+    and always across nodes on the device path, the sizes are all-gathered
+    and then the packed regions, by ``all_gather_v``'s own choice.
     """
     p, me = comm.world_size, comm.rank
     r = rvals.shape[1]
@@ -276,8 +283,9 @@ def _gather_regions(
     ebytes = entry_bytes(r, index_dtype, wire_dtype)
     rowbytes = r * wire_dtype.itemsize
     lengths = [cuts[j + 1] - cuts[j] for j in range(p)]
+    point_to_point = comm.p2p_gathers
     if (
-        mode == "auto" and p > 1 and last is not None and len(last) == p
+        mode == "auto" and p > 1 and point_to_point and last is not None and len(last) == p
         and not split_layout(r, wire_dtype) and not any(_dense_regions(last, lengths, ebytes, rowbytes, dense_ratio))
     ):
         return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight)
@@ -287,7 +295,7 @@ def _gather_regions(
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
     ]
-    mode = gather_mode(mode, r, wire_dtype)
+    mode = gather_mode(mode, r, wire_dtype, point_to_point)
     if mode == "p2p":
         if not any(dense):
             return (*_gather_regions_p2p(comm, ridx, rvals, sizes, index_dtype, wire_dtype, peers_in_flight), sizes)
@@ -492,27 +500,41 @@ def _region_reduce(c: Pricing, k: float) -> float:
     return 2 * k * c.e + k * math.log2(max(k, 2.0)) * 8.0 + k * c.rba
 
 
+def _region_gathers(c: Pricing, knobs: dict[str, Any], region_dense_bytes: float) -> tuple[Step, Step, float]:
+    """The sizes' exchange and the regions' gather as :func:`_gather_regions` runs them, and one region's block bytes.
+
+    Regions go point to point only where ``auto`` may (:attr:`Pricing.p2p_gathers`)
+    or ``p2p`` asks; else, and whenever a region travels dense, packed in one
+    collective gather after the sizes, padded to the largest owner's region
+    (about two deviations over the mean, as Poisson counts spread) unless that
+    adds over a quarter.
+    """
+    mode, flight = knobs.get("gather_mode", "auto"), knobs["peers_in_flight"]
+    per_owner = c.u / c.p
+    sizes_step = c.all_gather("sizes_all_gather", 8.0)
+    if math.ceil(per_owner) * c.e >= knobs["dense_fallback_ratio"] * region_dense_bytes:
+        # Sizes first, then the regions packed, dense ones with their bitmap.
+        return sizes_step, c.all_gather("union_gather", region_dense_bytes), region_dense_bytes
+    wide = c.rb >= SPLIT_MIN_ROW_BYTES
+    if mode == "auto" and c.p2p_gathers and not wide:
+        # Eager gather: each count rides with its region, in room sized from the last call (1/16 more, plus 4).
+        block_bytes = (math.ceil(8 / c.e) + eager_region_capacity(math.ceil(per_owner))) * c.e
+        return c.free("sizes_all_gather", "all_gather"), c.p2p_rotated("union_gather", block_bytes, flight), block_bytes
+    if mode == "p2p" or (mode == "auto" and c.p2p_gathers):  # sizes first, then indices and rows point to point
+        union = c.p2p_rotated("union_gather", per_owner * c.e, flight)
+        return sizes_step, Step("union_gather", "p2p", union.calls, 2 * union.steps, union.nbytes), per_owner * c.e
+    largest = math.ceil(per_owner + 2 * math.sqrt(per_owner))
+    if mode == "pad" or (mode == "auto" and 4 * c.p * largest <= 5 * c.u):  # all_gather_v's auto: pad while <= 1/4
+        return sizes_step, c.all_gather("union_gather", largest * c.e), largest * c.e
+    return sizes_step, c.all_to_all("union_gather", largest * c.e), per_owner * c.e
+
+
 def _exact_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
     refresh = 1.0 / knobs["boundary_refresh"]
     flight = knobs["peers_in_flight"]
     region = math.ceil(c.n / c.p)
-    region_dense_bytes = region * c.rb + math.ceil(region / 8)
-    per_owner = c.u / c.p
-    region_dense = math.ceil(per_owner) * c.e >= knobs["dense_fallback_ratio"] * region_dense_bytes
     wide = c.rb >= SPLIT_MIN_ROW_BYTES
-    if region_dense:  # sizes first, then the regions packed, dense ones with their bitmap
-        block_bytes = float(region_dense_bytes)
-        gathers = [c.all_gather("sizes_all_gather", 8.0), c.all_gather("union_gather", block_bytes)]
-    elif not wide:
-        # Eager gather: each count rides with its region, in room sized from the last call (1/16 more, plus 4).
-        h = math.ceil(8 / c.e)
-        block_bytes = (h + eager_region_capacity(math.ceil(per_owner))) * c.e
-        gathers = [c.free("sizes_all_gather", "all_gather"), c.p2p_rotated("union_gather", block_bytes, flight)]
-    else:  # wide rows: sizes first, then indices and rows point to point, in place
-        block_bytes = per_owner * c.e
-        union = c.p2p_rotated("union_gather", block_bytes, flight)
-        gathers = [c.all_gather("sizes_all_gather", 8.0), Step("union_gather", "p2p", union.calls, 2 * union.steps,
-                                                               union.nbytes)]
+    sizes_gather, union_gather, block_bytes = _region_gathers(c, knobs, float(region * c.rb + math.ceil(region / 8)))
     payload = 0 if c.record_known else sizes.payload_reserve(c.p)
     kavg = c.kavg
     return [
@@ -522,9 +544,9 @@ def _exact_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
         _split_step(c, kavg / c.p, 2.0 if wide else 1.0, flight),
         c.local("region_reduce", _region_reduce(c, kavg), 3.0),
         c.free("threshold_all_reduce", "all_reduce"),
-        gathers[0],
+        sizes_gather,
         c.free("balance_p2p", "p2p"),
-        gathers[1],
+        union_gather,
         c.local("unpack", c.p * block_bytes + c.u * c.out_entry, 2.0),
     ]
 
@@ -598,7 +620,9 @@ class OkTopk(Algorithm):
         Knob("dense_fallback_ratio", 1.0, "a region travels dense when its sparse bytes reach this fraction of its dense bytes",
              minimum=0.0, exclusive=True, tune=("exact",), search=(0.1, 2.0, True)),
         Knob("gather_mode", "auto", "how the reduced regions are gathered (as `allgather.mode`; `p2p` only when no "
-             "region travels dense). Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
+             "region travels dense). On the host path or within one node `auto` sends them point to point (wide "
+             "rows unpacked, narrow ones each with its size); on NCCL across nodes packed, in one collective gather. "
+             "Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
              choices=("auto", "p2p", "pad", "alltoall")),
         Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
     )

@@ -26,7 +26,28 @@ from typing import Any
 from colltune.algorithms import sizes
 from colltune.algorithms.errors import ColltuneValueError
 
-__all__ = ["Step", "Pricing"]
+__all__ = ["Step", "Pricing", "p2p_gathers"]
+
+
+def p2p_gathers(world_size: int, ranks_per_node: int | None, host: bool) -> bool:
+    """Whether an ``auto`` gather may send its entries point to point: on the host path, or inside one node.
+
+    The gathers of ``allgather`` (wide rows) and of Ok-Topk's regions can
+    send every peer its own messages instead of running a collective
+    gather. The host path (gloo, CPU tensors) keeps them at any layout:
+    there the collectives of groups of 3 or more run point to point too
+    (:class:`~colltune.algorithms.comm.Comm`'s direct mode), and separate
+    messages save the packing. On the device
+    path (NCCL) they stay point to point only inside one node: across
+    nodes NCCL's model (:mod:`colltune.model.nccl`) prices ``P - 1``
+    messages per rank, each a network step on NICs shared by the node's
+    ranks, well above its ring ``all_gather`` of the same bytes, so
+    ``auto`` gathers collectively there. A layout not known yet
+    (``ranks_per_node`` ``None``) counts as one node. Every rank of a group
+    holds the same arguments, so every rank resolves the same gather.
+    """
+    return host or ranks_per_node is None or ranks_per_node >= world_size
+
 
 @dataclass(frozen=True)
 class Step:
@@ -65,6 +86,10 @@ class Pricing:
             entries can ride in the record's eager slot prices that only for
             the real record).
         mode: ``exact`` or ``topk``; ``None`` takes ``features.mode``, else ``exact``.
+        host: whether the priced call runs on the host path (gloo, CPU
+            tensors) rather than the device path (NCCL).
+        ranks_per_node: the group's ranks per node when ``features`` do not
+            say (``features.ranks_per_node`` is ``None``); ``None``: one node.
 
     Attributes:
         p: world size. n: rows. e: bytes of one packed entry (index and row).
@@ -72,10 +97,19 @@ class Pricing:
         ksum: entries over all ranks. kavg: entries per rank on average (in
         top-k mode, ``k``). u: rows of the union. out_entry: bytes of one
         output entry (int64 index and a row). mode: ``exact`` or ``topk``.
+        p2p_gathers: whether ``auto`` gathers go point to point
+        (:func:`p2p_gathers` of the call's layout and path).
     """
 
     def __init__(
-        self, features: Any, record_bytes: float | None = None, *, record_known: bool = False, mode: str | None = None
+        self,
+        features: Any,
+        record_bytes: float | None = None,
+        *,
+        record_known: bool = False,
+        mode: str | None = None,
+        host: bool = True,
+        ranks_per_node: int | None = None,
     ) -> None:
         f = features
         self.p = int(f.world_size)
@@ -93,6 +127,8 @@ class Pricing:
             raise ColltuneValueError(f"`mode` must be 'exact' or 'topk', but got {self.mode!r}.")
         self.record_known = record_known
         self.record_bytes = float(sizes.record_bytes(self.p) if record_bytes is None else record_bytes)
+        rpn = getattr(f, "ranks_per_node", None) or ranks_per_node
+        self.p2p_gathers = p2p_gathers(self.p, rpn, host)
 
     @property
     def topk(self) -> bool:

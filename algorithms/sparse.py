@@ -299,9 +299,10 @@ def _byte_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.view(torch.uint8).view(t.shape[0], t.shape[1] * dtype.itemsize)
 
 
-#: Rows of at least this many bytes travel as separate index and value
-#: messages, each received in place (struct of arrays); narrower entries
-#: travel packed. Packing costs a copy of every byte on each side, and
+#: Rows of at least this many bytes travel point to point as separate index
+#: and value messages, each received in place (struct of arrays); narrower
+#: entries travel packed, and so do all entries of a collective gather
+#: (:func:`gather_mode`). Packing costs a copy of every byte on each side, and
 #: unpacking another; separate messages cost one more message per peer, which
 #: pays off once the rows are most of the bytes (embedding rows).
 SPLIT_MIN_ROW_BYTES = 32
@@ -312,14 +313,17 @@ def split_layout(row_numel: int, wire_dtype: torch.dtype) -> bool:
     return row_numel * wire_dtype.itemsize >= SPLIT_MIN_ROW_BYTES
 
 
-def gather_mode(mode: str, row_numel: int, wire_dtype: torch.dtype) -> str:
+def gather_mode(mode: str, row_numel: int, wire_dtype: torch.dtype, point_to_point: bool = True) -> str:
     """Resolve a gather knob (``auto``, ``p2p``, ``pad``, ``alltoall``) for entries of this width.
 
-    Returns ``p2p`` when the entries move point to point, unpacked (asked
-    for, or ``auto`` with rows of :data:`SPLIT_MIN_ROW_BYTES` or more);
-    otherwise the mode :meth:`~colltune.algorithms.comm.Comm.all_gather_v` takes.
+    Returns ``p2p`` when the entries move point to point, unpacked: asked
+    for, or ``auto`` with rows of :data:`SPLIT_MIN_ROW_BYTES` or more where
+    ``point_to_point`` allows it (:func:`~colltune.algorithms.schedule.p2p_gathers`:
+    the host path, or a group inside one node). Otherwise the mode
+    :meth:`~colltune.algorithms.comm.Comm.all_gather_v` takes: ``auto`` pads
+    unless padding adds over a quarter.
     """
-    if mode == "p2p" or (mode == "auto" and split_layout(row_numel, wire_dtype)):
+    if mode == "p2p" or (mode == "auto" and point_to_point and split_layout(row_numel, wire_dtype)):
         return "p2p"
     return mode
 

@@ -227,3 +227,33 @@ def test_the_balance_plan_is_linear_in_p():
         owner_order(plan(s))
     assert (time.perf_counter() - t0) / 10 < 0.01
     assert math.isclose(sum(plan(s).target), sum(s))
+
+
+def _priced(name: str, pricing: Pricing) -> dict:
+    algo = registry.get(name)
+    return {s.term: s for s in algo.schedule(pricing, algo.knobs)}
+
+
+def test_auto_gathers_point_to_point_on_the_host_path_or_one_node_only():
+    from colltune.algorithms.schedule import p2p_gathers
+    from colltune.algorithms.sparse import gather_mode
+
+    assert p2p_gathers(64, 8, host=True) and p2p_gathers(8, 8, host=False) and p2p_gathers(64, None, host=False)
+    assert not p2p_gathers(16, 8, host=False)
+    unknown = _features(64, 2**20, 1000)  # no layout in the features: the model's own (its network's) counts
+    assert Pricing(unknown, host=False).p2p_gathers and not Pricing(unknown, host=False, ranks_per_node=8).p2p_gathers
+    assert gather_mode("auto", 16, torch.float32, True) == "p2p" and gather_mode("auto", 16, torch.float32, False) == "auto"
+    assert gather_mode("auto", 1, torch.float32, True) == "auto" and gather_mode("p2p", 1, torch.float32, False) == "p2p"
+    for p in (8, 64):
+        wide = Features.build(numel=2**20, row_numel=16, dtype="float32", k_per_rank=[5000] * p, union=3000 * p,
+                              ranks_per_node=8)
+        narrow = Features.build(numel=2**24, row_numel=1, dtype="float32", k_per_rank=[5000] * p, union=3000 * p,
+                                ranks_per_node=8)
+        for host in (True, False):
+            point_to_point = host or p == 8
+            ag = _priced("allgather", Pricing(wide, host=host))
+            assert ag["entries_gather"].primitive == ("p2p" if point_to_point else "all_gather"), (p, host)
+            for f in (wide, narrow):
+                ok = _priced("oktopk", Pricing(f, host=host))
+                assert ok["union_gather"].primitive == ("p2p" if point_to_point else "all_gather"), (p, host, f.row_numel)
+                assert ok["sizes_all_gather"].calls == (0 if point_to_point and f is narrow else 1)

@@ -169,6 +169,10 @@ class AnalyticModel:
             and point-to-point steps are priced with NCCL's tuning model
             (:mod:`colltune.model.nccl`) on the call's layout instead of the
             alpha-beta constants; local work keeps ``primitives["local"]``.
+            The schedules are then the device path's (CUDA tensors on NCCL:
+            ``auto`` gathers collectively across nodes, see
+            :func:`colltune.algorithms.schedule.p2p_gathers`); without a
+            network, the host path's.
 
     Raises:
         ColltuneValueError: a required primitive is missing, a constant is negative.
@@ -270,8 +274,11 @@ class AnalyticModel:
         Returns:
             ``{algorithm: [Step, ...]}`` in registry order.
         """
-        # None: the real record at this world size (colltune.algorithms.sizes, no torch).
-        pricing = Pricing(features, self.metadata_bytes, record_known=self.metadata_bytes is not None)
+        # None: the real record at this world size (colltune.algorithms.sizes, no torch). A network prices
+        # NCCL's device path, on the call's layout or else the network's; without one, the host path.
+        net = self.network
+        pricing = Pricing(features, self.metadata_bytes, record_known=self.metadata_bytes is not None,
+                          host=net is None, ranks_per_node=None if net is None else net.ranks_per_node)
         out: dict[str, list[Step]] = {}
         for name in registry.names():
             algo = registry.get(name)
