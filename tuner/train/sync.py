@@ -136,6 +136,15 @@ def _gradient_rows(name: str, param: nn.Parameter) -> tuple[torch.Tensor, torch.
     return rows, grad.index_select(0, rows)
 
 
+def _check_buckets(bucket_cap_mb: Any, fuse: Any) -> tuple[float, bool]:
+    """Return ``bucket_cap_mb`` and ``fuse``, checked."""
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ColltuneValueError(f"bucket_cap_mb must be a number > 0, but got {bucket_cap_mb!r}.")
+    if not isinstance(fuse, bool):
+        raise ColltuneTypeError(f"fuse must be True or False, but got {type(fuse).__name__} {fuse!r:.40}.")
+    return float(bucket_cap_mb), fuse
+
+
 def _ddp_owned(model: nn.Module) -> set[int]:
     """Return the ids of the parameters inside a ``DistributedDataParallel`` submodule (DDP reduces them)."""
     owned: set[int] = set()
@@ -257,12 +266,7 @@ class SparseGradSync:
         self.start_compression_iter = _check_int("start_compression_iter", start_compression_iter, 0)
         self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 1)
         self.topk_algorithm = _check_choice("topk_algorithm", topk_algorithm, _topk_algorithms())
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-            raise ColltuneValueError(f"bucket_cap_mb must be a number > 0, but got {bucket_cap_mb!r}.")
-        self.bucket_cap_mb = float(bucket_cap_mb)
-        if not isinstance(fuse, bool):
-            raise ColltuneTypeError(f"fuse must be True or False, but got {type(fuse).__name__} {fuse!r:.40}.")
-        self.fuse = fuse
+        self.bucket_cap_mb, self.fuse = _check_buckets(bucket_cap_mb, fuse)
         self.topk_options = dict(topk_options or {})
         TopkState(density=self.density, **self.topk_options)  # validate now
         self.policy = policy
