@@ -112,3 +112,39 @@ def test_oktopk_keeps_state_for_a_bounded_number_of_sizes_per_living_group():
     assert torch.equal(out[0]["again"], out[1]["again"])
     for o in out:
         assert o["after"] == o["before"], "the destroyed group's state outlived it"
+
+
+def _rank_subgroup_sites(rank: int, world_size: int, cap: int) -> list:
+    import colltune
+    from colltune.select import selector
+
+    sel = selector.Selector()
+    old, selector.MAX_SITES = selector.MAX_SITES, cap
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    mine = pairs[rank // 2]
+    out = []
+    try:
+        # A site on the default group, with an overlap known after the call.
+        for _ in range(2):
+            res = colltune.sparse_allreduce(torch.tensor([rank, 7]), torch.ones(2), 64, name="shared", policy=sel)
+            out.append(res.to_dense())
+        # Ranks 0 and 1 fill their pair's sites past the bound; ranks 2 and 3 make none.
+        if rank < 2:
+            for i in range(cap + 2):
+                colltune.sparse_allreduce(torch.tensor([rank, i]), torch.ones(2), 64, group=mine, name=f"t{i}", policy=sel)
+        # The shared site again: every rank still holds it, so every rank sends the same record.
+        res = colltune.sparse_allreduce(torch.tensor([rank, 7]), torch.ones(2), 64, name="shared", policy=sel)
+        out.append(res.to_dense())
+    finally:
+        selector.MAX_SITES = old
+        for g in pairs:
+            dist.destroy_process_group(g)
+    return out
+
+
+def test_sites_of_one_group_are_not_forgotten_for_calls_on_another():
+    # One bound across groups made ranks 0 and 1 forget the default group's site while ranks 2 and 3
+    # kept it: their next call on it disagreed on the record ("ranks disagree on 'eager'").
+    out = pool(4).run(_rank_subgroup_sites, 3)
+    for o in out:
+        assert all(torch.equal(d, out[0][0]) for d in o)

@@ -138,9 +138,12 @@ logger = logging.getLogger(__name__)
 SAFE_DEFAULT = "dense"
 #: The profile shipped for each backend (file names in :func:`profiles_dir`).
 SHIPPED_PROFILES: dict[str, str] = {"gloo": "cpu-gloo.yaml", "nccl": "analytic-nccl.yaml"}
-#: The most call sites (name, size, row width, dtype, group) a selector remembers; the least recently
-#: used is forgotten first, and decides afresh if it comes back.
+#: The most call sites (name, size, row width, dtype) a selector remembers per process group; the least
+#: recently used site of that group is forgotten first, and decides afresh if it comes back.
 MAX_SITES = 4096
+#: The most process groups a selector keeps sites for; past it, the sites of the group first seen
+#: longest ago are forgotten (groups are told apart by a serial that a destroyed group never passes on).
+MAX_GROUPS = 256
 
 Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "no-values", "requested"]
 
@@ -466,6 +469,49 @@ def _enable_logging(level: int) -> None:
         _LOGGING_SET = True
 
 
+class _Sites:
+    """Call sites per process group, each group's bounded on its own.
+
+    A site key ends with its group's serial. Every rank of a group makes
+    the same calls on that group, so evicting the least recently used site
+    *of that group* forgets the same site on every rank of it. One bound
+    across groups would not: ranks that belong to different subgroups make
+    different calls, and would forget different sites of a group they share
+    (one rank deciding afresh, with a sketch, while another does not).
+    """
+
+    __slots__ = ("groups",)
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[Any, OrderedDict[tuple, _Site]] = OrderedDict()
+
+    def get(self, key: tuple) -> _Site | None:
+        sites = self.groups.get(key[-1])
+        return None if sites is None else sites.get(key)
+
+    def site(self, key: tuple) -> _Site:
+        """Return the site of ``key``, made if new, and mark it the group's most recently used."""
+        sites = self.groups.get(key[-1])
+        if sites is None:
+            sites = self.groups[key[-1]] = OrderedDict()
+            if len(self.groups) > MAX_GROUPS:
+                self.groups.popitem(last=False)
+        site = sites.get(key)
+        if site is None:
+            site = sites[key] = _Site()
+            if len(sites) > MAX_SITES:
+                sites.popitem(last=False)
+        else:
+            sites.move_to_end(key)
+        return site
+
+    def clear(self) -> None:
+        self.groups.clear()
+
+    def __len__(self) -> int:
+        return sum(len(sites) for sites in self.groups.values())
+
+
 class Selector:
     """Decide which algorithm runs each ``auto`` call, the same on every rank.
 
@@ -532,7 +578,7 @@ class Selector:
         self._policy_uses_overlap = any(r.overlap is not None for r in self.policy.rules)
         self._models: dict[str, _Model | None] = {}
         self._digests: dict[str, int] = {}
-        self._sites: OrderedDict[tuple, _Site] = OrderedDict()
+        self._sites = _Sites()
         self._settings = _signed64(int.from_bytes(hashlib.blake2b(json.dumps(
             [self.reevaluate_every, self.margin, self.count_band, self.overlap_band, self.bitmap_seed]
         ).encode(), digest_size=8).digest(), "big"))
@@ -606,15 +652,7 @@ class Selector:
     # -- the decision ---------------------------------------------------------
 
     def _site(self, key: tuple) -> _Site:
-        site = self._sites.get(key)
-        if site is None:
-            site = self._sites[key] = _Site()
-            if len(self._sites) > MAX_SITES:
-                # Every rank sees the same calls, so every rank forgets the same site.
-                self._sites.popitem(last=False)
-        else:
-            self._sites.move_to_end(key)
-        return site
+        return self._sites.site(key)
 
     def _in_band(self, e: _Entry, k_max: int, k_sum: int, overlap: float | None) -> bool:
         hi = 1.0 + self.count_band
