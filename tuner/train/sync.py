@@ -289,6 +289,7 @@ class SparseGradSync:
         self._dirty: set[int] = set()  # parameters whose gradient grew in a backward since the last synchronization
         self._grad_hooks: list[Any] = []
         self._guard: Any = None
+        self._pending: tuple | None = None  # an asynchronous synchronize()'s calls, until wait()
         if init_sync:
             _broadcast_states(model, group)
 
@@ -346,13 +347,20 @@ class SparseGradSync:
 
     # -- the synchronization
     @torch.no_grad()
-    def synchronize(self) -> None:
+    def synchronize(self, async_op: bool = False) -> None:
         """Average every tracked gradient over the group, in place; call after backward on every rank.
+
+        Args:
+            async_op: start the sparse gradients' reduction on colltune's
+                worker thread and return; :meth:`wait` (or any optimizer's
+                ``step()``, which waits first) puts the results on the
+                gradients. Dense and top-k gradients are averaged before it returns.
 
         Raises:
             RankMismatchError: ranks routed their gradients differently.
             ColltuneValueError: a sparse gradient is not COO over its first dimension.
         """
+        self.wait()
         routes = self._plan()
         p = _world_size(self.group)
         step_bytes = 0
@@ -364,57 +372,75 @@ class SparseGradSync:
                 continue
             if route.route == "dense":
                 dense_items.append((name, param))
-            elif route.route == "sparse" and self.fuse:
-                sparse_items.append((name, param, route))
             elif route.route == "sparse":
-                step_bytes += self._sync_sparse(name, param, route)
+                sparse_items.append((name, param, route))
             else:
                 step_bytes += self._sync_topk(name, param, route)
-        if sparse_items:
-            step_bytes += self._sync_sparse_fused(sparse_items)
+        launched = self._launch_sparse(sparse_items, async_op)
         step_bytes += self._sync_dense(dense_items, p)
         self.step += 1
-        self.last_bytes = step_bytes
-        self.bytes_sent += step_bytes
+        self._pending = (launched, step_bytes)
+        if not async_op:
+            self.wait()
         self._synced = True
         self._dirty.clear()
 
-    def _sync_sparse(self, name: str, param: nn.Parameter, route: _Route) -> int:
-        """Average one sparse gradient through :func:`colltune.sparse_allreduce`; return the bytes this rank sent."""
-        idx, vals = _gradient_rows(name, param)
-        res: Any = _api.sparse_allreduce(
-            idx,
-            vals,
-            tuple(param.shape),
-            op="avg",
-            group=self.group,
-            algorithm=route.algorithm,
-            knobs=dict(route.knobs) or None,
-            name=name,
-            policy=self._policy_arg if route.algorithm == AUTO else None,
-        )
-        return self._put_sparse(name, param, route, res, _topk_traffic(res))
+    def wait(self) -> None:
+        """Put the results of an asynchronous :meth:`synchronize` on the gradients (nothing to do without one).
 
-    def _sync_sparse_fused(self, items: list[tuple[str, nn.Parameter, _Route]]) -> int:
-        """Average sparse gradients that share a route in one :func:`colltune.sparse_allreduce_many` per route.
-
-        Returns the bytes this rank sent. Each call's bytes are shared out
-        among its gradients in proportion to their entries, for the per-tensor stats.
+        Raises what the reduction raised (e.g. :class:`~colltune.CollectiveError`).
         """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        launched, step_bytes = pending
+        step_bytes += self._finish_sparse(launched)
+        self.last_bytes = step_bytes
+        self.bytes_sent += step_bytes
+
+    def _launch_sparse(self, items: list[tuple[str, nn.Parameter, _Route]], async_op: bool) -> list[tuple]:
+        """Start the sparse gradients' reduction; return ``(members, result or handle)`` per call.
+
+        Fused (``fuse``): one :func:`colltune.sparse_allreduce_many` per route
+        (algorithm and knobs). Otherwise one :func:`colltune.sparse_allreduce` per gradient.
+        """
+        if not self.fuse:
+            return [([item], self._call_one(*item, async_op)) for item in items]
         groups: dict[tuple, list[tuple[str, nn.Parameter, _Route]]] = {}
         for item in items:
             route = item[2]
             groups.setdefault((route.algorithm, tuple(sorted(route.knobs.items()))), []).append(item)
-        total = 0
+        launched: list[tuple] = []
         for (algorithm, knobs), members in groups.items():
             tensors = [(*_gradient_rows(name, param), tuple(param.shape)) for name, param, _ in members]
-            results: Any = _fused.sparse_allreduce_many(
+            launched.append((members, _fused.sparse_allreduce_many(
                 tensors, op="avg", group=self.group, algorithm=algorithm, knobs=dict(knobs) or None,
                 name=self.fused_name, policy=self._policy_arg if algorithm == AUTO else None,
-                bucket_cap_mb=self.bucket_cap_mb,
-            )
+                bucket_cap_mb=self.bucket_cap_mb, async_op=async_op,
+            )))
+        return launched
+
+    def _call_one(self, name: str, param: nn.Parameter, route: _Route, async_op: bool) -> Any:
+        """Start one :func:`colltune.sparse_allreduce` of one sparse gradient."""
+        idx, vals = _gradient_rows(name, param)
+        return _api.sparse_allreduce(
+            idx, vals, tuple(param.shape), op="avg", group=self.group, algorithm=route.algorithm,
+            knobs=dict(route.knobs) or None, name=name,
+            policy=self._policy_arg if route.algorithm == AUTO else None, async_op=async_op,
+        )
+
+    def _finish_sparse(self, launched: list[tuple]) -> int:
+        """Wait for each call, put its results on the gradients; return the bytes this rank sent.
+
+        A fused call's bytes are shared out among its gradients in
+        proportion to their entries, for the per-tensor stats.
+        """
+        total = 0
+        for members, got in launched:
+            got = got.wait() if isinstance(got, _api.AsyncHandle) else got
+            results = got if isinstance(got, list) else [got]
             nbytes = _topk_traffic(results[0]) if results else 0
-            entries = [int(t[0].numel()) for t in tensors]
+            entries = [int(res.indices.numel()) for res in results]
             whole = max(1, sum(entries))
             for (name, param, route), res, k in zip(members, results, entries):
                 self._put_sparse(name, param, route, res, nbytes * k // whole)
@@ -557,6 +583,7 @@ class SparseGradSync:
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         if not self._synced:
             self.synchronize()
+        self.wait()
 
     def _after_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         self._stepped.add(id(opt))
@@ -592,20 +619,31 @@ class SparseGradSync:
                 "sync.synchronize() before the first step."
             )
 
-    def attach_to_backward(self) -> Any:
+    def attach_to_backward(self, async_op: bool = False) -> Any:
         """Synchronize at the end of every backward pass (no gradient accumulation across backwards).
 
         Every rank must produce a gradient for at least one tracked parameter
         in each backward, or the ranks that did would wait for the others.
+
+        Args:
+            async_op: start the sparse gradients' reduction at the end of
+                backward and return at once (:meth:`synchronize` with
+                ``async_op``): it runs on colltune's own group and thread,
+                beside DDP's last buckets and whatever the loop does before
+                ``optimizer.step()``, which waits for it (so does :meth:`wait`).
 
         Returns:
             A handle whose ``remove()`` detaches the synchronizer again.
         """
         from torch.autograd import Variable
 
+        if async_op and self._guard is None:
+            self._guard = _install_guard(self)
+            self._handles.append(self._guard)
+
         def done() -> None:
             self._queued = False
-            self.synchronize()
+            self.synchronize(async_op=async_op)
 
         def hook(param: torch.Tensor) -> None:
             if not self._queued:
@@ -625,6 +663,7 @@ class SparseGradSync:
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Return options, step, residuals, thresholds and decisions as plain data and tensors (no process group)."""
+        self.wait()
         return {
             "version": _STATE_VERSION,
             "kind": "sync",
@@ -715,6 +754,7 @@ def _install_guard(sync: SparseGradSync) -> Any:
     def guard(opt: Any, args: Any, kwargs: Any) -> None:
         target = ref()
         if target is not None:
+            target.wait()  # an asynchronous synchronization lands before any optimizer reads the gradients
             target._check_unattached(opt)
 
     return register_optimizer_step_pre_hook(guard)
