@@ -19,9 +19,21 @@
    ``all_reduce`` that runs only when the decision changes inside the
    sketch's error band; all the max over ranks, medians over interleaved rounds.
 
+The regret's grid is ``--grid interpolate`` (the default: fp32 scalars,
+every value between the profile's grid points, ``P`` in 2, 4, 8) or
+``--grid generalize``: world sizes, value dtypes and row widths the profile
+never measured (``P`` from 2 to 8, 3, 5, 6 and 7 among them; bfloat16,
+float16 and float64 values, and float32 rows of 8, 16 and 32; scalars and rows
+of 8, 16 and 32 of each narrow or wide dtype), on the held-out rows,
+densities and overlaps, sampled with ``--seed`` (``--per-world``
+configurations per world size; the cells whose dense tensor holds more than
+:data:`GEN_MAX_ELEMENTS` values are left out to keep the run short). The
+sampled grid is printed first; the same seed gives the same grid.
+
 Usage::
 
     python tools/selector_bench.py                       # all three, about 8 minutes on 2 cores
+    python tools/selector_bench.py --grid generalize --regret-only --seed 16   # 70 cells, about 3 minutes
     python tools/selector_bench.py --skip-regret         # 2 and 3 only, under a minute
     python tools/selector_bench.py --json selector-bench.json --world-size 2 4
     python tools/selector_bench.py --json run2.json --pool run1.json   # medians over both runs' rounds
@@ -55,6 +67,13 @@ HELD_N = (2**13, 2**15, 2**17, 2**19)
 HELD_DENSITY = (3e-4, 3e-3, 2e-2, 0.1)
 HELD_OVERLAP = (0.25, 0.75)
 HELD_WORLD = (2, 4, 8)
+#: The generalization grid (``--grid generalize``): world sizes, dtypes and row widths beyond the profile's
+#: (float32 scalars and rows of 64 at P = 2, 4, 8); a float32 cell has rows, a scalar cell another dtype.
+GEN_WORLD = (2, 3, 4, 5, 6, 7, 8)
+GEN_DTYPE = ("float32", "bfloat16", "float16", "float64")
+GEN_ROW = (1, 8, 16, 32)
+#: The largest dense tensor (rows times row width) a sampled cell may have: keeps the run near 10 minutes.
+GEN_MAX_ELEMENTS = 2**24
 
 
 # --------------------------------------------------------------------------- rank functions
@@ -165,6 +184,38 @@ def _rotated_rounds(calls: dict, rounds: int) -> tuple[dict[str, object], dict[s
 # --------------------------------------------------------------------------- pieces
 
 
+def generalize_grid(worlds: tuple[int, ...], per_world: int, seed: int) -> list:
+    """Return ``per_world`` cells per world size of the generalization grid, sampled with ``seed``.
+
+    The cells are the held-out rows, densities and overlaps crossed with
+    :data:`GEN_DTYPE` and :data:`GEN_ROW`, less float32 scalars (the profile's
+    own kind of value) and the cells over :data:`GEN_MAX_ELEMENTS`.
+    """
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for p in worlds:
+        cells = [(n, d, o, dt, r) for n in HELD_N for d in HELD_DENSITY for o in HELD_OVERLAP
+                 for dt in GEN_DTYPE for r in GEN_ROW
+                 if (dt, r) != ("float32", 1) and n * r <= GEN_MAX_ELEMENTS]
+        for n, d, o, dt, r in sorted(rng.sample(cells, min(per_world, len(cells)))):
+            out.append(bench.BenchConfig(n, d, o, p, () if r == 1 else (r,), dt, seed=7))
+    return out
+
+
+def _key(c: object) -> tuple:
+    """Return the identity of a configuration (a BenchConfig or a report's config mapping)."""
+    if isinstance(c, dict):
+        return (c["n"], c["density"], c["overlap_requested"], c["world_size"], tuple(c.get("row_shape", ())),
+                c.get("dtype", "float32"))
+    return (c.n, c.density, c.overlap, c.world_size, tuple(c.row_shape), c.dtype)  # type: ignore[attr-defined]
+
+
+def _row_width(c: dict) -> int:
+    return int(math.prod(c.get("row_shape", ()) or (1,)))
+
+
 def cached_decision_us(profile: str | None, calls: int = 20000) -> dict:
     """Return the CPU cost of a cached decision (decide + observe), in microseconds."""
     from colltune.select.selector import Selector
@@ -216,12 +267,12 @@ def _p95(xs: list[float]) -> float:
 
 def _pool_rounds(report: dict, earlier: list[str]) -> dict:
     """Add the timed rounds of earlier runs' held-out benchmarks to ``report``; recompute the medians."""
-    index = {(c["n"], c["density"], c["overlap_requested"], c["world_size"]): c for c in report["configs"]}
+    index = {_key(c): c for c in report["configs"]}
     for path in earlier:
         with open(path) as fh:
             old = json.load(fh)["regret"]["bench"]
         for c in old["configs"]:
-            mine = index.get((c["n"], c["density"], c["overlap_requested"], c["world_size"]))
+            mine = index.get(_key(c))
             if mine is None:
                 continue
             for a in ALGORITHMS:
@@ -240,7 +291,7 @@ def _summarize(report: dict, choices: dict[tuple, dict], worlds: tuple[int, ...]
     """Return the per-configuration rows and the regret summary of ``choices`` on ``report``'s medians."""
     rows = []
     for c in report["configs"]:
-        ch = choices[(c["n"], c["density"], c["overlap_requested"], c["world_size"])]
+        ch = choices[_key(c)]
         if any("median_ms" not in c["contenders"].get(a, {}) for a in ALGORITHMS):
             print(f"skipped (a contender failed): {c['n']} {c['density']} {c['world_size']}", flush=True)
             continue
@@ -248,7 +299,8 @@ def _summarize(report: dict, choices: dict[tuple, dict], worlds: tuple[int, ...]
         best = min(t.values())
         rows.append({
             "n": c["n"], "density": c["density"], "world_size": c["world_size"], "overlap": c["overlap"],
-            "k": c["k"], "times_ms": t, "fastest": min(t, key=t.get), **ch,
+            "k": c["k"], "dtype": c.get("dtype", "float32"), "row": _row_width(c), "times_ms": t,
+            "fastest": min(t, key=t.get), **ch,
             "regret_cold": t[ch["cold"]] / best, "regret_warm": t[ch["warm"]] / best,
             "regret_fixed": {a: t[a] / best for a in ALGORITHMS},
         })
@@ -285,8 +337,16 @@ def _print_summary(label: str, s: dict) -> None:
 def regret(args: argparse.Namespace) -> dict:
     plan = bench.Plan(warmup=1, min_repeats=3, max_repeats=args.repeats, budget_s=args.budget)
     worlds = tuple(args.world_size)
-    configs = bench.full_grid(HELD_N, HELD_DENSITY, HELD_OVERLAP, worlds, seed=7)
-    print(f"held-out grid: {len(configs)} configurations; timing {', '.join(ALGORITHMS)}", flush=True)
+    if args.grid == "generalize":
+        configs = generalize_grid(worlds, args.per_world, args.seed)
+        print(f"held-out generalization grid (seed {args.seed}, {args.per_world} per world size): "
+              f"{len(configs)} configurations; timing {', '.join(ALGORITHMS)}", flush=True)
+        for c in configs:
+            print(f"  P={c.world_size} n={c.n} density={c.density:g} overlap={c.overlap:g} {c.dtype} "
+                  f"rows of {_row_width({'row_shape': c.row_shape})}", flush=True)
+    else:
+        configs = bench.full_grid(HELD_N, HELD_DENSITY, HELD_OVERLAP, worlds, seed=7)
+        print(f"held-out grid: {len(configs)} configurations; timing {', '.join(ALGORITHMS)}", flush=True)
     print(bench.format_header(ALGORITHMS), flush=True)
     report = bench.run(configs, contenders=ALGORITHMS, plan=plan, progress=False)
     choices: dict[tuple, dict] = {}
@@ -294,7 +354,7 @@ def regret(args: argparse.Namespace) -> dict:
         group = [c for c in configs if c.world_size == p]
         got = launch.run_local(_choices_rank, p, group, args.profile, timeout=1800)[0]
         for cfg, ch in zip(group, got):
-            choices[(cfg.n, cfg.density, cfg.overlap, cfg.world_size)] = ch
+            choices[_key(cfg)] = ch
     rows, summary = _summarize(report, choices, worlds)
     out = {"rows": rows, "summary": summary, "bench": report}
     if args.pool:
@@ -303,32 +363,20 @@ def regret(args: argparse.Namespace) -> dict:
         out["rows_pooled"] = rows
         out["pooled_with"] = list(args.pool)
     print()
-    print(f"{'n':>7} {'dens':>6} {'P':>2} {'ovl':>4} | {'dense':>8} {'allgather':>9} {'oktopk':>8} ms | "
+    print(f"{'n':>7} {'dens':>6} {'P':>2} {'ovl':>4} {'dtype':>8} {'row':>3} | {'dense':>8} {'allgather':>9} {'oktopk':>8} ms | "
           f"{'fastest':>9} {'cold':>9} {'warm':>9} | regret cold/warm"
           + ("   (medians over the pooled runs)" if args.pool else ""))
     for r in rows:
         t = r["times_ms"]
-        print(f"{r['n']:>7} {r['density']:>6g} {r['world_size']:>2} {r['overlap']:>4.2f} | {t['dense']:>8.2f} "
+        print(f"{r['n']:>7} {r['density']:>6g} {r['world_size']:>2} {r['overlap']:>4.2f} {r['dtype']:>8} {r['row']:>3} | "
+              f"{t['dense']:>8.2f} "
               f"{t['allgather']:>9.2f} {t['oktopk']:>8.2f}    | {r['fastest']:>9} {r['cold']:>9} {r['warm']:>9} | "
               f"{r['regret_cold']:.2f} / {r['regret_warm']:.2f}")
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, nargs="+", default=list(HELD_WORLD))
-    parser.add_argument("--profile", help="profile to use (default: the shipped one for gloo)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed rounds at most per configuration (default 7)")
-    parser.add_argument("--budget", type=float, default=1.0, help="seconds of rounds per configuration (default 1)")
-    parser.add_argument("--skip-regret", action="store_true", help="only the overhead measurements")
-    parser.add_argument("--pool", nargs="+", metavar="JSON", default=[],
-                        help="earlier --json outputs whose held-out rounds join this run's (steadier medians "
-                             "on a loaded machine); the choices are this run's")
-    parser.add_argument("--json", help="write everything here")
-    args = parser.parse_args(argv)
-    out: dict = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
-                 "torch": str(torch.__version__)}
-
+def overheads(args: argparse.Namespace, out: dict) -> None:
+    """Measure and print 2 and 3 (the cached decision, the extra collective of a first call) into ``out``."""
     cached = cached_decision_us(args.profile)
     out["cached_decision"] = cached
     print(f"cached decision: {cached['cached_cpu_us']:.2f} us CPU ({cached['cached_wall_us']:.2f} us wall) per call "
@@ -349,6 +397,33 @@ def main(argv: list[str] | None = None) -> int:
           f"all_reduce, run only when the decision changes inside the sketch's band, would cost "
           f"{coll['bitmap_ms']:.2f} ms", flush=True)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, nargs="+",
+                        help="world sizes (default 2 4 8; with --grid generalize, 2 to 8)")
+    parser.add_argument("--grid", choices=("interpolate", "generalize"), default="interpolate",
+                        help="the held-out grid: fp32 scalars between the profile's points (default), or world "
+                             "sizes, dtypes and row widths the profile lacks")
+    parser.add_argument("--per-world", type=int, default=10, help="--grid generalize: cells per world size (default 10)")
+    parser.add_argument("--seed", type=int, default=16, help="--grid generalize: the sampling seed (default 16)")
+    parser.add_argument("--regret-only", action="store_true", help="only the regret (skip 2 and 3)")
+    parser.add_argument("--profile", help="profile to use (default: the shipped one for gloo)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds at most per configuration (default 7)")
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of rounds per configuration (default 1)")
+    parser.add_argument("--skip-regret", action="store_true", help="only the overhead measurements")
+    parser.add_argument("--pool", nargs="+", metavar="JSON", default=[],
+                        help="earlier --json outputs whose held-out rounds join this run's (steadier medians "
+                             "on a loaded machine); the choices are this run's")
+    parser.add_argument("--json", help="write everything here")
+    args = parser.parse_args(argv)
+    if not args.world_size:
+        args.world_size = list(GEN_WORLD if args.grid == "generalize" else HELD_WORLD)
+    out: dict = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
+                 "torch": str(torch.__version__)}
+
+    if not args.regret_only:
+        overheads(args, out)
     if not args.skip_regret:
         res = regret(args)
         out["regret"] = res

@@ -230,8 +230,30 @@ def test_feature_vector_layout() -> None:
     assert v.shape == (len(FEATURE_NAMES),) and np.all(np.isfinite(v))
     named = dict(zip(FEATURE_NAMES, v))
     assert named["world_size"] == 8 and named["overlap"] == pytest.approx(0.5)
-    assert named["log_numel"] == pytest.approx(math.log(1 << 20))
+    assert named["log_dense_bytes"] == pytest.approx(math.log((1 << 20) * 4))
+    assert named["log_gather_bytes"] == pytest.approx(math.log1p(f.k_sum * 8))  # 4 B index + 4 B value
     assert named["t.dense"] == pytest.approx(math.log(AnalyticModel(DEFAULT_PRIMITIVES).predict(f)["dense"]))
+
+
+def test_features_carry_bytes_not_dtype_codes() -> None:
+    # The learned correction sees bytes and counts: no dtype code, no element width of its own.
+    assert not {"value_bytes", "index_bytes", "log_row_bytes", "log_numel"} & set(FEATURE_NAMES)
+    names = list(FEATURE_NAMES)
+    base = names[: names.index("t.dense")]
+    analytic = AnalyticModel(DEFAULT_PRIMITIVES)
+
+    def vec(row: int, dtype: str) -> dict[str, float]:
+        return dict(zip(base, feature_vector(_f(n=1 << 16, p=3, density=0.01, overlap=0.5, row=row, dtype=dtype),
+                                             analytic)))
+
+    # A bfloat16 row of 32 is 64 B, as a float32 row of 16: the same entries on the wire; only the dense
+    # path differs, which sums bfloat16 in float32 (twice the bytes).
+    bf16, fp32 = vec(32, "bfloat16"), vec(16, "float32")
+    assert bf16["log_dense_bytes"] == pytest.approx(fp32["log_dense_bytes"] + math.log(2))
+    assert {k: v for k, v in bf16.items() if k != "log_dense_bytes"} == {
+        k: v for k, v in fp32.items() if k != "log_dense_bytes"}
+    # float64 scalars and float32 pairs move the same bytes every way.
+    assert vec(1, "float64") == vec(2, "float32")
 
 
 # -- learned model ----------------------------------------------------------------

@@ -53,9 +53,32 @@ def test_other_dimensions_fade_too(gloo) -> None:
     _, model = gloo
     d = model.domain
     assert d.weight(_f(n=d.numel[1] * 2)) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
-    assert d.weight(_f(row=d.row_numel[1] * 4)) == 0.0
+    assert d.weight(_f(row=d.row_bytes[1] // 4 * 4)) == 0.0  # rows of 4x the widest measured bytes
     assert "dtype" in d.distances(_f(dtype="bfloat16"))
     assert d.weight(_f(dtype="float64")) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
+
+
+def test_row_width_and_dtype_count_in_bytes(gloo) -> None:
+    profile, model = gloo
+    d = model.domain
+    # The shipped profile: float32 scalars (4 B rows) and rows of 64 float32 (256 B), nothing else.
+    assert d.row_bytes == (4, 256) and d.value_bytes == (4,)
+    assert {m.dtype for m in profile.measurements} == {"float32"}
+    # A float32 row of 16 lies between the measured row bytes: inside, the learned model alone.
+    assert d.distances(_f(row=16)) == {} and d.weight(_f(row=16)) == 1.0
+    # Rows of 128 float32 (512 B) are one doubling wider than measured: extrapolation, and the reason says so.
+    wide = _f(row=128)
+    assert d.distances(wide) == {"row width": pytest.approx(1.0)}
+    assert "row width outside the measured rows of 4..256 B" in d.describe(wide)
+    # bfloat16 scalars: 2 B rows (narrower than measured) of a value size never measured.
+    narrow = _f(dtype="bfloat16")
+    assert d.distances(narrow) == {"row width": pytest.approx(1.0), "dtype": pytest.approx(1.0)}
+    assert d.weight(narrow) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
+    text = d.describe(narrow)
+    assert "row width outside" in text and "dtype outside the measured values of 4 B" in text
+    # bfloat16 rows of 32 (64 B) are inside by bytes, outside by dtype: the arithmetic was never timed.
+    assert set(d.distances(_f(row=32, dtype="bfloat16"))) == {"dtype"}
+    assert "dtype outside" in model.extrapolation(_f(row=32, dtype="bfloat16"))
 
 
 def test_explain_says_when_it_extrapolates() -> None:

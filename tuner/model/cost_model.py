@@ -343,9 +343,13 @@ class AnalyticModel:
 # Feature vector
 # ---------------------------------------------------------------------------
 
+#: The call's statistics the learned correction sees, in bytes and counts only: no dtype code, no row width.
+#: A bfloat16 row of 32 and a float32 row of 16 put the same bytes on the wire, so a correction learned
+#: on one dtype and row width carries over to another through the bytes it moves (leaving the row width
+#: out lets the trees split only where the bytes do, not on which of the profile's widths a row matches).
 _BASE_FEATURES: tuple[str, ...] = (
-    "log_numel", "log_row_bytes", "log_k_max", "log_k_sum", "world_size", "log_world_size",
-    "overlap", "density", "log_density", "log_union", "value_bytes", "index_bytes",
+    "log_dense_bytes", "log_k_sum", "log_gather_bytes", "log_union_bytes", "log_kmax_bytes",
+    "world_size", "log_world_size", "overlap", "density", "log_density",
 )
 
 
@@ -368,9 +372,12 @@ AnalyticModel.TERMS = _Terms()
 def feature_names() -> tuple[str, ...]:
     """Return the columns of :func:`feature_vector` (also :data:`FEATURE_NAMES`).
 
-    Statistics of the call, then the log of each built-in algorithm's
-    analytic time (``t.<alg>``) and of each of its terms (``t.<alg>.<term>``),
-    in microseconds, floored at 1 ns.
+    Statistics of the call in bytes and counts (the dense tensor's bytes on
+    the wire, in the accumulation dtype; the entries ``K``; the bytes of the
+    ``K`` entries, of the union's and of the largest rank's, each entry its
+    index and row), the world size, overlap and density, then the log of each
+    built-in algorithm's analytic time (``t.<alg>``) and of each of its terms
+    (``t.<alg>.<term>``), in microseconds, floored at 1 ns.
     """
     analytic = tuple(name for alg in ALGORITHMS
                      for name in (f"t.{alg}", *(f"t.{alg}.{t}" for t in AnalyticModel.TERMS[alg])))
@@ -398,10 +405,11 @@ def feature_vector(
         A float64 vector of ``len(feature_names())`` entries.
     """
     f = features
+    e = f.entry_bytes
     base = [
-        math.log(f.numel), math.log(f.row_bytes), math.log1p(f.k_max), math.log1p(f.k_sum),
-        float(f.world_size), math.log(f.world_size), f.overlap, f.density,
-        math.log(max(f.density, 1e-12)), math.log1p(f.union), float(f.value_bytes), float(f.index_bytes),
+        math.log(f.numel * f.row_numel * f.accum_bytes), math.log1p(f.k_sum), math.log1p(f.k_sum * e),
+        math.log1p(f.union * e), math.log1p(f.k_max * e), float(f.world_size), math.log(f.world_size),
+        f.overlap, f.density, math.log(max(f.density, 1e-12)),
     ]
     if terms is None:
         terms = analytic.terms(f)
@@ -1065,7 +1073,7 @@ def _layout(network: Network, p: int, rpn: int) -> nccl.Topology:
 
 @dataclass(frozen=True)
 class Domain:
-    """The calls a learned model was measured on: ranges of world size, rows and row width, and the dtypes.
+    """The calls a learned model was measured on: ranges of world size, rows and row bytes, and the dtypes.
 
     A learned model is trusted inside its domain and fades out beyond it:
     :meth:`weight` is 1 inside, falls linearly with the distance outside
@@ -1074,14 +1082,23 @@ class Domain:
     profile measured at P = 2 to 8 blends at P = 16 and is not trusted at all
     from P = 32 on.
 
+    The row width counts in bytes (``row_numel * value_bytes``), as the
+    learned model sees it (:func:`feature_vector`): a row between the
+    narrowest and the widest measured lies inside, whatever its dtype and
+    element count; a narrower or wider one lies outside. A dtype whose value
+    size was never measured lies outside too, by its factor from the nearest
+    measured size: its bytes transfer, but its arithmetic (16-bit values
+    accumulate in float32; float64 adds cost more) was never timed.
+
     Attributes:
-        world_size, numel, row_numel: inclusive ``(min, max)`` measured.
+        world_size, numel: inclusive ``(min, max)`` measured.
+        row_bytes: inclusive ``(min, max)`` of the bytes of one row of values measured.
         value_bytes: the value sizes measured (bytes per element of each dtype).
     """
 
     world_size: tuple[int, int]
     numel: tuple[int, int]
-    row_numel: tuple[int, int]
+    row_bytes: tuple[int, int]
     value_bytes: tuple[int, ...]
 
     @classmethod
@@ -1091,15 +1108,15 @@ class Domain:
             return None
         ps = [m.world_size for m in measurements]
         ns = [m.numel for m in measurements]
-        rs = [m.row_numel for m in measurements]
+        rb = [m.row_numel * DTYPE_BYTES[m.dtype] for m in measurements]
         sizes = sorted({DTYPE_BYTES[m.dtype] for m in measurements})
-        return cls((min(ps), max(ps)), (min(ns), max(ns)), (min(rs), max(rs)), tuple(sizes))
+        return cls((min(ps), max(ps)), (min(ns), max(ns)), (min(rb), max(rb)), tuple(sizes))
 
     def distances(self, f: Features) -> dict[str, float]:
         """Return, per dimension outside the domain, how far outside ``f`` lies (in factors of 2)."""
         out: dict[str, float] = {}
         for what, value, (lo, hi) in (("world size", f.world_size, self.world_size), ("rows", f.numel, self.numel),
-                                      ("row width", f.row_numel, self.row_numel)):
+                                      ("row width", f.row_bytes, self.row_bytes)):
             if value < lo or value > hi:
                 out[what] = abs(math.log2(max(value, 1) / (lo if value < lo else hi)))
         if f.value_bytes not in self.value_bytes:
@@ -1118,7 +1135,7 @@ class Domain:
             return None
         measured = {"world size": f"P {self.world_size[0]}..{self.world_size[1]}",
                     "rows": f"n {self.numel[0]}..{self.numel[1]}",
-                    "row width": f"rows of {self.row_numel[0]}..{self.row_numel[1]}",
+                    "row width": f"rows of {self.row_bytes[0]}..{self.row_bytes[1]} B",
                     "dtype": "values of " + "/".join(f"{b} B" for b in self.value_bytes)}
         w = self.weight(f)
         what = "the analytic model alone" if w == 0 else f"{w:.0%} learned, {1 - w:.0%} analytic"
