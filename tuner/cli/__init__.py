@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Sequence
 
 import colltune
 from colltune.algorithms.errors import ColltuneError
 from colltune.cli.bench import BenchCommand
-from colltune.cli.common import Command, UsageError
+from colltune.cli.common import Command, UsageError, discard_stdout
 from colltune.cli.demo import DemoCommand
 from colltune.cli.explain import ExplainCommand
 from colltune.cli.profile import FitCommand, ProfileCommand
@@ -97,20 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = _dispatch(argv)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
     except BrokenPipeError:
-        _discard_stdout()
+        discard_stdout()
         return EXIT_BROKEN_PIPE
     return status
-
-
-def _discard_stdout() -> None:
-    """Point standard output at ``os.devnull``, so the interpreter's last flush of it cannot fail again."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # replaced by a stream with no descriptor
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
 
 
 def _dispatch(argv: Sequence[str] | None) -> int:

@@ -114,6 +114,7 @@ from colltune.cli.common import (
     parse_positive_int,
     parse_seconds,
     parse_world,
+    say,
     write_json,
 )
 
@@ -187,8 +188,8 @@ class BenchCommand(Command):
         is_root = not launch.in_torchrun() or launch.torchrun_rank()[0] == 0
         if is_root and configs:
             if plan.burst > 1:
-                print(f"ms per call, in bursts of {plan.burst} back-to-back calls after each barrier", flush=True)
-            print(bench.format_header(args.contenders), flush=True)
+                say(f"ms per call, in bursts of {plan.burst} back-to-back calls after each barrier")
+            say(bench.format_header(args.contenders))
 
         def save(report: dict[str, Any]) -> None:
             write_json(args.json, report)
@@ -243,14 +244,14 @@ def _print_summary(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Print auto's decision table, results that disagree with the reference, failures, and the file written."""
     from colltune.offline import bench
 
-    print()
+    lines = [""]
     if "auto" in args.contenders and report["configs"]:
-        print(bench.format_auto(report))
-        print()
+        lines += [bench.format_auto(report), ""]
     if report["configs"]:
-        print(bench.format_agreement(report))
+        lines.append(bench.format_agreement(report))
     for c in report["configs"]:
         for name, e in c["contenders"].items():
             if "error" in e:
-                print(f"failed: {bench.config_name(c)}: {name}: {e['error']}")
-    print(f"wrote {args.json} ({report.get('elapsed_s', 0.0):.0f} s)")
+                lines.append(f"failed: {bench.config_name(c)}: {name}: {e['error']}")
+    lines.append(f"wrote {args.json} ({report.get('elapsed_s', 0.0):.0f} s)")
+    say(*lines)

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, ClassVar
 
 import numpy as np
@@ -159,3 +160,28 @@ def cluster_profile(args: argparse.Namespace) -> tuple[Any, str, bool]:
                 raise UsageError(f"--gpu: {exc}") from None
         profile = dataclasses.replace(profile, meta={**profile.meta, **changes})
     return profile, os.path.basename(str(path)), bool(changes)
+
+
+def discard_stdout() -> None:
+    """Point standard output at ``os.devnull``, so the interpreter's last flush of it cannot fail again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a stream with no descriptor
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def say(*lines: str) -> None:
+    """Print ``lines`` to standard output; a reader that left (``| head -1``) ends the printing, not the run.
+
+    For commands whose work goes on after they print (``bench`` still
+    writes its report): the rest of the output goes to ``os.devnull``.
+    """
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        discard_stdout()
