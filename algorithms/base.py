@@ -16,7 +16,11 @@ Life of one exact sparse allreduce (``sparse_allreduce``):
    share no memory with the input (the front door divides in place).
 
 Life of one top-k allreduce (``topk_allreduce``): the front door forms
-``acc = residual + tensor``, calls :meth:`Algorithm.topk_allreduce`, which
+``acc = residual + tensor`` before the metadata exchange, asks the algorithm
+likeliest to run for a payload (:meth:`Algorithm.topk_prepare`: Ok-Topk's
+local selection and its counts per region, while its boundaries are
+cached), exchanges the records, calls :meth:`Algorithm.topk_allreduce`
+(with what the algorithm prepared, when it is the one that runs), which
 returns the global result and which local entries were delivered, then sets
 ``residual = acc`` with the delivered entries zeroed (error feedback).
 """
@@ -36,7 +40,7 @@ from colltune.algorithms.knobs import Knob
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import accum_dtype, wire_index_dtype
 
-__all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Algorithm"]
+__all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "TopkPrepared", "Algorithm"]
 
 Op = Literal["sum", "avg"]
 
@@ -150,6 +154,24 @@ class TopkOutput:
     sent: torch.Tensor | None
     local_count: int
     global_count: int
+
+
+@dataclass
+class TopkPrepared:
+    """What an algorithm worked out before the metadata exchange of a top-k call (:meth:`Algorithm.topk_prepare`).
+
+    Attributes:
+        payload: this rank's bytes for the record's eager slot (flat ``uint8``).
+        work: the algorithm's own pre-exchange work (Ok-Topk: its local
+            selection), handed back to it unread by the front door.
+        gathered: every rank's payload after the exchange (``[P, payload
+            bytes]`` ``uint8``), set by the front door before
+            :meth:`Algorithm.topk_allreduce` receives it.
+    """
+
+    payload: np.ndarray
+    work: Any = None
+    gathered: torch.Tensor | None = None
 
 
 class Algorithm(abc.ABC):
@@ -271,10 +293,35 @@ class Algorithm(abc.ABC):
         """
         return self.sparse_allreduce(inp, comm, knobs)
 
+    def topk_prepare(
+        self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int
+    ) -> TopkPrepared | None:
+        """Return work to do before the metadata exchange of a top-k call, and its payload for the record, or ``None``.
+
+        Called before the exchange of a ``topk_allreduce`` that names this
+        algorithm, or of an auto call whose site last chose it, with the
+        flat ``acc`` the call will run on. If this algorithm then runs, it
+        receives what this returned (with every rank's payload) as
+        :meth:`topk_allreduce`'s ``prepared``, saving it a collective of its
+        own; if another one runs, it is dropped. So it must leave ``state``
+        and ``acc`` as they are (commit in :meth:`topk_allreduce`). Whether
+        it returns ``None``, and the payload's length (at most ``capacity``
+        bytes), must depend only on what every rank shares (the call's
+        shared fields, the state's step, refresh periods and boundaries),
+        never on local data.
+        """
+        return None
+
     @abc.abstractmethod
-    def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
+    def topk_allreduce(
+        self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: TopkPrepared | None = None
+    ) -> TopkOutput:
         """Select entries of the flat accumulated tensor ``acc`` and sum the selection over ranks.
 
         ``state`` is the caller's :class:`~colltune.algorithms.state.TopkState`; the
         algorithm may update its thresholds and boundaries but not its residual.
+        ``prepared``: what this algorithm's :meth:`topk_prepare` returned for
+        this call, with every rank's payload in ``gathered``; passed (as a
+        keyword) only when it returned something, so an algorithm without
+        a ``topk_prepare`` of its own may leave the parameter out.
         """

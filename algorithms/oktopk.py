@@ -39,8 +39,14 @@ feedback done by the caller):
    calls; in between the previous threshold is reused, and nudged by
    ``nudge`` while the count is outside the band, with an exact recompute if
    nudging does not bring it back.
-2. Split and reduce of the selected entries, as above (the counts go
-   first on every call: the top-k record carries no payload).
+2. Split and reduce of the selected entries, as above. While the
+   boundaries in the :class:`~colltune.algorithms.state.TopkState` are
+   cached, the local selection runs before the metadata exchange
+   (:meth:`OkTopk.topk_prepare`: calls that name ``oktopk``, and auto calls
+   whose site last chose it) and its counts per region ride in the record,
+   as in exact mode; on refreshes an ``all_to_all`` moves them. Another
+   algorithm chosen meanwhile runs from the same ``acc`` and the selection
+   is dropped unused.
 3. Global selection: owners keep reduced entries at or above the global
    threshold: exact every ``global_refresh`` calls (a radix select over all
    owners' magnitudes, four ``all_reduce`` calls of 256 counts, no entries
@@ -70,7 +76,7 @@ import torch
 from colltune.algorithms import meta as _meta
 from colltune.algorithms import sizes
 from colltune.algorithms.balance import balance_and_gather
-from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
+from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput, TopkPrepared
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import Knob
 from colltune.algorithms.registry import register
@@ -90,7 +96,22 @@ from colltune.algorithms.sparse import (
 )
 from colltune.algorithms.state import BoundaryState
 
-__all__ = ["OkTopk", "split_reduce", "radix_kth_largest"]
+__all__ = ["OkTopk", "split_reduce", "radix_kth_largest", "TOPK_COUNTS_IN_RECORD"]
+
+#: Top-k mode: select locally before the metadata exchange and send the counts per region in the record
+#: while the boundaries are cached (:meth:`OkTopk.topk_prepare`). False sends them with an ``all_to_all`` on
+#: every call instead, with the same results (set it alike on every rank: the record's ``payload`` is shared).
+TOPK_COUNTS_IN_RECORD = True
+
+
+class _Selection:
+    """Ok-Topk's local selection of a top-k call, made before the metadata exchange (:meth:`OkTopk.topk_prepare`)."""
+
+    __slots__ = ("lidx", "threshold", "step", "local_refresh")
+
+    def __init__(self, lidx: torch.Tensor, threshold: float, step: int, local_refresh: int) -> None:
+        self.lidx, self.threshold, self.step, self.local_refresh = lidx, threshold, step, local_refresh
+
 
 class _ExactState:
     """One group's Ok-Topk state for one size in exact mode; every rank holds the same, having made the same calls."""
@@ -581,10 +602,12 @@ def _topk_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
         gather = c.all_to_all("union_gather", per * c.e)
     moved = _moved_share(per) * per if knobs["balance"] else 0.0
     select = 3 * c.n * c.rba + 2 * c.n * c.rba / knobs["local_refresh"]
+    refresh = 1.0 / knobs["boundary_refresh"]
+    payload = 0 if c.record_known else sizes.payload_reserve(p)
     return [
-        c.metadata(),
-        c.all_reduce("boundaries_all_reduce", p * 8.0, share=1.0 / knobs["boundary_refresh"]),
-        c.all_to_all("counts_all_to_all", 8.0),
+        c.metadata(c.record_bytes + payload),
+        c.all_reduce("boundaries_all_reduce", p * 8.0, share=refresh),
+        c.all_to_all("counts_all_to_all", 8.0, share=refresh),  # in the record between refreshes
         _split_step(c, per, 1.0, knobs["peers_in_flight"]),
         c.local("region_reduce", select + _region_reduce(c, k), 6.0),
         radix,
@@ -635,13 +658,13 @@ class OkTopk(Algorithm):
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
         """Boundaries and counts on refreshes, the rotated split, the reduce, the regions' gather, the unpack.
 
-        Exact mode: the counts per region ride in the metadata record while
-        the boundaries are cached (the slot makes room for them from
-        ``P = 64`` on), so only refreshes send them. Top-k mode: the counts
-        go first on every call; then the global threshold (the radix
-        select's four all_reduces on refreshes, the 17 candidates' counts
-        in the kept-size exchange otherwise), the balance and the gather of
-        about ``k`` entries in all.
+        In both modes the counts per region ride in the metadata record
+        while the boundaries are cached (the slot makes room for them from
+        ``P = 64`` on), so only refreshes send them (in top-k mode the local
+        selection runs before the exchange to count them). Top-k mode then
+        prices the global threshold (the radix select's four all_reduces on
+        refreshes, the 17 candidates' counts in the kept-size exchange
+        otherwise), the balance and the gather of about ``k`` entries in all.
         """
         c = pricing
         if c.topk:
@@ -710,17 +733,45 @@ class OkTopk(Algorithm):
             gvals.div_(p)
         return gidx, gvals
 
-    def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
+    def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> TopkPrepared | None:
+        """Select locally now and return this rank's count per region (``P`` int64), while the boundaries are cached.
+
+        Every rank then knows what every rank sends to every owner, and the
+        split needs no ``all_to_all`` of counts. ``None`` (on every rank
+        alike: the state's boundaries, step and refresh periods are the same
+        on every rank) when a boundary refresh is due (the cuts are not
+        known before it), when ``P`` counts do not fit ``capacity``, or with
+        :data:`TOPK_COUNTS_IN_RECORD` off. ``state`` is left as it is: the
+        selection's threshold is committed only if Ok-Topk runs.
+        """
+        p, n = comm.world_size, acc.numel()
+        if not TOPK_COUNTS_IN_RECORD or p < 2 or 8 * p > capacity:
+            return None
+        cuts = state.boundaries.cached(n, p)
+        if cuts is None:
+            return None
+        k = state.k_for(n)
+        lidx, th = self._local_selection(Magnitudes(acc), state, k, state.band_for(k))
+        counts = np.diff(np.asarray(_slices(lidx, cuts), dtype=np.int64))
+        return TopkPrepared(counts.view(np.uint8), _Selection(lidx, th, state.step, state.local_refresh))
+
+    def topk_allreduce(
+        self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: TopkPrepared | None = None
+    ) -> TopkOutput:
         n = acc.numel()
         k = state.k_for(n)
         band = state.band_for(k)
-        # 1. Local selection by threshold.
-        lidx = self._local_selection(Magnitudes(acc), state, k, band)
+        # 1. Local selection by threshold: made before the exchange when its counts rode in the record.
+        lidx, th, counts = self._prepared(prepared, state, comm, n)
+        if lidx is None:
+            lidx, th = self._local_selection(Magnitudes(acc), state, k, band)
+        state.local_threshold = th
         lvals = acc.index_select(0, lidx).view(-1, 1)
         # 2. Split and reduce the selected entries.
         with comm.meta():
             cuts = state.boundaries.get(lidx, n, comm)
-        ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight)
+        ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight, counts)
+        _meta.note_payload(comm)  # the counts ride in the next records (the slot makes room for them)
         # 3. Global selection.
         keep, sizes = self._global_selection(comm, Magnitudes(rvals), state, k, band, n)
         total = sum(sizes)
@@ -736,8 +787,35 @@ class OkTopk(Algorithm):
         )
 
     @staticmethod
-    def _local_selection(mag: Magnitudes, state: Any, k: int, band: tuple[int, int]) -> torch.Tensor:
-        """Return the local entries at or above the threshold: the last one nudged into the band, else the exact one."""
+    def _prepared(
+        prepared: TopkPrepared | None, state: Any, comm: Comm, n: int
+    ) -> tuple[torch.Tensor | None, float | None, tuple[list[int], list[int]] | None]:
+        """Return the local selection :meth:`topk_prepare` made, its threshold and the counts, if they still hold.
+
+        The counts are ``(send, recv)``: this rank's row of the gathered
+        payloads and every rank's count for this rank's region. They hold
+        while the boundaries they were cut by are still cached and the
+        selection ran under this call's step and local refresh period (an
+        auto decision may set another: the same on every rank, so every rank
+        drops its payload alike and the counts travel by ``all_to_all``).
+        """
+        p = comm.world_size
+        if prepared is None or prepared.gathered is None or not isinstance(prepared.work, _Selection):
+            return None, None, None
+        sel = prepared.work
+        if (prepared.gathered.shape[1] != 8 * p or state.boundaries.due(n, p)
+                or (sel.step, sel.local_refresh) != (state.step, state.local_refresh)):
+            return None, None, None
+        table = prepared.gathered.cpu().contiguous().numpy().view(np.int64)  # row r: rank r's count per region
+        return sel.lidx, sel.threshold, (table[comm.rank].tolist(), table[:, comm.rank].tolist())
+
+    @staticmethod
+    def _local_selection(mag: Magnitudes, state: Any, k: int, band: tuple[int, int]) -> tuple[torch.Tensor, float]:
+        """Return the local entries at or above the threshold, and the threshold.
+
+        The threshold: the last one nudged into the band, else the exact
+        one. ``state`` is only read: the caller commits the threshold.
+        """
         lo, hi = band
         th = state.local_threshold
         exact = th is None or state.step % state.local_refresh == 0
@@ -751,8 +829,7 @@ class OkTopk(Algorithm):
                 exact = True
         if exact:
             th = mag.kth_largest(k)
-        state.local_threshold = th
-        return mag.indices(th)
+        return mag.indices(th), th
 
     def _global_selection(
         self, comm: Comm, rmag: Magnitudes, state: Any, k: int, band: tuple[int, int], n: int

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from colltune import algorithms
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.allgather import eager_slot, slot_need
-from colltune.algorithms.base import SparseInput, SparseResult, TopkOutput
+from colltune.algorithms.base import SparseInput, SparseResult, TopkOutput, TopkPrepared
 from colltune.algorithms.comm import Comm, Traffic, group_serial, group_timeout, private_group, ranks_per_node
 from colltune.algorithms.errors import (
     AbandonedCallError,
@@ -1033,32 +1033,44 @@ def _topk_allreduce(
     policy: Any = None,
     wire: Any = None,
 ) -> TopkResult:
-    """Run one ``topk_allreduce`` on this rank: validate, exchange the records, decide, run, return the result.
+    """Run one ``topk_allreduce`` on this rank: validate, prepare, exchange the records, decide, run, return the result.
 
     A failure while validating rides in this rank's record, so every rank
-    raises at the exchange and none is left waiting.
+    raises at the exchange and none is left waiting. ``acc = residual +
+    tensor`` is formed before the exchange, so that the algorithm likeliest
+    to run can do its local work first and send what the others need of it
+    in the record (Ok-Topk: its local selection's counts per region).
     """
     comm = _open(group, tensor, wire)
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_TOPK)}
     sel: Any = None
+    prep: TopkPrepared | None = None
     try:
         _validate_topk(tensor, state, op, algorithm, group)
         knobs_checked, sel, backend, code = _resolve(algorithm, knobs, policy, group, name)
         numel = tensor.numel()
         k = state.k_for(numel)
         record.update(_topk_fields(tensor, k, op, algorithm, code))
+        site = (_KIND_TOPK, name, numel, k, tensor.dtype, comm.world_size, _group_key(group))
+        acc = _accumulate(tensor, state)
+        likely = sel.last_choice(site) if sel is not None else algorithm
+        prep = _topk_prepare(likely, acc, state, comm)
+        record["payload"] = 0 if prep is None else int(prep.payload.size)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
-        error = _input_error(exc)
-    _meta.exchange(comm, record, error)
-    _meta.note_slot_use(comm, 0)  # top-k leaves the eager slot empty
+        error, prep = _input_error(exc), None
+    _, slots = _meta.exchange(comm, record, error, None if prep is None else prep.payload)
+    _meta.note_slot_use(comm, 0)  # top-k leaves the rest of the eager slot empty
     if sel is None:
         decision: Any = None
     else:
-        site = (_KIND_TOPK, name, numel, k, tensor.dtype, comm.world_size, _group_key(group))
         decision, knobs_checked = _decide_topk(sel, site, comm, backend, name, tensor, k, state, knobs_checked)
         algorithm = decision.algorithm
-    out = _run_topk(tensor, state, comm, algorithm, knobs_checked)
+    if prep is not None and algorithm == likely and slots is not None:
+        prep.gathered = slots[:, : prep.payload.size]
+    else:
+        prep = None  # the payload belongs to the algorithm that made it: another one chosen meanwhile runs without
+    out = _run_topk(acc, state, comm, algorithm, knobs_checked, prep)
     state.step += 1
     if sel is not None:
         sel.observe_topk(site, algorithm, k, comm.world_size, out.global_count)
@@ -1067,6 +1079,18 @@ def _topk_allreduce(
                  numel, k, comm.world_size, algorithm, out.local_count, out.global_count)
     return TopkResult(out.indices, values.to(tensor.dtype), tuple(tensor.shape), algorithm, out.local_count,
                       out.global_count, out.sent, comm.traffic, decision)
+
+
+def _topk_prepare(likely: str | None, acc: torch.Tensor, state: TopkState, comm: Comm) -> TopkPrepared | None:
+    """Return the pre-exchange work and record payload of ``likely``, the algorithm likeliest to run, or ``None``.
+
+    Whether there is one depends only on what every rank shares (the
+    site's last choice, the state's step, refresh periods and boundaries,
+    the group's slot size), so every rank's record agrees on ``payload``.
+    """
+    if likely is None or comm.world_size < 2:
+        return None
+    return algorithms.get(likely).topk_prepare(acc, state, comm, _meta.slot_bytes(comm))
 
 
 def _topk_fields(tensor: torch.Tensor, k: int, op: str, algorithm: str, code: int) -> dict[str, int]:
@@ -1097,14 +1121,28 @@ def _decide_topk(
     return decision, checked
 
 
-def _run_topk(tensor: torch.Tensor, state: TopkState, comm: Comm, algorithm: str, knobs: dict[str, Any]) -> TopkOutput:
-    """Run the algorithm on ``residual + tensor`` and keep what it did not deliver as the new residual."""
+def _accumulate(tensor: torch.Tensor, state: TopkState) -> torch.Tensor:
+    """Return ``residual + tensor``, flat, in the accumulation dtype: a fresh tensor the call may change."""
     acc = tensor.detach().reshape(-1).to(accum_dtype(tensor.dtype))
     if state.residual is not None:
-        acc = acc + state.residual.to(acc.device)
+        return acc + state.residual.to(acc.device)
+    return acc.clone()
+
+
+def _run_topk(
+    acc: torch.Tensor, state: TopkState, comm: Comm, algorithm: str, knobs: dict[str, Any],
+    prepared: TopkPrepared | None = None,
+) -> TopkOutput:
+    """Run the algorithm on ``acc = residual + tensor`` and keep what it did not deliver as the new residual.
+
+    ``prepared``: what the algorithm's own :meth:`~colltune.algorithms.base.Algorithm.topk_prepare`
+    returned before the exchange (with every rank's payload), if anything.
+    """
+    algo = algorithms.get(algorithm)
+    if prepared is None:
+        out = algo.topk_allreduce(acc, state, comm, knobs)
     else:
-        acc = acc.clone()
-    out = algorithms.get(algorithm).topk_allreduce(acc, state, comm, knobs)
+        out = algo.topk_allreduce(acc, state, comm, knobs, prepared=prepared)
     if out.sent is None:
         state.residual = torch.zeros_like(acc)
     else:

@@ -253,7 +253,8 @@ def test_topk_selects_more_than_a_quarter():
 
 #: Metadata allowance for one Ok-Topk top-k call at P = 4, in bytes, explicitly:
 #:   the call's metadata record: all_gather of 17 int64 plus the eager slot
-#:   (1024 B at P = 4, unused in top-k mode): (P-1) * (136 + 1024)           =   3480
+#:   (1024 B at P = 4; Ok-Topk's counts per region ride in it while its
+#:   boundaries are cached): (P-1) * (136 + 1024)                           =   3480
 #:   count/size exchanges (a few all_to_all / all_gather of P int64)        <=   1024
 #:   region boundaries (all_reduce of P float64, direct on gloo: 32 * (P-1))  =     96
 #:   an exact global threshold: radix select, 4 all_reduce of 256 int32
@@ -354,3 +355,143 @@ def test_state_dict_roundtrip_resumes_identically(algorithm):
     c = topk_cfg(seed=51, algorithm=algorithm, steps=20, shape=(2000,), k=30)
     for r, (a, b) in enumerate(pool(2).run(_run_state_roundtrip, c)):
         assert a == b, f"rank {r}: a state restored from state_dict() diverged from the original"
+
+
+# ------------------------------------------------------------------ Ok-Topk's counts in the metadata record
+
+
+def _calls_of(res, primitive: str) -> int:
+    return res.traffic.by_primitive.get(primitive, {}).get("calls", 0)
+
+
+def _topk_record(res, state) -> dict:
+    return {
+        "algorithm": res.algorithm,
+        "all_to_all": _calls_of(res, "all_to_all"),
+        "collectives": sum(v["calls"] for v in res.traffic.by_primitive.values()),
+        "indices": None if res.indices is None else raw(res.indices),
+        "values": raw(res.values),
+        "sent": None if res.sent_indices is None else raw(res.sent_indices),
+        "residual": raw(state.residual),
+        "local_threshold": state.local_threshold,
+        "global_threshold": state.global_threshold,
+    }
+
+
+def _with_counts_in_record(on: bool, fn, *args):
+    """Run ``fn(*args)`` with Ok-Topk's top-k counts in the record (the default) or by all_to_all on every call."""
+    from colltune.algorithms import oktopk
+
+    before = oktopk.TOPK_COUNTS_IN_RECORD
+    oktopk.TOPK_COUNTS_IN_RECORD = on
+    try:
+        return fn(*args)
+    finally:
+        oktopk.TOPK_COUNTS_IN_RECORD = before
+
+
+def _oktopk_topk_calls(world_size, rank, c, refresh):
+    import torch.distributed as dist
+
+    import colltune
+
+    group = dist.new_group()  # a fresh eager slot
+    state = colltune.TopkState(k=c["k"], boundary_refresh=refresh, local_refresh=4, global_refresh=6)
+    out = []
+    for step in range(c["steps"]):
+        res = colltune.topk_allreduce(make_tensor(c, rank, step), state, algorithm="oktopk", group=group)
+        out.append(_topk_record(res, state))
+    return out
+
+
+def _run_oktopk_counts(rank, world_size, c, refresh):
+    return [_with_counts_in_record(on, _oktopk_topk_calls, world_size, rank, c, refresh) for on in (True, False)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_oktopk_topk_counts_ride_in_the_record_while_boundaries_are_cached(world_size):
+    c, refresh = topk_cfg(seed=61, shape=(3000,), k=60, steps=13), 5
+    for rank, (fast, slow) in enumerate(pool(world_size).run(_run_oktopk_counts, c, refresh, timeout=120)):
+        # The boundaries refresh on calls 0, 5, 10: the cuts are not known before the exchange, and the counts
+        # travel by all_to_all; every other call selects before the exchange and sends its counts in the record.
+        assert [r["all_to_all"] for r in fast] == [int(i % refresh == 0) for i in range(c["steps"])], (rank, fast)
+        assert [r["all_to_all"] for r in slow] == [1] * c["steps"], rank
+        assert all(f["collectives"] == s["collectives"] - 1 for f, s in zip(fast, slow) if f["all_to_all"] == 0)
+        # The same selections, sums, deliveries, residuals and thresholds, bit for bit.
+        for i, (f, s) in enumerate(zip(fast, slow)):
+            assert {**f, "all_to_all": 0, "collectives": 0} == {**s, "all_to_all": 0, "collectives": 0}, (rank, i)
+
+
+#: Auto decisions of the planned selector, one per call: an algorithm, or one with state knobs for TopkState.
+PLAN = ["oktopk", "oktopk", "oktopk", "allgather", "oktopk", "dense", "dense", "oktopk", "oktopk",
+        ("oktopk", {"local_refresh": 3}), "oktopk", "oktopk", "allgather", "oktopk", "oktopk", "oktopk"]
+
+
+def _planned_selector(plan):
+    """Return an auto selector that decides ``plan[i]`` at the i-th top-k call; its last choice is the previous call's."""
+    from colltune.select.selector import Choice, Selector
+
+    class Planned(Selector):
+        def __init__(self) -> None:
+            super().__init__(environ={})
+            self.calls, self.latest = 0, None
+
+        def last_choice(self, site_key):
+            return self.latest
+
+        def decide_topk(self, site_key, **kw):
+            step = plan[self.calls]
+            algorithm, state_knobs = (step, {}) if isinstance(step, str) else step
+            self.calls, self.latest = self.calls + 1, algorithm
+            return Choice(algorithm, "planned", "policy", state_knobs=state_knobs)
+
+    return Planned()
+
+
+def _auto_topk_calls(world_size, rank, c, refresh):
+    import torch.distributed as dist
+
+    import colltune
+
+    group = dist.new_group()
+    sel = _planned_selector(PLAN)
+    state = colltune.TopkState(k=c["k"], boundary_refresh=refresh)
+    out = []
+    for step in range(len(PLAN)):
+        res = colltune.topk_allreduce(make_tensor(c, rank, step), state, group=group, policy=sel, name="w")
+        out.append(_topk_record(res, state))
+    return out
+
+
+def _run_auto_counts(rank, world_size, c, refresh):
+    return [_with_counts_in_record(on, _auto_topk_calls, world_size, rank, c, refresh) for on in (True, False)]
+
+
+def _expected_all_to_all(plan, refresh: int) -> list[int]:
+    """Per call: 1 where Ok-Topk runs and its counts cannot ride in the record, else 0."""
+    out, runs, likely, local_refresh = [], 0, None, 32
+    for step in plan:
+        algorithm, knobs = (step, {}) if isinstance(step, str) else step
+        changed = knobs.get("local_refresh", local_refresh) != local_refresh  # the decision changed the selection
+        local_refresh = knobs.get("local_refresh", local_refresh)
+        in_record = likely == "oktopk" and runs % refresh != 0 and not changed
+        out.append(int(algorithm == "oktopk" and not in_record))
+        runs += algorithm == "oktopk"
+        likely = algorithm
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_auto_topk_calls_that_alternate_choices_keep_oktopk_bits(world_size):
+    c, refresh = topk_cfg(seed=62, shape=(2500,), k=50), 4
+    expected = _expected_all_to_all(PLAN, refresh)
+    # Payloads sent for Ok-Topk but dropped (calls 3, 12: another algorithm chosen), no payload after a switch
+    # back (4, 7, 13), refreshes (0, 11; 7), and a local refresh period changed by the decision after the
+    # payload was cut (9).
+    assert expected == [1, 0, 0, 0, 1, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 0]
+    for rank, (fast, slow) in enumerate(pool(world_size).run(_run_auto_counts, c, refresh, timeout=120)):
+        assert [r["algorithm"] for r in fast] == [p if isinstance(p, str) else p[0] for p in PLAN]
+        assert [r["all_to_all"] for r in fast] == expected, (rank, [r["all_to_all"] for r in fast])
+        assert [r["all_to_all"] for r in slow] == [int(r["algorithm"] == "oktopk") for r in slow], rank
+        for i, (f, s) in enumerate(zip(fast, slow)):
+            assert {**f, "all_to_all": 0, "collectives": 0} == {**s, "all_to_all": 0, "collectives": 0}, (rank, i)

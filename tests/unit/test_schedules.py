@@ -86,7 +86,7 @@ def test_oktopk_topk_prices_its_threshold_exchanges():
     assert radix.nbytes == pytest.approx(4 / g * 2 * (p - 1) / p * 1024)
     sizes_ = steps["sizes_all_gather"]
     assert sizes_.calls == 1 and sizes_.nbytes == pytest.approx((p - 1) * 8 * (17 * (1 - 1 / g) + 1 / g))
-    assert steps["counts_all_to_all"].calls == 1  # top-k mode: the counts go first on every call
+    assert steps["counts_all_to_all"].calls == pytest.approx(1 / 64)  # in the record between boundary refreshes
     assert steps["balance_p2p"].primitive == "p2p" and steps["balance_p2p"].nbytes > 0
     exact = _steps("oktopk", _features(p, 2**20, 1000), "exact")
     assert exact["threshold_all_reduce"].nbytes == exact["balance_p2p"].nbytes == 0
@@ -115,6 +115,22 @@ def test_oktopk_exact_counts_ride_in_the_record_at_every_world_size(p):
     assert steps["counts_all_to_all"].calls == pytest.approx(1 / 64)  # refreshes only, whatever P
     record = sizes.HEADER_BYTES + sizes.eager_capacity(p) + sizes.payload_reserve(p)
     assert steps["metadata"].nbytes == (p - 1) * record
+
+
+@pytest.mark.parametrize("p", WORLD_SIZES)
+def test_oktopk_topk_counts_ride_in_the_record_at_every_world_size(p):
+    # The local selection runs before the metadata exchange while the boundaries are cached, so its counts per
+    # region ride in the record (grown by 8 P bytes from P = 64 on) and only refreshes send them by all_to_all.
+    for refresh in (1, 8, 64):
+        steps = _steps("oktopk", _features(p, 2**24, 10_000), "topk", boundary_refresh=refresh)
+        assert steps["counts_all_to_all"].calls == pytest.approx(1 / refresh)
+        assert steps["counts_all_to_all"].calls == steps["boundaries_all_reduce"].calls
+    record = sizes.HEADER_BYTES + sizes.eager_capacity(p) + sizes.payload_reserve(p)
+    assert steps["metadata"].nbytes == (p - 1) * record
+    # A record of known size (the measured one) is priced as given.
+    known = registry.get("oktopk").schedule(Pricing(_features(p, 2**24, 10_000), 1000.0, record_known=True, mode="topk"),
+                                            registry.get("oktopk").knobs)
+    assert {s.term: s for s in known}["metadata"].nbytes == (p - 1) * 1000.0
 
 
 def test_record_sizes_at_large_world_sizes():
