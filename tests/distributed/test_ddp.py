@@ -399,3 +399,40 @@ def test_options_are_validated():
     state = ColltuneHookState(density=0.02)
     clone = pickle.loads(pickle.dumps(state))
     assert clone.density == 0.02 and clone.process_group is None
+
+
+def test_a_dropped_synchronizer_frees_its_model():
+    # Hooks on the parameters and optimizers hold the synchronizer weakly: dropping it (without detach())
+    # frees it and its model, as dropping DDP does.
+    import gc
+    import weakref
+
+    model = _net(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = SparseGradSync(model)
+    sync.attach(opt)
+    sync.attach_to_backward(async_op=True)
+    ids, bag, y = _batch(0, 0)
+    nn.functional.mse_loss(model(ids, bag), y).backward()
+    opt.step()
+    gone = weakref.ref(sync), weakref.ref(model.emb.weight)
+    del model, opt, sync
+    gc.collect()
+    assert gone[0]() is None and gone[1]() is None
+    # A model that trains on after its attached synchronizer was freed raises instead of drifting apart.
+    other = _net(True)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    SparseGradSync(other).attach(opt)
+    gc.collect()
+    with pytest.raises(ColltuneValueError, match="freed without detach"):
+        nn.functional.mse_loss(other(ids, bag), y).backward()
+    # detach() first: nothing is left behind.
+    other = _net(True)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    sync = SparseGradSync(other)
+    sync.attach(opt)
+    sync.detach()
+    del sync
+    gc.collect()
+    nn.functional.mse_loss(other(ids, bag), y).backward()
+    opt.step()

@@ -569,9 +569,10 @@ class SparseGradSync:
             if opt in self._attached:
                 continue
             self._attached.append(opt)
-            handles += [opt.register_step_pre_hook(self._before_step), opt.register_step_post_hook(self._after_step)]
+            handles += [opt.register_step_pre_hook(_weakly(self._before_step)),
+                        opt.register_step_post_hook(_weakly(self._after_step))]
         if not self._grad_hooks:
-            self._grad_hooks = [param.register_post_accumulate_grad_hook(self._on_gradient)
+            self._grad_hooks = [param.register_post_accumulate_grad_hook(_weakly(self._on_gradient))
                                 for _, param, _ in self._params]
             self._handles.extend(self._grad_hooks)
         if self._guard is None:
@@ -641,13 +642,20 @@ class SparseGradSync:
             self._guard = _install_guard(self)
             self._handles.append(self._guard)
 
+        ref = weakref.ref(self)  # the parameters' hooks must not keep the synchronizer (and its model) alive
+
         def done() -> None:
-            self._queued = False
-            self.synchronize(async_op=async_op)
+            target = ref()
+            if target is not None:
+                target._queued = False
+                target.synchronize(async_op=async_op)
 
         def hook(param: torch.Tensor) -> None:
-            if not self._queued:
-                self._queued = True
+            target = ref()
+            if target is None:
+                raise _freed()
+            if not target._queued:
+                target._queued = True
                 Variable._execution_engine.queue_callback(done)
 
         handles = [param.register_post_accumulate_grad_hook(hook) for _, param, _ in self._params]
@@ -745,6 +753,37 @@ class _Handles:
         if self._on_remove is not None:
             self._on_remove()
             self._on_remove = None
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Return a hook that calls ``method`` while its object lives, without keeping the object alive.
+
+    A parameter's or optimizer's hooks live as long as the parameter or the
+    optimizer; a hook holding the synchronizer would hold its model too (the
+    parameters hold the hooks in C++, where the cycle collector cannot see
+    the loop), so a synchronizer dropped without :meth:`SparseGradSync.detach`
+    would never be freed. A hook that fires after the synchronizer was
+    freed raises: the model trains on without it, and its ranks would drift apart.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise _freed()
+        return bound(*args, **kwargs)
+
+    return call
+
+
+def _freed() -> ColltuneValueError:
+    """The error of a hook whose synchronizer was freed while still attached."""
+    return ColltuneValueError(
+        "a SparseGradSync attached to this model or optimizer was freed without detach(), so its "
+        "gradients are no longer synchronized and the ranks would drift apart; keep a reference to it "
+        "for as long as you train (sync = SparseGradSync(model); sync.attach(opt)), or call "
+        "sync.detach() before dropping it."
+    )
 
 
 def _install_guard(sync: SparseGradSync) -> Any:
