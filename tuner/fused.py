@@ -52,6 +52,7 @@ from colltune.algorithms.sparse import accum_dtype, coalesce, offsets
 from colltune.api import (
     AsyncHandle,
     _bad,
+    _check_common,
     _check_dense_fits,
     _decided_knobs,
     _dtype_name,
@@ -256,6 +257,7 @@ class _FusedCall:
             raise _bad(ColltuneTypeError, "tensors",
                        f"tensors must be a list of sparse COO tensors or (indices, values, size) tuples, but got "
                        f"{type(tensors).__name__}; for one tensor call colltune.sparse_allreduce.")
+        _check_common(op, algorithm)  # also for an empty list
         cap, self.group = _check_cap(cap_mb), group
         for i in range(len(tensors)):
             try:
@@ -333,7 +335,9 @@ class _FusedCall:
         bucket_counts = tuple(int(c) for c in counts[:, members].sum(axis=1))
         knobs, decision = self.knobs, None
         if self.sel is not None:
-            site = ("fused", name, tuple(members), at[-1], r, dtype, comm.world_size, _group_key(self.group))
+            # A site per bucket, as (kind, name, n, row, dtype, P, group): the bucket's tensors name it.
+            label = f"{name or 'fused'}[{members[0]}..{members[-1]}]" if len(members) > 1 else f"{name or 'fused'}[{members[0]}]"
+            site = (_KIND_FUSED, (label, tuple(members)), at[-1], r, dtype, comm.world_size, _group_key(self.group))
             decision = self.sel.decide_sparse(
                 site, comm=comm, backend=self.backend, name=name, size=at[-1], row_numel=r, dtype=dtype,
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))

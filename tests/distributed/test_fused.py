@@ -195,6 +195,9 @@ def test_empty_list_and_bad_arguments_locally():
     for cap in (0, -1.0, float("nan"), "25", True):
         with pytest.raises(colltune.ColltuneError, match="bucket_cap_mb"):
             colltune.sparse_allreduce_many([], bucket_cap_mb=cap)
+    for kw, arg in (({"op": "max"}, "op"), ({"algorithm": "nope"}, "algorithm")):  # checked for an empty list too
+        with pytest.raises(colltune.ColltuneError, match=arg):
+            colltune.sparse_allreduce_many([], **kw)
 
 
 def test_plan_buckets():

@@ -1057,6 +1057,8 @@ def _knobs_for(decision: Decision, algorithm: str) -> dict[str, Any]:
 def _site_label(site_key: tuple) -> str:
     try:
         kind, name, size, row, dtype, p = site_key[:6]
+        if isinstance(name, tuple):  # a fused call's bucket: (label, its tensors' positions)
+            name = name[0]
         return f"[{name or '-'} n={size} row={row} {dtype} P={p}]"
     except (TypeError, ValueError):
         return str(site_key)
