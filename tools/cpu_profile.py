@@ -19,6 +19,10 @@ Usage::
     python tools/cpu_profile.py cv profiles/cpu-gloo.yaml              # leave-one-configuration-out CV
     python tools/cpu_profile.py pool a.json b.json --primitives a.yaml --out profiles/cpu-gloo.yaml
     python tools/cpu_profile.py measure --row-shape 64 --n 12 14 16 18 --out rows.yaml --raw rows.json
+    python tools/cpu_profile.py measure --dtype bfloat16 --row-shape 64 --n 12 14 16 18 \
+        --primitives profiles/cpu-gloo.yaml --out bf16.yaml --raw bf16-a.json
+    python tools/cpu_profile.py pool bf16-a.json bf16-b.json --primitives profiles/cpu-gloo.yaml --add --min-n 14 \
+        --notes " ..." --out profiles/cpu-gloo.yaml
 
 ``measure --row-shape D ...`` measures value rows of that shape (embedding
 rows) instead of scalars; ``--n`` takes the grid's rows as powers of two.
@@ -27,8 +31,13 @@ rows) instead of scalars; ``--n`` takes the grid's rows as powers of two.
 timed rounds of several reports of the same grid (each configuration's time
 becomes the median of all its rounds), which steadies the medians when other
 processes load the machine. The shipped profile pools two measuring runs
-of scalars and two of 64-wide rows (``pool`` keeps every configuration of
-every report; the same configuration's rounds are merged).
+of float32 scalars and two of 64-wide float32 rows (``pool`` keeps every
+configuration of every report; the same configuration's rounds are merged),
+then two each of 64-wide bfloat16, float16 and float64 rows, added with
+``pool --add --min-n 14`` (``measure --dtype D --primitives profiles/cpu-gloo.yaml``:
+the primitives are those timed for float32; their n = 2^12, latency-bound,
+is left out so that the file stays under 2,500 flow-style lines, which
+:mod:`colltune.model.yamlsafe` composes in C).
 
 The grid is disjoint from the held-out grid of ``tools/selector_bench.py``.
 """
@@ -151,7 +160,8 @@ def measure_primitives(world_sizes: tuple[int, ...]) -> dict[str, Primitive]:
     return profiling.fit_primitives(samples)
 
 
-def _meta(plan: bench.Plan, elapsed: float, row_shape: tuple[int, ...] = (), ns: tuple[int, ...] = GRID_N) -> dict:
+def _meta(plan: bench.Plan, elapsed: float, row_shape: tuple[int, ...] = (), ns: tuple[int, ...] = GRID_N,
+          dtype: str = "float32") -> dict:
     rows = f"rows of shape {row_shape}" if row_shape else "scalars"
     n_text = (f"2^{ns[0].bit_length() - 1}..2^{ns[-1].bit_length() - 1}" if len(ns) > 1
               else f"2^{ns[0].bit_length() - 1}")
@@ -164,7 +174,7 @@ def _meta(plan: bench.Plan, elapsed: float, row_shape: tuple[int, ...] = (), ns:
         "notes": (
             "Measured on CPU ranks over gloo on one 2-core machine (ranks share the cores: P = 4 and 8 "
             f"oversubscribe them). Grid: n in {n_text}, density 1e-4, 1e-3, 1e-2, 5e-2, 0.2, "
-            f"overlap 0, 0.5, 1, P in 2, 4, 8; float32 {rows}; each time is the median over "
+            f"overlap 0, 0.5, 1, P in 2, 4, 8; {dtype} {rows}; each time is the median over "
             f"{plan.min_repeats} to {plan.max_repeats} interleaved rounds of the max over ranks "
             f"(about {elapsed / 60:.0f} minutes in all). Primitives: alpha-beta constants fitted to timings "
             "of each primitive at 8 B to 4 MiB per world size; model: the learned correction of the "
@@ -178,9 +188,9 @@ def cmd_measure(args: argparse.Namespace) -> int:
     worlds = tuple(args.world_size or GRID_WORLD)
     ns = tuple(2**e for e in args.n) if args.n else GRID_N
     row_shape = tuple(args.row_shape or ())
-    configs = bench.full_grid(ns, GRID_DENSITY, GRID_OVERLAP, worlds, row_shape=row_shape)
+    configs = bench.full_grid(ns, GRID_DENSITY, GRID_OVERLAP, worlds, row_shape=row_shape, dtype=args.dtype)
     t0 = time.perf_counter()
-    primitives = measure_primitives(worlds)
+    primitives = load_profile(args.primitives).primitives if args.primitives else measure_primitives(worlds)
     for name, prim in primitives.items():
         print(f"{name}: launch {prim.launch_us:.1f} us, alpha {prim.alpha_us:.1f} us, "
               f"beta {prim.beta_us_per_byte * 1e3:.3f} ns/byte", flush=True)
@@ -196,7 +206,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     save_raw(report)
     elapsed = time.perf_counter() - t0
     ms = measurements_from_report(report)
-    prof = build_profile(ms, primitives, _meta(plan, elapsed, row_shape, ns))
+    prof = build_profile(ms, primitives, _meta(plan, elapsed, row_shape, ns, args.dtype))
     save_profile(prof, args.out)
     print(f"wrote {args.out}: {len(ms)} measurements in {elapsed:.0f} s", flush=True)
     return 0
@@ -216,12 +226,16 @@ def cmd_pool(args: argparse.Namespace) -> int:
         with open(path) as fh:
             reports.append(json.load(fh))
     pooled = pool_reports(reports)
+    if args.min_n:
+        pooled["configs"] = [c for c in pooled["configs"] if c["n"] >= 2**args.min_n]
     ms = measurements_from_report(pooled)
     prof = load_profile(args.primitives)
     meta = dict(prof.meta)
     meta["notes"] = meta.get("notes", "") + (args.notes or f" Pooled: the rounds of {len(reports)} measuring runs.")
-    save_profile(build_profile(ms, prof.primitives, meta), args.out)
-    print(f"pooled {len(reports)} runs -> {args.out}: {len(ms)} measurements")
+    kept = list(prof.measurements) if args.add else []
+    save_profile(build_profile(kept + ms, prof.primitives, meta), args.out)
+    print(f"pooled {len(reports)} runs -> {args.out}: {len(ms)} measurements"
+          + (f" added to the {len(kept)} of {args.primitives}" if args.add else ""))
     return 0
 
 
@@ -251,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--budget", type=float, default=1.0, help="seconds of rounds per configuration (default 1)")
     m.add_argument("--row-shape", type=int, nargs="+", help="value rows of this shape (default: scalars)")
     m.add_argument("--n", type=int, nargs="+", metavar="E", help="grid rows as powers of two (default 12 14 16 18 20)")
+    m.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"),
+                   help="value dtype (default float32)")
+    m.add_argument("--primitives", metavar="PROFILE",
+                   help="take the primitives from this profile instead of timing them (saves a minute or two)")
     f = sub.add_parser("fit", help="refit the model of a profile from its measurements")
     f.add_argument("profile")
     f.add_argument("--out")
@@ -259,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--primitives", required=True, help="a profile whose primitives (and meta) to keep")
     pl.add_argument("--out", required=True)
     pl.add_argument("--notes", help="text appended to meta.notes (default: how many runs were pooled)")
+    pl.add_argument("--min-n", type=int, metavar="E",
+                    help="keep only the configurations with n >= 2^E (each measurement is a line of the file; the "
+                         "shipped profile stays under 2,500 of them, where its YAML is composed in C)")
+    pl.add_argument("--add", action="store_true",
+                    help="keep the measurements of the --primitives profile and add the pooled ones (another dtype "
+                         "or row width measured later)")
     c = sub.add_parser("cv", help="cross-validate the cost model on a profile")
     c.add_argument("profile")
     c.add_argument("--folds", type=int, default=None, help="GroupKFold folds (default: leave one configuration out)")

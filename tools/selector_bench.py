@@ -21,10 +21,10 @@
 
 The regret's grid is ``--grid interpolate`` (the default: fp32 scalars,
 every value between the profile's grid points, ``P`` in 2, 4, 8) or
-``--grid generalize``: world sizes, value dtypes and row widths the profile
-never measured (``P`` from 2 to 8, 3, 5, 6 and 7 among them; bfloat16,
-float16 and float64 values, and float32 rows of 8, 16 and 32; scalars and rows
-of 8, 16 and 32 of each narrow or wide dtype), on the held-out rows,
+``--grid generalize``: world sizes, and pairs of value dtype and row width,
+the profile never measured (``P`` from 2 to 8, 3, 5, 6 and 7 among them;
+float32 rows of 8, 16 and 32; bfloat16, float16 and float64 scalars and rows
+of 8, 16 and 32, where the profile holds these dtypes at rows of 64 only), on the held-out rows,
 densities and overlaps, sampled with ``--seed`` (``--per-world``
 configurations per world size; the cells whose dense tensor holds more than
 :data:`GEN_MAX_ELEMENTS` values are left out to keep the run short). The
@@ -68,7 +68,8 @@ HELD_DENSITY = (3e-4, 3e-3, 2e-2, 0.1)
 HELD_OVERLAP = (0.25, 0.75)
 HELD_WORLD = (2, 4, 8)
 #: The generalization grid (``--grid generalize``): world sizes, dtypes and row widths beyond the profile's
-#: (float32 scalars and rows of 64 at P = 2, 4, 8); a float32 cell has rows, a scalar cell another dtype.
+#: (float32 scalars, and rows of 64 float32, bfloat16, float16 and float64, at P = 2, 4, 8); a float32 cell
+#: has rows, a scalar cell another dtype.
 GEN_WORLD = (2, 3, 4, 5, 6, 7, 8)
 GEN_DTYPE = ("float32", "bfloat16", "float16", "float64")
 GEN_ROW = (1, 8, 16, 32)

@@ -7,6 +7,7 @@ P = 32 on it uses the analytic model alone, and the reason says so.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -54,31 +55,37 @@ def test_other_dimensions_fade_too(gloo) -> None:
     d = model.domain
     assert d.weight(_f(n=d.numel[1] * 2)) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
     assert d.weight(_f(row=d.row_bytes[1] // 4 * 4)) == 0.0  # rows of 4x the widest measured bytes
-    assert "dtype" in d.distances(_f(dtype="bfloat16"))
-    assert d.weight(_f(dtype="float64")) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
+    # A value size never measured lies outside by its factor from the nearest measured one.
+    fp32_only = dataclasses.replace(d, value_bytes=(4,))
+    assert fp32_only.distances(_f(row=8, dtype="float64")) == {"dtype": pytest.approx(1.0)}
+    assert fp32_only.weight(_f(row=8, dtype="float64")) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
+    assert "dtype outside the measured values of 4 B" in fp32_only.describe(_f(row=8, dtype="bfloat16"))
 
 
 def test_row_width_and_dtype_count_in_bytes(gloo) -> None:
     profile, model = gloo
     d = model.domain
-    # The shipped profile: float32 scalars (4 B rows) and rows of 64 float32 (256 B), nothing else.
-    assert d.row_bytes == (4, 256) and d.value_bytes == (4,)
-    assert {m.dtype for m in profile.measurements} == {"float32"}
+    # The shipped profile: float32 scalars (4 B rows) and rows of 64 float32 (256 B), bfloat16 and
+    # float16 (128 B) and float64 (512 B): rows of 4..512 B, values of 2, 4 and 8 B.
+    assert d.row_bytes == (4, 512) and d.value_bytes == (2, 4, 8)
+    assert {m.dtype for m in profile.measurements} == {"float32", "bfloat16", "float16", "float64"}
     # A float32 row of 16 lies between the measured row bytes: inside, the learned model alone.
     assert d.distances(_f(row=16)) == {} and d.weight(_f(row=16)) == 1.0
-    # Rows of 128 float32 (512 B) are one doubling wider than measured: extrapolation, and the reason says so.
-    wide = _f(row=128)
+    # Rows of 256 float32 (1 KiB) are one doubling wider than measured: extrapolation, and the reason says so.
+    wide = _f(row=256)
     assert d.distances(wide) == {"row width": pytest.approx(1.0)}
-    assert "row width outside the measured rows of 4..256 B" in d.describe(wide)
-    # bfloat16 scalars: 2 B rows (narrower than measured) of a value size never measured.
+    assert "row width outside the measured rows of 4..512 B" in d.describe(wide)
+    # 16-bit and float64 rows of 8 to 32 (16 to 256 B) lie inside: their value sizes and arithmetic were timed.
+    for dtype in ("bfloat16", "float16", "float64"):
+        for row in (8, 16, 32):
+            assert d.distances(_f(row=row, dtype=dtype)) == {} and d.weight(_f(row=row, dtype=dtype)) == 1.0
+        assert model.extrapolation(_f(row=32, dtype=dtype)) is None
+    assert d.distances(_f(dtype="float64")) == {}  # float64 scalars: 8 B rows
+    # bfloat16 scalars: 2 B rows, narrower than any measured row (the value size itself was measured).
     narrow = _f(dtype="bfloat16")
-    assert d.distances(narrow) == {"row width": pytest.approx(1.0), "dtype": pytest.approx(1.0)}
+    assert d.distances(narrow) == {"row width": pytest.approx(1.0)}
     assert d.weight(narrow) == pytest.approx(1 - 1 / FADE_DOUBLINGS)
-    text = d.describe(narrow)
-    assert "row width outside" in text and "dtype outside the measured values of 4 B" in text
-    # bfloat16 rows of 32 (64 B) are inside by bytes, outside by dtype: the arithmetic was never timed.
-    assert set(d.distances(_f(row=32, dtype="bfloat16"))) == {"dtype"}
-    assert "dtype outside" in model.extrapolation(_f(row=32, dtype="bfloat16"))
+    assert "row width outside the measured rows of 4..512 B" in d.describe(narrow) and "dtype" not in d.describe(narrow)
 
 
 def test_explain_says_when_it_extrapolates() -> None:
@@ -92,8 +99,6 @@ def test_explain_says_when_it_extrapolates() -> None:
 
 
 def test_a_measured_nccl_profile_fades_into_nccls_model(gloo) -> None:
-    import dataclasses
-
     from colltune.model.cost_model import Network
 
     profile, _ = gloo
