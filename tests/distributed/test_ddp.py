@@ -403,7 +403,7 @@ def test_options_are_validated():
 
 def test_a_dropped_synchronizer_frees_its_model():
     # Hooks on the parameters and optimizers hold the synchronizer weakly: dropping it (without detach())
-    # frees it and its model, as dropping DDP does.
+    # frees it and its model and removes its hooks, as dropping DDP does.
     import gc
     import weakref
 
@@ -419,20 +419,22 @@ def test_a_dropped_synchronizer_frees_its_model():
     del model, opt, sync
     gc.collect()
     assert gone[0]() is None and gone[1]() is None
-    # A model that trains on after its attached synchronizer was freed raises instead of drifting apart.
+    # A synchronizer rebuilt for the same model and optimizer takes over; the freed one's hooks are gone.
     other = _net(True)
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
     SparseGradSync(other).attach(opt)
     gc.collect()
-    with pytest.raises(ColltuneValueError, match="freed without detach"):
-        nn.functional.mse_loss(other(ids, bag), y).backward()
-    # detach() first: nothing is left behind.
-    other = _net(True)
-    opt = torch.optim.SGD(other.parameters(), lr=0.1)
     sync = SparseGradSync(other)
     sync.attach(opt)
-    sync.detach()
-    del sync
+    for _ in range(2):
+        nn.functional.mse_loss(other(ids, bag), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert sync.step == 2
+    # attach_to_backward's handle keeps its synchronizer alive, as attach's does.
+    third = _net(True)
+    handle = SparseGradSync(third).attach_to_backward()
     gc.collect()
-    nn.functional.mse_loss(other(ids, bag), y).backward()
-    opt.step()
+    nn.functional.mse_loss(third(ids, bag), y).backward()
+    assert third.emb.weight.grad.is_coalesced()  # it synchronized: the result comes back coalesced
+    handle.remove()

@@ -145,6 +145,12 @@ def _check_buckets(bucket_cap_mb: Any, fuse: Any) -> tuple[float, bool]:
     return float(bucket_cap_mb), fuse
 
 
+def _rows_for(name: str, param: nn.Parameter, async_op: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_gradient_rows`, copied for an asynchronous call: the caller may change the gradient meanwhile."""
+    idx, vals = _gradient_rows(name, param)
+    return (idx.clone(), vals.clone()) if async_op else (idx, vals)
+
+
 def _ddp_owned(model: nn.Module) -> set[int]:
     """Return the ids of the parameters inside a ``DistributedDataParallel`` submodule (DDP reduces them)."""
     owned: set[int] = set()
@@ -215,7 +221,8 @@ class SparseGradSync:
             :func:`colltune.sparse_allreduce_many` per route (algorithm and
             knobs): one metadata exchange for all tables, buckets of up to
             ``bucket_cap_mb`` each run one algorithm chosen from the bucket's
-            features. Each gradient gets the bits its own call would give.
+            features. Each gradient gets the bits its own call would give
+            with the same algorithm.
             ``False``: one :func:`colltune.sparse_allreduce` per gradient, each
             named after its parameter (policy rules on measured density
             then match per parameter; fused calls are named :attr:`fused_name`).
@@ -282,7 +289,8 @@ class SparseGradSync:
         self._routes_checked = False
         self._policy_arg: Any = None
         self._synced = False
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # every hook this synchronizer installed (the same list for its lifetime)
+        weakref.finalize(self, _remove_hooks, self._handles)
         self._queued = False
         self._attached: list[Any] = []  # the optimizers of attach()
         self._stepped: set[int] = set()  # of those, the ones that stepped since the last synchronization
@@ -354,7 +362,11 @@ class SparseGradSync:
             async_op: start the sparse gradients' reduction on colltune's
                 worker thread and return; :meth:`wait` (or any optimizer's
                 ``step()``, which waits first) puts the results on the
-                gradients. Dense and top-k gradients are averaged before it returns.
+                gradients. Dense and top-k gradients are averaged before it
+                returns. Until then the sparse gradients are still this
+                rank's own: call :meth:`wait` before anything reads or
+                changes them (``GradScaler.unscale_``, ``clip_grad_norm_``),
+                or the result overwrites the change and ranks clip apart.
 
         Raises:
             RankMismatchError: ranks routed their gradients differently.
@@ -412,7 +424,7 @@ class SparseGradSync:
             groups.setdefault((route.algorithm, tuple(sorted(route.knobs.items()))), []).append(item)
         launched: list[tuple] = []
         for (algorithm, knobs), members in groups.items():
-            tensors = [(*_gradient_rows(name, param), tuple(param.shape)) for name, param, _ in members]
+            tensors = [(*_rows_for(name, param, async_op), tuple(param.shape)) for name, param, _ in members]
             launched.append((members, _fused.sparse_allreduce_many(
                 tensors, op="avg", group=self.group, algorithm=algorithm, knobs=dict(knobs) or None,
                 name=self.fused_name, policy=self._policy_arg if algorithm == AUTO else None,
@@ -422,7 +434,7 @@ class SparseGradSync:
 
     def _call_one(self, name: str, param: nn.Parameter, route: _Route, async_op: bool) -> Any:
         """Start one :func:`colltune.sparse_allreduce` of one sparse gradient."""
-        idx, vals = _gradient_rows(name, param)
+        idx, vals = _rows_for(name, param, async_op)
         return _api.sparse_allreduce(
             idx, vals, tuple(param.shape), op="avg", group=self.group, algorithm=route.algorithm,
             knobs=dict(route.knobs) or None, name=name,
@@ -652,21 +664,19 @@ class SparseGradSync:
 
         def hook(param: torch.Tensor) -> None:
             target = ref()
-            if target is None:
-                raise _freed()
-            if not target._queued:
+            if target is not None and not target._queued:
                 target._queued = True
                 Variable._execution_engine.queue_callback(done)
 
         handles = [param.register_post_accumulate_grad_hook(hook) for _, param, _ in self._params]
         self._handles.extend(handles)
-        return _Handles(handles)
+        return _Handles(handles, on_remove=lambda: self._forget(()))  # the handle keeps the synchronizer alive
 
     def detach(self) -> None:
         """Remove every hook :meth:`attach` and :meth:`attach_to_backward` installed."""
-        for h in self._handles:
-            h.remove()
-        self._handles, self._grad_hooks, self._guard, self._attached = [], [], None, []
+        self.wait()  # a pending asynchronous synchronization lands first
+        _remove_hooks(self._handles)
+        self._grad_hooks, self._guard, self._attached = [], None, []
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -762,28 +772,23 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     optimizer; a hook holding the synchronizer would hold its model too (the
     parameters hold the hooks in C++, where the cycle collector cannot see
     the loop), so a synchronizer dropped without :meth:`SparseGradSync.detach`
-    would never be freed. A hook that fires after the synchronizer was
-    freed raises: the model trains on without it, and its ranks would drift apart.
+    would never be freed. A freed synchronizer removes its hooks
+    (:func:`_remove_hooks`, by ``weakref.finalize``), as a dropped DDP stops reducing.
     """
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = ref()
-        if bound is None:
-            raise _freed()
-        return bound(*args, **kwargs)
+        return None if bound is None else bound(*args, **kwargs)
 
     return call
 
 
-def _freed() -> ColltuneValueError:
-    """The error of a hook whose synchronizer was freed while still attached."""
-    return ColltuneValueError(
-        "a SparseGradSync attached to this model or optimizer was freed without detach(), so its "
-        "gradients are no longer synchronized and the ranks would drift apart; keep a reference to it "
-        "for as long as you train (sync = SparseGradSync(model); sync.attach(opt)), or call "
-        "sync.detach() before dropping it."
-    )
+def _remove_hooks(handles: list[Any]) -> None:
+    """Remove every hook in ``handles`` and empty it (removing a removed hook does nothing)."""
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 def _install_guard(sync: SparseGradSync) -> Any:
