@@ -59,7 +59,7 @@ import torch.distributed as dist
 from colltune.algorithms.schedule import p2p_gathers
 from colltune.algorithms.sparse import offsets, on_host
 
-__all__ = ["Traffic", "Comm", "private_group", "ranks_per_node", "group_serial", "group_timeout"]
+__all__ = ["Traffic", "Comm", "private_group", "ranks_per_node", "group_serial", "group_timeout", "live_serials"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -264,9 +264,10 @@ class Comm:
         Part ``j`` is rows ``[bounds[j], bounds[j + 1])``, and comes out with
         the bits :meth:`all_reduce` of that part alone gives (a fused call's
         tensors keep their own calls' bits). Parts that :meth:`all_reduce`
-        would sum directly, in rank order, travel together in one exchange:
-        rank order is the same wherever a row sits. Every other part has
-        its own ``all_reduce``, whose order depends on the part's size.
+        would sum directly, in rank order, travel together, in exchanges of
+        up to four direct ``all_reduce``'s bytes (each sends ``P - 1`` times
+        its bytes): rank order is the same wherever a row sits. Every other
+        part has its own ``all_reduce``, whose order depends on the part's size.
         """
         p = self.world_size
         if p == 1:
@@ -274,22 +275,39 @@ class Comm:
         row_bytes = _nbytes(t[:1]) if t.shape[0] else 0
         parts = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo and row_bytes]
         together = [(lo, hi) for lo, hi in parts if self.direct and (hi - lo) * row_bytes <= DIRECT_ALL_REDUCE_BYTES]
-        if len(together) > 1:
-            flat = torch.cat([t[lo:hi].reshape(-1) for lo, hi in together])
-            self._count("all_reduce", (p - 1) * _nbytes(flat), p - 1)
-            rows = self._gather_direct(flat.view(1, -1)).view(p, -1)
-            flat.copy_(rows[0])
-            for j in range(1, p):  # rank by rank, as all_reduce's direct path adds
-                flat.add_(rows[j])
-            at = 0
-            for lo, hi in together:
-                size = (hi - lo) * t[0].numel()
-                t[lo:hi].view(-1).copy_(flat[at : at + size])
-                at += size
+        chunks: list[list[tuple[int, int]]] = [[]]
+        size = 0
+        for part in together:  # each exchange at most 4 direct all_reduces' worth: it sends (P-1) times its bytes
+            nbytes = (part[1] - part[0]) * row_bytes
+            if chunks[-1] and size + nbytes > 4 * DIRECT_ALL_REDUCE_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(part)
+            size += nbytes
+        done: set[tuple[int, int]] = set()
+        for chunk in chunks:
+            if len(chunk) > 1:
+                self._sum_in_rank_order(t, chunk)
+                done.update(chunk)
         for lo, hi in parts:
-            if len(together) <= 1 or (lo, hi) not in together:
+            if (lo, hi) not in done:
                 self.all_reduce(t[lo:hi])
         return t
+
+    def _sum_in_rank_order(self, t: torch.Tensor, parts: list[tuple[int, int]]) -> None:
+        """Sum rows ``parts`` of ``t`` across the group in one direct exchange, rank by rank, as the direct path adds."""
+        p = self.world_size
+        flat = torch.cat([t[lo:hi].reshape(-1) for lo, hi in parts])
+        self._count("all_reduce", (p - 1) * _nbytes(flat), p - 1)
+        rows = self._gather_direct(flat.view(1, -1)).view(p, -1)
+        flat.copy_(rows[0])
+        for j in range(1, p):
+            flat.add_(rows[j])
+        at = 0
+        for lo, hi in parts:
+            size = (hi - lo) * t[0].numel()
+            t[lo:hi].view(-1).copy_(flat[at : at + size])
+            at += size
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Return the concatenation along dimension 0 of ``t`` from every rank, in rank order."""
@@ -584,6 +602,11 @@ def _destroy(group: dist.ProcessGroup) -> None:
 
 
 _SERIALS = itertools.count(1)
+
+
+def live_serials() -> set[int]:
+    """Return the :func:`group_serial` of every group that still lives in this process (0, no group, included)."""
+    return {0, *(states["comm.serial"] for states in list(_GROUP_STATE.values()) if "comm.serial" in states)}
 
 
 def group_serial(group: Any) -> int:

@@ -20,9 +20,13 @@ tables those fixed costs are most of the time. The fused call
    bucket's own features (size, density, counts, overlap);
 5. cuts each bucket's result back into one result per tensor.
 
-Every algorithm sums each index in rank order, whatever else travels with
-it, so each tensor's result is bit for bit what its own ``sparse_allreduce``
-returns.
+Each tensor's result is bit for bit what its own ``sparse_allreduce``
+returns with the algorithm its bucket ran: allgather and Ok-Topk sum each
+index in rank order, whatever else travels with it, and dense gives each
+tensor the ``all_reduce`` its own call would run. Under ``auto`` a bucket
+may choose another algorithm than a tensor alone would; then the result is
+the same sum up to rounding (dense adds in the backend's order), still
+identical on every rank.
 
 Example:
     >>> import torch, colltune
@@ -51,6 +55,7 @@ from colltune.algorithms.sizes import slot_limit
 from colltune.algorithms.sparse import accum_dtype, coalesce, offsets
 from colltune.api import (
     AsyncHandle,
+    _backend_of,
     _bad,
     _check_common,
     _check_dense_fits,
@@ -122,7 +127,8 @@ def sparse_allreduce_many(
 
     Returns:
         One :class:`~colltune.SparseResult` per tensor, in order, each bit
-        for bit what ``sparse_allreduce`` of that tensor alone returns. Its
+        for bit what ``sparse_allreduce`` of that tensor alone returns with
+        the same algorithm (see the module docstring for ``auto``). Its
         ``algorithm`` and ``decision`` are its bucket's; its ``traffic`` is
         the whole call's.
 
@@ -225,7 +231,7 @@ def _item(tensors: Sequence[Any], i: int) -> tuple[Any, Any, Any]:
 
 def _named(exc: Exception, i: int) -> Exception:
     """Return ``exc`` as an error about ``tensors[i]`` (its own message after the position)."""
-    if isinstance(exc, ColltuneError):
+    if isinstance(exc, ColltuneError) and exc.argument in ("indices", "values", "size", "tensors", None):
         out = type(exc)(f"tensors[{i}]: {exc}", argument="tensors")
         out.__cause__ = exc
         return out
@@ -258,22 +264,30 @@ class _FusedCall:
                        f"tensors must be a list of sparse COO tensors or (indices, values, size) tuples, but got "
                        f"{type(tensors).__name__}; for one tensor call colltune.sparse_allreduce.")
         _check_common(op, algorithm)  # also for an empty list
+        _backend_of(group)  # a bad group is the group's error, not the first tensor's
         cap, self.group = _check_cap(cap_mb), group
         for i in range(len(tensors)):
             try:
                 idx, vals, n, row_shape = _validate_sparse(*_item(tensors, i), op, algorithm, group)
             except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
                 raise _named(exc, i)
+            if vals.device != self.comm.device:
+                raise _bad(ColltuneValueError, "tensors",
+                           f"tensors[{i}] is on {vals.device}, but the call runs on {self.comm.device} (where "
+                           "tensors[0] is); a fused call's tensors share one device: move them there, or reduce "
+                           "the tensors of each device in a call of their own.")
             self.desc.append((n, row_shape, vals.dtype))
             self.keys.append((vals.shape[1], vals.dtype))
             idx, coalesced = coalesce(idx, vals, accum_dtype(vals.dtype))
             self.idx.append(idx)
             self.vals.append(coalesced)
         self.knobs, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
-        if algorithm == "dense":
-            total = sum(n * r for (n, _, _), (r, _) in zip(self.desc, self.keys))
-            _check_dense_fits(total, 1, max((d for _, _, d in self.desc), key=lambda d: d.itemsize, default=torch.float32),
-                              self.comm.device)
+        if algorithm == "dense":  # the largest bucket it may build: every tensor of one row width and dtype
+            rows: dict[tuple[int, torch.dtype], int] = {}
+            for (n, _, _), key in zip(self.desc, self.keys):
+                rows[key] = rows.get(key, 0) + n
+            for (r, dtype), n in rows.items():
+                _check_dense_fits(n, r, dtype, self.comm.device)
         self.cap, self.entry_bytes = cap, np.array(
             [8 + r * dtype.itemsize for r, dtype in self.keys], dtype=np.float64)
         self.fill_record(op, algorithm, code)
@@ -317,8 +331,8 @@ class _FusedCall:
             with comm.meta():
                 row = torch.from_numpy(self.local_counts()).to(comm.device)
                 counts = comm.all_gather(row).view(comm.world_size, t).cpu().numpy()
-        # Room for the counts in the next records, as far as the slot may grow.
-        _meta.note_slot_use(comm, min(8 * t, slot_limit(comm.world_size)))
+        # Room for the counts in the next records, where the slot may grow to hold them (else no use).
+        _meta.note_slot_use(comm, 8 * t if 8 * t <= slot_limit(comm.world_size) else 0)
         return counts
 
     def run_bucket(self, members: list[int], counts: np.ndarray, algorithm: str, op: str,

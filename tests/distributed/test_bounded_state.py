@@ -148,3 +148,20 @@ def test_sites_of_one_group_are_not_forgotten_for_calls_on_another():
     out = pool(4).run(_rank_subgroup_sites, 3)
     for o in out:
         assert all(torch.equal(d, out[0][0]) for d in o)
+
+
+def test_site_caches_of_living_groups_are_never_evicted_for_other_groups(monkeypatch):
+    # Past MAX_GROUPS only destroyed groups' sites go: a rank in many more groups than another still
+    # holds the sites of the groups they share.
+    from colltune.algorithms import comm
+    from colltune.select import selector
+
+    monkeypatch.setattr(selector, "MAX_GROUPS", 4)
+    monkeypatch.setattr(comm, "live_serials", lambda: {0, 7})
+    sites = selector._Sites()
+    shared = sites.site(("sparse", "t", 64, 1, "f", 2, 7))
+    shared.overlap = 0.5
+    for serial in range(100, 110):  # groups that are gone by now
+        sites.site(("sparse", "t", 64, 1, "f", 2, serial))
+    assert sites.get(("sparse", "t", 64, 1, "f", 2, 7)) is shared and shared.overlap == 0.5
+    assert len(sites.groups) <= 4

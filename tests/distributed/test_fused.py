@@ -208,3 +208,10 @@ def test_plan_buckets():
     assert plan_buckets(keys, nbytes, 1000) == [[0, 2, 4], [1, 5], [3]]
     assert plan_buckets(keys, nbytes, 1) == [[0], [1], [2], [3], [4], [5]]
     assert plan_buckets([], np.zeros((2, 0)), 10) == []
+
+
+def test_dense_parts_summed_together_in_chunks_keep_their_bits():
+    # Twelve tables of 40 KB each: every one an all_reduce sums directly (rank order), together more than
+    # one exchange may carry, so they travel in several chunks; each still has its own call's bits.
+    cases = [case(seed=300 + i, size=10_000, counts=[500 + 50 * r for r in range(3)]) for i in range(12)]
+    _check(cases, 3, pool(3).run(_run_both, cases, "dense", 25.0))

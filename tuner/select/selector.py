@@ -141,8 +141,8 @@ SHIPPED_PROFILES: dict[str, str] = {"gloo": "cpu-gloo.yaml", "nccl": "analytic-n
 #: The most call sites (name, size, row width, dtype) a selector remembers per process group; the least
 #: recently used site of that group is forgotten first, and decides afresh if it comes back.
 MAX_SITES = 4096
-#: The most process groups a selector keeps sites for; past it, the sites of the group first seen
-#: longest ago are forgotten (groups are told apart by a serial that a destroyed group never passes on).
+#: How many groups a selector holds sites for before it forgets those of destroyed groups (a group's
+#: serial is never reused, and a living group's sites are never forgotten for another group's sake).
 MAX_GROUPS = 256
 
 Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "no-values", "requested"]
@@ -477,7 +477,9 @@ class _Sites:
     *of that group* forgets the same site on every rank of it. One bound
     across groups would not: ranks that belong to different subgroups make
     different calls, and would forget different sites of a group they share
-    (one rank deciding afresh, with a sketch, while another does not).
+    (one rank deciding afresh, with a sketch, while another does not). So
+    groups are never evicted for one another: past :data:`MAX_GROUPS`, the
+    sites of groups destroyed meanwhile go (:func:`~colltune.algorithms.comm.live_serials`).
     """
 
     __slots__ = ("groups",)
@@ -493,9 +495,13 @@ class _Sites:
         """Return the site of ``key``, made if new, and mark it the group's most recently used."""
         sites = self.groups.get(key[-1])
         if sites is None:
+            if len(self.groups) >= MAX_GROUPS:
+                from colltune.algorithms.comm import live_serials  # only here: the selector loads no torch itself
+
+                alive = live_serials()
+                for gone in [g for g in self.groups if g not in alive]:
+                    del self.groups[gone]
             sites = self.groups[key[-1]] = OrderedDict()
-            if len(self.groups) > MAX_GROUPS:
-                self.groups.popitem(last=False)
         site = sites.get(key)
         if site is None:
             site = sites[key] = _Site()
