@@ -245,14 +245,11 @@ class Comm:
         if p == 1:
             return t
         if self.direct and t.is_contiguous() and _nbytes(t) <= DIRECT_ALL_REDUCE_BYTES:
+            if op != "max":
+                self._direct_sum(t.view(-1))
+                return t
             self._count("all_reduce", (p - 1) * _nbytes(t), p - 1)
-            rows = self._gather_direct(t.view(1, -1)).view((p,) + tuple(t.shape))
-            if op == "max":
-                torch.amax(rows, dim=0, out=t)
-            else:  # rank by rank, so every rank adds in the same order and gets the same bits
-                t.copy_(rows[0])
-                for j in range(1, p):
-                    t.add_(rows[j])
+            torch.amax(self._gather_direct(t.view(1, -1)).view((p,) + tuple(t.shape)), dim=0, out=t)
             return t
         self._count("all_reduce", 2 * _nbytes(t) * (p - 1) // p, 2 * (p - 1))
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.wire)
@@ -294,15 +291,23 @@ class Comm:
                 self.all_reduce(t[lo:hi])
         return t
 
-    def _sum_in_rank_order(self, t: torch.Tensor, parts: list[tuple[int, int]]) -> None:
-        """Sum rows ``parts`` of ``t`` across the group in one direct exchange, rank by rank, as the direct path adds."""
+    def _direct_sum(self, flat: torch.Tensor) -> None:
+        """Sum the contiguous 1-D ``flat`` across the group in place: gathered directly, added rank by rank.
+
+        Every rank adds in the same order, so every rank gets the same bits,
+        and an element's sum does not depend on where it sits in ``flat``.
+        """
         p = self.world_size
-        flat = torch.cat([t[lo:hi].reshape(-1) for lo, hi in parts])
         self._count("all_reduce", (p - 1) * _nbytes(flat), p - 1)
         rows = self._gather_direct(flat.view(1, -1)).view(p, -1)
         flat.copy_(rows[0])
         for j in range(1, p):
             flat.add_(rows[j])
+
+    def _sum_in_rank_order(self, t: torch.Tensor, parts: list[tuple[int, int]]) -> None:
+        """Sum rows ``parts`` of ``t`` across the group in one :meth:`_direct_sum` of their concatenation."""
+        flat = torch.cat([t[lo:hi].reshape(-1) for lo, hi in parts])
+        self._direct_sum(flat)
         at = 0
         for lo, hi in parts:
             size = (hi - lo) * t[0].numel()

@@ -35,7 +35,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -50,6 +49,7 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from colltune.cli.common import write_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
 CONTENDERS = ("fused", "per-table", "torch")
@@ -125,7 +125,7 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{args.tables} tables of rows 10..{args.max_rows} x {args.dim} fp32, {args.batch} Zipf lookups per table "
           f"and rank; ms per step's synchronization, median of {args.repeats} rounds (slowest rank)")
     print(f"{'P':>3} {'fused':>9} {'per-table':>10} {'torch':>9} {'per-table/fused':>16} {'torch/fused':>12} "
-          f"{'bits':>5}  algorithms")
+          f"{'bits':>5} {'KiB sent: fused':>15} {'per-table':>10}  algorithms")
     for p in args.ranks:
         per_rank = launch.run_local(_time_rank, p, cfg, backend="gloo", timeout=1800)
         med = {c: statistics.median(max(r["times"][c][i] for r in per_rank) for i in range(args.repeats)) * 1e3
@@ -136,7 +136,8 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
         out["runs"][p] = row
         print(f"{p:>3} {med['fused']:>9.2f} {med['per-table']:>10.2f} {med['torch']:>9.2f} "
               f"{med['per-table'] / med['fused']:>16.2f} {med['torch'] / med['fused']:>12.2f} "
-              f"{'same' if row['same_bits'] else 'DIFF':>5}  {', '.join(row['algorithms'])}")
+              f"{'same' if row['same_bits'] else 'DIFF':>5} {row['fused_bytes'] / 1024:>15.0f} "
+              f"{row['per_table_bytes'] / 1024:>10.0f}  {', '.join(row['algorithms'])}")
     return out
 
 
@@ -199,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --ranks >= 2, --tables >= 1, --max-rows >= 10, --repeats >= 1 and --batch >= 1")
     report = run_bytes(args) if args.bytes else run_time(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
 

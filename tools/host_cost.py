@@ -31,7 +31,6 @@ side; the ratio between small and large ``P`` in one run is the figure.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -51,6 +50,7 @@ from colltune.algorithms.allgather import eager_slot, slot_need  # noqa: E402
 from colltune.algorithms.base import SparseInput  # noqa: E402
 from colltune.algorithms.comm import Comm  # noqa: E402
 from colltune.algorithms.state import TopkState  # noqa: E402
+from colltune.cli.common import write_json  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -249,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{r['host_us']:>8.0f} {r['messages']:>5}")
         print(f"{name:<10} {mode:<6} " + " ".join(cells), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
 

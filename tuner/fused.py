@@ -248,6 +248,7 @@ class _FusedCall:
         self.desc: list[tuple[int, tuple[int, ...], torch.dtype]] = []
         self.keys: list[tuple[int, torch.dtype]] = []
         self.entry_bytes = np.zeros(0)
+        self.counts = np.zeros(0, dtype=np.int64)
         self.cap = 1
         self.record: dict[str, int] = {"kind": _meta.name_code(_KIND_FUSED)}
         self.slot: np.ndarray | None = None
@@ -295,6 +296,7 @@ class _FusedCall:
     def fill_record(self, op: str, algorithm: str, code: int) -> None:
         """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""
         t = len(self.idx)
+        self.counts = np.array([int(i.numel()) for i in self.idx], dtype=np.int64)  # this rank's, per tensor
         in_slot = 8 * t <= _meta.slot_bytes(self.comm)
         self.record.update(
             size=t,
@@ -303,15 +305,12 @@ class _FusedCall:
             op=_meta.name_code(op),
             algorithm=_meta.name_code(algorithm),
             policy=code,
-            count=sum(int(i.numel()) for i in self.idx),
+            count=int(self.counts.sum()),
             eager=_COUNTS_IN_SLOT if in_slot else _COUNTS_NONE,
             payload=8 * t if in_slot else 0,
         )
         if in_slot and self.comm.world_size > 1:
-            self.slot = self.local_counts().view(np.uint8)
-
-    def local_counts(self) -> np.ndarray:
-        return np.array([int(i.numel()) for i in self.idx], dtype=np.int64)
+            self.slot = self.counts.view(np.uint8)
 
     def exchange(self, error: BaseException | None) -> np.ndarray:
         """Exchange the records; return every rank's entry count per tensor (``[P, T]`` int64)."""
@@ -324,12 +323,12 @@ class _FusedCall:
             raise
         t = len(self.idx)
         if comm.world_size == 1:
-            return self.local_counts().reshape(1, t)
+            return self.counts.reshape(1, t)
         if records[0]["eager"] == _COUNTS_IN_SLOT:
             counts = slots[:, : 8 * t].cpu().contiguous().numpy().view(np.int64)  # type: ignore[index]
         else:
             with comm.meta():
-                row = torch.from_numpy(self.local_counts()).to(comm.device)
+                row = torch.from_numpy(self.counts).to(comm.device)
                 counts = comm.all_gather(row).view(comm.world_size, t).cpu().numpy()
         # Room for the counts in the next records, where the slot may grow to hold them (else no use).
         _meta.note_slot_use(comm, 8 * t if 8 * t <= slot_limit(comm.world_size) else 0)
@@ -381,31 +380,25 @@ def _name_the_difference(comm: Comm, desc: list[tuple[int, tuple[int, ...], torc
     """Gather every rank's tensor descriptions and raise :class:`RankMismatchError` naming the first that differs.
 
     Called by every rank together: all of them saw the same records disagree.
+    Each tensor travels as a record does (:func:`~colltune.algorithms.meta.shape_fields`):
+    its size, dtype, the shape's code and its first dimensions, readable.
     """
-    width = 3 + max((len(shape) for _, shape, _ in desc), default=0)
-    width = int(_max_over_ranks(comm, width))
-    mine = np.full((len(desc), width), -1, dtype=np.int64)
+    columns = ("row_shape", "shape_ndim", "shape_0", "shape_1", "shape_2", "shape_3")
+    mine = np.full((len(desc), 2 + len(columns)), -1, dtype=np.int64)
     for t, (n, shape, dtype) in enumerate(desc):
-        mine[t, :3] = (n, _meta.name_code(_dtype_name(dtype)), len(shape))
-        mine[t, 3 : 3 + len(shape)] = shape
+        fields = _meta.shape_fields(shape)
+        mine[t] = (n, _meta.name_code(_dtype_name(dtype)), *(fields.get(c, -1) for c in columns))
     with comm.meta():
         row = torch.from_numpy(mine.reshape(-1)).to(comm.device)
-        table = comm.all_gather(row).view(comm.world_size, len(desc), width).cpu().numpy()
+        table = comm.all_gather(row).view(comm.world_size, len(desc), mine.shape[1]).cpu().numpy()
     t = int(np.argmax((table != table[:1]).any(axis=(0, 2))))
 
     def say(row: np.ndarray) -> str:
-        ndim = int(row[2])
-        return f"size {int(row[0])}, row shape {tuple(int(d) for d in row[3 : 3 + ndim])}, " \
-            f"{_meta.name_of(int(row[1]))}"
+        ndim = int(row[3])
+        shape = tuple(int(d) for d in row[4 : 4 + ndim]) if ndim <= 4 else f"of {ndim} dimensions"
+        return f"size {int(row[0])}, row shape {shape}, {_meta.name_of(int(row[1]))}"
 
     per_rank = "; ".join(f"rank {r}: {say(table[r, t])}" for r in range(comm.world_size))
     err = RankMismatchError(f"ranks disagree on tensors[{t}] ({per_rank}); {_SAME_LIST}.")
     err.field = "row_shape"
     raise err
-
-
-def _max_over_ranks(comm: Comm, value: int) -> int:
-    """Return the largest ``value`` any rank passed (one small all_gather)."""
-    with comm.meta():
-        got = comm.all_gather(torch.tensor([value], dtype=torch.int64, device=comm.device))
-    return int(got.max())
