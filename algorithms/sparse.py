@@ -55,6 +55,7 @@ __all__ = [
     "unpack_host",
     "merge_host",
     "sum_by_index",
+    "sum_sorted_runs",
     "Magnitudes",
 ]
 
@@ -145,7 +146,9 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> t
         ``(idx, vals)`` with ``idx`` int64, sorted and unique, and ``vals`` of
         shape ``[len(idx), r]`` and dtype ``acc``. The rows of duplicates are
         summed in an order fixed by the input (the same input gives the same bits).
-        Sorted unique input is returned without a copy of its indices.
+        Sorted unique input keeps its values' bits; on the host path it is
+        returned without a copy of its indices. On the device path the
+        count of unique indices is the one host read.
     """
     idx = indices.to(torch.int64)
     vals = values.to(acc)
@@ -153,17 +156,34 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> t
         return idx, vals
     if on_host(idx):
         return _coalesce_host(idx, vals)
-    if not bool((idx[1:] > idx[:-1]).all()):
-        idx, order = torch.sort(idx, stable=True)
-        vals = vals.index_select(0, order)
-        uniq, inverse = torch.unique_consecutive(idx, return_inverse=True)
-        if uniq.numel() != idx.numel():
-            out = torch.zeros((uniq.numel(), vals.shape[1]), dtype=acc, device=vals.device)
-            out.index_add_(0, inverse, vals)
-            idx, vals = uniq, out
-        else:
-            vals = vals + 0.0  # 0 + v, as the host path's sums give (a lone -0.0 comes out +0.0); never in place
-    return idx, vals
+    ordered = (idx[1:] > idx[:-1]).all()  # stays on the device: no host read
+    idx, order = torch.sort(idx, stable=True)
+    vals = vals.index_select(0, order)
+    union, sums = sum_sorted_runs(idx, vals)
+    if union.numel() == idx.numel():  # sorted unique input keeps its bits, as the host path returns it
+        sums = torch.where(ordered, vals, sums)
+    return union, sums
+
+
+def sum_sorted_runs(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the rows of each run of equal indices in sorted ``idx``, in row order: the device path's one reduction.
+
+    ``idx`` is sorted int64 (``[K]``), ``vals`` ``[K, r]`` in the accumulation
+    dtype. Returns the sorted unique indices and, per index, ``((0 + v_first)
+    + v_next) + ...`` in the order the rows come, the bits the host path's
+    :func:`sum_by_index` gives. No atomics: ``torch.segment_reduce`` adds
+    each output element's run sequentially in one thread (its 2-D kernel;
+    values are always passed as ``[K, r]``), so the result is a pure function
+    of the input on CUDA too, where ``index_add_`` races between duplicates.
+    The run count is the one host read (``unique_consecutive``).
+    """
+    uniq, counts = torch.unique_consecutive(idx, return_counts=True)
+    if uniq.numel() == idx.numel():
+        return idx, vals + 0.0  # 0 + v, as a sum gives (a lone -0.0 comes out +0.0); never in place
+    flat = vals.reshape(idx.numel(), -1)
+    if flat.shape[1] == 0:
+        return uniq, vals.new_zeros((uniq.numel(), 0))
+    return uniq, torch.segment_reduce(flat, "sum", lengths=counts, axis=0, unsafe=True)
 
 
 def _coalesce_host(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,23 +404,10 @@ def merge_sources(
     total = sum(i.numel() for i, _ in sources)
     if on_host(device):
         return _merge_host(sources, size, total, acc)
-    if size <= 6 * total:
-        present = torch.zeros(size, dtype=torch.bool, device=device)
-        scratch = torch.zeros((size, row_numel), dtype=acc, device=device)
-        for i, v in sources:
-            present[i] = True
-            scratch.index_add_(0, i, v.to(acc))
-        union = present.nonzero().view(-1)
-        return union, scratch.index_select(0, union)
-    cat = torch.cat([i for i, _ in sources])
-    union, inverse = torch.unique(cat, sorted=True, return_inverse=True)
-    out = torch.zeros((union.numel(), row_numel), dtype=acc, device=device)
-    offset = 0
-    for i, v in sources:  # on GPUs index_add_ races between duplicates: one source at a time
-        n = i.numel()
-        out.index_add_(0, inverse[offset : offset + n], v.to(acc))
-        offset += n
-    return union, out
+    # Concatenated in list order, a stable sort keeps each index's rows in source order.
+    cat, order = torch.sort(torch.cat([i for i, _ in sources]), stable=True)
+    vals = torch.cat([v.to(acc) for _, v in sources]).index_select(0, order)
+    return sum_sorted_runs(cat, vals)
 
 
 def _merge_host(

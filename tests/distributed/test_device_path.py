@@ -171,8 +171,6 @@ def test_coalesce_and_merge_give_the_host_bits():
 
 def test_sketches_and_embedding_row_sums_give_the_host_bits():
     from colltune.model.features import sketch_hashes
-    from colltune.train.sync import _coalesce_rows
-
     g = torch.Generator().manual_seed(11)
     for k, high in ((0, 10), (5, 10**12), (3000, 500)):
         idx = torch.randint(0, high, (k,), generator=g)
@@ -183,9 +181,9 @@ def test_sketches_and_embedding_row_sums_give_the_host_bits():
             with device_path():
                 dev = sketch_hashes(idx.unique(), capacity, seed=3)
             assert host.dtype == dev.dtype and host.tolist() == dev.tolist(), (k, capacity)
-        host = coalesce(*_coalesce_rows(idx, vals), torch.float32)
+        host = coalesce(idx, vals, torch.float32)
         with device_path():
-            dev = coalesce(*_coalesce_rows(idx, vals), torch.float32)
+            dev = coalesce(idx, vals, torch.float32)
         assert torch.equal(host[0], dev[0]) and same_bits(host[1], dev[1]), k
 
 

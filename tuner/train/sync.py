@@ -40,7 +40,6 @@ from colltune import api as _api
 from colltune import fused as _fused
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 from colltune.algorithms.meta import dtype_name
-from colltune.algorithms.sparse import on_host
 from colltune.algorithms.state import TopkState
 from colltune.model.policy import AUTO
 from colltune.train.common import (
@@ -88,27 +87,6 @@ def sparse_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
-def _coalesce_rows(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the rows of duplicate indices (an embedding's gradient has one row per lookup).
-
-    On the device path the front door's coalesce permutes the values before
-    summing; this way skips that (one ``index_add_`` in lookup order, the
-    same sums as a stable sort), which matters when lookups outnumber
-    distinct rows several times over. On the host path
-    (:func:`~colltune.algorithms.sparse.on_host`) the front door already sums in
-    lookup order without permuting, so the rows are left to it, as 16-bit
-    values are (summed in fp32 there).
-    """
-    if vals.dtype not in (torch.float32, torch.float64) or idx.numel() < 2 or on_host(idx):
-        return idx, vals
-    uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
-    if uniq.numel() == idx.numel():
-        return idx, vals  # no duplicates: the front door only sorts
-    out = torch.zeros((uniq.numel(), *vals.shape[1:]), dtype=vals.dtype, device=vals.device)
-    out.index_add_(0, inverse, vals)
-    return uniq, out
-
-
 def _gradient_rows(name: str, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the row indices and value rows of a parameter's gradient, for a sparse allreduce.
 
@@ -131,7 +109,7 @@ def _gradient_rows(name: str, param: nn.Parameter) -> tuple[torch.Tensor, torch.
             )
         if grad.is_coalesced():
             return grad.indices()[0], grad.values()
-        return _coalesce_rows(grad._indices()[0], grad._values())
+        return grad._indices()[0], grad._values()
     rows = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().view(-1)
     return rows, grad.index_select(0, rows)
 
