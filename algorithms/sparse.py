@@ -56,6 +56,7 @@ __all__ = [
     "merge_host",
     "sum_by_index",
     "sum_sorted_runs",
+    "Batch",
     "Magnitudes",
 ]
 
@@ -184,6 +185,98 @@ def sum_sorted_runs(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor
     if flat.shape[1] == 0:
         return uniq, vals.new_zeros((uniq.numel(), 0))
     return uniq, torch.segment_reduce(flat, "sum", lengths=counts, axis=0, unsafe=True)
+
+
+class Batch:
+    """Many sparse tensors of one row width coalesced on the device in one pass, with one host read.
+
+    The device path's way to validate and coalesce a call's tensors (one for
+    ``sparse_allreduce``, many for a fused call): the tensors' indices are
+    laid end to end in one index space (tensor ``j`` at offset ``A_j``, as
+    TorchRec's jagged tensors pack features), sorted once and summed per run
+    once (:func:`sum_sorted_runs`' order: each tensor's result has the bits
+    its own :func:`coalesce` gives). Building a batch launches a fixed number
+    of kernels whatever the number of tensors and reads nothing; what the host
+    needs (whether an index is out of range, the unique count of each tensor)
+    is :attr:`stats`, a small int64 tensor, read once by the caller, and
+    handed to :meth:`finish`, which slices the results without another read.
+
+    Args:
+        items: ``(indices, values, size)`` per tensor: 1-D integer indices,
+            ``[k, r]`` values of one ``r`` and dtype, the number of rows.
+        acc: the accumulation dtype.
+    """
+
+    def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, int]], acc: torch.dtype) -> None:
+        device = items[0][1].device
+        sizes = [n for _, _, n in items]
+        ks = [i.numel() for i, _, _ in items]
+        self.at, self.ks, self.count = offsets(sizes), ks, len(items)
+        self.k = k = sum(ks)
+        meta = torch.tensor([self.at[:-1], sizes, ks], dtype=torch.int64).to(device)
+        self.base, kt = meta[0], meta[2]
+        raw = torch.cat([i for i, _, _ in items]).to(torch.int64) if items[1:] else items[0][0].to(torch.int64)
+        vals = torch.cat([v for _, v, _ in items]) if items[1:] else items[0][1]
+        vals = vals.to(acc)
+        if items[1:]:
+            owner = torch.repeat_interleave(torch.arange(len(items), device=device), kt, output_size=k)
+            bad, raw = (raw < 0) | (raw >= meta[1][owner]), raw + self.base[owner]
+        else:
+            bad = (raw < 0) | (raw >= sizes[0])
+        # A tensor keeps its values' bits when its input is sorted and unique (as coalesce returns it):
+        # count, per tensor, the neighbouring pairs out of order.
+        late = torch.zeros(k + 1, dtype=torch.int64, device=device)
+        torch.cumsum(raw[1:] <= raw[:-1], 0, out=late[2:]) if k > 1 else None
+        ends = torch.tensor(offsets(ks), dtype=torch.int64, device=device)  # tensor j's pairs: late[e_j + 1 : e_j+1]
+        self.keep = (late[ends[1:]] - late[torch.minimum(ends[:-1] + 1, ends[1:])]) == 0  # sorted (later: and unique)
+        self.sorted, order = torch.sort(raw, stable=True)
+        self.vals = vals.index_select(0, order)
+        self.starts = torch.ones(k, dtype=torch.bool, device=device)
+        torch.ne(self.sorted[1:], self.sorted[:-1], out=self.starts[1:])
+        runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
+        torch.cumsum(self.starts, 0, out=runs[1:])
+        cut = torch.searchsorted(self.sorted, torch.tensor(self.at, dtype=torch.int64, device=device))
+        #: ``[any index out of range, unique count of tensor 0, of tensor 1, ...]``: the caller reads it once.
+        self.stats = torch.cat((bad.any().view(1).to(torch.int64), runs[cut[1:]] - runs[cut[:-1]]))
+        self.runs = runs[1:] - 1
+
+    def finish(self, stats: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Return each tensor's sorted unique int64 indices (in its own index space) and summed rows.
+
+        ``stats`` is :attr:`stats` as read to the host; a batch with an index
+        out of range (``stats[0]``) is the caller's error to raise first.
+        """
+        counts = stats[1:]
+        u, device = sum(counts), self.sorted.device
+        if u == self.k:
+            pos, sums = None, self.vals + 0.0
+            first = self.vals
+        else:
+            pos = torch.searchsorted(self.runs, torch.arange(u, device=device))
+            lengths = torch.diff(pos, append=torch.tensor([self.k], device=device))
+            first = self.vals.index_select(0, pos)
+            sums = (torch.segment_reduce(self.vals, "sum", lengths=lengths, axis=0, unsafe=True)
+                    if self.vals.shape[1] else first.new_zeros(first.shape))
+        kept = torch.tensor([c == k for c, k in zip(counts, self.ks)], device=device) & self.keep
+        per = torch.tensor(counts, dtype=torch.int64, device=device)
+        owner = torch.repeat_interleave(torch.arange(self.count, device=device), per, output_size=u)
+        sums = torch.where(kept[owner].view(-1, 1), first, sums)
+        uniq = self.sorted if pos is None else self.sorted.index_select(0, pos)
+        #: The union in the batch's index space and its rows, and where each tensor's part starts.
+        self.union, self.sums, self.parts = uniq, sums, offsets(counts)
+        if self.count > 1:
+            uniq = uniq - self.base[owner]
+        return list(zip(torch.split(uniq, counts), torch.split(sums, counts)))
+
+    def span(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After :meth:`finish`: tensors ``first..last`` (positions in the batch) as one, laid end to end from 0.
+
+        The result is what concatenating their coalesced entries, each
+        index shifted by its tensor's offset from ``first``'s, gives, in two ops.
+        """
+        lo, hi = self.parts[first], self.parts[last + 1]
+        idx = self.union[lo:hi]
+        return (idx - self.at[first] if self.at[first] else idx), self.sums[lo:hi]
 
 
 def _coalesce_host(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

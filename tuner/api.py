@@ -46,7 +46,7 @@ from colltune.algorithms.errors import (
     ColltuneTypeError,
     ColltuneValueError,
 )
-from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, accum_dtype, coalesce
+from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, Batch, accum_dtype, coalesce, on_host
 from colltune.algorithms.state import TopkState
 from colltune.model.features import sketch_hashes
 
@@ -450,7 +450,11 @@ def _unpack_coo(indices: Any, values: Any, size: Any) -> tuple[Any, Any, Any]:
 def _validate_sparse(
     indices: Any, values: Any, size: Any, op: Any, algorithm: Any, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
-    """Check the arguments of ``sparse_allreduce``; return indices, values as ``[k, r]``, n and the row shape."""
+    """Check the arguments of ``sparse_allreduce``; return indices, values as ``[k, r]``, n and the row shape.
+
+    The indices' range is checked here on the host path only; on the device
+    path :func:`coalesce_checked` checks it with the coalesce's one host read.
+    """
     _check_common(op, algorithm)
     _check_tensor(indices, "indices", "of int32 or int64")
     _check_tensor(values, "values", "of floats")
@@ -480,6 +484,13 @@ def _validate_sparse(
                    f"indices and values must be on the same device, but got {indices.device} and {values.device}.")
     row_shape = tuple(values.shape[1:])
     n = _check_size(size, row_shape)
+    if on_host(indices):
+        _check_range(indices, n)
+    return indices, values.reshape(values.shape[0], int(torch.Size(row_shape).numel())), n, row_shape
+
+
+def _check_range(indices: torch.Tensor, n: int) -> None:
+    """Raise naming ``indices`` unless every index is in ``[0, n)``."""
     if indices.numel():
         lo, hi = torch.aminmax(indices)
         lo, hi = int(lo), int(hi)
@@ -491,7 +502,32 @@ def _validate_sparse(
             raise _bad(ColltuneValueError, "indices",
                        f"indices must be in [0, size) = [0, {n}), but got index {hi}; "
                        "pass a larger size or fix the indices.")
-    return indices, values.reshape(values.shape[0], int(torch.Size(row_shape).numel())), n, row_shape
+
+
+def coalesce_checked(
+    items: list[tuple[torch.Tensor, torch.Tensor, int]], acc: torch.dtype,
+    named: Callable[[Exception, int], Exception] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Coalesce a call's validated tensors of one row width and dtype (see :func:`coalesce`).
+
+    On the device path they go as one :class:`~colltune.algorithms.sparse.Batch`,
+    a fixed number of kernels and one host read for them all, which also
+    tells whether an index is out of range; then the range error of the
+    first bad tensor is raised (``named(exc, j)`` names tensor ``j``).
+    """
+    if not items:
+        return []
+    if on_host(items[0][1]):
+        return [coalesce(i, v, acc) for i, v, _ in items]
+    batch = Batch(items, acc)
+    stats = batch.stats.tolist()
+    if stats[0]:
+        for j, (indices, _, n) in enumerate(items):
+            try:
+                _check_range(indices, n)
+            except ColltuneError as exc:
+                raise exc if named is None else named(exc, j)
+    return batch.finish(stats)
 
 
 def _device_bytes(device: torch.device) -> int:
@@ -807,7 +843,7 @@ class _SparseCall:
         self.knobs_checked, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
         if algorithm == "dense":
             _check_dense_fits(n, vals.shape[1], values.dtype, comm.device)
-        idx, vals = coalesce(idx, vals, accum_dtype(values.dtype))
+        ((idx, vals),) = coalesce_checked([(idx, vals, n)], accum_dtype(values.dtype))
         self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
         self.values = values
         self.record.update(

@@ -52,13 +52,14 @@ from colltune.algorithms.base import SparseInput, SparseResult
 from colltune.algorithms.comm import Comm, ranks_per_node
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError, RankMismatchError
 from colltune.algorithms.sizes import slot_limit
-from colltune.algorithms.sparse import accum_dtype, coalesce, offsets
+from colltune.algorithms.sparse import Batch, accum_dtype, coalesce, offsets, on_host
 from colltune.api import (
     AsyncHandle,
     _backend_of,
     _bad,
     _check_common,
     _check_dense_fits,
+    _check_range,
     _decided_knobs,
     _dtype_name,
     _group_key,
@@ -256,6 +257,8 @@ class _FusedCall:
         self.sel: Any = None
         self.backend: str | None = None
         self.group: Any = None
+        #: On the device path, per tensor: its coalesce batch and its place there.
+        self.batched: dict[int, tuple[Batch, int]] = {}
 
     def prepare(self, tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: Any, policy: Any,
                 cap_mb: Any) -> None:
@@ -267,6 +270,7 @@ class _FusedCall:
         _check_common(op, algorithm)  # also for an empty list
         _backend_of(group)  # a bad group is the group's error, not the first tensor's
         cap, self.group = _check_cap(cap_mb), group
+        checked: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i in range(len(tensors)):
             try:
                 idx, vals, n, row_shape = _validate_sparse(*_item(tensors, i), op, algorithm, group)
@@ -279,9 +283,8 @@ class _FusedCall:
                            "the tensors of each device in a call of their own.")
             self.desc.append((n, row_shape, vals.dtype))
             self.keys.append((vals.shape[1], vals.dtype))
-            idx, coalesced = coalesce(idx, vals, accum_dtype(vals.dtype))
-            self.idx.append(idx)
-            self.vals.append(coalesced)
+            checked.append((idx, vals, n))
+        self.coalesce(checked)
         self.knobs, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
         if algorithm == "dense":  # the largest bucket it may build: every tensor of one row width and dtype
             rows: dict[tuple[int, torch.dtype], int] = {}
@@ -292,6 +295,39 @@ class _FusedCall:
         self.cap, self.entry_bytes = cap, np.array(
             [8 + r * dtype.itemsize for r, dtype in self.keys], dtype=np.float64)
         self.fill_record(op, algorithm, code)
+
+    def coalesce(self, checked: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """Coalesce every tensor; on the device path with one host read for the whole list.
+
+        There the tensors of one row width and dtype go as one
+        :class:`~colltune.algorithms.sparse.Batch` (kernels that do not grow
+        with the number of tensors), and every batch's stats come back in one
+        read, which also tells whether an index is out of range: then the
+        first bad tensor in list order raises, naming itself.
+        """
+        if not checked or on_host(checked[0][1]):
+            done = [coalesce(i, v, accum_dtype(v.dtype)) for i, v, _ in checked]
+        else:
+            groups: dict[tuple[int, torch.dtype], list[int]] = {}
+            for t, key in enumerate(self.keys):
+                groups.setdefault(key, []).append(t)
+            batches = [(members, Batch([checked[t] for t in members], accum_dtype(dtype)))
+                       for (_, dtype), members in groups.items()]
+            stats = torch.cat([b.stats for _, b in batches]).tolist()
+            if any(stats[at] for at in offsets([len(m) + 1 for m, _ in batches])[:-1]):
+                for t, (indices, _, n) in enumerate(checked):
+                    try:
+                        _check_range(indices, n)
+                    except ColltuneError as exc:
+                        raise _named(exc, t)
+            done = [None] * len(checked)  # type: ignore[list-item]
+            at = 0
+            for members, batch in batches:
+                for j, (t, got) in enumerate(zip(members, batch.finish(stats[at : at + len(members) + 1]))):
+                    done[t], self.batched[t] = got, (batch, j)
+                at += len(members) + 1
+        self.idx = [i for i, _ in done]
+        self.vals = [v for _, v in done]
 
     def fill_record(self, op: str, algorithm: str, code: int) -> None:
         """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""
@@ -342,6 +378,9 @@ class _FusedCall:
         r, dtype = self.keys[members[0]]
         if len(members) == 1:
             idx, vals = self.idx[members[0]], self.vals[members[0]]
+        elif members[0] in self.batched:  # the bucket is a run of one batch's tensors (plan_buckets keeps key order)
+            batch, first = self.batched[members[0]]
+            idx, vals = batch.span(first, first + len(members) - 1)
         else:
             idx = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
             vals = torch.cat([self.vals[t] for t in members])
@@ -363,16 +402,23 @@ class _FusedCall:
 
     def cut(self, members: list[int], at: list[int], out_idx: torch.Tensor, out_vals: torch.Tensor,
             algorithm: str, decision: Any) -> list[SparseResult]:
-        """Cut a bucket's result at its tensors' offsets into one result per tensor."""
-        bounds = torch.tensor(at, dtype=torch.int64, device=out_idx.device)
-        cuts = torch.searchsorted(out_idx, bounds).tolist() if len(members) > 1 else [0, out_idx.numel()]
+        """Cut a bucket's result at its tensors' offsets into one result per tensor (views of two tensors)."""
+        device = out_idx.device
+        if len(members) > 1:
+            bounds = torch.tensor(at, dtype=torch.int64, device=device)
+            cuts = torch.searchsorted(out_idx, bounds).tolist()
+            sizes = [cuts[j + 1] - cuts[j] for j in range(len(members))]
+            shift = torch.repeat_interleave(bounds[:-1], torch.tensor(sizes, device=device), output_size=out_idx.numel())
+            idxs = torch.split(out_idx - shift, sizes)
+        else:
+            sizes, idxs = [out_idx.numel()], (out_idx,)
+        dtype = self.desc[members[0]][2]
+        vals = torch.split(out_vals if out_vals.dtype == dtype else out_vals.to(dtype), sizes)
         out: list[SparseResult] = []
         for j, t in enumerate(members):
-            n, row_shape, dtype = self.desc[t]
-            lo, hi = cuts[j], cuts[j + 1]
-            idx = out_idx[lo:hi] - at[j] if at[j] else out_idx[lo:hi]
-            vals = out_vals[lo:hi].to(dtype).reshape((hi - lo,) + row_shape)
-            out.append(SparseResult(idx, vals, n, algorithm, self.comm.traffic, decision))
+            n, row_shape, _ = self.desc[t]
+            v = vals[j] if vals[j].shape[1:] == row_shape else vals[j].reshape((sizes[j],) + row_shape)
+            out.append(SparseResult(idxs[j], v, n, algorithm, self.comm.traffic, decision))
         return out
 
 
