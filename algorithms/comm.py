@@ -41,17 +41,34 @@ made on the first call on that group. The caller's own collectives on the
 group (DDP's backward, a plain ``all_reduce``) therefore never pair with
 colltune's, whichever thread issues them and whenever; an asynchronous call
 may be followed by any of them before its ``wait()``.
+
+On gloo, tensors on a device (CUDA) are *staged* through host memory
+(:attr:`Comm.staged`, :func:`stages`). gloo runs ``all_reduce`` on CUDA
+memory itself (it copies through host memory on its own), but its TCP
+transport hands the device pointer of a point-to-point message to the
+kernel (``writev ... Bad address``) and the group dies; ``all_gather`` and
+``all_to_all`` are staged too, so that no call depends on which of them a
+gloo build runs on CUDA. A staged call copies its inputs into host buffers
+(pinned when CUDA is available), runs the collective on them, and copies
+what it received into the caller's device tensors (in place where the call
+fills a given tensor), so it returns device tensors, as NCCL does. Traffic
+is counted from the same sizes. Nothing changes for CPU tensors or NCCL:
+the predicate is one attribute, set when the :class:`Comm` is made.
+:func:`staging` stages CPU tensors too, so that tests run the staged path
+without a GPU, and :func:`staged_calls` counts the calls that were staged.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import socket
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,7 +76,19 @@ import torch.distributed as dist
 from colltune.algorithms.schedule import p2p_gathers
 from colltune.algorithms.sparse import offsets, on_host
 
-__all__ = ["Traffic", "Comm", "private_group", "ranks_per_node", "group_serial", "group_timeout", "live_serials"]
+__all__ = [
+    "Traffic",
+    "Comm",
+    "private_group",
+    "ranks_per_node",
+    "group_serial",
+    "group_timeout",
+    "live_serials",
+    "stages",
+    "staging",
+    "set_staging",
+    "staged_calls",
+]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -67,6 +96,128 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 DIRECT_BACKENDS: tuple[str, ...] = ("gloo",)
 #: The largest tensor, in bytes, whose ``all_reduce`` runs direct on those backends.
 DIRECT_ALL_REDUCE_BYTES = 65536
+#: Backends that cannot take device memory in every collective: :class:`Comm` stages device tensors through
+#: host memory on them (see the module docstring).
+STAGED_BACKENDS: tuple[str, ...] = ("gloo",)
+
+#: Whether CPU tensors are staged as device tensors are (:func:`staging`, for tests); process-wide.
+_staging = False
+#: The collectives staged in this process, per primitive (:func:`staged_calls`).
+_STAGED: dict[str, int] = {}
+
+
+def _backend_for(backend: str, device_type: str) -> str:
+    """Return the backend that ``backend`` (``dist.get_backend``'s answer) uses for tensors on ``device_type``.
+
+    A plain name (``gloo``) serves every device; a per-device spec
+    (``cpu:gloo,cuda:nccl``) names one backend per device type ("" when it names none).
+    """
+    spec = backend.lower()
+    if ":" not in spec:
+        return spec.strip()
+    for part in spec.split(","):
+        kind, _, name = part.partition(":")
+        if kind.strip() == device_type:
+            return name.strip()
+    return ""
+
+
+def stages(backend: str, device: torch.device) -> bool:
+    """Whether a :class:`Comm` on a group of ``backend`` stages its tensors on ``device`` through host memory.
+
+    True for a device other than the CPU (any device, CPU included, inside
+    :func:`staging`) when the backend serving that device is one of
+    :data:`STAGED_BACKENDS`; False for NCCL and for CPU tensors.
+
+    Example:
+        >>> import torch
+        >>> stages("gloo", torch.device("cuda")), stages("nccl", torch.device("cuda")), stages("gloo", torch.device("cpu"))
+        (True, False, False)
+    """
+    if device.type == "cpu" and not _staging:
+        return False
+    return _backend_for(str(backend), device.type) in STAGED_BACKENDS
+
+
+def set_staging(enabled: bool) -> bool:
+    """Stage CPU tensors on :data:`STAGED_BACKENDS` as device tensors are (``True``) or not; return the previous setting.
+
+    Process-wide, for tests; read when a :class:`Comm` is made. Staging
+    moves the same data through other buffers, so ranks that differ here
+    still run the same collectives.
+    """
+    global _staging
+    before, _staging = _staging, bool(enabled)
+    return before
+
+
+@contextmanager
+def staging(enabled: bool = True) -> Iterator[None]:
+    """Within the ``with`` block, CPU tensors on gloo take the staged path (with ``enabled=False``, they do not).
+
+    Example:
+        >>> import torch
+        >>> with staging():
+        ...     stages("gloo", torch.device("cpu"))
+        True
+    """
+    before = set_staging(enabled)
+    try:
+        yield
+    finally:
+        set_staging(before)
+
+
+def staged_calls() -> dict[str, int]:
+    """Return how many collectives this process has staged, per primitive (a copy: ``{primitive: calls}``)."""
+    return dict(_STAGED)
+
+
+@functools.lru_cache(maxsize=1)
+def _pinned() -> bool:
+    """Whether host staging buffers are pinned: only where CUDA is available (pinning needs it)."""
+    return torch.cuda.is_available()
+
+
+def _host_empty(like: torch.Tensor) -> torch.Tensor:
+    """Return an uninitialised contiguous host tensor with ``like``'s shape and dtype, pinned when CUDA is available."""
+    if _pinned():
+        try:
+            return torch.empty(tuple(like.shape), dtype=like.dtype, pin_memory=True)
+        except RuntimeError:  # pinned memory exhausted: pageable memory is slower, but every rank goes on
+            pass
+    return torch.empty(tuple(like.shape), dtype=like.dtype)
+
+
+class _Staging:
+    """Host copies of one staged collective's tensors, and the works that fill them.
+
+    Made before the collective is posted: ``inputs`` hold copies of the
+    tensors to send (a blocking copy, so they hold what the device tensors
+    held), ``outputs`` are empty host buffers for the tensors to receive
+    into. :meth:`wait` waits for ``works`` and copies each output buffer
+    into its device tensor; :meth:`Comm.exchange` returns the object itself
+    as the one work to wait on when staged.
+    """
+
+    __slots__ = ("inputs", "outputs", "targets", "works")
+
+    def __init__(self, primitive: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        _STAGED[primitive] = _STAGED.get(primitive, 0) + 1
+        self.inputs = [_host_empty(t).copy_(t) for t in inputs]
+        self.outputs = [_host_empty(t) for t in outputs]
+        self.targets = list(outputs)
+        self.works: list = []
+
+    def wait(self) -> bool:
+        """Wait for the collective, then copy what it received into the device tensors; return True (as works do)."""
+        for work in self.works:
+            work.wait()
+        for target, host in zip(self.targets, self.outputs):
+            target.copy_(host)
+        # Waiting twice copies nothing twice, and the host buffers go now rather than with this object.
+        self.inputs, self.outputs, self.targets, self.works = [], [], [], []
+        return True
 
 
 @dataclass
@@ -167,9 +318,14 @@ class Comm:
             docstring); ``None`` (the default) does so for tensors on the
             host path (:func:`~colltune.algorithms.sparse.on_host`) on
             :data:`DIRECT_BACKENDS` in groups of 3 ranks or more.
+
+    Attributes:
+        staged: whether the collectives other than ``all_reduce`` run on
+            host copies of the tensors (:func:`stages` of the group's backend
+            and ``device``; see the module docstring). Set once, here.
     """
 
-    __slots__ = ("group", "wire", "rank", "world_size", "device", "traffic", "direct", "_meta")
+    __slots__ = ("group", "wire", "rank", "world_size", "device", "traffic", "direct", "staged", "_meta")
 
     def __init__(
         self,
@@ -181,6 +337,7 @@ class Comm:
     ) -> None:
         self.group = group
         self.wire = wire if wire is not None else group
+        self.staged = False
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
@@ -193,6 +350,8 @@ class Comm:
                     and on_host(device)
                     and str(dist.get_backend(group)).lower() in DIRECT_BACKENDS
                 )
+            if _staging or device.type != "cpu":  # CPU tensors never ask the backend: nothing to stage
+                self.staged = stages(str(dist.get_backend(group)), device)
         else:
             self.rank, self.world_size = 0, 1
         self.device = device
@@ -324,6 +483,11 @@ class Comm:
         if self.direct:
             return self._gather_direct(t)
         out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        if self.staged:
+            stage = _Staging("all_gather", [t], [out])
+            _all_gather_single(stage.outputs[0], stage.inputs[0], group=self.wire)
+            stage.wait()
+            return out
         _all_gather_single(out, t, group=self.wire)
         return out
 
@@ -361,9 +525,13 @@ class Comm:
             peers = [j for j in range(p) if j != me]
             self._post([(t[so[j] : so[j + 1]], j) for j in peers], [(out[ro[j] : ro[j + 1]], j) for j in peers])
             return out
-        dist.all_to_all_single(
-            out, t.contiguous(), [int(c) for c in recv_counts], [int(c) for c in send_counts], group=self.wire
-        )
+        splits = [int(c) for c in recv_counts], [int(c) for c in send_counts]
+        if self.staged:
+            stage = _Staging("all_to_all", [t], [out])
+            dist.all_to_all_single(stage.outputs[0], stage.inputs[0], *splits, group=self.wire)
+            stage.wait()
+            return out
+        dist.all_to_all_single(out, t.contiguous(), *splits, group=self.wire)
         return out
 
     def exchange(self, sends: Sequence[tuple], recvs: Sequence[tuple], count: bool = True) -> list:
@@ -377,8 +545,16 @@ class Comm:
         are empty. Receive buffers must be contiguous (a slice along the first
         dimension of a contiguous tensor is): data lands in them in place.
         ``count=False`` leaves the sends out of the traffic (for a collective
-        built on this call that counts itself).
+        built on this call that counts itself). When :attr:`staged`, the
+        messages travel from and into host copies, and the one work returned
+        copies the received data into ``recvs``' tensors when waited on.
         """
+        if self.staged:
+            return self._staged_exchange(sends, recvs, count)
+        return self._p2p(sends, recvs, count)
+
+    def _p2p(self, sends: Sequence[tuple], recvs: Sequence[tuple], count: bool) -> list:
+        """Post :meth:`exchange`'s messages on the backend, from and into the tensors given."""
         ops = []
         for t, peer, *tag in sends:
             if t.numel():
@@ -391,6 +567,18 @@ class Comm:
         if not ops:
             return []
         return dist.batch_isend_irecv(ops)
+
+    def _staged_exchange(self, sends: Sequence[tuple], recvs: Sequence[tuple], count: bool) -> list:
+        """:meth:`exchange` through host copies (:class:`_Staging`): one work, whose ``wait()`` lands the receives."""
+        sends = [m for m in sends if m[0].numel()]
+        recvs = [m for m in recvs if m[0].numel()]
+        if not sends and not recvs:
+            return []
+        stage = _Staging("exchange", [m[0] for m in sends], [m[0] for m in recvs])
+        host_sends = [(h, *m[1:]) for h, m in zip(stage.inputs, sends)]
+        host_recvs = [(h, *m[1:]) for h, m in zip(stage.outputs, recvs)]
+        stage.works = self._p2p(host_sends, host_recvs, count)
+        return [stage]
 
     def rotated_exchange(
         self,
