@@ -1,0 +1,125 @@
+"""colltune on a CUDA device: exact, deterministic, fused equal to per-tensor, few host syncs.
+
+One rank on NCCL (NCCL refuses two ranks on one GPU), and ranks sharing the
+GPU over gloo (staged through host memory). Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from colltune.algorithms import names
+
+from harness import pool
+from sparse_cases import DTYPES, RTOL
+
+ALGORITHMS = [*names(), "auto"]
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    """A one-rank NCCL group on this process's GPU."""
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+def _input(seed, n, k, row_shape, dtype):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (k,), generator=g)
+    vals = torch.randn((k, *row_shape), generator=g, dtype=torch.float64).to(dtype)
+    return idx.cuda(), vals.cuda()
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+@pytest.mark.parametrize("row_shape", [(), (64,)])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_exact_against_a_dense_reference(nccl, algorithm, row_shape, dtype):
+    import colltune
+
+    n = 5000
+    idx, vals = _input(1, n, 3000, row_shape, DTYPES[dtype])
+    res = colltune.sparse_allreduce(idx, vals, size=n, algorithm=algorithm)
+    ref = torch.zeros((n, *row_shape), dtype=torch.float64).index_add_(0, idx.cpu(), vals.double().cpu())
+    mag = torch.zeros_like(ref).index_add_(0, idx.cpu(), vals.double().abs().cpu())
+    got = res.to_dense().double().cpu()
+    assert res.values.device.type == "cuda"
+    assert torch.equal(res.indices.cpu(), idx.cpu().unique())
+    assert ((got - ref).abs() <= RTOL[DTYPES[dtype]] * mag + 1e-30).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_twenty_identical_calls_give_one_bit_pattern(nccl, algorithm):
+    import colltune
+
+    idx, vals = _input(2, 1 << 16, 200_000, (16,), torch.float32)  # many duplicates per index
+    patterns = {bytes(_bits(colltune.sparse_allreduce(idx, vals, size=1 << 16, algorithm=algorithm).values).numpy())
+                for _ in range(20)}
+    assert len(patterns) == 1
+
+
+@pytest.mark.parametrize("algorithm", names())
+def test_fused_equals_per_tensor_bit_for_bit(nccl, algorithm):
+    import colltune
+
+    tensors = [(*_input(10 + t, n, k, (64,), torch.float32), n) for t, (n, k) in enumerate([(77, 64), (1000, 900), (5, 9)])]
+    fused = colltune.sparse_allreduce_many(tensors, algorithm=algorithm)
+    for t, f in zip(tensors, fused):
+        s = colltune.sparse_allreduce(*t, algorithm=algorithm)
+        assert torch.equal(f.indices, s.indices) and torch.equal(_bits(f.values), _bits(s.values))
+
+
+def _syncs(fn) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "allgather", "oktopk"])
+def test_host_syncs_per_call_at_p1(nccl, algorithm):
+    import colltune
+
+    idx, vals = _input(3, 1 << 20, 10_000, (64,), torch.float32)
+    for _ in range(3):
+        colltune.sparse_allreduce(idx, vals, size=1 << 20, algorithm=algorithm, name="syncs")
+    count = _syncs(lambda: colltune.sparse_allreduce(idx, vals, size=1 << 20, algorithm=algorithm, name="syncs"))
+    assert count <= {"dense": 3, "allgather": 4, "oktopk": 9}[algorithm], count
+
+
+def _gloo_on_cuda(rank, world_size, algorithm):
+    import colltune
+
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.randint(0, 3000, (2500,), generator=g).cuda()
+    vals = torch.randn(2500, 8, generator=g).cuda()
+    res = colltune.sparse_allreduce(idx, vals, size=3000, algorithm=algorithm)
+    fused = colltune.sparse_allreduce_many([(idx, vals, 3000), (idx[:7], vals[:7, :3], 50)], algorithm=algorithm)
+    return res.values.device.type, res.indices.cpu(), res.values.cpu(), fused[1].values.cpu()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_ranks_sharing_the_gpu_over_gloo(algorithm, world_size):
+    out = pool(world_size).run(_gloo_on_cuda, algorithm)
+    assert all(o[0] == "cuda" for o in out)
+    for o in out[1:]:
+        assert torch.equal(o[1], out[0][1]) and torch.equal(o[2].view(torch.int32), out[0][2].view(torch.int32))
+        assert torch.equal(o[3], out[0][3])
