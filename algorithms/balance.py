@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from colltune.algorithms.comm import Comm
+from colltune.algorithms.sparse import upload
 
 __all__ = ["Plan", "plan", "owner_order", "balance_and_gather"]
 
@@ -122,4 +123,4 @@ def balance_and_gather(comm: Comm, buf: torch.Tensor, sizes: list[int], balance:
         work.wait()
     flat = comm.all_gather_flat(block, pl.target.tolist(), "auto")
     order = owner_order(pl)
-    return flat if order is None else flat[torch.from_numpy(order).to(flat.device)]
+    return flat if order is None else flat.index_select(0, upload(order, flat.device))

@@ -70,11 +70,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from colltune.algorithms.schedule import p2p_gathers
-from colltune.algorithms.sparse import offsets, on_host
+from colltune.algorithms.sparse import offsets, on_host, upload
 
 __all__ = [
     "Traffic",
@@ -676,8 +677,9 @@ class Comm:
         out = self.all_gather(padded).view((p, kmax) + tail)
         if min(counts) == kmax:
             return out.view((p * kmax,) + tail)
-        keep = torch.arange(kmax, device=t.device) < torch.tensor(list(counts), device=t.device).view(p, 1)
-        return out[keep]
+        # The rows each rank filled, by position (a mask would make the host wait for its count).
+        at = np.concatenate([np.arange(c, dtype=np.int64) + j * kmax for j, c in enumerate(counts)])
+        return out.view((p * kmax,) + tail).index_select(0, upload(at, t.device))
 
     def _global(self, peer: int) -> int:
         if self.wire is None or self.wire is dist.group.WORLD:
@@ -773,7 +775,7 @@ def _gather_layout(twin: dist.ProcessGroup) -> int:
     digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
     backend = str(dist.get_backend(twin)).lower()
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    mine = torch.tensor([int.from_bytes(digest, "big", signed=True)], dtype=torch.int64, device=device)
+    mine = upload([int.from_bytes(digest, "big", signed=True)], device)
     hosts = torch.empty(dist.get_world_size(twin), dtype=torch.int64, device=device)
     _all_gather_single(hosts, mine, group=twin)
     ids = hosts.tolist()

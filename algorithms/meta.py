@@ -45,6 +45,7 @@ import torch
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
 from colltune.algorithms.sizes import FIELDS, HEADER_BYTES, eager_capacity, payload_reserve, slot_limit
+from colltune.algorithms.sparse import upload
 
 __all__ = [
     "FIELDS",
@@ -268,7 +269,7 @@ def exchange(
         return [dict(record, magic=_MAGIC, version=_VERSION, error=0)], None
     host, local_error = _pack_or_error(record, local_error, slot, slot_bytes(comm))
     hbytes = HEADER_BYTES
-    row = torch.from_numpy(host).to(comm.device)
+    row = upload(torch.from_numpy(host), comm.device)
     with comm.meta():
         table = comm.all_gather(row).view(comm.world_size, row.numel())
     host_table = table.numpy() if comm.host else table[:, :hbytes].cpu().numpy()

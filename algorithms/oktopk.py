@@ -92,6 +92,7 @@ from colltune.algorithms.sparse import (
     reinterpret,
     split_layout,
     unpack,
+    upload,
     wire_index_dtype,
 )
 from colltune.algorithms.state import BoundaryState
@@ -148,7 +149,7 @@ _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 def _slices(idx: torch.Tensor, cuts: list[int]) -> list[int]:
     """Return offsets so that entries ``[off[j], off[j+1])`` of sorted ``idx`` fall in region ``j``."""
-    bounds = torch.tensor(cuts, dtype=torch.int64, device=idx.device)
+    bounds = upload(cuts, idx.device)
     return torch.searchsorted(idx, bounds).tolist()
 
 
@@ -223,7 +224,7 @@ def _split_counts(
     off = _slices(idx, cuts)
     send_counts = [off[j + 1] - off[j] for j in range(p)]
     with comm.meta():
-        recv = comm.all_to_all(torch.tensor(send_counts, dtype=torch.int64, device=comm.device), [1] * p, [1] * p)
+        recv = comm.all_to_all(upload(send_counts, comm.device), [1] * p, [1] * p)
     return off, recv.tolist()
 
 
@@ -311,7 +312,7 @@ def _gather_regions(
     ):
         return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight)
     with comm.meta():
-        sizes = comm.all_gather(torch.tensor([ridx.numel()], dtype=torch.int64, device=comm.device)).tolist()
+        sizes = comm.all_gather(upload([ridx.numel()], comm.device)).tolist()
     dense = _dense_regions(sizes, lengths, ebytes, rowbytes, dense_ratio)
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
@@ -428,10 +429,10 @@ def _gather_regions_eager(
     msgs = torch.empty((at[-1], e), dtype=torch.uint8, device=comm.device)
     mine = msgs[at[me] : at[me + 1]]
     mine.zero_()
-    mine.view(-1)[:8] = torch.tensor([u], dtype=torch.int64, device=comm.device).view(torch.uint8)
+    mine.view(-1)[:8] = upload([u], comm.device).view(torch.uint8)
     mine[h : h + first] = blob[:first]
     comm.rotated_exchange(peers_in_flight, lambda dst: [(mine, 0)], lambda src: [(msgs[at[src] : at[src + 1]], 0)])
-    heads = torch.tensor(at[:-1], dtype=torch.int64, device=comm.device).view(p, 1) * e + torch.arange(8, device=comm.device)
+    heads = upload(at[:-1], comm.device).view(p, 1) * e + torch.arange(8, device=comm.device)
     sizes = msgs.view(-1)[heads].view(torch.int64).view(-1).tolist()
     rest = [max(0, sizes[j] - caps[j]) for j in range(p)]
     if not any(rest):
@@ -456,7 +457,7 @@ def _rows_mask(at: list[int], h: int, sizes: list[int], device: torch.device) ->
     starts = np.asarray(at[:-1], dtype=np.int64) + h
     np.add.at(marks, starts, 1)
     np.add.at(marks, starts + np.asarray(sizes, dtype=np.int64), -1)
-    return torch.from_numpy(np.cumsum(marks[:-1]) > 0).to(device)
+    return upload(torch.from_numpy(np.cumsum(marks[:-1]) > 0), device)
 
 
 def _gather_regions_p2p(
@@ -875,7 +876,7 @@ class OkTopk(Algorithm):
     def _counts(comm: Comm, counts: list[int]) -> np.ndarray:
         """All-gather each rank's ``counts`` (the same length on every rank); return them by rank, ``[P, len]``."""
         with comm.meta():
-            t = torch.tensor(counts, dtype=torch.int64, device=comm.device)
+            t = upload(counts, comm.device)
             return comm.all_gather(t).view(comm.world_size, len(counts)).cpu().numpy()
 
     @staticmethod

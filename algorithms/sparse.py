@@ -57,6 +57,7 @@ __all__ = [
     "sum_by_index",
     "sum_sorted_runs",
     "Batch",
+    "upload",
     "Magnitudes",
 ]
 
@@ -187,6 +188,19 @@ def sum_sorted_runs(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor
     return uniq, torch.segment_reduce(flat, "sum", lengths=counts, axis=0, unsafe=True)
 
 
+def upload(data: "list[int] | np.ndarray | torch.Tensor", device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Return host data (a list, a NumPy array or a CPU tensor) as a tensor on ``device``, without a host sync.
+
+    A blocking copy to a CUDA device is followed by a synchronization of the
+    stream (the host waits for every queued kernel); this one is
+    non-blocking: from pageable memory CUDA stages the bytes before the call
+    returns, so the source may be dropped or reused at once, and the host
+    goes on queuing. On the CPU the data is only wrapped.
+    """
+    t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data, dtype=dtype)
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
 class Batch:
     """Many sparse tensors of one row width coalesced on the device in one pass, with one host read.
 
@@ -209,33 +223,35 @@ class Batch:
 
     def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, int]], acc: torch.dtype) -> None:
         device = items[0][1].device
+        t = self.count = len(items)
         sizes = [n for _, _, n in items]
-        ks = [i.numel() for i, _, _ in items]
-        self.at, self.ks, self.count = offsets(sizes), ks, len(items)
-        self.k = k = sum(ks)
-        meta = torch.tensor([self.at[:-1], sizes, ks], dtype=torch.int64).to(device)
-        self.base, kt = meta[0], meta[2]
-        raw = torch.cat([i for i, _, _ in items]).to(torch.int64) if items[1:] else items[0][0].to(torch.int64)
-        vals = torch.cat([v for _, v, _ in items]) if items[1:] else items[0][1]
-        vals = vals.to(acc)
-        if items[1:]:
-            owner = torch.repeat_interleave(torch.arange(len(items), device=device), kt, output_size=k)
-            bad, raw = (raw < 0) | (raw >= meta[1][owner]), raw + self.base[owner]
+        self.ks = ks = [i.numel() for i, _, _ in items]
+        self.at, self.k = offsets(sizes), sum(ks)
+        k = self.k
+        # Every host figure the kernels need, in one upload: offsets, sizes, entry counts, entry offsets.
+        meta = upload([*self.at, *sizes, *ks, *offsets(ks)], device)
+        at, self.base, kt, ends = meta[: t + 1], meta[:t], meta[2 * t + 1 : 3 * t + 1], meta[3 * t + 1 :]
+        raw = torch.cat([i for i, _, _ in items]).to(torch.int64) if t > 1 else items[0][0].to(torch.int64)
+        vals = (torch.cat([v for _, v, _ in items]) if t > 1 else items[0][1]).to(acc)
+        if t > 1:
+            owner = torch.repeat_interleave(torch.arange(t, device=device), kt, output_size=k)
+            bad, raw = (raw < 0) | (raw >= meta[t + 1 : 2 * t + 1][owner]), raw + self.base[owner]
         else:
             bad = (raw < 0) | (raw >= sizes[0])
         # A tensor keeps its values' bits when its input is sorted and unique (as coalesce returns it):
-        # count, per tensor, the neighbouring pairs out of order.
+        # count, per tensor, the neighbouring pairs out of order (tensor j's pairs: late[e_j + 1 : e_j+1]).
         late = torch.zeros(k + 1, dtype=torch.int64, device=device)
-        torch.cumsum(raw[1:] <= raw[:-1], 0, out=late[2:]) if k > 1 else None
-        ends = torch.tensor(offsets(ks), dtype=torch.int64, device=device)  # tensor j's pairs: late[e_j + 1 : e_j+1]
-        self.keep = (late[ends[1:]] - late[torch.minimum(ends[:-1] + 1, ends[1:])]) == 0  # sorted (later: and unique)
+        if k > 1:
+            torch.cumsum(raw[1:] <= raw[:-1], 0, out=late[2:])
+        self.sorted_in = (late[ends[1:]] - late[torch.minimum(ends[:-1] + 1, ends[1:])]) == 0
+        self.kt = kt
         self.sorted, order = torch.sort(raw, stable=True)
         self.vals = vals.index_select(0, order)
-        self.starts = torch.ones(k, dtype=torch.bool, device=device)
-        torch.ne(self.sorted[1:], self.sorted[:-1], out=self.starts[1:])
+        starts = torch.ones(k, dtype=torch.bool, device=device)
+        torch.ne(self.sorted[1:], self.sorted[:-1], out=starts[1:])
         runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
-        torch.cumsum(self.starts, 0, out=runs[1:])
-        cut = torch.searchsorted(self.sorted, torch.tensor(self.at, dtype=torch.int64, device=device))
+        torch.cumsum(starts, 0, out=runs[1:])
+        cut = torch.searchsorted(self.sorted, at)
         #: ``[any index out of range, unique count of tensor 0, of tensor 1, ...]``: the caller reads it once.
         self.stats = torch.cat((bad.any().view(1).to(torch.int64), runs[cut[1:]] - runs[cut[:-1]]))
         self.runs = runs[1:] - 1
@@ -245,6 +261,7 @@ class Batch:
 
         ``stats`` is :attr:`stats` as read to the host; a batch with an index
         out of range (``stats[0]``) is the caller's error to raise first.
+        Nothing more is read or uploaded: the device keeps its own copy of the counts.
         """
         counts = stats[1:]
         u, device = sum(counts), self.sorted.device
@@ -253,13 +270,13 @@ class Batch:
             first = self.vals
         else:
             pos = torch.searchsorted(self.runs, torch.arange(u, device=device))
-            lengths = torch.diff(pos, append=torch.tensor([self.k], device=device))
+            lengths = torch.diff(pos, append=pos.new_full((1,), self.k))
             first = self.vals.index_select(0, pos)
             sums = (torch.segment_reduce(self.vals, "sum", lengths=lengths, axis=0, unsafe=True)
                     if self.vals.shape[1] else first.new_zeros(first.shape))
-        kept = torch.tensor([c == k for c, k in zip(counts, self.ks)], device=device) & self.keep
-        per = torch.tensor(counts, dtype=torch.int64, device=device)
+        per = self.stats[1:]
         owner = torch.repeat_interleave(torch.arange(self.count, device=device), per, output_size=u)
+        kept = (per == self.kt) & self.sorted_in  # sorted unique input: its rows as they came
         sums = torch.where(kept[owner].view(-1, 1), first, sums)
         uniq = self.sorted if pos is None else self.sorted.index_select(0, pos)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
@@ -481,9 +498,10 @@ def merge_sources(
     order, whatever the path taken, so every rank that merges the same list
     gets the same bits.
 
-    Two paths: a dense scratch of ``size`` rows when the sources are dense
+    On the host path a dense scratch of ``size`` rows serves sources dense
     enough that ``O(size)`` work is cheaper than sorting, else a sort of the
-    concatenated indices.
+    concatenated indices; on the device path a stable sort of the
+    concatenation and :func:`sum_sorted_runs` (no atomics).
     """
     sources = [(i, v) for i, v in sources if i.numel() > 0]
     if not sources:

@@ -52,7 +52,7 @@ from colltune.algorithms.base import SparseInput, SparseResult
 from colltune.algorithms.comm import Comm, ranks_per_node
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError, RankMismatchError
 from colltune.algorithms.sizes import slot_limit
-from colltune.algorithms.sparse import Batch, accum_dtype, coalesce, offsets, on_host
+from colltune.algorithms.sparse import Batch, accum_dtype, coalesce, offsets, on_host, upload
 from colltune.api import (
     AsyncHandle,
     _backend_of,
@@ -364,7 +364,7 @@ class _FusedCall:
             counts = slots[:, : 8 * t].cpu().contiguous().numpy().view(np.int64)  # type: ignore[index]
         else:
             with comm.meta():
-                row = torch.from_numpy(self.counts).to(comm.device)
+                row = upload(self.counts, comm.device)
                 counts = comm.all_gather(row).view(comm.world_size, t).cpu().numpy()
         # Room for the counts in the next records, where the slot may grow to hold them (else no use).
         _meta.note_slot_use(comm, 8 * t if 8 * t <= slot_limit(comm.world_size) else 0)
@@ -405,10 +405,11 @@ class _FusedCall:
         """Cut a bucket's result at its tensors' offsets into one result per tensor (views of two tensors)."""
         device = out_idx.device
         if len(members) > 1:
-            bounds = torch.tensor(at, dtype=torch.int64, device=device)
-            cuts = torch.searchsorted(out_idx, bounds).tolist()
-            sizes = [cuts[j + 1] - cuts[j] for j in range(len(members))]
-            shift = torch.repeat_interleave(bounds[:-1], torch.tensor(sizes, device=device), output_size=out_idx.numel())
+            bounds = upload(at, device)
+            cuts = torch.searchsorted(out_idx, bounds)
+            per = cuts[1:] - cuts[:-1]
+            sizes = per.tolist()
+            shift = torch.repeat_interleave(bounds[:-1], per, output_size=out_idx.numel())
             idxs = torch.split(out_idx - shift, sizes)
         else:
             sizes, idxs = [out_idx.numel()], (out_idx,)
@@ -435,7 +436,7 @@ def _name_the_difference(comm: Comm, desc: list[tuple[int, tuple[int, ...], torc
         fields = _meta.shape_fields(shape)
         mine[t] = (n, _meta.name_code(_dtype_name(dtype)), *(fields.get(c, -1) for c in columns))
     with comm.meta():
-        row = torch.from_numpy(mine.reshape(-1)).to(comm.device)
+        row = upload(mine.reshape(-1), comm.device)
         table = comm.all_gather(row).view(comm.world_size, len(desc), mine.shape[1]).cpu().numpy()
     t = int(np.argmax((table != table[:1]).any(axis=(0, 2))))
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from colltune import algorithms as _algorithms
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
+from colltune.algorithms.sparse import upload
 from colltune.algorithms.state import TopkState
 from colltune.model.policy import AUTO, Decision, Overrides, Policy, policy_from_env
 
@@ -127,7 +128,7 @@ def _check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str) -> N
     if _world_size(group) == 1:
         return
     d = _digest(plan)
-    buf = torch.tensor([d, -d], dtype=torch.int64, device=_group_device(group))
+    buf = upload([d, -d], _group_device(group))
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     if int(buf[0]) != -int(buf[1]):
         raise RankMismatchError(
