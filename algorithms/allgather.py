@@ -52,6 +52,7 @@ from colltune.algorithms.sparse import (
     pack_host,
     unpack,
     unpack_host,
+    upload,
     wire_index_dtype,
 )
 
@@ -260,7 +261,7 @@ class Allgather(Algorithm):
         if any(rest) and mode == "p2p":
             return gather_merge_p2p(
                 comm, inp.indices.to(comm.device), inp.values.to(comm.device), counts, inp.size,
-                inp.dtype, head, inp.eager.to(comm.device),
+                inp.dtype, head, upload(inp.eager, comm.device),
             )
         mu = max(head)
         host = on_host(comm.device)
@@ -275,7 +276,7 @@ class Allgather(Algorithm):
         if host:
             tails = None if tail_buf is None else comm.all_gather_flat(tail_buf, rest, mode).numpy()
             return _merge_eager_host(inp, head, rest, tails)
-        block = inp.eager[:, : mu * e].reshape(p * mu, e)
+        block = upload(inp.eager[:, : mu * e], comm.device).reshape(p * mu, e)
         idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
         idx_all, vals_all = idx_all.view(p, mu), vals_all.view(p, mu, r)
         sources = [(idx_all[j, :h], vals_all[j, :h]) for j, h in enumerate(head)]

@@ -255,7 +255,8 @@ def exchange(
     Returns:
         ``(records, slots)``: every rank's record (a :class:`Records`, or a
         list on a single rank), and every rank's slot as
-        one ``uint8`` tensor of shape ``[P, slot_bytes]`` (``None`` on a single rank, where
+        one ``uint8`` CPU tensor of shape ``[P, slot_bytes]``, read from the device with the records in
+        one read (``None`` on a single rank, where
         nothing is exchanged).
 
     Raises:
@@ -272,7 +273,8 @@ def exchange(
     row = upload(torch.from_numpy(host), comm.device)
     with comm.meta():
         table = comm.all_gather(row).view(comm.world_size, row.numel())
-    host_table = table.numpy() if comm.host else table[:, :hbytes].cpu().numpy()
+    # One read of the whole table: the slots' readers (counts, sketches, payloads) need no other.
+    host_table = table.numpy() if comm.host else table.cpu().numpy()
     records = Records(np.ascontiguousarray(host_table[:, :hbytes]).view(np.int64))
     head = records.table
     # Checked column by column (a few NumPy operations whatever P); the per-rank loops only say what is wrong.
@@ -284,7 +286,7 @@ def exchange(
         _check_remote_errors(list(records), comm.rank)
     if (head[:, _SHARED_AT] != head[:1, _SHARED_AT]).any():
         _check_shared(list(records), labels or {})
-    return records, table[:, hbytes:]
+    return records, (table if comm.host else torch.from_numpy(host_table))[:, hbytes:]
 
 
 class Records(Sequence[dict[str, int]]):

@@ -86,8 +86,10 @@ from colltune.algorithms.sparse import (
     Magnitudes,
     entry_bytes,
     gather_mode,
+    mask_positions,
     merge_runs,
     offsets,
+    on_host,
     pack,
     reinterpret,
     split_layout,
@@ -776,7 +778,8 @@ class OkTopk(Algorithm):
         # 3. Global selection.
         keep, sizes = self._global_selection(comm, Magnitudes(rvals), state, k, band, n)
         total = sum(sizes)
-        kidx, kvals = ridx[keep], rvals[keep]
+        at = mask_positions(keep, sizes[comm.rank]) if not on_host(keep) else keep.nonzero().view(-1)
+        kidx, kvals = ridx.index_select(0, at), rvals.index_select(0, at)
         # 4. Balance, then all-gather.
         gidx, gvals = self._balanced_gather(comm, kidx, kvals, sizes, n, acc.dtype, knobs["balance"])
         state.last_local_count, state.last_global_count = lidx.numel(), total
@@ -820,6 +823,7 @@ class OkTopk(Algorithm):
         lo, hi = band
         th = state.local_threshold
         exact = th is None or state.step % state.local_refresh == 0
+        count = None
         if not exact:
             for _ in range(4):
                 count = mag.count(th)
@@ -829,8 +833,8 @@ class OkTopk(Algorithm):
             else:
                 exact = True
         if exact:
-            th = mag.kth_largest(k)
-        return mag.indices(th), th
+            th, count = mag.kth_largest(k), None
+        return mag.indices(th, count), th
 
     def _global_selection(
         self, comm: Comm, rmag: Magnitudes, state: Any, k: int, band: tuple[int, int], n: int
@@ -851,7 +855,7 @@ class OkTopk(Algorithm):
         exact = gth is None or state.global_exact_due or state.step % state.global_refresh == 0
         if not exact:
             cands = [gth * (1 + state.nudge) ** (j / 2) for j in range(-GLOBAL_NUDGES, GLOBAL_NUDGES + 1)]
-            table = self._counts(comm, [rmag.count(t) for t in cands])
+            table = self._counts(comm, rmag.counts(cands))
             totals = table.sum(axis=0).tolist()
             fits = [j for j, t in enumerate(totals) if lo <= t <= hi]
             if fits:
@@ -873,8 +877,11 @@ class OkTopk(Algorithm):
         return OkTopk._counts(comm, [count])[:, 0].tolist()
 
     @staticmethod
-    def _counts(comm: Comm, counts: list[int]) -> np.ndarray:
-        """All-gather each rank's ``counts`` (the same length on every rank); return them by rank, ``[P, len]``."""
+    def _counts(comm: Comm, counts: Any) -> np.ndarray:
+        """All-gather each rank's ``counts`` (the same length on every rank); return them by rank, ``[P, len]``.
+
+        ``counts``: a list, an int64 array, or an int64 tensor already on the device (then read only once gathered).
+        """
         with comm.meta():
             t = upload(counts, comm.device)
             return comm.all_gather(t).view(comm.world_size, len(counts)).cpu().numpy()

@@ -58,6 +58,7 @@ __all__ = [
     "sum_sorted_runs",
     "Batch",
     "upload",
+    "mask_positions",
     "Magnitudes",
 ]
 
@@ -683,11 +684,28 @@ class Magnitudes:
             return int(np.count_nonzero(self._mask(threshold)))
         return int(torch.count_nonzero(self._mask(threshold)))
 
-    def indices(self, threshold: float) -> torch.Tensor:
-        """Sorted int64 positions of the values selected at ``threshold``."""
+    def counts(self, thresholds: list[float]) -> "np.ndarray | torch.Tensor":
+        """How many values are selected at each threshold: int64, on the host or, on the device path, left there.
+
+        On the device a kernel per threshold and no read: the caller reads
+        them (or all-gathers them first) once.
+        """
+        if self.host:
+            return np.array([np.count_nonzero(self._mask(t)) for t in thresholds], dtype=np.int64)
+        return torch.stack([torch.count_nonzero(self._mask(t)) for t in thresholds])
+
+    def indices(self, threshold: float, count: int | None = None) -> torch.Tensor:
+        """Sorted int64 positions of the values selected at ``threshold``.
+
+        With ``count`` (how many there are, as :meth:`count` said) the device
+        path finds them without waiting for the device (:func:`mask_positions`).
+        """
         if self.host:
             return torch.from_numpy(np.flatnonzero(self._mask(threshold)).astype(np.int64, copy=False))
+        if count is not None:
+            return mask_positions(self._mask(threshold), count)
         return self._mask(threshold).nonzero().view(-1)
+
 
     def kth_largest(self, k: int) -> float:
         """The ``k``-th largest value, exactly (``1 <= k <= numel``)."""
@@ -707,7 +725,21 @@ class Magnitudes:
             out = np.concatenate((above, np.flatnonzero(self.mag == th)[: k - above.size])).astype(np.int64, copy=False)
             out.sort()
             return torch.from_numpy(out)
-        th = torch.topk(self.mag, k, sorted=False).values.min()
-        above = (self.mag > th).nonzero().view(-1)
-        tied = (self.mag == th).nonzero().view(-1)[: k - above.numel()]
-        return torch.cat((above, tied)).sort().values
+        th = torch.topk(self.mag, k, sorted=False).values.min()  # stays on the device
+        above = self.mag > th
+        count = int(torch.count_nonzero(above))  # the one host read
+        tied = mask_positions(self.mag == th, k - count)  # the first k - count of those tied
+        return torch.cat((mask_positions(above, count), tied)).sort().values
+
+
+def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Return the sorted int64 positions of the ``count`` set elements of 1-D bool ``mask``, with no host read.
+
+    ``mask.nonzero()`` must learn its output size from the device first (a
+    host sync); here the caller knows it: the ``j``-th set element sits
+    where the running count of set elements first reaches ``j + 1``.
+    """
+    if count == 0:
+        return torch.empty(0, dtype=torch.int64, device=mask.device)
+    running = torch.cumsum(mask, 0)
+    return torch.searchsorted(running, torch.arange(1, count + 1, device=mask.device))

@@ -45,7 +45,8 @@ class BoundaryState:
 
     def __init__(self, refresh: int = 64) -> None:
         self.refresh = _check_int("boundary_refresh", refresh)
-        self.cuts: torch.Tensor | None = None
+        #: The ``P + 1`` cut points, on the host (read every call: never from a device).
+        self.cuts: list[int] | None = None
         self.calls = 0
         self.size = -1
         self.world_size = -1
@@ -59,7 +60,7 @@ class BoundaryState:
         """
         if self.due(size, world_size):
             return None
-        return self.cuts.tolist()  # type: ignore[union-attr]
+        return list(self.cuts)  # type: ignore[arg-type]
 
     def due(self, size: int, world_size: int) -> bool:
         """Return whether the next :meth:`get` refreshes the cuts (collectively)."""
@@ -75,10 +76,10 @@ class BoundaryState:
         """
         p = comm.world_size
         if self.due(size, p):
-            self.cuts = self._compute(indices, size, comm)
+            self.cuts = self._compute(indices, size, comm).tolist()
             self.size, self.world_size, self.calls = size, p, 0
         self.calls += 1
-        return self.cuts.tolist()
+        return list(self.cuts)  # type: ignore[arg-type]
 
     @staticmethod
     def _compute(indices: torch.Tensor, size: int, comm: Comm) -> torch.Tensor:
@@ -103,7 +104,7 @@ class BoundaryState:
         """Return the boundaries as plain data."""
         return {
             "refresh": self.refresh,
-            "cuts": None if self.cuts is None else self.cuts.tolist(),
+            "cuts": None if self.cuts is None else list(self.cuts),
             "calls": self.calls,
             "size": self.size,
             "world_size": self.world_size,
@@ -112,7 +113,7 @@ class BoundaryState:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.refresh = _check_int("boundary_refresh", d["refresh"])
-        self.cuts = None if d["cuts"] is None else torch.tensor(d["cuts"], dtype=torch.int64)
+        self.cuts = None if d["cuts"] is None else [int(c) for c in d["cuts"]]
         self.calls, self.size, self.world_size = int(d["calls"]), int(d["size"]), int(d["world_size"])
 
 

@@ -179,7 +179,7 @@ def test_oktopk_payload_fits_the_slot_at_1024_ranks():
     comm = _comm(1024)
     algo = OkTopk()
     st = OkTopk._state(comm, 1 << 20, algo.knobs)
-    st.bounds.cuts = torch.arange(1025, dtype=torch.int64) * 1024
+    st.bounds.cuts = (torch.arange(1025, dtype=torch.int64) * 1024).tolist()
     st.bounds.size, st.bounds.world_size, st.bounds.calls = 1 << 20, 1024, 1
     assert isinstance(st, _ExactState)
     idx = torch.arange(0, 1 << 20, 97, dtype=torch.int64)
