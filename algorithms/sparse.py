@@ -225,6 +225,9 @@ class Batch:
     def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, int]], acc: torch.dtype) -> None:
         device = items[0][1].device
         t = self.count = len(items)
+        if t == 1:
+            self._one(*items[0], acc)
+            return
         sizes = [n for _, _, n in items]
         self.ks = ks = [i.numel() for i, _, _ in items]
         self.at, self.k = offsets(sizes), sum(ks)
@@ -253,17 +256,38 @@ class Batch:
         runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
         torch.cumsum(starts, 0, out=runs[1:])
         cut = torch.searchsorted(self.sorted, at)
-        #: ``[any index out of range, unique count of tensor 0, of tensor 1, ...]``: the caller reads it once.
+        #: ``[any index out of range, unique count of tensor 0, of tensor 1, ...]``, read once by the caller.
         self.stats = torch.cat((bad.any().view(1).to(torch.int64), runs[cut[1:]] - runs[cut[:-1]]))
         self.runs = runs[1:] - 1
+
+    def _one(self, indices: torch.Tensor, values: torch.Tensor, n: int, acc: torch.dtype) -> None:
+        """A batch of one tensor: no offsets, no per-tensor bookkeeping (a third of the kernels)."""
+        raw, self.n = indices.to(torch.int64), n
+        self.ks, self.at, self.k = [raw.numel()], [0, n], raw.numel()
+        self.sorted_in = (raw[1:] > raw[:-1]).all()  # sorted and unique
+        self.sorted, order = torch.sort(raw, stable=True)
+        self.vals = values.to(acc).index_select(0, order)
+        self.starts = torch.ones(self.k, dtype=torch.bool, device=raw.device)
+        torch.ne(self.sorted[1:], self.sorted[:-1], out=self.starts[1:])
+        #: ``[smallest index, largest index, unique count]``, read once by the caller.
+        self.stats = (torch.stack((self.sorted[0], self.sorted[-1], self.starts.sum())) if self.k
+                      else torch.zeros(3, dtype=torch.int64, device=raw.device))
+
+    def out_of_range(self, stats: list[int]) -> bool:
+        """Whether an index of the batch is outside its tensor's ``[0, size)``, from :attr:`stats` as read."""
+        if self.count == 1:
+            return self.k > 0 and (stats[0] < 0 or stats[1] >= self.n)
+        return bool(stats[0])
 
     def finish(self, stats: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Return each tensor's sorted unique int64 indices (in its own index space) and summed rows.
 
         ``stats`` is :attr:`stats` as read to the host; a batch with an index
-        out of range (``stats[0]``) is the caller's error to raise first.
+        out of range (:meth:`out_of_range`) is the caller's error to raise first.
         Nothing more is read or uploaded: the device keeps its own copy of the counts.
         """
+        if self.count == 1:
+            return [self._finish_one(stats[2])]
         counts = stats[1:]
         u, device = sum(counts), self.sorted.device
         if u == self.k:
@@ -285,6 +309,15 @@ class Batch:
         if self.count > 1:
             uniq = uniq - self.base[owner]
         return list(zip(torch.split(uniq, counts), torch.split(sums, counts)))
+
+    def _finish_one(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if u == self.k:  # unique: its rows from +0, unless the input came sorted (as coalesce keeps it)
+            return self.sorted, torch.where(self.sorted_in, self.vals, self.vals + 0.0)
+        pos = mask_positions(self.starts, u)
+        lengths = torch.diff(pos, append=pos.new_full((1,), self.k))
+        sums = (torch.segment_reduce(self.vals, "sum", lengths=lengths, axis=0, unsafe=True)
+                if self.vals.shape[1] else self.vals.new_zeros((u, 0)))
+        return self.sorted.index_select(0, pos), sums
 
     def span(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After :meth:`finish`: tensors ``first..last`` (positions in the batch) as one, laid end to end from 0.

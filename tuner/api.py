@@ -521,7 +521,7 @@ def coalesce_checked(
         return [coalesce(i, v, acc) for i, v, _ in items]
     batch = Batch(items, acc)
     stats = batch.stats.tolist()
-    if stats[0]:
+    if batch.out_of_range(stats):
         for j, (indices, _, n) in enumerate(items):
             try:
                 _check_range(indices, n)

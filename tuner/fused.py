@@ -314,18 +314,17 @@ class _FusedCall:
             batches = [(members, Batch([checked[t] for t in members], accum_dtype(dtype)))
                        for (_, dtype), members in groups.items()]
             stats = torch.cat([b.stats for _, b in batches]).tolist()
-            if any(stats[at] for at in offsets([len(m) + 1 for m, _ in batches])[:-1]):
+            at = offsets([b.stats.numel() for _, b in batches])
+            if any(b.out_of_range(stats[at[j] : at[j + 1]]) for j, (_, b) in enumerate(batches)):
                 for t, (indices, _, n) in enumerate(checked):
                     try:
                         _check_range(indices, n)
                     except ColltuneError as exc:
                         raise _named(exc, t)
             done = [None] * len(checked)  # type: ignore[list-item]
-            at = 0
-            for members, batch in batches:
-                for j, (t, got) in enumerate(zip(members, batch.finish(stats[at : at + len(members) + 1]))):
+            for b, (members, batch) in enumerate(batches):
+                for j, (t, got) in enumerate(zip(members, batch.finish(stats[at[b] : at[b + 1]]))):
                     done[t], self.batched[t] = got, (batch, j)
-                at += len(members) + 1
         self.idx = [i for i, _ in done]
         self.vals = [v for _, v in done]
 
