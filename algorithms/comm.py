@@ -326,7 +326,7 @@ class Comm:
             and ``device``; see the module docstring). Set once, here.
     """
 
-    __slots__ = ("group", "wire", "rank", "world_size", "device", "traffic", "direct", "staged", "_meta")
+    __slots__ = ("group", "wire", "rank", "world_size", "device", "traffic", "direct", "direct_record", "staged", "_meta")
 
     def __init__(
         self,
@@ -339,9 +339,13 @@ class Comm:
         self.group = group
         self.wire = wire if wire is not None else group
         self.staged = False
+        #: Whether the metadata record is gathered point to point: by backend and size alone, never by
+        #: code path, so that ranks on different paths still exchange records (and raise, not hang).
+        self.direct_record = False
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
+            self.direct_record = self.world_size > 2 and str(dist.get_backend(group)).lower() in DIRECT_BACKENDS
             if direct is None:
                 # At P = 2 the ring is one exchange already, and the backend's own call is cheaper. Host
                 # path only: gloo's point-to-point calls hand the backend raw host memory, and the device
@@ -474,14 +478,17 @@ class Comm:
             t[lo:hi].view(-1).copy_(flat[at : at + size])
             at += size
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Return the concatenation along dimension 0 of ``t`` from every rank, in rank order."""
+    def all_gather(self, t: torch.Tensor, *, direct: bool | None = None) -> torch.Tensor:
+        """Return the concatenation along dimension 0 of ``t`` from every rank, in rank order.
+
+        ``direct`` overrides :attr:`direct` (point to point) for this call.
+        """
         p = self.world_size
         if p == 1:
             return t
         t = t.contiguous()
         self._count("all_gather", (p - 1) * _nbytes(t), p - 1)
-        if self.direct:
+        if self.direct if direct is None else direct:
             return self._gather_direct(t)
         out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         if self.staged:

@@ -268,11 +268,16 @@ def exchange(
         if local_error is not None:
             raise local_error
         return [dict(record, magic=_MAGIC, version=_VERSION, error=0)], None
+    # The code path rides in the kind: a rank with CPU tensors (host path) and one with CUDA tensors
+    # (device path) run different collectives, so they raise here instead of hanging.
+    kind = name_of(record.get("kind", -1))
+    codes = {path: name_code(f"{kind} on the {path} path") for path in ("host", "device")}  # both, to name a peer's
+    record = dict(record, kind=codes["host" if comm.host else "device"])
     host, local_error = _pack_or_error(record, local_error, slot, slot_bytes(comm))
     hbytes = HEADER_BYTES
     row = upload(torch.from_numpy(host), comm.device)
     with comm.meta():
-        table = comm.all_gather(row).view(comm.world_size, row.numel())
+        table = comm.all_gather(row, direct=comm.direct_record).view(comm.world_size, row.numel())
     # One read of the whole table: the slots' readers (counts, sketches, payloads) need no other.
     host_table = table.numpy() if comm.host else table.cpu().numpy()
     records = Records(np.ascontiguousarray(host_table[:, :hbytes]).view(np.int64))
@@ -376,6 +381,9 @@ _SHARED_HINTS: dict[str, str] = {
     "and pass the same name= and knobs= on every rank",
     "row_shape": "pass values with the same row shape on every rank",
     "row_numel": "pass values with the same row shape on every rank",
+    "kind": "make the same call (sparse_allreduce, topk_allreduce or sparse_allreduce_many) on every rank, "
+    "with its tensors on the same kind of device everywhere (all CPU or all CUDA) and the same "
+    "COLLTUNE_DEVICE_PATH setting",
     "eager": _HISTORY_HINT,
     "payload": _HISTORY_HINT,
 }

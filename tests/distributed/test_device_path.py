@@ -342,3 +342,32 @@ def test_topk_gives_the_host_bits_on_the_device_path(world_size, algorithm):
             for key in ("indices", "sent", "values", "residual"):
                 assert same_bits(host[key], dev[key]), f"{where}: {key} differ between the paths"
             assert host["local_count"] == dev["local_count"] and host["global_count"] == dev["global_count"], where
+
+
+# ------------------------------------------------------------------ ranks on different paths
+
+
+def _one_rank_on_the_device_path(rank, world_size):
+    import colltune
+    from colltune.algorithms.errors import RankMismatchError
+
+    out = []
+    with device_path(rank == 1):  # as a CUDA rank among CPU ranks
+        for call in (lambda: colltune.sparse_allreduce(torch.tensor([1, 2]), torch.ones(2, 3), size=10),
+                     lambda: colltune.sparse_allreduce_many([(torch.tensor([1]), torch.ones(1), 4)])):
+            try:
+                call()
+                out.append("ok")
+            except RankMismatchError as exc:
+                out.append(str(exc))
+    res = colltune.sparse_allreduce(torch.tensor([1, 2]), torch.ones(2, 3), size=10)
+    out.append(res.values.sum().item())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_on_different_paths_raise_instead_of_hanging(world_size):
+    for out in pool(world_size).run(_one_rank_on_the_device_path, timeout=60):
+        for message in out[:2]:
+            assert "on the host path" in message and "rank 1: " in message and "on the device path" in message, message
+        assert out[2] == 6.0 * world_size  # the group stays usable
