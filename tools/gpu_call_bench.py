@@ -1,0 +1,168 @@
+"""Per-call time and host syncs of colltune on one device, beside ``all_reduce`` and densify + ``all_reduce``.
+
+What a call costs locally on a GPU: on one rank (NCCL refuses two ranks on
+one GPU) no byte crosses a wire, so the figure is the call's own work: its
+kernels, its host synchronizations and its Python. Per input (n rows,
+scalars or rows of 64, a density) the contenders run interleaved, round after
+round, each call between two ``torch.cuda.synchronize()``, and the table
+shows medians in ms, and the host syncs of one steady-state call counted with
+``torch.cuda.set_sync_debug_mode("warn")``:
+
+- ``all_reduce``: ``dist.all_reduce`` of the dense ``[n, *row]`` tensor;
+- ``densify+all_reduce``: ``index_put_`` of the entries into zeros, then the
+  same ``all_reduce`` (what DDP with dense gradients pays);
+- each algorithm, and ``auto``, through ``colltune.sparse_allreduce``.
+
+Top-k rows (``--topk``) time ``colltune.topk_allreduce`` per algorithm
+beside ``torch.topk`` alone, on flat tensors of 2^22 to 2^26 values.
+
+Usage (one GPU)::
+
+    python tools/gpu_call_bench.py --json gpu-calls.json
+    python tools/gpu_call_bench.py --log-n 16 20 24 --density 1e-4 1e-3 1e-2 --topk
+
+On a machine without CUDA it runs on the CPU over gloo (for tests; syncs
+are then not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import colltune  # noqa: E402
+from colltune.algorithms import names  # noqa: E402
+from colltune.algorithms.state import TopkState  # noqa: E402
+from colltune.cli.common import write_json  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _syncs(fn, device: torch.device) -> int | None:
+    """Host synchronizations of one call of ``fn`` (``None`` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _time(contenders: dict, device: torch.device, rounds: int, warmup: int) -> dict:
+    """Median ms per contender, interleaved round by round, and the syncs of one call."""
+    for _ in range(warmup):
+        for fn in contenders.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: {"ms": statistics.median(ts), "syncs": _syncs(contenders[name], device)}
+            for name, ts in times.items()}
+
+
+def _sparse_row(n: int, row: tuple[int, ...], density: float, device: torch.device, args) -> dict:
+    g = torch.Generator().manual_seed(n + len(row))
+    k = max(1, int(density * n))
+    idx = torch.randint(0, n, (k,), generator=g).to(device)
+    vals = torch.randn((k, *row), generator=g).to(device)
+    dense = torch.randn((n, *row), generator=g).to(device)
+
+    def densify_all_reduce():
+        out = torch.zeros((n, *row), device=device)
+        out.index_put_((idx,), vals, accumulate=True)
+        dist.all_reduce(out)
+
+    contenders = {"all_reduce": lambda: dist.all_reduce(dense), "densify+all_reduce": densify_all_reduce}
+    for algorithm in (*names(), "auto"):
+        contenders[algorithm] = (lambda a: lambda: colltune.sparse_allreduce(idx, vals, size=n, algorithm=a,
+                                                                            name=f"bench-{a}"))(algorithm)
+    return {"n": n, "row": list(row), "density": density, "k": k, **_time(contenders, device, args.rounds, args.warmup)}
+
+
+def _topk_row(n: int, density: float, device: torch.device, args) -> dict:
+    g = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, generator=g).to(device)
+    k = max(1, int(density * n))
+    contenders = {"torch.topk": lambda: torch.topk(grad.abs(), k, sorted=False)}
+    for algorithm in names():
+        state = TopkState(density=density)
+        contenders[algorithm] = (lambda a, s: lambda: colltune.topk_allreduce(grad, s, algorithm=a))(algorithm, state)
+    return {"topk_n": n, "density": density, **_time(contenders, device, args.rounds, args.warmup)}
+
+
+def _print(row: dict) -> None:
+    head = (f"n=2^{row['n'].bit_length() - 1} row={tuple(row['row'])} d={row['density']:g}" if "n" in row
+            else f"top-k n=2^{row['topk_n'].bit_length() - 1} d={row['density']:g}")
+    cells = [f"{name} {got['ms']:.3f} ms" + ("" if got["syncs"] is None else f" ({got['syncs']} syncs)")
+             for name, got in row.items() if isinstance(got, dict)]
+    print(f"{head:30s} " + " | ".join(cells), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--log-n", type=int, nargs="+", default=[16, 20, 24], help="rows, as powers of two")
+    ap.add_argument("--density", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2])
+    ap.add_argument("--rows", type=int, nargs="+", default=[0, 64], help="row widths (0: scalars)")
+    ap.add_argument("--topk", action="store_true", help="also top-k calls beside torch.topk")
+    ap.add_argument("--topk-log-n", type=int, nargs="+", default=[22, 24, 26])
+    ap.add_argument("--rounds", type=int, default=30, help="timed rounds per input")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)) \
+        if cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        else:
+            store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                                    device_id=device if cuda else None)
+    if cuda:
+        torch.cuda.set_device(device)
+    print(f"# {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}, "
+          f"P = {dist.get_world_size()}, medians of {args.rounds} rounds", flush=True)
+    rows = []
+    for log_n in args.log_n:
+        for width in args.rows:
+            for density in args.density:
+                rows.append(_sparse_row(1 << log_n, (width,) if width else (), density, device, args))
+                _print(rows[-1])
+    if args.topk:
+        for log_n in args.topk_log_n:
+            rows.append(_topk_row(1 << log_n, 1e-3, device, args))
+            _print(rows[-1])
+    if args.json:
+        write_json(args.json, {"device": str(device), "torch": torch.__version__, "rows": rows})
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
