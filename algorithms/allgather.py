@@ -139,9 +139,12 @@ def eager_slot(
 
 
 def _merge_bytes(c: Pricing) -> float:
-    """Memory traffic of merging ``P k_max`` gathered entries: a dense scratch when ``n <= 4 K``, else a sort."""
+    """Memory traffic of merging ``P k_max`` gathered entries: a dense scratch when ``n <= 4 K`` (host path), else a sort.
+
+    The device path always sorts (:func:`~colltune.algorithms.sparse.merge_sources`: no atomics).
+    """
     gathered = c.p * c.k_max * c.e
-    if c.n <= 4 * c.ksum:
+    if c.host and c.n <= 4 * c.ksum:
         return gathered + c.n * c.rba + c.ksum * c.rba + c.n + c.u * c.out_entry
     return gathered + c.ksum * math.log2(max(c.ksum, 2.0)) * 8.0 + c.ksum * (8.0 + c.rba) + c.u * c.out_entry
 
@@ -216,6 +219,9 @@ class Allgather(Algorithm):
              tune=("exact",)),
     )
     TERMS = ("metadata", "entries_gather", "merge")
+    #: The coalesce, the eager slot's copy, the record, the merged union's size; top-k: the record, the
+    #: count above the k-th largest, the merge.
+    HOST_SYNCS = {"exact": 4, "topk": 3}
     eager_entries = True
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

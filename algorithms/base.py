@@ -202,6 +202,10 @@ class Algorithm(abc.ABC):
     knob_minimums: ClassVar[dict[str, tuple[float, bool]]] = {}
     #: The names of the terms :meth:`schedule` returns, in order.
     TERMS: ClassVar[tuple[str, ...]] = ()
+    #: Host synchronizations of a steady-state call on the device path, by mode (``exact``, ``topk``): what
+    #: an NCCL profile's host cost multiplies (its ``host_sync_us``), and the ceiling the sync-budget test
+    #: holds the code to, so the model prices the syncs the code makes.
+    HOST_SYNCS: ClassVar[dict[str, int]] = {}
     #: True when :meth:`sparse_allreduce` applies ``SparseInput.op`` itself:
     #: for ``avg`` it divides each summed row by the world size in the
     #: accumulation dtype (the same bits as dividing the returned sum), which

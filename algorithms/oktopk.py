@@ -656,6 +656,9 @@ class OkTopk(Algorithm):
         "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
         "region_reduce", "threshold_all_reduce", "sizes_all_gather", "balance_p2p", "union_gather", "unpack",
     )
+    #: Exact: the coalesce, the record, the split's counts and merge, the reduced union's sizes, the
+    #: gather's; top-k adds the selection's counts, up to 4 while a reused threshold is nudged.
+    HOST_SYNCS = {"exact": 7, "topk": 12}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -126,6 +126,9 @@ class Pricing:
         if self.mode not in ("exact", "topk"):
             raise ColltuneValueError(f"`mode` must be 'exact' or 'topk', but got {self.mode!r}.")
         self.record_known = record_known
+        #: Whether the priced call runs on the host path (its merges may use a dense scratch; the device
+        #: path always sorts).
+        self.host = host
         self.record_bytes = float(sizes.record_bytes(self.p) if record_bytes is None else record_bytes)
         rpn = getattr(f, "ranks_per_node", None) or ranks_per_node
         self.p2p_gathers = p2p_gathers(self.p, rpn, host)

@@ -448,3 +448,34 @@ def test_cross_validate_leave_one_group_out(data: list[Measurement]) -> None:
         cross_validate(small, groups=[0, 1])
     with pytest.raises(ColltuneValueError, match="at least 2 groups"):
         cross_validate(small, groups=lambda m: 0)
+
+
+def test_an_nccl_profile_prices_the_hosts_cost_of_a_call():
+    from colltune.algorithms import get
+    from colltune.model.cost_model import AnalyticModel, Network
+    from colltune.model.features import Features
+    from colltune.model.profile import load_profile
+    from colltune.select.selector import shipped_profile
+
+    prof = load_profile(shipped_profile("nccl"))
+    net = Network.of(prof.meta)
+    assert (net.host_call_us, net.host_sync_us) == (423.0, 63.0)
+    feats = Features.build(numel=1 << 20, row_numel=1, dtype="float32", k_per_rank=[1000] * 8, union=6000)
+    terms = AnalyticModel(prof.primitives, network=net).terms(feats)
+    for alg, t in terms.items():
+        assert t["host"] == 423.0 + 63.0 * get(alg).HOST_SYNCS["exact"], alg
+    # Without a network (gloo profiles) or without the figures, no host term.
+    assert "host" not in AnalyticModel(prof.primitives).terms(feats)["dense"]
+    bare = Network.of({**prof.meta, "host_call_us": None, "host_sync_us": None})
+    assert "host" not in AnalyticModel(prof.primitives, network=bare).terms(feats)["dense"]
+
+
+def test_a_negative_host_cost_is_refused(tmp_path):
+    from colltune.model.profile import ProfileError, load_profile
+    from colltune.select.selector import shipped_profile
+
+    text = open(shipped_profile("nccl")).read().replace("host_sync_us: 63", "host_sync_us: -1")
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match="host_sync_us"):
+        load_profile(path)

@@ -301,11 +301,16 @@ class AnalyticModel:
             features: the call's global statistics.
 
         Returns:
-            ``{algorithm: {term: us}}`` with the terms of :attr:`TERMS`; the
+            ``{algorithm: {term: us}}`` with the terms of :attr:`TERMS`, and
+            ``host`` where the :attr:`network` prices the host's cost; the
             terms of an algorithm sum to its :meth:`predict` value.
         """
-        return {alg: {s.term: self._cost(s, features) for s in steps}
-                for alg, steps in self.schedule(features).items()}
+        out = {alg: {s.term: self._cost(s, features) for s in steps} for alg, steps in self.schedule(features).items()}
+        if self.network is not None and (self.network.host_call_us or self.network.host_sync_us):
+            mode = getattr(features, "mode", "exact") or "exact"
+            for alg, terms in out.items():
+                terms["host"] = self.network.host_us(alg, mode)
+        return out
 
     def predict(self, features: Features) -> dict[str, float]:
         """Return the predicted time of every algorithm, in microseconds."""
@@ -1000,22 +1005,41 @@ class Network:
     ranks spans ``ceil(P / ranks_per_node)`` nodes, as evenly as it can, and a
     group inside one node is priced as intra-node.
 
+    A call's local cost on the host joins its priced steps as the term
+    ``host``: ``host_call_us`` per call (the front door's Python, the
+    selector, the record) plus ``host_sync_us`` per host synchronization
+    (the host waits for the device's queue to drain and refills it), times
+    the algorithm's :attr:`~colltune.algorithms.base.Algorithm.HOST_SYNCS`.
+    Both come from the profile's ``meta`` (0 when absent).
+
     Attributes:
         gpu: the GPU generation (a section of ``profiles/nccl-tuning.yaml``).
         ranks_per_node: ranks per node when a call does not say (8 on DGX nodes).
         nic_gbps: inter-node bandwidth per GPU in Gbit/s, or ``None`` for the generation's.
+        host_call_us: the host's fixed cost of a call, in microseconds.
+        host_sync_us: the cost of one host synchronization, in microseconds.
     """
 
     gpu: str
     ranks_per_node: int = 8
     nic_gbps: float | None = None
+    host_call_us: float = 0.0
+    host_sync_us: float = 0.0
 
     @classmethod
     def of(cls, meta: Mapping[str, Any]) -> "Network | None":
         """Return the network an NCCL profile's ``meta`` names (``gpu``, ``ranks_per_node``, ``nic_gbps``), or ``None``."""
         if str(meta.get("backend", "")).lower() != "nccl" or not meta.get("gpu"):
             return None
-        return cls(str(meta["gpu"]), int(meta.get("ranks_per_node") or 8), meta.get("nic_gbps"))
+        return cls(str(meta["gpu"]), int(meta.get("ranks_per_node") or 8), meta.get("nic_gbps"),
+                   float(meta.get("host_call_us") or 0.0), float(meta.get("host_sync_us") or 0.0))
+
+    def host_us(self, algorithm: str, mode: str) -> float:
+        """Return the host's cost of one call of ``algorithm`` in ``mode`` (``exact`` or ``topk``), in microseconds."""
+        if not (self.host_call_us or self.host_sync_us):
+            return 0.0
+        syncs = registry.get(algorithm).HOST_SYNCS.get(mode, 0)
+        return self.host_call_us + self.host_sync_us * syncs
 
     def topology(self, features: Features) -> nccl.Topology:
         """Return the :class:`colltune.model.nccl.Topology` of a call with these features."""
