@@ -219,9 +219,9 @@ class Allgather(Algorithm):
              tune=("exact",)),
     )
     TERMS = ("metadata", "entries_gather", "merge")
-    #: The coalesce, the eager slot's copy, the record, the merged union's size; top-k: the record, the
-    #: count above the k-th largest, the merge.
-    HOST_SYNCS = {"exact": 4, "topk": 3}
+    #: The record (the coalesce's count and the eager slot ride in it, filled on the device), the merged
+    #: union's size; top-k: the record, the count above the k-th largest, the merge.
+    HOST_SYNCS = {"exact": 2, "topk": 3}
     eager_entries = True
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -29,8 +29,8 @@ class Dense(Algorithm):
 
     name = "dense"
     TERMS = ("metadata", "value_all_reduce", "mask_all_reduce", "densify_extract")
-    #: The coalesce's counts, the record, the union's size; top-k: the record.
-    HOST_SYNCS = {"exact": 3, "topk": 1}
+    #: The record (the coalesce's count rides in it), the union's size; top-k: the record.
+    HOST_SYNCS = {"exact": 2, "topk": 1}
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
         """The record, the values' and the mask's all_reduce, then densify and extract the union.

@@ -37,7 +37,7 @@ before anything is updated. The sizes are plain arithmetic in
 from __future__ import annotations
 
 import zlib
-from typing import Iterator, Mapping, Sequence, overload
+from typing import Callable, Iterator, Mapping, Sequence, overload
 
 import numpy as np
 import torch
@@ -238,6 +238,8 @@ def exchange(
     local_error: BaseException | None,
     slot: torch.Tensor | np.ndarray | None = None,
     labels: Mapping[str, tuple[str, str]] | None = None,
+    device_fields: Mapping[str, torch.Tensor] | None = None,
+    deferred_error: Callable[[], BaseException] | None = None,
 ) -> tuple[Sequence[dict[str, int]], torch.Tensor | None]:
     """All-gather ``record`` and check that every rank agrees; return every rank's record and eager slot.
 
@@ -251,6 +253,14 @@ def exchange(
         labels: for a call whose fields mean something else than a single
             tensor's (a fused call), what to call a shared field and how to
             fix a disagreement on it, by field name.
+        device_fields: fields whose values are still on the device (0-d
+            int64 tensors, e.g. a count no host read has seen): written into
+            the record there, so they reach the host with the gathered table,
+            in its one read. A device tensor ``slot`` is placed there too.
+            Ignored with a ``local_error``.
+        deferred_error: when this rank's own ``error`` field came from the
+            device (set in ``device_fields``), what to raise: called once the
+            table shows it, while the other ranks raise :class:`RemoteInputError`.
 
     Returns:
         ``(records, slots)``: every rank's record (a :class:`Records`, or a
@@ -273,9 +283,14 @@ def exchange(
     kind = name_of(record.get("kind", -1))
     codes = {path: name_code(f"{kind} on the {path} path") for path in ("host", "device")}  # both, to name a peer's
     record = dict(record, kind=codes["host" if comm.host else "device"])
-    host, local_error = _pack_or_error(record, local_error, slot, slot_bytes(comm))
+    cap = slot_bytes(comm)
+    on_device = (local_error is None and not comm.host and (device_fields or isinstance(slot, torch.Tensor))
+                 and (not isinstance(slot, torch.Tensor) or slot.numel() <= cap))
+    host, local_error = _pack_or_error(record, local_error, None if on_device else slot, cap)
     hbytes = HEADER_BYTES
     row = upload(torch.from_numpy(host), comm.device)
+    if on_device and local_error is None:
+        _fill_on_device(row, device_fields or {}, slot if isinstance(slot, torch.Tensor) else None)
     with comm.meta():
         table = comm.all_gather(row, direct=comm.direct_record).view(comm.world_size, row.numel())
     # One read of the whole table: the slots' readers (counts, sketches, payloads) need no other.
@@ -285,6 +300,8 @@ def exchange(
     # Checked column by column (a few NumPy operations whatever P); the per-rank loops only say what is wrong.
     if not ((head[:, _MAGIC_AT] == _MAGIC) & (head[:, _VERSION_AT] == _VERSION)).all():
         _check_versions(list(records))
+    if local_error is None and deferred_error is not None and head[comm.rank, _ERROR_AT]:
+        local_error = deferred_error()
     if local_error is not None:
         raise local_error
     if head[:, _ERROR_AT].any():
@@ -292,6 +309,17 @@ def exchange(
     if (head[:, _SHARED_AT] != head[:1, _SHARED_AT]).any():
         _check_shared(list(records), labels or {})
     return records, (table if comm.host else torch.from_numpy(host_table))[:, hbytes:]
+
+
+def _fill_on_device(row: torch.Tensor, fields: Mapping[str, torch.Tensor], slot: torch.Tensor | None) -> None:
+    """Write device-held fields and a device slot into an uploaded record, on the device (no host read)."""
+    if fields:
+        head = row[:HEADER_BYTES].view(torch.int64)
+        for name, value in fields.items():
+            head[FIELDS.index(name)] = value
+    if slot is not None:  # its size was checked against the room
+        flat = slot.reshape(-1)
+        row[HEADER_BYTES : HEADER_BYTES + flat.numel()] = flat
 
 
 class Records(Sequence[dict[str, int]]):

@@ -273,6 +273,31 @@ class Batch:
         self.stats = (torch.stack((self.sorted[0], self.sorted[-1], self.starts.sum())) if self.k
                       else torch.zeros(3, dtype=torch.int64, device=raw.device))
 
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A batch of one tensor, coalesced with no host read: its rows padded to the input's ``k``.
+
+        Returns ``(indices, values, count, bad)``: ``[k]`` int64 indices and
+        ``[k, r]`` rows of which the first ``count`` (a 0-d device tensor)
+        are the coalesced entries, the bits :meth:`finish` gives, the rest
+        indices equal to the size (past every real one) with zero rows; and
+        ``bad``, a 0-d device bool: an index is out of range. The caller
+        learns ``count`` later (it rides in the metadata record) and slices.
+        """
+        k, device = self.k, self.sorted.device
+        count = self.stats[2]
+        if k == 0:
+            return self.sorted, self.vals, count, torch.zeros((), dtype=torch.bool, device=device)
+        bad = (self.stats[0] < 0) | (self.stats[1] >= self.n)
+        pos = torch.searchsorted(torch.cumsum(self.starts, 0), torch.arange(1, k + 1, device=device))  # k past the end
+        lengths = torch.diff(pos, append=pos.new_full((1,), k))
+        pos = pos.clamp_(max=k - 1)
+        sums = (torch.segment_reduce(self.vals, "sum", lengths=lengths, axis=0, unsafe=True)
+                if self.vals.shape[1] else self.vals.new_zeros(self.vals.shape))
+        sums = torch.where(self.sorted_in & (count == k), self.vals, sums)  # sorted unique input: its rows as they came
+        real = torch.arange(k, device=device) < count
+        idx = torch.where(real, self.sorted.index_select(0, pos), self.n)
+        return idx, sums, count, bad
+
     def out_of_range(self, stats: list[int]) -> bool:
         """Whether an index of the batch is outside its tensor's ``[0, size)``, from :attr:`stats` as read."""
         if self.count == 1:

@@ -802,8 +802,10 @@ def _sparse_allreduce(
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
         error, call.slot, call.eager, call.sketch_bytes, call.payload_bytes = (
             _input_error(exc), None, _meta.EAGER_NONE, 0, 0)
-    records, slots = _meta.exchange(comm, call.record, error, call.slot)
+    records, slots = _meta.exchange(comm, call.record, error, call.slot, device_fields=call.device_fields,
+                                    deferred_error=call.deferred_error)
     counts = tuple(rec["count"] for rec in records)
+    call.settle(counts)
     algorithm, decision = call.decide(algorithm, counts, slots, name)
     inp = call.sparse_input(counts, slots, op, algorithm)
     # Size the next call's eager slot from this one: the same records and
@@ -828,11 +830,14 @@ class _SparseCall:
         self.comm, self.record = comm, record
         self.sel: Any = None
         self.likely: str | None = None  # the algorithm whose payload the record carries
-        self.slot: np.ndarray | None = None
+        self.slot: np.ndarray | torch.Tensor | None = None
         self.eager, self.sketch_bytes, self.payload_bytes = _meta.EAGER_NONE, 0, 0
         self.knobs_checked: Any = None
         self.site: tuple = ()
         self.values: Any = None  # the caller's values (a COO tensor's, when one came)
+        #: Deferred coalesce (device path): the record's fields still on the device, and the range error.
+        self.device_fields: dict[str, torch.Tensor] | None = None
+        self.deferred_error: Callable[[], BaseException] | None = None
 
     def prepare(self, indices: Any, values: Any, size: Any, op: Any, group: Any, algorithm: Any,
                 knobs: dict[str, Any] | None, name: Any, policy: Any) -> None:
@@ -843,7 +848,11 @@ class _SparseCall:
         self.knobs_checked, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
         if algorithm == "dense":
             _check_dense_fits(n, vals.shape[1], values.dtype, comm.device)
-        ((idx, vals),) = coalesce_checked([(idx, vals, n)], accum_dtype(values.dtype))
+        self.site = (_KIND_SPARSE, name, n, vals.shape[1], values.dtype, comm.world_size, _group_key(group))
+        if self.can_defer(algorithm):
+            idx, vals = self.defer(idx, vals, n, accum_dtype(values.dtype))
+        else:
+            ((idx, vals),) = coalesce_checked([(idx, vals, n)], accum_dtype(values.dtype))
         self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
         self.values = values
         self.record.update(
@@ -854,12 +863,46 @@ class _SparseCall:
             op=_meta.name_code(op),
             algorithm=_meta.name_code(algorithm),
             policy=code,
-            count=idx.numel(),
+            count=idx.numel() if self.device_fields is None else 0,  # deferred: the device's count
         )
-        self.site = (_KIND_SPARSE, name, n, vals.shape[1], values.dtype, comm.world_size, _group_key(group))
         if comm.world_size > 1:
             self.fill_slot(algorithm)
         self.record["eager"], self.record["payload"] = self.eager, self.payload_bytes
+
+    def can_defer(self, algorithm: str) -> bool:
+        """Whether the coalesce can wait for the record: on the device path at P > 1, when nothing put in the
+        slot before the exchange needs the exact entries (no overlap sketch, no algorithm's own payload)."""
+        comm, sel = self.comm, self.sel
+        if comm.world_size == 1 or comm.host:
+            return False
+        likely = sel.last_choice(self.site) if sel is not None else algorithm
+        if likely is not None and type(algorithms.get(likely)).eager_payload is not algorithms.Algorithm.eager_payload:
+            return False
+        return not (algorithm == "auto" and sel is not None and sel.wants_sketch(self.site, self.backend))
+
+    def defer(self, idx: torch.Tensor, vals: torch.Tensor, n: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coalesce with no host read: the unique count and the range check ride in the record (see
+        :meth:`~colltune.algorithms.sparse.Batch.padded`); return the padded entries, cut by :meth:`settle`."""
+        pad_idx, pad_vals, count, bad = Batch([(idx, vals, n)], acc).padded()
+        code = _meta.name_code("indices")
+        self.device_fields = {"count": count, "error": bad.to(torch.int64),
+                              "error_arg": torch.where(bad, code, -1)}
+
+        def error() -> BaseException:
+            try:
+                _check_range(idx, n)
+            except ColltuneError as exc:
+                return exc
+            return _bad(ColltuneValueError, "indices", f"indices must be in [0, size) = [0, {n}).")
+
+        self.deferred_error = error
+        return pad_idx, pad_vals
+
+    def settle(self, counts: tuple[int, ...]) -> None:
+        """After the exchange: cut a deferred coalesce's padded entries to this rank's count (views)."""
+        if self.device_fields is not None:
+            u = counts[self.comm.rank]
+            self.idx, self.vals = self.idx[:u], self.vals[:u]
 
     def fill_slot(self, algorithm: str) -> None:
         """Fill the record's eager slot.
@@ -894,6 +937,9 @@ class _SparseCall:
                 self.eager = _meta.EAGER_ENTRIES
             entries = eager_slot(idx.to(comm.device), self.vals.to(comm.device), self.n, self.dtype,
                                  room - self.sketch_bytes)
+            if not parts and isinstance(entries, torch.Tensor):  # the record is filled on the device
+                self.slot = entries
+                return
             parts.append(entries if isinstance(entries, np.ndarray) else entries.cpu().numpy())
         if parts:
             self.slot = parts[0] if len(parts) == 1 else np.concatenate(parts)
