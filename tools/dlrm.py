@@ -20,8 +20,12 @@ from a fixed hidden logistic model of the ids and the dense features.
 
 Four ways to synchronize the gradients (``--mode``; the data, the seeds and
 the initial weights are the same for all, so the losses agree up to float
-rounding):
+rounding), and two baselines that do not synchronize:
 
+``none``                no synchronization: every rank trains its own copy (what a step costs without any)
+``none+fused-call``     ``none``, plus one ``colltune.sparse_allreduce_many`` over the embedding gradients
+                        after backward, its result unused: what the fused call adds to a step; at P = 1
+                        (no other rank to exchange with or wait for) the fused call's own local cost
 ``ddp-dense``           DDP over the whole model, dense embedding gradients (a 1.33 GB allreduce per step)
 ``ddp-sparse``          DDP over the whole model, sparse embedding gradients (gloo's sparse allreduce, per table)
 ``colltune-per-table``  DDP over the MLPs only; ``colltune.train.SparseGradSync`` (``fuse=False`` where it has
@@ -58,6 +62,20 @@ Usage::
     python tools/dlrm.py --ranks 4 --bench --steps 20 --repeats 3
     torchrun --nproc-per-node 4 tools/dlrm.py --mode colltune-fused    # the same code under torchrun
 
+On GPUs (``--device cuda``) the model, the tables, the batches and the
+gradients live on ``cuda:<local rank % GPUs>``, and every step (and every
+synchronizer call) is timed between ``torch.cuda.synchronize()`` calls; the
+DDP modes' sync time comes from CUDA events around the embedding buckets'
+collectives. The backend (``--backend``) is NCCL when every rank on the
+machine has a GPU of its own, else gloo with the ranks sharing the GPUs (a
+note says so; for testing). ``--bench`` on GPUs also interleaves ``none``
+and ``none+fused-call``. Modes NCCL cannot run are skipped with a line
+saying why (``ddp-sparse``: DDP cannot reduce sparse gradients on NCCL)::
+
+    torchrun --nproc-per-node 8 tools/dlrm.py --device cuda --bench --steps 20 --repeats 3   # NCCL, a GPU per rank
+    python tools/dlrm.py --ranks 1 --device cuda --mode none none+fused-call colltune-fused  # one GPU
+    python tools/dlrm.py --ranks 4 --device cuda --bench --scale 0.1   # on one GPU: 4 ranks share it over gloo
+
 Bytes sent: colltune's own counters for its calls; for DDP, the textbook
 volume of what it runs (ring allreduce ``2 L (P-1)/P``; gloo's sparse
 allreduce gathers every rank's entries: ``(P-1)`` times the local coalesced
@@ -92,10 +110,17 @@ import colltune  # noqa: E402
 from colltune.offline.launch import in_torchrun, run_here, run_local  # noqa: E402
 from colltune.train import SparseGradSync, sparse_parameters  # noqa: E402
 
-MODES = ("ddp-dense", "ddp-sparse", "colltune-per-table", "colltune-fused")
+MODES = ("ddp-dense", "ddp-sparse", "colltune-per-table", "colltune-fused", "none", "none+fused-call")
 DDP_MODES = ("ddp-dense", "ddp-sparse")
+#: The baselines that leave the gradients alone (their losses are compared only with each other at P > 1).
+UNSYNCED_MODES = ("none", "none+fused-call")
 #: What ``--bench`` interleaves step by step; ``ddp-dense`` runs after them, alone (memory).
 BENCH_MODES = ("ddp-sparse", "colltune-per-table", "colltune-fused")
+#: What ``--bench --device cuda`` interleaves: the baselines too.
+GPU_BENCH_MODES = ("none", "none+fused-call", *BENCH_MODES)
+#: Modes NCCL cannot run, and why (they are skipped with this line).
+NCCL_SKIPS = {"ddp-sparse": "DDP cannot reduce sparse gradients on NCCL (NCCL has no sparse allreduce; "
+                            "run it with --backend gloo)"}
 
 #: Rows of the 26 categorical fields of the Criteo Kaggle display-advertising data set (DLRM's counts).
 CRITEO_KAGGLE_ROWS = (
@@ -223,12 +248,14 @@ class FusedSync:
 
     Used by ``colltune-fused`` when ``SparseGradSync`` has no ``fuse`` option:
     the same layout (DDP over the dense tower, the tables outside it), the
-    same exact average, one call for all tables.
+    same exact average, one call for all tables. With ``apply=False``
+    (``none+fused-call``) the call's results are left unused: the gradients
+    stay this rank's own.
     """
 
-    def __init__(self, model: nn.Module, algorithm: str, bucket_cap_mb: float) -> None:
+    def __init__(self, model: nn.Module, algorithm: str, bucket_cap_mb: float, apply: bool = True) -> None:
         self.params = list(sparse_parameters(model).items())
-        self.algorithm, self.bucket_cap_mb = algorithm, bucket_cap_mb
+        self.algorithm, self.bucket_cap_mb, self.apply = algorithm, bucket_cap_mb, apply
         self.last_bytes = 0
         self.algorithms: list[str] = []
         self.buckets: list[list[int]] = []
@@ -242,13 +269,15 @@ class FusedSync:
         for _, p in self.params:
             g = p.grad
             if g is None:
-                items.append((torch.empty(0, dtype=torch.int64), p.new_empty((0, p.shape[1])), tuple(p.shape)))
+                items.append((torch.empty(0, dtype=torch.int64, device=p.device), p.new_empty((0, p.shape[1])),
+                              tuple(p.shape)))
             else:
                 items.append((g._indices()[0], g._values(), tuple(p.shape)))
         res = colltune.sparse_allreduce_many(items, op="avg", algorithm=self.algorithm,
                                              bucket_cap_mb=self.bucket_cap_mb, name="dlrm.emb")
-        for (_, p), r in zip(self.params, res):
-            p.grad = r.to_sparse_coo() if r.indices.numel() else None
+        if self.apply:
+            for (_, p), r in zip(self.params, res):
+                p.grad = r.to_sparse_coo() if r.indices.numel() else None
         self.last_bytes = int(res[0].traffic.bytes_sent) if res else 0
         self.algorithms = [r.algorithm for r in res]
         # The tensors of one bucket share its decision (or, forced, its algorithm): runs of one decision.
@@ -272,17 +301,43 @@ class DDPSyncTimer:
 
     The time of a step is the union of the intervals from the hook's call to
     its future's completion: how long an embedding gradient's collective was
-    in flight (DDP overlaps them with the rest of the backward pass).
+    in flight (DDP overlaps them with the rest of the backward pass). On a
+    GPU the host only enqueues the collectives, so the intervals come from
+    CUDA events instead: one where the bucket was ready (the hook), one where
+    its collective was done (the future's callback, whose streams wait for
+    it), measured from an event at the step's start (:meth:`begin`).
     """
 
-    def __init__(self, emb_params: list[nn.Parameter]) -> None:
+    def __init__(self, emb_params: list[nn.Parameter], device: torch.device | None = None) -> None:
         self.ids = {id(p) for p in emb_params}
         self.intervals: list[tuple[float, float]] = []
+        self.device = device if device is not None and device.type == "cuda" else None
+        self._ref: Any = None
+        self._events: list[tuple[Any, Any]] = []
+
+    def _event(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def begin(self) -> None:
+        """Mark the start of a step: forget earlier intervals (on a GPU, record the event they are measured from)."""
+        self.intervals, self._events = [], []
+        self._ref = self._event() if self.device is not None else None
 
     @staticmethod
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none given
         if not any(id(p) in state.ids for p in bucket.parameters()):
             return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+        if state.device is not None:
+            start = state._event()
+            fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+            def done_on_gpu(f: torch.futures.Future) -> torch.Tensor:
+                state._events.append((start, state._event()))
+                return f.value()
+
+            return fut.then(done_on_gpu)
         t0 = time.perf_counter()
         fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
 
@@ -294,6 +349,11 @@ class DDPSyncTimer:
 
     def take(self) -> float:
         """Return the seconds covered by the intervals since the last call, and forget them."""
+        if self.device is not None and self._ref is not None:
+            torch.cuda.synchronize(self.device)
+            for a, b in self._events:
+                self.intervals.append((self._ref.elapsed_time(a) / 1e3, self._ref.elapsed_time(b) / 1e3))
+            self._events = []
         total, end = 0.0, -math.inf
         for a, b in sorted(self.intervals):
             if b > end:
@@ -303,19 +363,29 @@ class DDPSyncTimer:
         return total
 
 
-def _build(mode: str, cfg: dict) -> tuple[nn.Module, DLRM, Any, Any, Any]:
-    """Return (module to call, the model, optimizer, synchronizer or None, DDP timer or None)."""
+def _build(mode: str, cfg: dict, device: torch.device) -> tuple[nn.Module, DLRM, Any, Any, Any]:
+    """Return (module to call, the model, optimizer, synchronizer or None, DDP timer or None), on ``device``."""
     torch.manual_seed(cfg["seed"])  # the same initial weights in every mode and on every rank
     model = DLRM(cfg["rows"], cfg["dim"], cfg["bot"], cfg["top"], sparse=mode != "ddp-dense")
+    # Built on the host (the same weights as on the CPU), then moved.
+    ddp_kw: dict[str, Any] = {}
+    if device.type == "cuda":
+        model = model.to(device)
+        ddp_kw["device_ids"] = [device.index]
     sync: Any = None
     timer = None
-    if mode in DDP_MODES:
+    if mode == "none":
+        net: nn.Module = model
+    elif mode == "none+fused-call":
+        net = model
+        sync = FusedSync(model, cfg["algorithm"], cfg["bucket_cap_mb"], apply=False)
+    elif mode in DDP_MODES:
         # init_sync=False: every rank built the same weights from the same seed (saves a 1.3 GB broadcast).
-        net: nn.Module = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, init_sync=False)
-        timer = DDPSyncTimer(list(model.emb.parameters()))
+        net = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, init_sync=False, **ddp_kw)
+        timer = DDPSyncTimer(list(model.emb.parameters()), device)
         net.register_comm_hook(timer, DDPSyncTimer.hook)  # type: ignore[operator]
     else:
-        model.dense = nn.parallel.DistributedDataParallel(model.dense, init_sync=False)  # type: ignore[assignment]
+        model.dense = nn.parallel.DistributedDataParallel(model.dense, init_sync=False, **ddp_kw)  # type: ignore[assignment]
         net = model
         fused = mode == "colltune-fused"
         if _has_fuse_option():
@@ -350,9 +420,10 @@ def _ddp_bytes(mode: str, model: DLRM, bags: list[tuple[torch.Tensor, torch.Tens
 class Run:
     """One mode's model, optimizer and synchronizer, trained one step at a time."""
 
-    def __init__(self, mode: str, cfg: dict, data: DLRMData, rank: int, p: int) -> None:
-        self.mode, self.cfg, self.data, self.rank, self.p = mode, cfg, data, rank, p
-        self.net, self.model, self.opt, self.sync, self.timer = _build(mode, cfg)
+    def __init__(self, mode: str, cfg: dict, data: DLRMData, rank: int, p: int,
+                 device: torch.device = torch.device("cpu")) -> None:
+        self.mode, self.cfg, self.data, self.rank, self.p, self.device = mode, cfg, data, rank, p, device
+        self.net, self.model, self.opt, self.sync, self.timer = _build(mode, cfg, device)
         self.impl = _impl(mode, self.sync)
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.times: list[float] = []
@@ -364,30 +435,46 @@ class Run:
             inner = self.sync.synchronize
 
             def timed() -> None:
+                self._wait_gpu()  # on a GPU: the call's own time, not the backward kernels still queued
                 t0 = time.perf_counter()
                 inner()
+                self._wait_gpu()
                 self._sync_t += time.perf_counter() - t0
 
             self.sync.synchronize = timed  # the optimizer hook calls it through the instance
 
+    def _wait_gpu(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def step(self, step: int, log: bool) -> None:
         """Train one step on this rank's batch ``step`` (the same batch in every mode)."""
         dense, bags, y = self.data.batch(self.rank, step, self.cfg["batch"])
+        host_bags = bags
+        if self.device.type == "cuda":  # the batch is on the GPU before the step starts
+            dense, y = dense.to(self.device), y.to(self.device)
+            bags = [(ids.to(self.device), offsets.to(self.device)) for ids, offsets in bags]
         if self.p > 1:
             dist.barrier()  # every mode's step starts with the ranks aligned
         self._sync_t = 0.0
+        self._wait_gpu()
         if self.timer is not None:
-            self.timer.take()
+            self.timer.begin()
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.net(dense, bags), y)
         loss.backward()
         self.opt.step()  # colltune modes: the synchronizer runs here, before the update
+        self._wait_gpu()
         self.times.append(time.perf_counter() - t0)
         self.sync_times.append(self.timer.take() if self.timer is not None else self._sync_t)
         self.losses.append(float(loss.detach()))
-        if self.sync is None:
-            nbytes = _ddp_bytes(self.mode, self.model, bags, self.p)
+        if self.mode == "none":
+            nbytes = 0
+        elif self.mode == "none+fused-call":  # the call's own counter; nothing else is sent
+            nbytes = int(self.sync.last_bytes)
+        elif self.sync is None:
+            nbytes = _ddp_bytes(self.mode, self.model, host_bags, self.p)
         else:  # the synchronizer's own counter, plus DDP's ring allreduce of the dense tower
             dense_bytes = sum(q.numel() * q.element_size() for q in self.model.dense.parameters())
             nbytes = int(self.sync.last_bytes) + _ring_bytes(dense_bytes, self.p)
@@ -397,6 +484,10 @@ class Run:
                   f"sync {self.sync_times[-1] * 1e3:8.1f} ms  sent {nbytes / 2**20:8.2f} MiB", flush=True)
 
     def algorithms(self) -> dict[str, str]:
+        if self.mode == "none":
+            return {"emb.*": "none (not synchronized)", "dense.*": "none (not synchronized)"}
+        if self.mode == "none+fused-call":
+            return {**self.sync.summary(), "dense.*": "none (not synchronized)"}
         if self.sync is None:
             what = "allreduce (DDP, dense gradient)" if self.mode == "ddp-dense" else \
                 "gloo sparse allreduce (DDP: coalesce, allgather), one per table"
@@ -422,7 +513,9 @@ class Run:
         """Gather the slowest rank's step and sync times and the peak RSS, free the model; return the record."""
         t = torch.tensor([self.times, self.sync_times], dtype=torch.float64)
         if self.p > 1:  # a step takes as long as its slowest rank
+            t = t.to(_comm_device(self.device))
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            t = t.cpu()
         out = {
             "mode": self.mode,
             "implementation": self.impl,
@@ -436,10 +529,16 @@ class Run:
             self.sync.detach()  # its gradient hooks live on the parameters: a cycle gc cannot see, 1.3 GB a model
         self.net = self.model = self.opt = self.sync = self.timer = None  # type: ignore[assignment]
         gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         return out
 
 
 def _impl(mode: str, sync: Any) -> str:
+    if mode == "none":
+        return "no synchronization (every rank trains its own copy)"
+    if mode == "none+fused-call":
+        return "no synchronization + one sparse_allreduce_many over the embedding gradients, its result unused"
     if mode in DDP_MODES:
         return "DistributedDataParallel(whole model)" + (", sparse gradients" if mode == "ddp-sparse" else "")
     if isinstance(sync, FusedSync):
@@ -448,18 +547,45 @@ def _impl(mode: str, sync: Any) -> str:
     return f"DDP(dense tower) + SparseGradSync(dense='skip'{fuse})"
 
 
-def _peak_rss_mib(p: int) -> list[float]:
-    """Every rank's peak resident memory so far, in MiB."""
-    mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+def _comm_device(device: torch.device) -> torch.device:
+    """Where this tool's own bookkeeping collectives run: the rank's GPU on NCCL, the host on gloo."""
+    return device if str(dist.get_backend()).lower() == "nccl" else torch.device("cpu")
+
+
+def _gather_value(value: float, p: int, device: torch.device) -> list[float]:
+    """Every rank's ``value``, in rank order."""
+    mine = torch.tensor([value], dtype=torch.float64)
     if p == 1:
         return mine.tolist()
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(p)]
-    dist.all_gather(out, mine)
+    at = _comm_device(device)
+    out = [torch.zeros(1, dtype=torch.float64, device=at) for _ in range(p)]
+    dist.all_gather(out, mine.to(at))
     return [float(x) for x in out]
+
+
+def _peak_rss_mib(p: int, device: torch.device = torch.device("cpu")) -> list[float]:
+    """Every rank's peak resident memory so far, in MiB."""
+    return _gather_value(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, p, device)
+
+
+def _peak_gpu_mib(p: int, device: torch.device) -> list[float]:
+    """Every rank's peak GPU memory allocated by torch so far, in MiB."""
+    return _gather_value(torch.cuda.max_memory_allocated(device) / 2**20, p, device)
+
+
+def rank_device(rank: int, cfg: dict) -> torch.device:
+    """This rank's device: the host, or ``cuda:<local rank % GPUs>``, made the current device."""
+    if cfg.get("device", "cpu") != "cuda":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's; a local launch's ranks are all on this machine
+    device = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(device)  # NCCL's communicators and barriers use the current device
+    return device
 
 
 def rank_main(rank: int, world_size: int, cfg: dict) -> dict | None:
     """Run every requested mode on this rank; rank 0 returns the runs and the peak RSS of every rank."""
+    device = rank_device(rank, cfg)
     data = DLRMData(cfg["rows"], cfg["zipf"], cfg["seed"])
     runs = []
     every = cfg["log_every"]
@@ -475,7 +601,7 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict | None:
             if rank == 0 and every:
                 print(f"== {', '.join(interleaved)}: interleaved per step (repeat {rep + 1} of {cfg['repeats']}, "
                       f"P={world_size})", flush=True)
-            active = [Run(m, cfg, data, rank, world_size) for m in interleaved]
+            active = [Run(m, cfg, data, rank, world_size, device) for m in interleaved]
             for step in range(cfg["steps"]):
                 k = step % len(active)
                 for r in active[k:] + active[:k]:
@@ -485,7 +611,7 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict | None:
         else:
             done = []
             for mode in interleaved:
-                r = Run(mode, cfg, data, rank, world_size)
+                r = Run(mode, cfg, data, rank, world_size, device)
                 for step in range(cfg["steps"]):
                     r.step(step, logs(step, cfg["steps"]))
                 done.append(r.finish())
@@ -495,12 +621,13 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict | None:
             runs.append(run)
             if rank == 0:
                 _print_run(run, cfg["skip"])
-    rss_interleaved = _peak_rss_mib(world_size)
+    rss_interleaved = _peak_rss_mib(world_size, device)
+    gpu_interleaved = _peak_gpu_mib(world_size, device) if device.type == "cuda" else None
     if cfg["bench"] and "ddp-dense" in cfg["modes"] and cfg["dense_steps"] > 0:
         steps = min(cfg["dense_steps"], cfg["steps"])
         if rank == 0 and every:
             print(f"== ddp-dense alone, {steps} steps (P={world_size})", flush=True)
-        r = Run("ddp-dense", cfg, data, rank, world_size)
+        r = Run("ddp-dense", cfg, data, rank, world_size, device)
         for step in range(steps):
             r.step(step, logs(step, steps))
         run = r.finish()
@@ -509,8 +636,11 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict | None:
         runs.append(run)
         if rank == 0:
             _print_run(run, cfg["dense_skip"])
-    rss = _peak_rss_mib(world_size)
-    return {"runs": runs, "peak_rss_mib": rss, "peak_rss_mib_interleaved": rss_interleaved} if rank == 0 else None
+    rss = _peak_rss_mib(world_size, device)
+    out = {"runs": runs, "peak_rss_mib": rss, "peak_rss_mib_interleaved": rss_interleaved}
+    if device.type == "cuda":
+        out["peak_gpu_mib"], out["peak_gpu_mib_interleaved"] = _peak_gpu_mib(world_size, device), gpu_interleaved
+    return out if rank == 0 else None
 
 
 def _skip_of(mode: str, cfg: dict) -> int:
@@ -529,16 +659,20 @@ def _print_run(run: dict, skip: int) -> None:
         print(f"     {tensor:<30} {algo}")
 
 
-def loss_gaps(runs: list[dict]) -> dict:
+def loss_gaps(runs: list[dict], world_size: int = 1) -> dict:
     """Largest relative gap between the per-step training losses of every two modes.
 
     Every run starts from the same weights and sees the same batches, so a
     run's loss at step ``k`` is comparable with any other run's at step ``k``.
+    At P > 1 the modes that do not synchronize (``none``, ``none+fused-call``)
+    are compared only with each other: their ranks train apart.
     """
     out: dict[str, Any] = {"pairs": {}, "largest": 0.0}
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     for i, a in enumerate(modes):
         for b in modes[i + 1 :]:
+            if world_size > 1 and (a in UNSYNCED_MODES) != (b in UNSYNCED_MODES):
+                continue
             gap = 0.0
             for ra in (r for r in runs if r["mode"] == a):
                 for rb in (r for r in runs if r["mode"] == b):
@@ -573,6 +707,13 @@ def summarize(res: dict, cfg: dict, world_size: int) -> dict:
         "table_rows": cfg["rows"], "total_rows": sum(cfg["rows"]),
         "peak_rss_mib": res["peak_rss_mib"], "peak_rss_mib_interleaved": res["peak_rss_mib_interleaved"],
     }
+    if "peak_gpu_mib" in res:
+        out["peak_gpu_mib"], out["peak_gpu_mib_interleaved"] = res["peak_gpu_mib"], res["peak_gpu_mib_interleaved"]
+    if "none" in per_mode:  # what each way of synchronizing adds to a step that synchronizes nothing
+        base = per_mode["none"]["median_step_ms"]
+        out["step_ms_over_none"] = {m: v["median_step_ms"] - base for m, v in per_mode.items() if m != "none"}
+    if "none+fused-call" in per_mode:  # the fused call alone, its local work included
+        out["fused_call_ms"] = per_mode["none+fused-call"]["median_sync_ms"]
     ddp = [m for m in DDP_MODES if m in per_mode]
     if ddp and "colltune-fused" in per_mode:
         best = min(ddp, key=lambda m: per_mode[m]["median_step_ms"])
@@ -586,7 +727,7 @@ def summarize(res: dict, cfg: dict, world_size: int) -> dict:
         out["sync_ratio_per_step"] = _step_ratios(runs, "colltune-per-table", "colltune-fused", "sync_times", cfg["skip"])
         out["step_ratio_per_table_vs_fused"] = (per_mode["colltune-per-table"]["median_step_ms"]
                                                 / per_mode["colltune-fused"]["median_step_ms"])
-    out["loss_gaps"] = loss_gaps(runs)
+    out["loss_gaps"] = loss_gaps(runs, world_size)
     return out
 
 
@@ -609,26 +750,38 @@ def _print_summary(s: dict) -> None:
     gb = s["total_rows"] * cfg["dim"] * 4 / 1e9
     print(f"\n== summary (P={s['world_size']}, {len(s['table_rows'])} tables, {s['total_rows']:,} rows x {cfg['dim']} "
           f"= {gb:.2f} GB fp32 per model, batch {cfg['batch']} per rank; medians over {cfg['repeats']} repeats of "
-          f"{cfg['steps']} steps, first {cfg['skip']} not timed)")
+          f"{cfg['steps']} steps, first {cfg['skip']} not timed"
+          + (f"; on {cfg['device']} over {cfg['backend']}" if cfg.get("device", "cpu") != "cpu" else "") + ")")
     print(f"{'mode':<20} {'step ms':>9} {'sync ms':>9} {'MiB/step':>9} {'final loss':>11}  per repeat (ms)")
     for mode, v in s["modes"].items():
         print(f"{mode:<20} {v['median_step_ms']:9.1f} {v['median_sync_ms']:9.1f} {v['mib_per_step']:9.2f} "
               f"{v['final_loss']:11.6f}  {v['step_ms_per_repeat']} ({v['steps_timed']} steps timed)")
     if "speedup_fused_vs_best_ddp" in s:
         sp = s["speedup_fused_vs_best_ddp"]
-        print(f"colltune-fused vs the faster DDP mode ({s['best_ddp']}): {sp:.2f}x faster per step "
-              f"(median of per-step ratios vs ddp-sparse: {s['speedup_fused_vs_ddp_sparse_per_step']:.2f}); "
+        vs_sparse = (f" (median of per-step ratios vs ddp-sparse: {s['speedup_fused_vs_ddp_sparse_per_step']:.2f})"
+                     if "ddp-sparse" in s["modes"] else "")
+        print(f"colltune-fused vs the faster DDP mode ({s['best_ddp']}): {sp:.2f}x faster per step{vs_sparse}; "
               f"target >= 1.5: {'met' if sp >= 1.5 else 'NOT met'}")
     if "sync_ratio_per_table_vs_fused" in s:
         r = s["sync_ratio_per_table_vs_fused"]
         print(f"sparse sync time, colltune-per-table / colltune-fused: {r:.2f}x (median of per-step ratios: "
               f"{s['sync_ratio_per_step']:.2f}; step time ratio {s['step_ratio_per_table_vs_fused']:.2f}x); "
               f"target >= 1.3: {'met' if r >= 1.3 else 'NOT met'}")
+    if "fused_call_ms" in s:
+        over = s.get("step_ms_over_none", {}).get("none+fused-call")
+        print(f"the fused call's own cost (none+fused-call: one sparse_allreduce_many per step): "
+              f"{s['fused_call_ms']:.1f} ms in the call" + (f", {over:+.1f} ms per step over none" if over is not None else ""))
+    if "step_ms_over_none" in s:
+        print("step time over none (no synchronization): "
+              + ", ".join(f"{m} {d:+.1f} ms" for m, d in s["step_ms_over_none"].items()))
     g = s["loss_gaps"]
     print(f"largest loss gap between modes (relative, per step): {g['largest']:.2e}"
           + "".join(f"\n     {k:<40} {v:.2e}" for k, v in g["pairs"].items()))
     print(f"peak RSS per rank (MiB): {[round(x) for x in s['peak_rss_mib']]} "
           f"(after the interleaved modes: {[round(x) for x in s['peak_rss_mib_interleaved']]})")
+    if "peak_gpu_mib" in s:
+        print(f"peak GPU memory allocated per rank (MiB): {[round(x) for x in s['peak_gpu_mib']]} "
+              f"(after the interleaved modes: {[round(x) for x in s['peak_gpu_mib_interleaved']]})")
 
 
 def _sizes(text: str) -> list[int]:
@@ -641,7 +794,13 @@ def parse_args(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ranks", type=int, default=4, help="local ranks to start (ignored under torchrun)")
     ap.add_argument("--mode", nargs="+", choices=MODES, default=["colltune-fused"], help="how gradients are synchronized")
     ap.add_argument("--bench", action="store_true",
-                    help=f"{', '.join(BENCH_MODES)} interleaved and repeated, then ddp-dense alone")
+                    help=f"{', '.join(BENCH_MODES)} interleaved and repeated, then ddp-dense alone "
+                         "(on cuda also none and none+fused-call)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model, the batches and the gradients live (cuda: cuda:<local rank %% GPUs>)")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                    help="process group backend (default: gloo on cpu; on cuda nccl when every rank has a GPU "
+                         "of its own, else gloo with ranks sharing GPUs)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the medians")
@@ -663,23 +822,67 @@ def parse_args(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None, help="write the runs and the summary to this file")
     a = ap.parse_args(argv)
     cfg = {k.replace("-", "_"): v for k, v in vars(a).items()}
-    cfg["modes"] = list(BENCH_MODES) + (["ddp-dense"] if a.dense_steps > 0 else []) if a.bench \
+    cfg["backend"], cfg["notes"] = resolve_backend(ap, a.device, a.backend, _local_ranks(a.ranks))
+    bench_modes = GPU_BENCH_MODES if a.device == "cuda" else BENCH_MODES
+    modes = list(bench_modes) + (["ddp-dense"] if a.dense_steps > 0 else []) if a.bench \
         else list(dict.fromkeys(a.mode))
+    cfg["skipped"] = {m: NCCL_SKIPS[m] for m in modes if cfg["backend"] == "nccl" and m in NCCL_SKIPS}
+    cfg["modes"] = [m for m in modes if m not in cfg["skipped"]]
+    if not cfg["modes"]:
+        ap.error("nothing to run on nccl: " + "; ".join(f"{m}: {why}" for m, why in cfg["skipped"].items()))
     cfg["rows"] = table_rows(a.max_rows, a.scale)
     cfg["bot"], cfg["top"] = _sizes(a.bot_mlp), _sizes(a.top_mlp)
     return cfg
 
 
+def _local_ranks(ranks: int) -> int:
+    """Ranks on this machine: torchrun's ``LOCAL_WORLD_SIZE`` under torchrun, else ``--ranks``."""
+    if in_torchrun():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return ranks
+
+
+def resolve_backend(ap: argparse.ArgumentParser, device: str, backend: str | None, local_ranks: int) -> tuple[str, list[str]]:
+    """Return the backend for ``--device`` and ``--backend`` and the notes to print; ``ap.error`` on what cannot run.
+
+    CPU: gloo. CUDA: NCCL when each of the ``local_ranks`` ranks on this
+    machine can have a GPU of its own, else gloo (ranks share GPUs: for
+    testing). Checked before any rank starts.
+    """
+    if device == "cpu":
+        if backend == "nccl":
+            ap.error("--backend nccl needs --device cuda (NCCL runs on GPUs only)")
+        return "gloo", []
+    if not torch.cuda.is_available():
+        ap.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
+                 f"torch.cuda.is_available() is False); use --device cpu")
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and local_ranks > gpus:
+        ap.error(f"--backend nccl needs a GPU per rank: {local_ranks} ranks on this machine, {gpus} GPU(s); "
+                 "leave --backend out or pass gloo to let ranks share GPUs")
+    chosen = backend or ("nccl" if local_ranks <= gpus else "gloo")
+    notes = []
+    if chosen == "gloo" and local_ranks > gpus:
+        notes.append(f"note: {local_ranks} ranks share {gpus} GPU(s) over gloo (cuda:<rank % {gpus}>): for testing, "
+                     "not for figures of a GPU per rank")
+    return chosen, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if not in_torchrun() or os.environ.get("RANK") == "0":
+        for line in cfg["notes"]:
+            print(line, flush=True)
+        for mode, why in cfg["skipped"].items():
+            print(f"skipping {mode}: {why}", flush=True)
     if in_torchrun():
-        res = run_here(rank_main, cfg, backend="gloo", pg_timeout=1800)
+        res = run_here(rank_main, cfg, backend=cfg["backend"], pg_timeout=1800)
         world_size = int(os.environ["WORLD_SIZE"])
         if res is None:
             return 0
     else:
         world_size = cfg["ranks"]
-        res = run_local(rank_main, world_size, cfg, backend="gloo", timeout=24 * 3600, pg_timeout=1800)[0]
+        res = run_local(rank_main, world_size, cfg, backend=cfg["backend"], timeout=24 * 3600, pg_timeout=1800)[0]
     summary = summarize(res, cfg, world_size)
     _print_summary(summary)
     if cfg["json"]:

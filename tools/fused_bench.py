@@ -30,6 +30,17 @@ Usage::
     python tools/fused_bench.py --ranks 2 4 --repeats 15
     python tools/fused_bench.py --bytes --ranks 8
     python tools/fused_bench.py --ranks 4 --json fused.json
+
+On GPUs (``--device cuda``) every rank's tensors live on ``cuda:<rank %
+GPUs>`` and each contender's call is timed between
+``torch.cuda.synchronize()`` calls. The backend (``--backend``) is NCCL at
+every P whose ranks each have a GPU of their own, else gloo with the ranks
+sharing the GPUs (a note says so; for testing). On NCCL the ``torch``
+contender is skipped with a line saying why (NCCL has no sparse allreduce)::
+
+    python tools/fused_bench.py --device cuda --ranks 2 4 8       # NCCL on an 8-GPU machine
+    python tools/fused_bench.py --device cuda --ranks 2           # on one GPU: 2 ranks share it over gloo
+    python tools/fused_bench.py --device cuda --bytes --ranks 8
 """
 
 from __future__ import annotations
@@ -54,6 +65,8 @@ from colltune.offline import launch  # noqa: E402
 
 CONTENDERS = ("fused", "per-table", "torch")
 WARMUP = 3
+#: Contenders NCCL cannot run, and why (they are skipped with this line).
+NCCL_SKIPS = {"torch": "dist.all_reduce of a sparse tensor is gloo's sparse allreduce; NCCL has none"}
 
 
 def table_sizes(tables: int, max_rows: int) -> list[int]:
@@ -76,32 +89,52 @@ def zipf_ids(n: int, count: int, g: torch.Generator, s: float = 1.1) -> torch.Te
     return (x ** (1 / a) - 1).long().clamp_(0, n - 1)
 
 
-def step_gradients(rank: int, cfg: dict[str, Any]) -> list[torch.Tensor]:
-    """This rank's sparse gradient of every table for one step (coalesced COO)."""
+def step_gradients(rank: int, cfg: dict[str, Any], device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+    """This rank's sparse gradient of every table for one step (coalesced COO), on ``device``."""
     g = torch.Generator().manual_seed(1000 + rank)
     grads = []
     for n in table_sizes(cfg["tables"], cfg["max_rows"]):
         ids = zipf_ids(n, cfg["batch"], g)
         rows = torch.randn(ids.numel(), cfg["dim"], generator=g)
-        grads.append(torch.sparse_coo_tensor(ids.view(1, -1), rows, (n, cfg["dim"]), check_invariants=False).coalesce())
+        grad = torch.sparse_coo_tensor(ids.view(1, -1), rows, (n, cfg["dim"]), check_invariants=False).coalesce()
+        grads.append(grad.to(device) if device.type != "cpu" else grad)
     return grads
+
+
+def rank_device(rank: int, cfg: dict[str, Any]) -> torch.device:
+    """This rank's device: the host, or ``cuda:<rank % GPUs>``, made the current device."""
+    if cfg.get("device", "cpu") != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)  # NCCL's communicators and barriers use the current device
+    return device
 
 
 def _time_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import colltune
 
-    grads = step_gradients(rank, cfg)
+    device = rank_device(rank, cfg)
+    grads = step_gradients(rank, cfg, device)
     calls = {
         "fused": lambda: colltune.sparse_allreduce_many(grads, op="avg"),
         "per-table": lambda: [colltune.sparse_allreduce(t, op="avg") for t in grads],
         "torch": lambda: [dist.all_reduce(t.clone()) for t in grads],
     }
+    for name in cfg.get("skip", ()):
+        del calls[name]
+
+    def wait() -> None:  # on a GPU: time the work, not its enqueueing
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     times: dict[str, list[float]] = {c: [] for c in calls}
     for i in range(WARMUP + cfg["repeats"]):
         for name, call in calls.items():
             dist.barrier()
+            wait()
             t0 = time.perf_counter()
             call()
+            wait()
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - t0)
     fused = colltune.sparse_allreduce_many(grads, op="avg")
@@ -120,30 +153,51 @@ def _time_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
 
 def run_time(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {"tables": args.tables, "max_rows": args.max_rows, "batch": args.batch, "dim": args.dim,
-           "repeats": args.repeats}
+           "repeats": args.repeats, "device": args.device}
     out: dict[str, Any] = {"config": cfg, "runs": {}}
     print(f"{args.tables} tables of rows 10..{args.max_rows} x {args.dim} fp32, {args.batch} Zipf lookups per table "
-          f"and rank; ms per step's synchronization, median of {args.repeats} rounds (slowest rank)")
+          f"and rank; ms per step's synchronization, median of {args.repeats} rounds (slowest rank)"
+          + (f"; on {args.device}" if args.device != "cpu" else ""))
+    for line in args.notes:
+        print(line)
+    on_nccl = [p for p in args.ranks if args.backends[p] == "nccl"]
+    for name, why in NCCL_SKIPS.items() if on_nccl else ():
+        print(f"skipping {name} at P={', '.join(map(str, on_nccl))} (nccl): {why}")
     print(f"{'P':>3} {'fused':>9} {'per-table':>10} {'torch':>9} {'per-table/fused':>16} {'torch/fused':>12} "
           f"{'bits':>5} {'KiB sent: fused':>15} {'per-table':>10}  algorithms")
     for p in args.ranks:
-        per_rank = launch.run_local(_time_rank, p, cfg, backend="gloo", timeout=1800)
+        skips = _skips(args.backends[p])
+        per_rank = launch.run_local(_time_rank, p, {**cfg, "skip": sorted(skips)}, backend=args.backends[p],
+                                    timeout=1800)
         med = {c: statistics.median(max(r["times"][c][i] for r in per_rank) for i in range(args.repeats)) * 1e3
-               for c in CONTENDERS}
+               for c in CONTENDERS if c not in skips}
         row = {"median_ms": med, "same_bits": all(r["same_bits"] for r in per_rank),
                "algorithms": per_rank[0]["algorithms"], "fused_bytes": per_rank[0]["fused_bytes"],
                "per_table_bytes": per_rank[0]["per_table_bytes"], "entries_rank0": per_rank[0]["entries"]}
+        if args.device != "cpu":
+            row["backend"] = args.backends[p]
+        if skips:
+            row["skipped"] = skips
         out["runs"][p] = row
-        print(f"{p:>3} {med['fused']:>9.2f} {med['per-table']:>10.2f} {med['torch']:>9.2f} "
-              f"{med['per-table'] / med['fused']:>16.2f} {med['torch'] / med['fused']:>12.2f} "
+        torch_ms = f"{med['torch']:>9.2f}" if "torch" in med else f"{'skipped':>9}"
+        torch_ratio = f"{med['torch'] / med['fused']:>12.2f}" if "torch" in med else f"{'-':>12}"
+        print(f"{p:>3} {med['fused']:>9.2f} {med['per-table']:>10.2f} {torch_ms} "
+              f"{med['per-table'] / med['fused']:>16.2f} {torch_ratio} "
               f"{'same' if row['same_bits'] else 'DIFF':>5} {row['fused_bytes'] / 1024:>15.0f} "
-              f"{row['per_table_bytes'] / 1024:>10.0f}  {', '.join(row['algorithms'])}")
+              f"{row['per_table_bytes'] / 1024:>10.0f}  {', '.join(row['algorithms'])}"
+              + (f"  ({args.backends[p]})" if args.device != "cpu" else ""))
     return out
+
+
+def _skips(backend: str) -> dict[str, str]:
+    """The contenders a backend cannot run, and why."""
+    return dict(NCCL_SKIPS) if backend == "nccl" else {}
 
 
 def _bytes_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[int, dict[str, int]]:
     import colltune
 
+    device = rank_device(rank, cfg)
     out: dict[int, dict[str, int]] = {}
     for n in cfg["ns"]:
         k = max(1, round(n * cfg["density"]))
@@ -151,7 +205,8 @@ def _bytes_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[int, di
         for t in range(cfg["tables_per_call"]):
             g = torch.Generator().manual_seed(n + t)  # the same rows on every rank: overlap 1
             idx = torch.randperm(n, generator=g)[:k]
-            tables.append((idx, torch.randn(k, generator=torch.Generator().manual_seed(rank + 10 * t)), n))
+            vals = torch.randn(k, generator=torch.Generator().manual_seed(rank + 10 * t))
+            tables.append((idx.to(device), vals.to(device), n) if device.type != "cpu" else (idx, vals, n))
         out[n] = {}
         for algo in ("oktopk", "allgather"):
             colltune.sparse_allreduce_many(tables, algorithm=algo)  # Ok-Topk's boundaries cached from here on
@@ -164,8 +219,10 @@ def _bytes_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[int, di
 def run_bytes(args: argparse.Namespace) -> dict[str, Any]:
     p = args.ranks[0]
     ns = [2**e for e in range(12, args.max_log_n + 1, 2)]
-    cfg = {"ns": ns, "density": 1e-2, "tables_per_call": args.tables_per_call}
-    per_rank = launch.run_local(_bytes_rank, p, cfg, backend="gloo", timeout=1800)
+    cfg = {"ns": ns, "density": 1e-2, "tables_per_call": args.tables_per_call, "device": args.device}
+    for line in args.notes:
+        print(line)
+    per_rank = launch.run_local(_bytes_rank, p, cfg, backend=args.backends[p], timeout=1800)
     print(f"P={p}, overlap 1, density 1e-2, {args.tables_per_call} tables of n rows per fused call: "
           "bytes one rank sends (the largest over ranks), in all and without control data (the metadata "
           "record, counts, boundaries)")
@@ -181,9 +238,35 @@ def run_bytes(args: argparse.Namespace) -> dict[str, Any]:
     return {"world_size": p, "config": cfg, "bytes": rows}
 
 
+def resolve_backends(ap: argparse.ArgumentParser, device: str, backend: str | None,
+                     ranks: list[int]) -> tuple[dict[int, str], list[str]]:
+    """The backend at each P, and the notes to print; ``ap.error`` on what cannot run (before any rank starts).
+
+    CPU: gloo. CUDA: NCCL at every P whose ranks can each have a GPU of their
+    own, else gloo (ranks share GPUs: for testing); ``backend`` forces one.
+    """
+    if device == "cpu":
+        if backend == "nccl":
+            ap.error("--backend nccl needs --device cuda (NCCL runs on GPUs only)")
+        return {p: "gloo" for p in ranks}, []
+    if not torch.cuda.is_available():
+        ap.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
+                 f"torch.cuda.is_available() is False); use --device cpu")
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and max(ranks) > gpus:
+        ap.error(f"--backend nccl needs a GPU per rank: --ranks {max(ranks)} on {gpus} GPU(s); "
+                 "leave --backend out or pass gloo to let ranks share GPUs")
+    backends = {p: backend or ("nccl" if p <= gpus else "gloo") for p in ranks}
+    shared = [p for p in ranks if backends[p] == "gloo" and p > gpus]
+    notes = [f"note: at P={', '.join(map(str, shared))} the ranks share {gpus} GPU(s) over gloo (cuda:<rank % {gpus}>): "
+             "for testing, not for figures of a GPU per rank"] if shared else []
+    return backends, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", "-P", type=int, nargs="+", default=None, help="local gloo ranks (default 2 4 8; --bytes: 8)")
+    ap.add_argument("--ranks", "-P", type=int, nargs="+", default=None,
+                    help="local ranks (default 2 4 8; --bytes: 8)")
     ap.add_argument("--tables", type=int, default=26, help="embedding tables (default 26)")
     ap.add_argument("--max-rows", type=int, default=1_000_000, help="rows of the largest table (default 1000000)")
     ap.add_argument("--dim", type=int, default=16, help="embedding width (default 16)")
@@ -192,12 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes", action="store_true", help="Ok-Topk's bytes against allgather's instead of times")
     ap.add_argument("--tables-per-call", type=int, default=4, help="--bytes: tables of n rows per call (default 4)")
     ap.add_argument("--max-log-n", type=int, default=22, help="--bytes: the largest n is 2^this (default 22)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the tensors live (cuda: cuda:<rank %% GPUs>; default cpu)")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                    help="process group backend (default: gloo on cpu; on cuda nccl where every rank has a GPU "
+                         "of its own, else gloo with ranks sharing GPUs)")
     ap.add_argument("--json", metavar="FILE", help="write the figures here")
     args = ap.parse_args(argv)
     if args.ranks is None:
         args.ranks = [8] if args.bytes else [2, 4, 8]
     if min(args.ranks) < 2 or args.tables < 1 or args.max_rows < 10 or args.repeats < 1 or args.batch < 1:
         ap.error("need --ranks >= 2, --tables >= 1, --max-rows >= 10, --repeats >= 1 and --batch >= 1")
+    args.backends, args.notes = resolve_backends(ap, args.device, args.backend, args.ranks[:1] if args.bytes else args.ranks)
     report = run_bytes(args) if args.bytes else run_time(args)
     if args.json:
         write_json(args.json, report)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 _TOOL = Path(__file__).resolve().parents[2] / "tools" / "dlrm.py"
 
@@ -42,3 +46,122 @@ def test_tiny_bench_prints_every_field_and_the_modes_agree(tmp_path):
     runs = {r["mode"]: r["losses"] for r in report["runs"]}
     assert len(runs["colltune-fused"]) == 3 and len(runs["ddp-dense"]) == 2
     assert runs["colltune-fused"][0] == runs["ddp-sparse"][0] == runs["ddp-dense"][0]  # the same start
+
+
+# --------------------------------------------------------------------------- --device, --backend, the none modes
+
+
+def dlrm_tool():
+    """tools/dlrm.py, imported from the repository."""
+    spec = importlib.util.spec_from_file_location("dlrm_tool", _TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _fake_gpus(monkeypatch, n):
+    """Pretend this machine has ``n`` GPUs (only the argument checks look; no rank starts)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_exits_2_naming_the_option():
+    proc = subprocess.run([sys.executable, str(_TOOL), "--ranks", "1", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dlrm.py: error: --device cuda:") and "CUDA is not available" in last, last
+    assert "==" not in proc.stdout  # no rank started
+
+
+def test_cpu_defaults_are_unchanged(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    tool = dlrm_tool()
+    cfg = tool.parse_args([])
+    assert (cfg["device"], cfg["backend"], cfg["modes"], cfg["notes"], cfg["skipped"]) == \
+        ("cpu", "gloo", ["colltune-fused"], [], {})
+    bench = tool.parse_args(["--bench"])
+    assert bench["modes"] == ["ddp-sparse", "colltune-per-table", "colltune-fused", "ddp-dense"]
+    assert tool.parse_args(["--mode", "none", "none+fused-call"])["modes"] == ["none", "none+fused-call"]
+
+
+def test_backend_follows_the_gpus_and_nccl_skips_ddp_sparse(monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    tool = dlrm_tool()
+    with pytest.raises(SystemExit) as e:
+        tool.parse_args(["--backend", "nccl"])  # NCCL needs --device cuda
+    assert e.value.code == 2 and "--backend nccl needs --device cuda" in capsys.readouterr().err
+
+    _fake_gpus(monkeypatch, 1)
+    one = tool.parse_args(["--ranks", "1", "--device", "cuda"])
+    assert (one["backend"], one["notes"]) == ("nccl", [])
+    shared = tool.parse_args(["--ranks", "4", "--device", "cuda"])
+    assert shared["backend"] == "gloo" and "4 ranks share 1 GPU(s) over gloo" in shared["notes"][0]
+    with pytest.raises(SystemExit) as e:
+        tool.parse_args(["--ranks", "4", "--device", "cuda", "--backend", "nccl"])
+    assert e.value.code == 2 and "--backend nccl needs a GPU per rank" in capsys.readouterr().err
+
+    # On NCCL, --bench runs the baselines too and skips ddp-sparse, saying why; gloo keeps it.
+    bench = tool.parse_args(["--ranks", "1", "--device", "cuda", "--bench"])
+    assert bench["modes"] == ["none", "none+fused-call", "colltune-per-table", "colltune-fused", "ddp-dense"]
+    assert "DDP cannot reduce sparse gradients on NCCL" in bench["skipped"]["ddp-sparse"]
+    on_gloo = tool.parse_args(["--ranks", "1", "--device", "cuda", "--backend", "gloo", "--mode", "ddp-sparse"])
+    assert on_gloo["modes"] == ["ddp-sparse"] and on_gloo["skipped"] == {}
+    with pytest.raises(SystemExit) as e:
+        tool.parse_args(["--ranks", "1", "--device", "cuda", "--mode", "ddp-sparse"])
+    assert e.value.code == 2 and "nothing to run on nccl" in capsys.readouterr().err
+
+    # Under torchrun the ranks of this machine count: 8 of 16 on 8 GPUs is a GPU per rank.
+    _fake_gpus(monkeypatch, 8)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert tool.parse_args(["--device", "cuda", "--bench"])["backend"] == "nccl"
+
+
+def test_main_prints_the_skipped_mode_and_starts_nccl_ranks(monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    tool = dlrm_tool()
+    _fake_gpus(monkeypatch, 2)
+    started = {}
+
+    def fake_run_local(fn, world_size, cfg, backend, **kw):
+        started.update(world_size=world_size, backend=backend, modes=cfg["modes"])
+        raise KeyboardInterrupt  # stop before any rank would start
+
+    monkeypatch.setattr(tool, "run_local", fake_run_local)
+    with pytest.raises(KeyboardInterrupt):
+        tool.main(["--ranks", "2", "--device", "cuda", "--mode", "ddp-sparse", "colltune-fused"])
+    out = capsys.readouterr().out
+    assert "skipping ddp-sparse: DDP cannot reduce sparse gradients on NCCL" in out
+    assert started == {"world_size": 2, "backend": "nccl", "modes": ["colltune-fused"]}
+
+
+def test_none_modes_run_on_cpu_and_report_the_fused_call(tmp_path):
+    out = tmp_path / "none.json"
+    cmd = [sys.executable, str(_TOOL), "--ranks", "2", "--mode", "none", "none+fused-call", "colltune-fused",
+           "--steps", "3", "--skip", "1", "--scale", "0.001", "--batch", "64", "--bot-mlp", "16", "--top-mlp", "16",
+           "--log-every", "0", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for mode in ("none", "none+fused-call", "colltune-fused"):
+        assert f"-- {mode}: median step" in proc.stdout, mode
+    assert "the fused call's own cost (none+fused-call: one sparse_allreduce_many per step)" in proc.stdout
+    assert "step time over none (no synchronization): none+fused-call" in proc.stdout
+
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert s["fused_call_ms"] > 0 and s["modes"]["none+fused-call"]["median_sync_ms"] == s["fused_call_ms"]
+    assert s["modes"]["none"]["median_sync_ms"] == 0 and s["modes"]["none"]["mib_per_step"] == 0
+    assert s["modes"]["none+fused-call"]["mib_per_step"] > 0  # the call's own bytes at P = 2
+    assert set(s["step_ms_over_none"]) == {"none+fused-call", "colltune-fused"}
+    # The call's result is left unused: the same losses as none; the unsynchronized ranks are compared
+    # only with each other.
+    runs = {r["mode"]: r["losses"] for r in report["runs"]}
+    assert runs["none"] == runs["none+fused-call"]
+    assert set(s["loss_gaps"]["pairs"]) == {"none vs none+fused-call"}
+    assert s["modes"]["none+fused-call"]["algorithms"]["dense.*"].startswith("none")
