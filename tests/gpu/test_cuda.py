@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colltune.algorithms import names
+from colltune.algorithms import get, names
 
 from harness import pool
 from sparse_cases import DTYPES, RTOL
@@ -100,7 +100,7 @@ def test_host_syncs_per_call_at_p1(nccl, algorithm):
     for _ in range(3):
         colltune.sparse_allreduce(idx, vals, size=1 << 20, algorithm=algorithm, name="syncs")
     count = _syncs(lambda: colltune.sparse_allreduce(idx, vals, size=1 << 20, algorithm=algorithm, name="syncs"))
-    assert count <= {"dense": 3, "allgather": 4, "oktopk": 7}[algorithm], count
+    assert count <= get(algorithm).HOST_SYNCS["exact"], count
 
 
 def _gloo_on_cuda(rank, world_size, algorithm):
