@@ -7,7 +7,8 @@
 #
 # Usage: bash tools/setup.sh [--test]
 #   colltune with its command line's extras ([cli]: scikit-learn, SciPy,
-#   Optuna, tqdm, matplotlib); --test adds pytest, hypothesis, ruff and mypy.
+#   Optuna, tqdm, matplotlib); --test adds pytest, hypothesis, ruff and mypy,
+#   at the versions in tools/constraints.txt (the ones the suite last passed with).
 #   A training job alone needs only `pip install .` (torch, NumPy, PyYAML).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 extra="[cli]"
-if [[ "${1:-}" == "--test" ]]; then extra="[cli,test]"; fi
-"$PY" -m pip install --quiet -e ".${extra}"
+constraints=()
+if [[ "${1:-}" == "--test" ]]; then
+    # The test environment is pinned (tools/constraints.txt): the suite's result does not depend on the day.
+    extra="[cli,test]"
+    constraints=(-c tools/constraints.txt)
+fi
+"$PY" -m pip install --quiet -e ".${extra}" "${constraints[@]}"
 "$PY" -c "import torch, colltune; print(f'setup: colltune ready (torch {torch.__version__})')"

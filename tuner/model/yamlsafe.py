@@ -170,6 +170,16 @@ def compose(loader: Any) -> Node | None:
     except RecursionError:
         # PyYAML's Python composer recurses per level; far past MAX_DEPTH.
         raise _too_deep(None) from None
+    except yaml.YAMLError:
+        text = getattr(loader, "deep_text", None)
+        if text is None:
+            raise
+        # libyaml's parser refuses deep nesting by a limit of its own on some PyYAML releases (6.0.4):
+        # parse in Python, which has none, so that this module's limit decides on every release.
+        try:
+            root = yaml.SafeLoader(text).get_single_node()
+        except RecursionError:
+            raise _too_deep(None) from None
     if root is not None:
         check_graph(root)
     return root
@@ -186,6 +196,7 @@ if CParser is not None:
         """libyaml's parser with PyYAML's Python composer, which fails cleanly when too deep."""
 
         def __init__(self, stream: str | bytes) -> None:
+            self.deep_text = stream  # for compose's fallback when libyaml refuses the nesting itself
             CParser.__init__(self, stream)
             Composer.__init__(self)
             SafeConstructor.__init__(self)
