@@ -284,8 +284,10 @@ def exchange(
     codes = {path: name_code(f"{kind} on the {path} path") for path in ("host", "device")}  # both, to name a peer's
     record = dict(record, kind=codes["host" if comm.host else "device"])
     cap = slot_bytes(comm)
+    if device_fields and isinstance(slot, np.ndarray) and not comm.host:
+        slot = upload(torch.from_numpy(slot.reshape(-1)), comm.device)  # device fields: the slot joins them there
     on_device = (local_error is None and not comm.host and (device_fields or isinstance(slot, torch.Tensor))
-                 and (not isinstance(slot, torch.Tensor) or slot.numel() <= cap))
+                 and (slot is None or slot.numel() <= cap))
     host, local_error = _pack_or_error(record, local_error, None if on_device else slot, cap)
     hbytes = HEADER_BYTES
     row = upload(torch.from_numpy(host), comm.device)

@@ -82,7 +82,7 @@ class StubComm(Comm):
         self.stub_s += time.perf_counter() - t0
         return t
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, *, direct: bool | None = None) -> torch.Tensor:
         p = self.world_size
         self._count("all_gather", (p - 1) * t.numel() * t.element_size(), p - 1)
         t0 = time.perf_counter()
