@@ -259,14 +259,16 @@ class Algorithm(abc.ABC):
 
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
-    ) -> np.ndarray | None:
+    ) -> np.ndarray | torch.Tensor | None:
         """Return bytes to deliver to every rank with the metadata record, or ``None``.
 
         Called before the metadata exchange of a ``sparse_allreduce`` that
         names this algorithm (with its checked ``knobs``), or of an auto call
         whose site last chose it (``knobs`` is ``None``: the decision comes
-        later), with this rank's coalesced indices. What it returns (flat
-        ``uint8``, at most ``capacity`` bytes) reaches
+        later), with this rank's coalesced indices (on the device path they
+        may be padded with ``size``, past every real index). What it returns
+        (flat ``uint8``, at most ``capacity`` bytes; a device tensor on the
+        device path keeps the record's filling free of host reads) reaches
         :meth:`sparse_allreduce` as ``SparseInput.payload`` if this
         algorithm runs, saving it a collective of its own; it must check
         that the payload still fits the call (another algorithm may have

@@ -656,9 +656,10 @@ class OkTopk(Algorithm):
         "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
         "region_reduce", "threshold_all_reduce", "sizes_all_gather", "balance_p2p", "union_gather", "unpack",
     )
-    #: Exact: the coalesce, the record, the split's counts and merge, the reduced union's sizes, the
-    #: gather's; top-k adds the selection's counts, up to 4 while a reused threshold is nudged.
-    HOST_SYNCS = {"exact": 7, "topk": 12}
+    #: Exact: the record (the coalesce's count and the region counts ride in it), the split's counts and
+    #: merge, the reduced union's sizes, the gather's; top-k: the selection's counts (up to 4 while a
+    #: reused threshold is nudged), the record, and the rest as exact.
+    HOST_SYNCS = {"exact": 5, "topk": 12}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
@@ -693,8 +694,11 @@ class OkTopk(Algorithm):
 
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
-    ) -> np.ndarray | None:
+    ) -> np.ndarray | torch.Tensor | None:
         """This rank's entry count per region (``P`` int64), while the boundaries are cached.
+
+        On the device path the counts stay on the device (the record is filled
+        there); ``indices`` may be padded with the size, past every region.
 
         Every rank then knows what every rank sends to every owner, and the
         split needs no ``all_to_all`` of counts. ``None`` when the group has
@@ -707,6 +711,8 @@ class OkTopk(Algorithm):
         cuts = None if st is None or 8 * p > capacity else st.bounds.cached(size, p)
         if cuts is None:
             return None
+        if not on_host(indices):
+            return torch.diff(torch.searchsorted(indices, upload(cuts, indices.device))).view(torch.uint8)
         return np.diff(np.asarray(_slices(indices, cuts), dtype=np.int64)).view(np.uint8)
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ from colltune.algorithms.errors import (
     ColltuneTypeError,
     ColltuneValueError,
 )
-from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, Batch, accum_dtype, coalesce, on_host
+from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, Batch, accum_dtype, coalesce, on_host, upload
 from colltune.algorithms.state import TopkState
 from colltune.model.features import sketch_hashes
 
@@ -870,13 +870,11 @@ class _SparseCall:
         self.record["eager"], self.record["payload"] = self.eager, self.payload_bytes
 
     def can_defer(self, algorithm: str) -> bool:
-        """Whether the coalesce can wait for the record: on the device path at P > 1, when nothing put in the
-        slot before the exchange needs the exact entries (no overlap sketch, no algorithm's own payload)."""
+        """Whether the coalesce can wait for the record: on the device path at P > 1, unless an overlap sketch
+        goes in the slot (it hashes the exact indices). Payloads take the padded indices (their padding is
+        the size, past every real index) and the entries the first rows."""
         comm, sel = self.comm, self.sel
         if comm.world_size == 1 or comm.host:
-            return False
-        likely = sel.last_choice(self.site) if sel is not None else algorithm
-        if likely is not None and type(algorithms.get(likely)).eager_payload is not algorithms.Algorithm.eager_payload:
             return False
         return not (algorithm == "auto" and sel is not None and sel.wants_sketch(self.site, self.backend))
 
@@ -916,14 +914,14 @@ class _SparseCall:
         comm, sel, idx = self.comm, self.sel, self.idx
         cap = _meta.slot_bytes(comm)
         self.likely = likely = sel.last_choice(self.site) if sel is not None else algorithm
-        parts: list[np.ndarray] = []
+        parts: list[np.ndarray | torch.Tensor] = []
         if likely is not None and not algorithms.get(likely).eager_entries:
             own = algorithms.get(likely).eager_payload(
                 idx, self.n, comm, None if sel is not None else self.knobs_checked, cap
             )
             if own is not None:
                 parts.append(own)
-                self.payload_bytes = int(own.size)
+                self.payload_bytes = int(own.numel() if isinstance(own, torch.Tensor) else own.size)
         if algorithm == "auto" or algorithms.get(algorithm).eager_entries:
             room = cap - self.payload_bytes
             if sel is not None and sel.wants_sketch(self.site, self.backend):
@@ -935,14 +933,15 @@ class _SparseCall:
                 parts.append(sketch)
             else:
                 self.eager = _meta.EAGER_ENTRIES
-            entries = eager_slot(idx.to(comm.device), self.vals.to(comm.device), self.n, self.dtype,
-                                 room - self.sketch_bytes)
-            if not parts and isinstance(entries, torch.Tensor):  # the record is filled on the device
-                self.slot = entries
-                return
-            parts.append(entries if isinstance(entries, np.ndarray) else entries.cpu().numpy())
-        if parts:
-            self.slot = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            parts.append(eager_slot(idx.to(comm.device), self.vals.to(comm.device), self.n, self.dtype,
+                                    room - self.sketch_bytes))
+        if not parts:
+            return
+        if all(isinstance(part, np.ndarray) for part in parts):  # the host path, or only host parts
+            self.slot = parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[arg-type]
+        else:  # device parts: the record is filled on the device, with no read
+            self.slot = torch.cat([upload(torch.from_numpy(part), comm.device) if isinstance(part, np.ndarray)
+                                   else part.reshape(-1) for part in parts])
 
     def decide(self, algorithm: str, counts: tuple[int, ...], slots: Any, name: Any) -> tuple[str, Any]:
         """Return the algorithm to run and the selector's decision (``None`` when the caller named one)."""
