@@ -298,6 +298,18 @@ class Batch:
         idx = torch.where(real, self.sorted.index_select(0, pos), self.n)
         return idx, sums, count, bad
 
+    def device_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each tensor's unique count (int64 ``[T]``) and whether an index is out of range (0-d bool), on the device."""
+        if self.count > 1:
+            return self.stats[1:], self.stats[0] != 0
+        if self.k == 0:
+            return self.stats[2:], torch.zeros((), dtype=torch.bool, device=self.stats.device)
+        return self.stats[2:], (self.stats[0] < 0) | (self.stats[1] >= self.n)
+
+    def stats_for(self, counts: "list[int]") -> list[int]:
+        """:attr:`stats` as read, rebuilt from the tensors' unique counts learned elsewhere (all in range)."""
+        return [0, 0, counts[0]] if self.count == 1 else [0, *counts]
+
     def out_of_range(self, stats: list[int]) -> bool:
         """Whether an index of the batch is outside its tensor's ``[0, size)``, from :attr:`stats` as read."""
         if self.count == 1:

@@ -259,6 +259,10 @@ class _FusedCall:
         self.group: Any = None
         #: On the device path, per tensor: its coalesce batch and its place there.
         self.batched: dict[int, tuple[Batch, int]] = {}
+        #: A deferred coalesce (device path, P > 1): the batches, finished once the record tells the counts.
+        self.pending: list[tuple[list[int], Batch]] | None = None
+        self.device_fields: dict[str, torch.Tensor] | None = None
+        self.deferred_error: Any = None
 
     def prepare(self, tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: Any, policy: Any,
                 cap_mb: Any) -> None:
@@ -313,6 +317,9 @@ class _FusedCall:
                 groups.setdefault(key, []).append(t)
             batches = [(members, Batch([checked[t] for t in members], accum_dtype(dtype)))
                        for (_, dtype), members in groups.items()]
+            if self.comm.world_size > 1:
+                self.defer(batches, checked)
+                return
             stats = torch.cat([b.stats for _, b in batches]).tolist()
             at = offsets([b.stats.numel() for _, b in batches])
             if any(b.out_of_range(stats[at[j] : at[j + 1]]) for j, (_, b) in enumerate(batches)):
@@ -328,10 +335,47 @@ class _FusedCall:
         self.idx = [i for i, _ in done]
         self.vals = [v for _, v in done]
 
+    def defer(self, batches: list[tuple[list[int], Batch]], checked: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """Leave the counts on the device: they ride in the record's slot (with their sum and the range check in
+        its fields), read with it in its one read; :meth:`settle` then finishes the batches."""
+        parts = [b.device_counts() for _, b in batches]
+        order = [t for members, _ in batches for t in members]
+        where = np.empty(len(order), dtype=np.int64)
+        where[order] = np.arange(len(order))
+        self.device_counts = torch.cat([c for c, _ in parts]).index_select(0, upload(where, self.comm.device))
+        bad = torch.stack([b for _, b in parts]).any()
+        self.device_fields = {"count": self.device_counts.sum(), "error": bad.to(torch.int64),
+                              "error_arg": torch.where(bad, _meta.name_code("tensors"), -1)}
+        self.pending = batches
+
+        def error() -> BaseException:
+            for t, (indices, _, n) in enumerate(checked):
+                try:
+                    _check_range(indices, n)
+                except ColltuneError as exc:
+                    return _named(exc, t)
+            return _bad(ColltuneValueError, "tensors", "an index is outside its tensor's [0, size).")
+
+        self.deferred_error = error
+
+    def settle(self, mine: np.ndarray) -> None:
+        """After the exchange: finish a deferred coalesce with this rank's counts per tensor (no read)."""
+        if self.pending is None:
+            return
+        done: list[Any] = [None] * len(self.desc)
+        for members, batch in self.pending:
+            got = batch.finish(batch.stats_for([int(mine[t]) for t in members]))
+            for j, t in enumerate(members):
+                done[t], self.batched[t] = got[j], (batch, j)
+        self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
+        self.pending = None
+
     def fill_record(self, op: str, algorithm: str, code: int) -> None:
         """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""
-        t = len(self.idx)
-        self.counts = np.array([int(i.numel()) for i in self.idx], dtype=np.int64)  # this rank's, per tensor
+        t = len(self.desc)
+        # This rank's counts per tensor (a deferred coalesce's are still on the device: placeholders).
+        self.counts = np.array([0 if self.pending is not None else int(i.numel()) for i in
+                                (self.idx if self.pending is None else range(t))], dtype=np.int64)
         in_slot = 8 * t <= _meta.slot_bytes(self.comm)
         self.record.update(
             size=t,
@@ -345,26 +389,28 @@ class _FusedCall:
             payload=8 * t if in_slot else 0,
         )
         if in_slot and self.comm.world_size > 1:
-            self.slot = self.counts.view(np.uint8)
+            self.slot = self.counts.view(np.uint8) if self.pending is None else self.device_counts.view(torch.uint8)
 
     def exchange(self, error: BaseException | None) -> np.ndarray:
         """Exchange the records; return every rank's entry count per tensor (``[P, T]`` int64)."""
         comm = self.comm
         try:
-            records, slots = _meta.exchange(comm, self.record, error, self.slot, labels=_LABELS)
+            records, slots = _meta.exchange(comm, self.record, error, self.slot, labels=_LABELS,
+                                            device_fields=self.device_fields, deferred_error=self.deferred_error)
         except RankMismatchError as exc:
             if exc.field == "row_shape":  # the same length, other tensors: say which one
                 _name_the_difference(comm, self.desc)
             raise
-        t = len(self.idx)
+        t = len(self.desc)
         if comm.world_size == 1:
             return self.counts.reshape(1, t)
         if records[0]["eager"] == _COUNTS_IN_SLOT:
             counts = slots[:, : 8 * t].cpu().contiguous().numpy().view(np.int64)  # type: ignore[index]
         else:
             with comm.meta():
-                row = upload(self.counts, comm.device)
+                row = upload(self.counts, comm.device) if self.pending is None else self.device_counts
                 counts = comm.all_gather(row).view(comm.world_size, t).cpu().numpy()
+        self.settle(counts[comm.rank])
         # Room for the counts in the next records, where the slot may grow to hold them (else no use).
         _meta.note_slot_use(comm, 8 * t if 8 * t <= slot_limit(comm.world_size) else 0)
         return counts

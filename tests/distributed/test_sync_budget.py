@@ -27,7 +27,7 @@ SYNC_CEILING = {name: get(name).HOST_SYNCS["exact"] for name in names()} | {"aut
 #: A top-k call; Ok-Topk's includes up to 4 counts while a reused threshold is nudged into its band.
 TOPK_SYNC_CEILING = {name: get(name).HOST_SYNCS["topk"] for name in names()}
 #: A fused call, whatever the number of tensors.
-FUSED_SYNC_CEILING = 5
+FUSED_SYNC_CEILING = 4
 
 
 def _single_calls(rank, world_size, algorithm, row_shape, k):
