@@ -113,8 +113,15 @@ class BoundaryState:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.refresh = _check_int("boundary_refresh", d["refresh"])
-        self.cuts = None if d["cuts"] is None else [int(c) for c in d["cuts"]]
-        self.calls, self.size, self.world_size = int(d["calls"]), int(d["size"]), int(d["world_size"])
+        cuts = None if d["cuts"] is None else [int(c) for c in d["cuts"]]
+        size = int(d["size"])
+        if cuts is not None and (not cuts or cuts[0] != 0 or cuts[-1] != size or any(a > b for a, b in zip(cuts, cuts[1:]))):
+            raise ColltuneValueError(
+                f"the boundary state's cuts must rise from 0 to its size {size}, but got {cuts[:3]}...{cuts[-2:]}; "
+                "load a state this version of colltune saved, or start without one."
+            )
+        self.cuts = cuts
+        self.calls, self.size, self.world_size = int(d["calls"]), size, int(d["world_size"])
 
 
 class TopkState:

@@ -368,7 +368,7 @@ class _FusedCall:
             for j, t in enumerate(members):
                 done[t], self.batched[t] = got[j], (batch, j)
         self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
-        self.pending = None
+        self.counts, self.pending = np.asarray(mine, dtype=np.int64), None
 
     def fill_record(self, op: str, algorithm: str, code: int) -> None:
         """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""

@@ -120,3 +120,16 @@ def test_top_k_selection_takes_tensors_that_require_grad():
     mag = torch.rand(100, requires_grad=True)
     assert Magnitudes(mag).kth_largest(7) == float(torch.topk(mag.detach(), 7).values.min())
     assert Magnitudes(mag).top_k_indices(7).tolist() == sorted(torch.topk(mag.detach(), 7).indices.tolist())
+
+
+def test_a_boundary_state_with_cuts_past_its_size_is_refused():
+    from colltune.algorithms.errors import ColltuneValueError
+    from colltune.algorithms.state import BoundaryState
+
+    st = BoundaryState()
+    good = {"refresh": 64, "cuts": [0, 40, 100], "calls": 3, "size": 100, "world_size": 2}
+    st.load_state_dict(good)
+    assert st.cuts == [0, 40, 100] and st.state_dict() == good
+    for cuts in ([0, 40, 101], [5, 40, 100], [0, 60, 40, 100], []):
+        with pytest.raises(ColltuneValueError, match="rise from 0 to its size 100"):
+            BoundaryState().load_state_dict(dict(good, cuts=cuts))
