@@ -588,9 +588,10 @@ def test_env_debug_levels(value: str, level: int | None) -> None:
     assert ov.log_level == level and ov.log_decisions is (level is not None)
 
 
-def test_env_bad_debug_level() -> None:
-    with pytest.raises(PolicyError, match="COLLTUNE_DEBUG: unknown level 'loud'; allowed: off, warn, info, debug"):
-        policy_from_env({"COLLTUNE_DEBUG": "loud"})
+def test_env_bad_debug_level_warns_and_logs_in_full() -> None:
+    with pytest.warns(UserWarning, match="COLLTUNE_DEBUG='loud' is not a level .*allowed: off, warn, info, debug"):
+        _, ov = policy_from_env({"COLLTUNE_DEBUG": "loud"})
+    assert ov.log_level == logging.DEBUG and ov.log_decisions
 
 
 def test_env_log_file_expands_host_pid_rank() -> None:

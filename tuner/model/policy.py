@@ -93,6 +93,7 @@ Like NCCL's, they override the file. :func:`policy_from_env` reads them.
 ``COLLTUNE_DEBUG``
     Decision logging level: ``off`` (or ``0``, empty), ``warn``,
     ``info`` (or ``1``), ``debug`` / ``trace`` (or ``2``). Case-insensitive.
+    Another value warns and logs at ``debug``: a logging setting never stops a job.
 ``COLLTUNE_LOG_FILE``
     Append one JSON line per decision to this file. ``%h`` is replaced by the
     host name, ``%p`` by the process id and ``%r`` by the rank (see
@@ -128,6 +129,7 @@ import math
 import os
 import re
 import socket
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -1133,8 +1135,10 @@ def policy_from_env(environ: Mapping[str, str] = os.environ) -> tuple[Policy | N
     raw_debug = environ.get(ENV_DEBUG, "")
     level_key = raw_debug.strip().lower()
     if level_key not in _DEBUG_LEVELS:
-        raise PolicyError(f"unknown level {raw_debug!r}", "environment", None, ENV_DEBUG,
-                          "allowed: off, warn, info, debug, trace (or 0, 1, 2)")
+        # A logging setting never stops a job (NCCL_DEBUG does not either): say so, and log in full.
+        warnings.warn(f"{ENV_DEBUG}={raw_debug!r} is not a level (allowed: off, warn, info, debug, trace, or "
+                      "0, 1, 2); logging decisions at debug", stacklevel=2)
+        level_key = "debug"
     log_level = _DEBUG_LEVELS[level_key]
 
     log_file = _env(environ, ENV_LOG_FILE)
