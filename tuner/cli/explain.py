@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import ClassVar
 
 from colltune.algorithms.errors import ColltuneValueError
@@ -83,8 +84,9 @@ class ExplainCommand:
         g.add_argument("--world-size", "-P", type=parse_world, required=True, metavar="P", help="ranks")
         g.add_argument("--overlap", type=parse_unit(False), required=True, metavar="O",
                        help="index overlap between ranks, 0 (disjoint) to 1 (identical)")
-        g.add_argument("--row-numel", type=parse_numel, default=1, metavar="R",
-                       help="elements per row (embedding width; default 1)")
+        g.add_argument("--row-shape", "--row-numel", dest="row_shape", type=parse_numel, nargs="+", default=[1],
+                       metavar="D", help="shape of one row, as in the other commands (embedding width; default 1); "
+                       "--row-numel R is the same as --row-shape R")
         g.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
         g.add_argument("--name", help="tensor name, for policy rules")
         s = parser.add_argument_group("the selector")
@@ -118,7 +120,7 @@ class ExplainCommand:
         union = k_sum - args.overlap * (k_sum - k)
         profile, _, changed = cluster_profile(args)
         rpn = profile.meta.get("ranks_per_node") if profile.meta.get("backend") == "nccl" else None
-        features = Features.build(numel=n, row_numel=args.row_numel, dtype=args.dtype, k_per_rank=[k] * p,
+        features = Features.build(numel=n, row_numel=math.prod(args.row_shape), dtype=args.dtype, k_per_rank=[k] * p,
                                   union=union, ranks_per_node=rpn)
         selector = Selector(policy=args.policy, profile=profile if changed else args.profile)
         explanation = selector.explain(features, name=args.name, backend=args.backend)

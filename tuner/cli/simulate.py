@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from typing import ClassVar
 
 from colltune.cli.common import UsageError, cluster_profile, parse_world
@@ -54,8 +55,9 @@ class SimulateCommand:
                        help="entries per rank over n, in (0, 1] (top-k: k / n)")
         w.add_argument("--overlap", type=parse_unit(False), default=0.0, metavar="O",
                        help="index overlap between ranks, 0 (disjoint, default) to 1 (identical)")
-        w.add_argument("--row-shape", type=parse_numel, default=1, metavar="D",
-                       help="elements per row (embedding width; default 1)")
+        w.add_argument("--row-shape", "--row-numel", dest="row_shape", type=parse_numel, nargs="+", default=[1],
+                       metavar="D", help="shape of one row, as in the other commands (embedding width; default 1); "
+                       "--row-numel R is the same as --row-shape R")
         w.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
         w.add_argument("--topk", action="store_true", help="top-k of a dense tensor of n elements (TopkA, Ok-Topk)")
         c = parser.add_argument_group("the cluster")
@@ -80,7 +82,7 @@ class SimulateCommand:
         profile, label, _ = cluster_profile(args)
         rpn = profile.meta.get("ranks_per_node") if profile.meta.get("backend") == "nccl" else None
         sizes = _world_sizes(args, rpn)
-        workload = Workload(args.numel, args.density, args.overlap, 1 if args.topk else args.row_shape, args.dtype,
+        workload = Workload(args.numel, args.density, args.overlap, 1 if args.topk else math.prod(args.row_shape), args.dtype,
                             "topk" if args.topk else "exact")
         model = model_for_profile(profile, label)
         label = f"{model.kind} ({label})"
