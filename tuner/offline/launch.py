@@ -104,6 +104,19 @@ def torchrun_rank() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
+def _device_id(backend: str, rank: int | None = None) -> torch.device | None:
+    """The GPU a rank binds its NCCL group to (``device_id``), so torch need not guess it from the global rank.
+
+    Under torchrun the local rank's GPU; for local ranks their rank's, modulo the GPUs. ``None`` off NCCL.
+    """
+    if "nccl" not in str(backend).lower() or not torch.cuda.is_available():
+        return None
+    local = int(os.environ.get("LOCAL_RANK", rank or 0))
+    device = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def run_here(fn: Callable[..., Any], *args: Any, backend: str = "gloo", pg_timeout: float = PG_TIMEOUT_S) -> Any:
     """Run ``fn(rank, world_size, *args)`` in this ``torchrun`` rank; return what it returns.
 
@@ -118,7 +131,8 @@ def run_here(fn: Callable[..., Any], *args: Any, backend: str = "gloo", pg_timeo
     rank, world_size = torchrun_rank()
     created = False
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout),
+                                device_id=_device_id(backend))
         created = True
     try:
         return fn(dist.get_rank(), dist.get_world_size(), *args)
@@ -218,7 +232,7 @@ def setup_rank(
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=pg_timeout))
+                            timeout=timedelta(seconds=pg_timeout), device_id=_device_id(backend, rank))
     # Wait until every rank has finished connecting: a rank that returned
     # (and closed its sockets) while another was still building its mesh
     # would make that one fail with a misleading "connection closed by peer".
