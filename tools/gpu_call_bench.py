@@ -53,8 +53,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _syncs(fn, device: torch.device) -> int | None:
-    """Host synchronizations of one call of ``fn`` (``None`` off CUDA)."""
+def count_syncs(fn, device: torch.device) -> int | None:
+    """Host synchronizations of one call of ``fn``, as ``torch.cuda.set_sync_debug_mode`` warns them (``None`` off CUDA)."""
     if device.type != "cuda":
         return None
     _sync(device)
@@ -81,7 +81,7 @@ def _time(contenders: dict, device: torch.device, rounds: int, warmup: int) -> d
             fn()
             _sync(device)
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: {"ms": statistics.median(ts), "syncs": _syncs(contenders[name], device)}
+    return {name: {"ms": statistics.median(ts), "syncs": count_syncs(contenders[name], device)}
             for name, ts in times.items()}
 
 

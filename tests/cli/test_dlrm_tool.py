@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -51,20 +50,6 @@ def test_tiny_bench_prints_every_field_and_the_modes_agree(tmp_path):
 # --------------------------------------------------------------------------- --device, --backend, the none modes
 
 
-def dlrm_tool():
-    """tools/dlrm.py, imported from the repository."""
-    spec = importlib.util.spec_from_file_location("dlrm_tool", _TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
-def _fake_gpus(monkeypatch, n):
-    """Pretend this machine has ``n`` GPUs (only the argument checks look; no rank starts)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda_exits_2_naming_the_option():
     proc = subprocess.run([sys.executable, str(_TOOL), "--ranks", "1", "--device", "cuda"],
@@ -75,10 +60,10 @@ def test_device_cuda_without_cuda_exits_2_naming_the_option():
     assert "==" not in proc.stdout  # no rank started
 
 
-def test_cpu_defaults_are_unchanged(monkeypatch):
+def test_cpu_defaults_are_unchanged(monkeypatch, load_tool):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    tool = dlrm_tool()
+    tool = load_tool("dlrm")
     cfg = tool.parse_args([])
     assert (cfg["device"], cfg["backend"], cfg["modes"], cfg["notes"], cfg["skipped"]) == \
         ("cpu", "gloo", ["colltune-fused"], [], {})
@@ -87,15 +72,15 @@ def test_cpu_defaults_are_unchanged(monkeypatch):
     assert tool.parse_args(["--mode", "none", "none+fused-call"])["modes"] == ["none", "none+fused-call"]
 
 
-def test_backend_follows_the_gpus_and_nccl_skips_ddp_sparse(monkeypatch, capsys):
+def test_backend_follows_the_gpus_and_nccl_skips_ddp_sparse(monkeypatch, capsys, load_tool, fake_gpus):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    tool = dlrm_tool()
+    tool = load_tool("dlrm")
     with pytest.raises(SystemExit) as e:
         tool.parse_args(["--backend", "nccl"])  # NCCL needs --device cuda
     assert e.value.code == 2 and "--backend nccl needs --device cuda" in capsys.readouterr().err
 
-    _fake_gpus(monkeypatch, 1)
+    fake_gpus(1)
     one = tool.parse_args(["--ranks", "1", "--device", "cuda"])
     assert (one["backend"], one["notes"]) == ("nccl", [])
     shared = tool.parse_args(["--ranks", "4", "--device", "cuda"])
@@ -115,18 +100,18 @@ def test_backend_follows_the_gpus_and_nccl_skips_ddp_sparse(monkeypatch, capsys)
     assert e.value.code == 2 and "nothing to run on nccl" in capsys.readouterr().err
 
     # Under torchrun the ranks of this machine count: 8 of 16 on 8 GPUs is a GPU per rank.
-    _fake_gpus(monkeypatch, 8)
+    fake_gpus(8)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert tool.parse_args(["--device", "cuda", "--bench"])["backend"] == "nccl"
 
 
-def test_main_prints_the_skipped_mode_and_starts_nccl_ranks(monkeypatch, capsys):
+def test_main_prints_the_skipped_mode_and_starts_nccl_ranks(monkeypatch, capsys, load_tool, fake_gpus):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    tool = dlrm_tool()
-    _fake_gpus(monkeypatch, 2)
+    tool = load_tool("dlrm")
+    fake_gpus(2)
     started = {}
 
     def fake_run_local(fn, world_size, cfg, backend, **kw):

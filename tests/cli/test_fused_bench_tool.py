@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -43,20 +42,6 @@ def test_bytes_mode_reports_oktopk_against_allgather(tmp_path):
 # --------------------------------------------------------------------------- --device, --backend
 
 
-def fused_bench_tool():
-    """tools/fused_bench.py, imported from the repository."""
-    spec = importlib.util.spec_from_file_location("fused_bench_tool", _TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
-def _fake_gpus(monkeypatch, n):
-    """Pretend this machine has ``n`` GPUs (only the argument checks look; no rank starts)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda_exits_2_naming_the_option():
     proc = subprocess.run([sys.executable, str(_TOOL), "--ranks", "2", "--device", "cuda"],
@@ -67,13 +52,13 @@ def test_device_cuda_without_cuda_exits_2_naming_the_option():
     assert proc.stdout == ""  # nothing ran
 
 
-def test_backend_per_p_follows_the_gpus(monkeypatch, capsys):
-    tool = fused_bench_tool()
+def test_backend_per_p_follows_the_gpus(monkeypatch, capsys, load_tool, fake_gpus):
+    tool = load_tool("fused_bench")
     with pytest.raises(SystemExit) as e:
         tool.main(["--ranks", "2", "--backend", "nccl"])
     assert e.value.code == 2 and "--backend nccl needs --device cuda" in capsys.readouterr().err
 
-    _fake_gpus(monkeypatch, 2)
+    fake_gpus(2)
     ap = tool.argparse.ArgumentParser()
     assert tool.resolve_backends(ap, "cpu", None, [2, 4]) == ({2: "gloo", 4: "gloo"}, [])
     backends, notes = tool.resolve_backends(ap, "cuda", None, [2, 4])
@@ -84,9 +69,9 @@ def test_backend_per_p_follows_the_gpus(monkeypatch, capsys):
     assert e.value.code == 2 and "--backend nccl needs a GPU per rank" in capsys.readouterr().err
 
 
-def test_nccl_skips_the_torch_contender_saying_why(monkeypatch, capsys, tmp_path):
-    tool = fused_bench_tool()
-    _fake_gpus(monkeypatch, 2)
+def test_nccl_skips_the_torch_contender_saying_why(monkeypatch, capsys, tmp_path, load_tool, fake_gpus):
+    tool = load_tool("fused_bench")
+    fake_gpus(2)
     calls = []
 
     def fake_run_local(fn, p, cfg, backend, **kw):  # what the ranks would return, without ranks

@@ -6,9 +6,10 @@ GPU over gloo (staged through host memory). Skipped without CUDA.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from harness import pool
 from sparse_cases import DTYPES, RTOL
 
 ALGORITHMS = [*names(), "auto"]
+TOOLS = pathlib.Path(__file__).resolve().parents[2] / "tools"
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +83,11 @@ def test_fused_equals_per_tensor_bit_for_bit(nccl, algorithm):
 
 
 def _syncs(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    """Host syncs of one call, counted as tools/gpu_call_bench.py counts them."""
+    spec = importlib.util.spec_from_file_location("gpu_call_bench", TOOLS / "gpu_call_bench.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.count_syncs(fn, torch.device("cuda", torch.cuda.current_device()))
 
 
 @pytest.mark.parametrize("algorithm", ["dense", "allgather", "oktopk"])
