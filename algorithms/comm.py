@@ -345,18 +345,15 @@ class Comm:
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
-            self.direct_record = self.world_size > 2 and str(dist.get_backend(group)).lower() in DIRECT_BACKENDS
+            backend = str(dist.get_backend(group))
+            self.direct_record = self.world_size > 2 and backend.lower() in DIRECT_BACKENDS
             if direct is None:
                 # At P = 2 the ring is one exchange already, and the backend's own call is cheaper. Host
                 # path only: gloo's point-to-point calls hand the backend raw host memory, and the device
                 # path runs the collectives NCCL runs.
-                direct = (
-                    self.world_size > 2
-                    and on_host(device)
-                    and str(dist.get_backend(group)).lower() in DIRECT_BACKENDS
-                )
+                direct = self.direct_record and on_host(device)
             if _staging or device.type != "cpu":  # CPU tensors never ask the backend: nothing to stage
-                self.staged = stages(str(dist.get_backend(group)), device)
+                self.staged = stages(backend, device)
         else:
             self.rank, self.world_size = 0, 1
         self.device = device
@@ -491,12 +488,7 @@ class Comm:
         if self.direct if direct is None else direct:
             return self._gather_direct(t)
         out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        if self.staged:
-            stage = _Staging("all_gather", [t], [out])
-            _all_gather_single(stage.outputs[0], stage.inputs[0], group=self.wire)
-            stage.wait()
-            return out
-        _all_gather_single(out, t, group=self.wire)
+        self._collective("all_gather", lambda o, i: _all_gather_single(o, i, group=self.wire), out, t)
         return out
 
     def _gather_direct(self, t: torch.Tensor) -> torch.Tensor:
@@ -534,13 +526,19 @@ class Comm:
             self._post([(t[so[j] : so[j + 1]], j) for j in peers], [(out[ro[j] : ro[j + 1]], j) for j in peers])
             return out
         splits = [int(c) for c in recv_counts], [int(c) for c in send_counts]
-        if self.staged:
-            stage = _Staging("all_to_all", [t], [out])
-            dist.all_to_all_single(stage.outputs[0], stage.inputs[0], *splits, group=self.wire)
-            stage.wait()
-            return out
-        dist.all_to_all_single(out, t.contiguous(), *splits, group=self.wire)
+        self._collective("all_to_all", lambda o, i: dist.all_to_all_single(o, i, *splits, group=self.wire),
+                         out, t.contiguous())
         return out
+
+    def _collective(self, primitive: str, run: Callable[[torch.Tensor, torch.Tensor], Any], out: torch.Tensor,
+                    t: torch.Tensor) -> None:
+        """Run ``run(out, t)`` on the backend; when :attr:`staged`, on host copies, ``out`` filled from them."""
+        if not self.staged:
+            run(out, t)
+            return
+        stage = _Staging(primitive, [t], [out])
+        run(stage.outputs[0], stage.inputs[0])
+        stage.wait()
 
     def exchange(self, sends: Sequence[tuple], recvs: Sequence[tuple], count: bool = True) -> list:
         """Post point-to-point sends and receives together; return the works to wait on.

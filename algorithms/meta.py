@@ -36,6 +36,7 @@ before anything is updated. The sizes are plain arithmetic in
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Callable, Iterator, Mapping, Sequence, overload
 
@@ -278,16 +279,14 @@ def exchange(
         if local_error is not None:
             raise local_error
         return [dict(record, magic=_MAGIC, version=_VERSION, error=0)], None
-    # The code path rides in the kind: a rank with CPU tensors (host path) and one with CUDA tensors
-    # (device path) run different collectives, so they raise here instead of hanging.
-    kind = name_of(record.get("kind", -1))
-    codes = {path: name_code(f"{kind} on the {path} path") for path in ("host", "device")}  # both, to name a peer's
-    record = dict(record, kind=codes["host" if comm.host else "device"])
+    record = dict(record, kind=_kind_on_path(record.get("kind", -1), comm.host))
     cap = slot_bytes(comm)
-    if device_fields and isinstance(slot, np.ndarray) and not comm.host:
-        slot = upload(torch.from_numpy(slot.reshape(-1)), comm.device)  # device fields: the slot joins them there
-    on_device = (local_error is None and not comm.host and (device_fields or isinstance(slot, torch.Tensor))
-                 and (slot is None or slot.numel() <= cap))
+    # Fields or a slot still on the device are written into the record there (a host slot joins them).
+    on_device = local_error is None and not comm.host and (device_fields or isinstance(slot, torch.Tensor))
+    if on_device and isinstance(slot, np.ndarray):
+        slot = upload(torch.from_numpy(slot.reshape(-1)), comm.device)
+    if on_device and slot is not None and slot.numel() > cap:  # too big: packed on the host, which says so
+        on_device = False
     host, local_error = _pack_or_error(record, local_error, None if on_device else slot, cap)
     hbytes = HEADER_BYTES
     row = upload(torch.from_numpy(host), comm.device)
@@ -311,6 +310,16 @@ def exchange(
     if (head[:, _SHARED_AT] != head[:1, _SHARED_AT]).any():
         _check_shared(list(records), labels or {})
     return records, (table if comm.host else torch.from_numpy(host_table))[:, hbytes:]
+
+
+@functools.lru_cache(maxsize=256)
+def _kind_on_path(kind: int, host: bool) -> int:
+    """The record's ``kind`` with the code path in it: a rank with CPU tensors (host path) and one with CUDA
+    tensors (device path) run different collectives, so they raise at the record instead of hanging.
+    Both paths' names are made, so that a message can name a peer's."""
+    name = name_of(kind)
+    codes = {path: name_code(f"{name} on the {path} path") for path in ("host", "device")}
+    return codes["host" if host else "device"]
 
 
 def _fill_on_device(row: torch.Tensor, fields: Mapping[str, torch.Tensor], slot: torch.Tensor | None) -> None:

@@ -86,7 +86,6 @@ from colltune.algorithms.sparse import (
     Magnitudes,
     entry_bytes,
     gather_mode,
-    mask_positions,
     merge_runs,
     offsets,
     on_host,
@@ -785,10 +784,9 @@ class OkTopk(Algorithm):
         ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight, counts)
         _meta.note_payload(comm)  # the counts ride in the next records (the slot makes room for them)
         # 3. Global selection.
-        keep, sizes = self._global_selection(comm, Magnitudes(rvals), state, k, band, n)
+        kept, sizes = self._global_selection(comm, Magnitudes(rvals), state, k, band, n)
         total = sum(sizes)
-        at = mask_positions(keep, sizes[comm.rank]) if not on_host(keep) else keep.nonzero().view(-1)
-        kidx, kvals = ridx.index_select(0, at), rvals.index_select(0, at)
+        kidx, kvals = ridx.index_select(0, kept), rvals.index_select(0, kept)
         # 4. Balance, then all-gather.
         gidx, gvals = self._balanced_gather(comm, kidx, kvals, sizes, n, acc.dtype, knobs["balance"])
         state.last_local_count, state.last_global_count = lidx.numel(), total
@@ -848,7 +846,7 @@ class OkTopk(Algorithm):
     def _global_selection(
         self, comm: Comm, rmag: Magnitudes, state: Any, k: int, band: tuple[int, int], n: int
     ) -> tuple[torch.Tensor, list[int]]:
-        """Return which reduced entries this owner keeps, and every owner's kept count.
+        """Return the positions of the reduced entries this owner keeps (sorted), and every owner's kept count.
 
         The kept counts are exchanged before any entry moves. A reused
         threshold is nudged in the same exchange: every rank counts its
@@ -870,20 +868,14 @@ class OkTopk(Algorithm):
             if fits:
                 best = min(fits, key=lambda j: (abs(totals[j] - k), abs(j - GLOBAL_NUDGES)))
                 gth, sizes = cands[best], table[:, best].tolist()
-                keep = rmag.mask(gth)
             else:
                 exact = True
         if exact:
             gth = radix_kth_largest(rmag.tensor(), k, comm, n)  # owners' regions are disjoint: at most n values
-            keep = rmag.mask(gth)
-            sizes = self._sizes(comm, int(torch.count_nonzero(keep)))
+            sizes = self._counts(comm, rmag.counts([gth]))[:, 0].tolist()
         state.global_exact_due = False
         state.global_threshold = gth
-        return keep, sizes
-
-    @staticmethod
-    def _sizes(comm: Comm, count: int) -> list[int]:
-        return OkTopk._counts(comm, [count])[:, 0].tolist()
+        return rmag.indices(gth, sizes[comm.rank]), sizes
 
     @staticmethod
     def _counts(comm: Comm, counts: Any) -> np.ndarray:

@@ -174,19 +174,31 @@ def sum_sorted_runs(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor
     ``idx`` is sorted int64 (``[K]``), ``vals`` ``[K, r]`` in the accumulation
     dtype. Returns the sorted unique indices and, per index, ``((0 + v_first)
     + v_next) + ...`` in the order the rows come, the bits the host path's
-    :func:`sum_by_index` gives. No atomics: ``torch.segment_reduce`` adds
-    each output element's run sequentially in one thread (its 2-D kernel;
-    values are always passed as ``[K, r]``), so the result is a pure function
-    of the input on CUDA too, where ``index_add_`` races between duplicates.
-    The run count is the one host read (``unique_consecutive``).
+    :func:`sum_by_index` gives (see :func:`_segment_sums`). The run count is
+    the one host read (``unique_consecutive``).
     """
     uniq, counts = torch.unique_consecutive(idx, return_counts=True)
     if uniq.numel() == idx.numel():
         return idx, vals + 0.0  # 0 + v, as a sum gives (a lone -0.0 comes out +0.0); never in place
-    flat = vals.reshape(idx.numel(), -1)
-    if flat.shape[1] == 0:
-        return uniq, vals.new_zeros((uniq.numel(), 0))
-    return uniq, torch.segment_reduce(flat, "sum", lengths=counts, axis=0, unsafe=True)
+    return uniq, _segment_sums(vals, counts)
+
+
+def _segment_sums(vals: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum ``[K, r]`` rows in consecutive runs of ``lengths`` rows (a run of 0 gives zeros), each from +0, in order.
+
+    No atomics: ``torch.segment_reduce`` adds each output element's run
+    sequentially in one thread (its 2-D kernel; values always go as
+    ``[K, r]``), so the result is a pure function of the input on CUDA too,
+    where ``index_add_`` races between duplicates.
+    """
+    if vals.shape[1] == 0:
+        return vals.new_zeros((lengths.numel(), 0))
+    return torch.segment_reduce(vals, "sum", lengths=lengths, axis=0, unsafe=True)
+
+
+def _run_lengths(starts_at: torch.Tensor, k: int) -> torch.Tensor:
+    """The lengths of the runs of ``k`` rows that begin at sorted positions ``starts_at`` (``k``: an empty run)."""
+    return torch.diff(starts_at, append=starts_at.new_full((1,), k))
 
 
 def upload(data: "list[int] | np.ndarray | torch.Tensor", device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -209,12 +221,13 @@ class Batch:
     ``sparse_allreduce``, many for a fused call): the tensors' indices are
     laid end to end in one index space (tensor ``j`` at offset ``A_j``, as
     TorchRec's jagged tensors pack features), sorted once and summed per run
-    once (:func:`sum_sorted_runs`' order: each tensor's result has the bits
-    its own :func:`coalesce` gives). Building a batch launches a fixed number
-    of kernels whatever the number of tensors and reads nothing; what the host
-    needs (whether an index is out of range, the unique count of each tensor)
-    is :attr:`stats`, a small int64 tensor, read once by the caller, and
-    handed to :meth:`finish`, which slices the results without another read.
+    once (:func:`_segment_sums`: each tensor's result has the bits its own
+    :func:`coalesce` gives). Building a batch launches a fixed number of
+    kernels whatever the number of tensors and reads nothing; what the host
+    needs is :attr:`stats`, ``[any index out of range (0 or 1), unique count
+    of tensor 0, of tensor 1, ...]``, a small int64 tensor the caller reads
+    once (or sends in the metadata record) and hands, less its first
+    element, to :meth:`finish`, which slices the results without another read.
 
     Args:
         items: ``(indices, values, size)`` per tensor: 1-D integer indices,
@@ -225,53 +238,37 @@ class Batch:
     def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, int]], acc: torch.dtype) -> None:
         device = items[0][1].device
         t = self.count = len(items)
-        if t == 1:
-            self._one(*items[0], acc)
-            return
         sizes = [n for _, _, n in items]
-        self.ks = ks = [i.numel() for i, _, _ in items]
-        self.at, self.k = offsets(sizes), sum(ks)
+        ks = [i.numel() for i, _, _ in items]
+        self.at, self.k, self.n = offsets(sizes), sum(ks), sizes[0]
         k = self.k
-        # Every host figure the kernels need, in one upload: offsets, sizes, entry counts, entry offsets.
-        meta = upload([*self.at, *sizes, *ks, *offsets(ks)], device)
-        at, self.base, kt, ends = meta[: t + 1], meta[:t], meta[2 * t + 1 : 3 * t + 1], meta[3 * t + 1 :]
-        raw = torch.cat([i for i, _, _ in items]).to(torch.int64) if t > 1 else items[0][0].to(torch.int64)
-        vals = (torch.cat([v for _, v, _ in items]) if t > 1 else items[0][1]).to(acc)
-        if t > 1:
-            owner = torch.repeat_interleave(torch.arange(t, device=device), kt, output_size=k)
-            bad, raw = (raw < 0) | (raw >= meta[t + 1 : 2 * t + 1][owner]), raw + self.base[owner]
+        if t == 1:  # no offsets, no per-tensor bookkeeping: a third of the kernels
+            raw, vals = items[0][0].to(torch.int64), items[0][1].to(acc)
+            self.sorted_in = (raw[1:] > raw[:-1]).all()  # sorted and unique: keeps its rows' bits
         else:
-            bad = (raw < 0) | (raw >= sizes[0])
-        # A tensor keeps its values' bits when its input is sorted and unique (as coalesce returns it):
-        # count, per tensor, the neighbouring pairs out of order (tensor j's pairs: late[e_j + 1 : e_j+1]).
-        late = torch.zeros(k + 1, dtype=torch.int64, device=device)
-        if k > 1:
-            torch.cumsum(raw[1:] <= raw[:-1], 0, out=late[2:])
-        self.sorted_in = (late[ends[1:]] - late[torch.minimum(ends[:-1] + 1, ends[1:])]) == 0
-        self.kt = kt
+            # Every host figure the kernels need, in one upload: offsets, sizes, entry counts, entry offsets.
+            meta = upload([*self.at, *sizes, *ks, *offsets(ks)], device)
+            self.base, limit, self.kt, ends = meta[:t], meta[t + 1 : 2 * t + 1], meta[2 * t + 1 : 3 * t + 1], meta[3 * t + 1 :]
+            raw, vals = torch.cat([i for i, _, _ in items]).to(torch.int64), torch.cat([v for _, v, _ in items]).to(acc)
+            owner = torch.repeat_interleave(torch.arange(t, device=device), self.kt, output_size=k)
+            bad, raw = ((raw < 0) | (raw >= limit[owner])).any(), raw + self.base[owner]
+            # Per tensor, the neighbouring pairs out of order (tensor j's: late[e_j + 1 : e_j+1]); none: sorted.
+            late = torch.zeros(k + 1, dtype=torch.int64, device=device)
+            if k > 1:
+                torch.cumsum(raw[1:] <= raw[:-1], 0, out=late[2:])
+            self.sorted_in = (late[ends[1:]] - late[torch.minimum(ends[:-1] + 1, ends[1:])]) == 0
         self.sorted, order = torch.sort(raw, stable=True)
         self.vals = vals.index_select(0, order)
-        starts = torch.ones(k, dtype=torch.bool, device=device)
-        torch.ne(self.sorted[1:], self.sorted[:-1], out=starts[1:])
-        runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
-        torch.cumsum(starts, 0, out=runs[1:])
-        cut = torch.searchsorted(self.sorted, at)
-        #: ``[any index out of range, unique count of tensor 0, of tensor 1, ...]``, read once by the caller.
-        self.stats = torch.cat((bad.any().view(1).to(torch.int64), runs[cut[1:]] - runs[cut[:-1]]))
-        self.runs = runs[1:] - 1
-
-    def _one(self, indices: torch.Tensor, values: torch.Tensor, n: int, acc: torch.dtype) -> None:
-        """A batch of one tensor: no offsets, no per-tensor bookkeeping (a third of the kernels)."""
-        raw, self.n = indices.to(torch.int64), n
-        self.ks, self.at, self.k = [raw.numel()], [0, n], raw.numel()
-        self.sorted_in = (raw[1:] > raw[:-1]).all()  # sorted and unique
-        self.sorted, order = torch.sort(raw, stable=True)
-        self.vals = values.to(acc).index_select(0, order)
-        self.starts = torch.ones(self.k, dtype=torch.bool, device=raw.device)
+        self.starts = torch.ones(k, dtype=torch.bool, device=device)
         torch.ne(self.sorted[1:], self.sorted[:-1], out=self.starts[1:])
-        #: ``[smallest index, largest index, unique count]``, read once by the caller.
-        self.stats = (torch.stack((self.sorted[0], self.sorted[-1], self.starts.sum())) if self.k
-                      else torch.zeros(3, dtype=torch.int64, device=raw.device))
+        if t == 1:
+            bad = (self.sorted[0] < 0) | (self.sorted[-1] >= self.n) if k else torch.zeros((), dtype=torch.bool, device=device)
+            self.stats = torch.stack((bad.to(torch.int64), self.starts.sum()))
+        else:
+            runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
+            torch.cumsum(self.starts, 0, out=runs[1:])
+            cut = torch.searchsorted(self.sorted, meta[: t + 1])
+            self.stats = torch.cat((bad.view(1).to(torch.int64), runs[cut[1:]] - runs[cut[:-1]]))
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A batch of one tensor, coalesced with no host read: its rows padded to the input's ``k``.
@@ -280,81 +277,44 @@ class Batch:
         ``[k, r]`` rows of which the first ``count`` (a 0-d device tensor)
         are the coalesced entries, the bits :meth:`finish` gives, the rest
         indices equal to the size (past every real one) with zero rows; and
-        ``bad``, a 0-d device bool: an index is out of range. The caller
+        ``bad`` (0-d int64, 1 when an index is out of range). The caller
         learns ``count`` later (it rides in the metadata record) and slices.
         """
-        k, device = self.k, self.sorted.device
-        count = self.stats[2]
+        k, bad, count = self.k, self.stats[0], self.stats[1]
         if k == 0:
-            return self.sorted, self.vals, count, torch.zeros((), dtype=torch.bool, device=device)
-        bad = (self.stats[0] < 0) | (self.stats[1] >= self.n)
-        pos = torch.searchsorted(torch.cumsum(self.starts, 0), torch.arange(1, k + 1, device=device))  # k past the end
-        lengths = torch.diff(pos, append=pos.new_full((1,), k))
-        pos = pos.clamp_(max=k - 1)
-        sums = (torch.segment_reduce(self.vals, "sum", lengths=lengths, axis=0, unsafe=True)
-                if self.vals.shape[1] else self.vals.new_zeros(self.vals.shape))
+            return self.sorted, self.vals, count, bad
+        pos = mask_positions(self.starts, k)  # past the count, positions k: empty runs
+        sums = _segment_sums(self.vals, _run_lengths(pos, k))
         sums = torch.where(self.sorted_in & (count == k), self.vals, sums)  # sorted unique input: its rows as they came
-        real = torch.arange(k, device=device) < count
-        idx = torch.where(real, self.sorted.index_select(0, pos), self.n)
+        real = torch.arange(k, device=pos.device) < count
+        idx = torch.where(real, self.sorted.index_select(0, pos.clamp_(max=k - 1)), self.n)
         return idx, sums, count, bad
 
-    def device_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each tensor's unique count (int64 ``[T]``) and whether an index is out of range (0-d bool), on the device."""
-        if self.count > 1:
-            return self.stats[1:], self.stats[0] != 0
-        if self.k == 0:
-            return self.stats[2:], torch.zeros((), dtype=torch.bool, device=self.stats.device)
-        return self.stats[2:], (self.stats[0] < 0) | (self.stats[1] >= self.n)
-
-    def stats_for(self, counts: "list[int]") -> list[int]:
-        """:attr:`stats` as read, rebuilt from the tensors' unique counts learned elsewhere (all in range)."""
-        return [0, 0, counts[0]] if self.count == 1 else [0, *counts]
-
-    def out_of_range(self, stats: list[int]) -> bool:
-        """Whether an index of the batch is outside its tensor's ``[0, size)``, from :attr:`stats` as read."""
-        if self.count == 1:
-            return self.k > 0 and (stats[0] < 0 or stats[1] >= self.n)
-        return bool(stats[0])
-
-    def finish(self, stats: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Return each tensor's sorted unique int64 indices (in its own index space) and summed rows.
 
-        ``stats`` is :attr:`stats` as read to the host; a batch with an index
-        out of range (:meth:`out_of_range`) is the caller's error to raise first.
-        Nothing more is read or uploaded: the device keeps its own copy of the counts.
+        ``counts`` are the unique counts of :attr:`stats` as the host learned
+        them; a batch with an index out of range is the caller's error to
+        raise first. Nothing more is read or uploaded.
         """
-        if self.count == 1:
-            return [self._finish_one(stats[2])]
-        counts = stats[1:]
-        u, device = sum(counts), self.sorted.device
-        if u == self.k:
-            pos, sums = None, self.vals + 0.0
-            first = self.vals
-        else:
-            pos = torch.searchsorted(self.runs, torch.arange(u, device=device))
-            lengths = torch.diff(pos, append=pos.new_full((1,), self.k))
-            first = self.vals.index_select(0, pos)
-            sums = (torch.segment_reduce(self.vals, "sum", lengths=lengths, axis=0, unsafe=True)
-                    if self.vals.shape[1] else first.new_zeros(first.shape))
-        per = self.stats[1:]
-        owner = torch.repeat_interleave(torch.arange(self.count, device=device), per, output_size=u)
-        kept = (per == self.kt) & self.sorted_in  # sorted unique input: its rows as they came
-        sums = torch.where(kept[owner].view(-1, 1), first, sums)
+        u, k, device = sum(counts), self.k, self.sorted.device
+        pos = None if u == k else mask_positions(self.starts, u)
+        first = self.vals if pos is None else self.vals.index_select(0, pos)
+        sums = self.vals + 0.0 if pos is None else _segment_sums(self.vals, _run_lengths(pos, k))
         uniq = self.sorted if pos is None else self.sorted.index_select(0, pos)
+        if self.count == 1:
+            if pos is None:  # unique: its rows from +0, unless the input came sorted (as coalesce keeps it)
+                sums = torch.where(self.sorted_in, first, sums)
+        else:
+            per = self.stats[1:]
+            owner = torch.repeat_interleave(torch.arange(self.count, device=device), per, output_size=u)
+            kept = (per == self.kt) & self.sorted_in  # sorted unique input: its rows as they came
+            sums = torch.where(kept[owner].view(-1, 1), first, sums)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
         self.union, self.sums, self.parts = uniq, sums, offsets(counts)
         if self.count > 1:
             uniq = uniq - self.base[owner]
         return list(zip(torch.split(uniq, counts), torch.split(sums, counts)))
-
-    def _finish_one(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if u == self.k:  # unique: its rows from +0, unless the input came sorted (as coalesce keeps it)
-            return self.sorted, torch.where(self.sorted_in, self.vals, self.vals + 0.0)
-        pos = mask_positions(self.starts, u)
-        lengths = torch.diff(pos, append=pos.new_full((1,), self.k))
-        sums = (torch.segment_reduce(self.vals, "sum", lengths=lengths, axis=0, unsafe=True)
-                if self.vals.shape[1] else self.vals.new_zeros((u, 0)))
-        return self.sorted.index_select(0, pos), sums
 
     def span(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After :meth:`finish`: tensors ``first..last`` (positions in the batch) as one, laid end to end from 0.
@@ -775,7 +735,6 @@ class Magnitudes:
         if count is not None:
             return mask_positions(self._mask(threshold), count)
         return self._mask(threshold).nonzero().view(-1)
-
 
     def kth_largest(self, k: int) -> float:
         """The ``k``-th largest value, exactly (``1 <= k <= numel``)."""

@@ -504,30 +504,40 @@ def _check_range(indices: torch.Tensor, n: int) -> None:
                        "pass a larger size or fix the indices.")
 
 
-def coalesce_checked(
-    items: list[tuple[torch.Tensor, torch.Tensor, int]], acc: torch.dtype,
-    named: Callable[[Exception, int], Exception] | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Coalesce a call's validated tensors of one row width and dtype (see :func:`coalesce`).
+def coalesce_checked(indices: torch.Tensor, values: torch.Tensor, n: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coalesce a call's validated tensor (see :func:`coalesce`), checking its indices' range on the device path.
 
-    On the device path they go as one :class:`~colltune.algorithms.sparse.Batch`,
-    a fixed number of kernels and one host read for them all, which also
-    tells whether an index is out of range; then the range error of the
-    first bad tensor is raised (``named(exc, j)`` names tensor ``j``).
+    There it goes as a :class:`~colltune.algorithms.sparse.Batch` of one,
+    whose one host read also tells whether an index is out of range.
     """
-    if not items:
-        return []
-    if on_host(items[0][1]):
-        return [coalesce(i, v, acc) for i, v, _ in items]
-    batch = Batch(items, acc)
+    if on_host(values):
+        return coalesce(indices, values, acc)
+    batch = Batch([(indices, values, n)], acc)
     stats = batch.stats.tolist()
-    if batch.out_of_range(stats):
-        for j, (indices, _, n) in enumerate(items):
-            try:
-                _check_range(indices, n)
-            except ColltuneError as exc:
-                raise exc if named is None else named(exc, j)
-    return batch.finish(stats)
+    if stats[0]:
+        raise first_range_error([(indices, values, n)])
+    return batch.finish(stats[1:])[0]
+
+
+def first_range_error(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, int]], named: Callable[[Exception, int], Exception] | None = None,
+) -> Exception:
+    """Return the range error of the first of ``items`` with an index outside its ``[0, size)`` (``named`` names it).
+
+    For the error path only, once a batch's stats said that one has: it reads every tensor's bounds.
+    """
+    for j, (indices, _, n) in enumerate(items):
+        try:
+            _check_range(indices, n)
+        except ColltuneError as exc:
+            return exc if named is None else named(exc, j)
+    return _bad(ColltuneValueError, "indices", "an index is outside its tensor's [0, size).")
+
+
+def deferred_fields(count: torch.Tensor, bad: torch.Tensor, argument: str) -> dict[str, torch.Tensor]:
+    """The record's fields a deferred coalesce leaves on the device: the entry count, and ``bad`` (0-d int64, 1
+    when an index is out of range) as this rank's error naming ``argument``."""
+    return {"count": count, "error": bad, "error_arg": torch.where(bad != 0, _meta.name_code(argument), -1)}
 
 
 def _device_bytes(device: torch.device) -> int:
@@ -852,7 +862,7 @@ class _SparseCall:
         if self.can_defer(algorithm):
             idx, vals = self.defer(idx, vals, n, accum_dtype(values.dtype))
         else:
-            ((idx, vals),) = coalesce_checked([(idx, vals, n)], accum_dtype(values.dtype))
+            idx, vals = coalesce_checked(idx, vals, n, accum_dtype(values.dtype))
         self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
         self.values = values
         self.record.update(
@@ -882,18 +892,8 @@ class _SparseCall:
         """Coalesce with no host read: the unique count and the range check ride in the record (see
         :meth:`~colltune.algorithms.sparse.Batch.padded`); return the padded entries, cut by :meth:`settle`."""
         pad_idx, pad_vals, count, bad = Batch([(idx, vals, n)], acc).padded()
-        code = _meta.name_code("indices")
-        self.device_fields = {"count": count, "error": bad.to(torch.int64),
-                              "error_arg": torch.where(bad, code, -1)}
-
-        def error() -> BaseException:
-            try:
-                _check_range(idx, n)
-            except ColltuneError as exc:
-                return exc
-            return _bad(ColltuneValueError, "indices", f"indices must be in [0, size) = [0, {n}).")
-
-        self.deferred_error = error
+        self.device_fields = deferred_fields(count, bad, "indices")
+        self.deferred_error = lambda: first_range_error([(idx, vals, n)])
         return pad_idx, pad_vals
 
     def settle(self, counts: tuple[int, ...]) -> None:

@@ -59,7 +59,6 @@ from colltune.api import (
     _bad,
     _check_common,
     _check_dense_fits,
-    _check_range,
     _decided_knobs,
     _dtype_name,
     _group_key,
@@ -73,6 +72,8 @@ from colltune.api import (
     _submit,
     _unpack_coo,
     _validate_sparse,
+    deferred_fields,
+    first_range_error,
 )
 
 __all__ = ["sparse_allreduce_many", "DEFAULT_BUCKET_CAP_MB", "plan_buckets"]
@@ -311,71 +312,55 @@ class _FusedCall:
         """
         if not checked or on_host(checked[0][1]):
             done = [coalesce(i, v, accum_dtype(v.dtype)) for i, v, _ in checked]
-        else:
-            groups: dict[tuple[int, torch.dtype], list[int]] = {}
-            for t, key in enumerate(self.keys):
-                groups.setdefault(key, []).append(t)
-            batches = [(members, Batch([checked[t] for t in members], accum_dtype(dtype)))
-                       for (_, dtype), members in groups.items()]
-            if self.comm.world_size > 1:
-                self.defer(batches, checked)
-                return
-            stats = torch.cat([b.stats for _, b in batches]).tolist()
-            at = offsets([b.stats.numel() for _, b in batches])
-            if any(b.out_of_range(stats[at[j] : at[j + 1]]) for j, (_, b) in enumerate(batches)):
-                for t, (indices, _, n) in enumerate(checked):
-                    try:
-                        _check_range(indices, n)
-                    except ColltuneError as exc:
-                        raise _named(exc, t)
-            done = [None] * len(checked)  # type: ignore[list-item]
-            for b, (members, batch) in enumerate(batches):
-                for j, (t, got) in enumerate(zip(members, batch.finish(stats[at[b] : at[b + 1]]))):
-                    done[t], self.batched[t] = got, (batch, j)
-        self.idx = [i for i, _ in done]
-        self.vals = [v for _, v in done]
+            self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
+            return
+        groups: dict[tuple[int, torch.dtype], list[int]] = {}
+        for t, key in enumerate(self.keys):
+            groups.setdefault(key, []).append(t)
+        batches = [(members, Batch([checked[t] for t in members], accum_dtype(dtype)))
+                   for (_, dtype), members in groups.items()]
+        if self.comm.world_size > 1:
+            self.defer(batches, checked)
+            return
+        stats = torch.cat([b.stats for _, b in batches]).tolist()
+        at = offsets([b.stats.numel() for _, b in batches])
+        if any(stats[a] for a in at[:-1]):
+            raise first_range_error(checked, _named)
+        self.finish(batches, [stats[a + 1 : b] for a, b in zip(at, at[1:])])
+
+    def finish(self, batches: list[tuple[list[int], Batch]], counts: list[list[int]]) -> None:
+        """Finish every batch with its tensors' unique counts; each tensor's result goes to its place in the list."""
+        done: list[Any] = [None] * len(self.desc)
+        for (members, batch), per in zip(batches, counts):
+            for j, (t, got) in enumerate(zip(members, batch.finish(per))):
+                done[t], self.batched[t] = got, (batch, j)
+        self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
 
     def defer(self, batches: list[tuple[list[int], Batch]], checked: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """Leave the counts on the device: they ride in the record's slot (with their sum and the range check in
         its fields), read with it in its one read; :meth:`settle` then finishes the batches."""
-        parts = [b.device_counts() for _, b in batches]
         order = [t for members, _ in batches for t in members]
         where = np.empty(len(order), dtype=np.int64)
         where[order] = np.arange(len(order))
-        self.device_counts = torch.cat([c for c, _ in parts]).index_select(0, upload(where, self.comm.device))
-        bad = torch.stack([b for _, b in parts]).any()
-        self.device_fields = {"count": self.device_counts.sum(), "error": bad.to(torch.int64),
-                              "error_arg": torch.where(bad, _meta.name_code("tensors"), -1)}
+        self.device_counts = torch.cat([b.stats[1:] for _, b in batches]).index_select(0, upload(where, self.comm.device))
+        bad = torch.stack([b.stats[0] for _, b in batches]).amax()
+        self.device_fields = deferred_fields(self.device_counts.sum(), bad, "tensors")
         self.pending = batches
-
-        def error() -> BaseException:
-            for t, (indices, _, n) in enumerate(checked):
-                try:
-                    _check_range(indices, n)
-                except ColltuneError as exc:
-                    return _named(exc, t)
-            return _bad(ColltuneValueError, "tensors", "an index is outside its tensor's [0, size).")
-
-        self.deferred_error = error
+        self.deferred_error = lambda: first_range_error(checked, _named)
 
     def settle(self, mine: np.ndarray) -> None:
         """After the exchange: finish a deferred coalesce with this rank's counts per tensor (no read)."""
         if self.pending is None:
             return
-        done: list[Any] = [None] * len(self.desc)
-        for members, batch in self.pending:
-            got = batch.finish(batch.stats_for([int(mine[t]) for t in members]))
-            for j, t in enumerate(members):
-                done[t], self.batched[t] = got[j], (batch, j)
-        self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
+        self.finish(self.pending, [[int(mine[t]) for t in members] for members, _ in self.pending])
         self.counts, self.pending = np.asarray(mine, dtype=np.int64), None
 
     def fill_record(self, op: str, algorithm: str, code: int) -> None:
         """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""
         t = len(self.desc)
         # This rank's counts per tensor (a deferred coalesce's are still on the device: placeholders).
-        self.counts = np.array([0 if self.pending is not None else int(i.numel()) for i in
-                                (self.idx if self.pending is None else range(t))], dtype=np.int64)
+        self.counts = (np.zeros(t, dtype=np.int64) if self.pending is not None
+                       else np.array([i.numel() for i in self.idx], dtype=np.int64))
         in_slot = 8 * t <= _meta.slot_bytes(self.comm)
         self.record.update(
             size=t,
