@@ -59,15 +59,23 @@ class NondeterministicOp(AssertionError):
 class Audit(TorchDispatchMode):
     """Count ops, host syncs and collectives; refuse nondeterministic accumulation (see the module docstring).
 
+    Args:
+        trace: record where each sync came from (:attr:`where`).
+        strict: raise :class:`NondeterministicOp` on a nondeterministic op;
+            ``False`` only counts them (:attr:`nondeterministic`), to measure
+            code that has them.
+
     Attributes:
         ops: aten op name -> count (collectives excluded).
         collectives: c10d op name -> count.
         syncs: op or read name -> count of host synchronizations.
+        nondeterministic: what :class:`NondeterministicOp` would have said, per op seen (``strict=False``).
     """
 
-    def __init__(self, *, trace: bool = False) -> None:
+    def __init__(self, *, trace: bool = False, strict: bool = True) -> None:
         super().__init__()
-        self.trace = trace
+        self.trace, self.strict = trace, strict
+        self.nondeterministic: list[str] = []
         #: Per sync, where colltune's code made it (with ``trace=True``): the innermost colltune frames.
         self.where: list[str] = []
         self.ops: collections.Counter[str] = collections.Counter()
@@ -89,7 +97,12 @@ class Audit(TorchDispatchMode):
             self.collectives[name] += 1
             return func(*args, **kwargs)
         self.ops[name] += 1
-        self._check(name, func, args, kwargs)
+        try:
+            self._check(name, func, args, kwargs)
+        except NondeterministicOp as exc:
+            if self.strict:
+                raise
+            self.nondeterministic.append(str(exc))
         if name in SYNC_OPS:
             self.sync(name)
         elif name == "repeat_interleave" and kwargs.get("output_size") is None:
@@ -141,9 +154,9 @@ def _write_indices(name: str, func: Any, args: tuple, kwargs: dict) -> list[torc
 
 
 @contextmanager
-def audit(*, trace: bool = False) -> Iterator[Audit]:
-    """Audit the block: dispatched ops, and reads of tensor contents into Python (``tolist``, ``numpy``)."""
-    mode = Audit(trace=trace)
+def audit(*, trace: bool = False, strict: bool = True) -> Iterator[Audit]:
+    """Audit the block (see :class:`Audit`): dispatched ops, and reads of tensor contents into Python (``tolist``, ``numpy``)."""
+    mode = Audit(trace=trace, strict=strict)
     saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
 
     def reader(name: str) -> Any:

@@ -1,0 +1,41 @@
+"""tools/device_path_audit.py and tools/fit_host_cost.py: the commands behind the README's GPU figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(tool, *args, cwd):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_the_audit_counts_every_call_within_what_the_algorithms_declare(tmp_path):
+    from colltune.algorithms import get
+
+    out = tmp_path / "audit.json"
+    _run("device_path_audit.py", "-P", "2", "--json", str(out), cwd=tmp_path)
+    calls = json.loads(out.read_text())["calls"]
+    for name in ("dense", "allgather", "oktopk"):
+        assert calls[f"{name} rows of 64"]["syncs"] <= get(name).HOST_SYNCS["exact"], calls[f"{name} rows of 64"]
+        assert calls[f"top-k {name}"]["syncs"] <= get(name).HOST_SYNCS["topk"], calls[f"top-k {name}"]
+    assert calls["fused, 26 tables"]["syncs"] == calls["fused, 2 tables"]["syncs"]
+    assert 0 < calls["dense scalars"]["kernels"] < calls["dense scalars"]["ops"]
+
+
+def test_the_host_cost_fit_recovers_a_known_line(tmp_path):
+    rows = [{"n": 1 << 16, "dense_ms": (400 + 60 * s) / 1e3, "dense_syncs": s} for s in (2, 4, 7)]
+    path = tmp_path / "calls.json"
+    path.write_text(json.dumps(rows))
+    assert "host_call_us 400, host_sync_us 60 (median error 0%" in _run("fit_host_cost.py", str(path), cwd=tmp_path)
+    path.write_text(json.dumps(rows[:1]))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fit_host_cost.py"), str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "two different sync counts" in done.stderr

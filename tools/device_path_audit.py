@@ -1,0 +1,109 @@
+"""Count what each call costs on a GPU, on CPU tensors: host syncs and ops per call on the device code path.
+
+The README's "On GPUs" table comes from here. Local gloo ranks run every
+call through the device (CUDA) code path (``colltune.algorithms.sparse.device_path``)
+under ``tests/dispatch_audit.py``'s ``TorchDispatchMode``. It counts, for one
+steady-state call (after a few at the same call site):
+
+- host syncs: scalar reads, data-sized outputs, boolean masks, and reads of
+  a tensor's contents (an upper bound: on CPU every tensor is "on the device");
+- ops: aten ops dispatched, and kernels (the ops less views);
+- nondeterministic ops: those PyTorch lists as nondeterministic on CUDA that
+  accumulate, or listed writes to one place twice (counted, not refused).
+
+Per algorithm on n = 2^16 rows (scalars and rows of 64, k = 3000 per rank),
+per top-k algorithm (2^16 values, density 1e-3, after 7 steps), and a fused
+call over 2 and over 26 tables. Usage::
+
+    python tools/device_path_audit.py             # P = 2
+    python tools/device_path_audit.py -P 3 --json audit.json
+
+Run on an earlier commit (with this file and ``tests/dispatch_audit.py``
+copied in) to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (_ROOT, os.path.join(_ROOT, "tests")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch  # noqa: E402
+
+from colltune.cli.common import write_json  # noqa: E402
+from colltune.offline import launch  # noqa: E402
+
+#: aten ops that only make views: no kernel.
+VIEWS = frozenset({"slice", "select", "view", "expand", "as_strided", "alias", "unsqueeze", "squeeze", "t",
+                   "transpose", "permute", "_unsafe_view", "split_with_sizes", "split", "detach", "lift_fresh",
+                   "_reshape_alias", "unbind"})
+STEADY = 3
+
+
+def _audited(call) -> dict:
+    from dispatch_audit import audit
+
+    for _ in range(STEADY):
+        call()
+    with audit(strict=False) as a:
+        call()
+    kernels = sum(c for op, c in a.ops.items() if op not in VIEWS)
+    return {"syncs": a.n_syncs, "ops": a.n_ops, "kernels": kernels, "nondeterministic": len(a.nondeterministic),
+            "which": dict(a.syncs)}
+
+
+def _rank(rank: int, world_size: int, cfg: dict) -> dict:
+    import colltune
+    from colltune.algorithms import names
+    from colltune.algorithms.sparse import device_path
+    from colltune.algorithms.state import TopkState
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+    n, out = 1 << 16, {}
+    with device_path():
+        for algorithm in (*names(), "auto"):
+            for row in ((), (64,)):
+                idx = torch.randint(0, n, (3000,), generator=g)
+                vals = torch.randn((3000, *row), generator=g)
+                out[f"{algorithm} {'rows of 64' if row else 'scalars'}"] = _audited(
+                    lambda a=algorithm, i=idx, v=vals: colltune.sparse_allreduce(i, v, size=n, algorithm=a, name=a))
+        for algorithm in names():
+            state = TopkState(density=1e-3)
+            for _ in range(7):
+                colltune.topk_allreduce(torch.randn(n, generator=g), state, algorithm=algorithm)
+            grad = torch.randn(n, generator=g)
+            with_audit = _audited(lambda a=algorithm, s=state: colltune.topk_allreduce(grad, s, algorithm=a))
+            out[f"top-k {algorithm}"] = with_audit
+        for tables in (2, 26):
+            tensors = [(torch.randint(0, 1000 + 100 * t, (200,), generator=g), torch.randn(200, 16, generator=g),
+                        1000 + 100 * t) for t in range(tables)]
+            out[f"fused, {tables} tables"] = _audited(lambda ts=tensors: colltune.sparse_allreduce_many(ts))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", "-P", type=int, default=2, help="local gloo ranks (default 2)")
+    ap.add_argument("--json", metavar="FILE", help="write rank 0's counts here")
+    args = ap.parse_args(argv)
+    if args.world_size < 1:
+        ap.error("--world-size must be >= 1")
+    per_rank = launch.run_local(_rank, args.world_size, {}, backend="gloo", timeout=1800)
+    rows = per_rank[0]
+    print(f"P={args.world_size}, device path on CPU tensors: per steady-state call (rank 0)")
+    print(f"{'call':<28} {'syncs':>5} {'ops':>5} {'kernels':>7} {'nondet.':>7}  syncs by kind")
+    for name, r in rows.items():
+        print(f"{name:<28} {r['syncs']:>5} {r['ops']:>5} {r['kernels']:>7} {r['nondeterministic']:>7}  {r['which']}")
+    if args.json:
+        write_json(args.json, {"world_size": args.world_size, "calls": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
