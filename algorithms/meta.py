@@ -30,7 +30,12 @@ its ``P`` counts per region (:func:`note_payload`; ``8 P`` bytes more from
 world size do they need a collective of their own. Every rank updates the
 size from the same gathered records and the same decision, so all ranks
 always agree on the record's size; a rank that disagreed on the call raises
-before anything is updated. The sizes are plain arithmetic in
+before anything is updated. A training wrapper may add its own check to a call's record (fields
+``step`` and ``plan``, :class:`colltune.api.CallerCheck`): its step counter
+and a code of how it routes the step's gradients, shared fields like the
+others, and an error it found before the call (a gradient of the wrong
+layout, a policy that does not load), which travels as an input error. The
+sizes are plain arithmetic in
 :mod:`colltune.algorithms.sizes`, which the cost model reads too.
 """
 
@@ -67,12 +72,12 @@ __all__ = [
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 5  # 5: the slot holds Ok-Topk's counts at any P, and never drops below 256 bytes
+_VERSION = 6  # 6: fields step and plan, a training wrapper's check
 
 _SHAPE_DIMS = 4
 #: Fields every rank must agree on, with how to say them in an error.
 SHARED_FIELDS: tuple[str, ...] = (
-    "kind", "size", "row_numel", "row_shape", "dtype", "op", "algorithm", "policy", "eager", "payload"
+    "step", "plan", "kind", "size", "row_numel", "row_shape", "dtype", "op", "algorithm", "policy", "eager", "payload"
 )
 #: What the eager slot of a record holds after its payload (field ``eager``):
 #: nothing, the first entries, or an overlap sketch then entries. Field
@@ -88,7 +93,7 @@ _ERROR_KINDS = {1: "invalid", 2: "wrong type of"}
 #: Argument names a record's ``error_arg`` may carry, known to every rank so it can name them.
 ARGUMENTS: tuple[str, ...] = (
     "indices", "values", "size", "op", "group", "algorithm", "knobs", "name", "policy", "tensor", "state",
-    "async_op", "tensors", "bucket_cap_mb", "unknown",
+    "async_op", "tensors", "bucket_cap_mb", "gradients", "environment", "unknown",
 )
 _HISTORY_HINT = (
     "the ranks hold different histories for this call site (make the same calls, in the same order, "
@@ -428,6 +433,23 @@ _SHARED_HINTS: dict[str, str] = {
 }
 
 
+#: What the fields of a caller's check (:class:`colltune.api.CallerCheck`) mean, for the error that names a
+#: disagreement: a training wrapper puts its step counter and its routing plan in the record of each step's
+#: first call, so that a rank that skipped, repeated or routed a step differently never mixes with the others.
+_CALLER_LABELS: dict[str, tuple[str, str]] = {
+    "step": (
+        "the training wrapper's step (its synchronizations so far)",
+        "a rank skipped or repeated a synchronization (it raised, or retried a step, where the others did not), "
+        "so its gradients would mix with another step's; load the same checkpoint (load_state_dict) on every "
+        "rank, or build the wrapper again on every rank",
+    ),
+    "plan": (
+        "how the training wrapper routes the gradients",
+        "give every rank the same model, options, policy file and environment (COLLTUNE_ALGO, COLLTUNE_POLICY)",
+    ),
+}
+
+
 def _check_shared(records: list[dict[str, int]], labels: Mapping[str, tuple[str, str]]) -> None:
     """Raise :class:`RankMismatchError` on the first shared field the ranks disagree on, with every rank's value."""
     for f in SHARED_FIELDS:
@@ -437,7 +459,8 @@ def _check_shared(records: list[dict[str, int]], labels: Mapping[str, tuple[str,
                 per_rank = ", ".join(f"rank {r}: {_say_shape(rec)}" for r, rec in enumerate(records))
             else:
                 per_rank = ", ".join(f"rank {r}: {_say(f, v)}" for r, v in enumerate(values))
-            what, hint = labels.get(f, (repr(f), _SHARED_HINTS.get(f, "pass the same value on every rank")))
+            what, hint = labels.get(f) or _CALLER_LABELS.get(f) or (
+                repr(f), _SHARED_HINTS.get(f, "pass the same value on every rank"))
             err = RankMismatchError(f"ranks disagree on {what} ({per_rank}); {hint}.")
             err.field = f
             raise err

@@ -43,6 +43,8 @@ FIELDS: tuple[str, ...] = (
     "eager",
     "payload",
     "error_arg",
+    "step",
+    "plan",
 )
 #: Bytes of the record's fields (int64 each), before the eager slot.
 HEADER_BYTES = 8 * len(FIELDS)

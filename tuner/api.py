@@ -50,7 +50,10 @@ from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, Batch, accum_
 from colltune.algorithms.state import TopkState
 from colltune.model.features import sketch_hashes
 
-__all__ = ["sparse_allreduce", "topk_allreduce", "SparseResult", "TopkResult", "AsyncHandle", "OPS"]
+__all__ = [
+    "sparse_allreduce", "topk_allreduce", "SparseResult", "TopkResult", "AsyncHandle", "OPS", "CallerCheck",
+    "check_with_peers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -720,6 +723,70 @@ def _input_error(exc: Exception) -> ColltuneError:
     )
     wrapped.__cause__ = exc
     return wrapped
+
+
+# --------------------------------------------------------------------------- a caller's check
+
+
+_KIND_CHECK = "check"
+_meta.name_code(_KIND_CHECK)
+
+
+@dataclass(frozen=True)
+class CallerCheck:
+    """What a training wrapper has every rank check in the metadata record of its step's first call.
+
+    A synchronizer decides locally, before any collective, how its gradients
+    travel; a rank that fails there (a gradient of the wrong layout, a
+    policy file it cannot read) or that is a step ahead (it retried a step
+    the others did not) would leave the others waiting in a collective, or
+    pair its step with theirs. Its check rides in the record of the first
+    call it makes instead (:func:`colltune.fused.submit_many`), or alone
+    (:func:`check_with_peers`): both are one metadata exchange on the
+    group's twin, so a rank that cannot tell which call comes first still
+    meets the others there.
+
+    Attributes:
+        step: the wrapper's count of synchronizations that succeeded, the
+            same on every rank (record field ``step``).
+        plan: a code of how this step's gradients travel (``-1`` when this
+            rank could not route them); the same on every rank (field ``plan``).
+        error: this rank's error found before the call, or ``None``: it
+            travels as an input error, so this rank raises it and the others
+            :class:`~colltune.RemoteInputError` naming this rank.
+    """
+
+    step: int
+    plan: int
+    error: Exception | None = None
+
+    def fields(self) -> dict[str, int]:
+        """Return the record fields of the check."""
+        return {"step": self.step, "plan": self.plan}
+
+
+def check_with_peers(group: dist.ProcessGroup | None, hint: torch.Tensor | None, check: CallerCheck) -> None:
+    """Exchange ``check`` alone: one metadata record per rank, in order with the calls on ``group``.
+
+    Args:
+        group: the process group.
+        hint: a tensor on the device the wrapper's calls run on (so the
+            record takes their code path), or ``None``.
+        check: the check.
+
+    Raises:
+        The rank's own ``check.error``; :class:`~colltune.RemoteInputError`
+        when another rank's check carried one; :class:`~colltune.RankMismatchError`
+        when ranks are at different steps or route them differently.
+    """
+    _submit(lambda wire: _check_alone(group, hint, check, wire), False, group)
+
+
+def _check_alone(group: Any, hint: Any, check: CallerCheck, wire: Any) -> None:
+    comm = _open(group, hint, wire)
+    record = {"kind": _meta.name_code(_KIND_CHECK), **check.fields()}
+    error = None if check.error is None else _input_error(check.error)
+    _meta.exchange(comm, record, error)
 
 
 # --------------------------------------------------------------------------- sparse_allreduce

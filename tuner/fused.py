@@ -14,7 +14,8 @@ tables those fixed costs are most of the time. The fused call
    when ``8 T`` bytes exceed the largest slot the group allows);
 3. groups the tensors into buckets, in list order, from data every rank
    holds: tensors of one row width and dtype share a bucket until its
-   largest rank's entries would exceed ``bucket_cap_mb``;
+   largest rank's entries would exceed ``bucket_cap_mb``, or its index
+   space int64 (sizes summed past ``2^63 - 1``);
 4. reduces each bucket as one sparse tensor whose index space is its
    tensors' index spaces laid end to end, with the algorithm chosen for the
    bucket's own features (size, density, counts, overlap);
@@ -54,7 +55,9 @@ from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, Colltun
 from colltune.algorithms.sizes import slot_limit
 from colltune.algorithms.sparse import Batch, accum_dtype, coalesce, offsets, on_host, upload
 from colltune.api import (
+    MAX_SIZE,
     AsyncHandle,
+    CallerCheck,
     _backend_of,
     _bad,
     _check_common,
@@ -76,7 +79,7 @@ from colltune.api import (
     first_range_error,
 )
 
-__all__ = ["sparse_allreduce_many", "DEFAULT_BUCKET_CAP_MB", "plan_buckets"]
+__all__ = ["sparse_allreduce_many", "submit_many", "DEFAULT_BUCKET_CAP_MB", "plan_buckets", "index_spaces"]
 
 #: The default bucket capacity, in MiB of one rank's entries (indices and rows), as DDP's ``bucket_cap_mb``.
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -144,25 +147,54 @@ def sparse_allreduce_many(
         >>> for emb, res in zip(tables, colltune.sparse_allreduce_many(grads, op="avg")):  # doctest: +SKIP
         ...     emb.weight.grad = res.to_sparse_coo()
     """
+    return submit_many(tensors, op, group, algorithm, async_op, knobs=knobs, name=name, policy=policy,
+                       bucket_cap_mb=bucket_cap_mb)
+
+
+def submit_many(
+    tensors: Sequence[Any],
+    op: Any,
+    group: dist.ProcessGroup | None,
+    algorithm: str,
+    async_op: bool,
+    *,
+    knobs: dict[str, Any] | None,
+    name: str | None,
+    policy: Any,
+    bucket_cap_mb: float,
+    check: CallerCheck | None = None,
+) -> list[SparseResult] | AsyncHandle:
+    """:func:`sparse_allreduce_many` with a training wrapper's :class:`~colltune.api.CallerCheck` in its record.
+
+    With ``check.error`` set, this rank's tensors are not looked at: the
+    call carries the error to the other ranks and raises it.
+    """
     op = _op_name(op)
     return _submit(
-        lambda wire: _fused(tensors, op, group, algorithm, knobs, name, policy, bucket_cap_mb, wire), async_op, group
+        lambda wire: _fused(tensors, op, group, algorithm, knobs, name, policy, bucket_cap_mb, wire, check),
+        async_op, group,
     )
 
 
 def _fused(tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: Any, policy: Any,
-           cap_mb: Any, wire: Any) -> list[SparseResult]:
+           cap_mb: Any, wire: Any, check: CallerCheck | None = None) -> list[SparseResult]:
     """Run one fused call on this rank: prepare, exchange, plan the buckets, reduce each, cut the results."""
     comm = _open(group, _first_tensor(tensors), wire)
     call = _FusedCall(comm)
-    error: BaseException | None = None
+    error: Exception | None = None
+    if check is not None:
+        call.record.update(check.fields())
+        error = check.error
     try:
-        call.prepare(tensors, op, group, algorithm, knobs, name, policy, cap_mb)
+        if error is None:
+            call.prepare(tensors, op, group, algorithm, knobs, name, policy, cap_mb)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
-        error, call.slot = _input_error(exc), None
+        error = exc
+    if error is not None:
+        error, call.slot = _input_error(error), None
     counts = call.exchange(error)
     results: list[SparseResult | None] = [None] * len(call.idx)
-    for members in plan_buckets(call.keys, call.entry_bytes * counts, call.cap):
+    for members in plan_buckets(call.spaces, call.entry_bytes * counts, call.cap):
         for t, res in zip(members, call.run_bucket(members, counts, algorithm, op, name)):
             results[t] = res
     return results  # type: ignore[return-value]
@@ -182,7 +214,8 @@ def plan_buckets(keys: Sequence[Any], nbytes: np.ndarray, cap: int) -> list[list
     """Group tensors into buckets; every rank gets the same buckets from the same arguments.
 
     Args:
-        keys: per tensor, what tensors of one bucket share (row width and dtype).
+        keys: per tensor, what tensors of one bucket share (row width, dtype and
+            index space: :func:`index_spaces`).
         nbytes: ``[P, T]``: the bytes of every rank's entries of every tensor.
         cap: the most bytes of one rank's entries a bucket holds.
 
@@ -207,6 +240,24 @@ def plan_buckets(keys: Sequence[Any], nbytes: np.ndarray, cap: int) -> list[list
             got[1][:] += col
     done += [members for members, _ in open_.values()]
     return sorted(done, key=lambda members: members[0])
+
+
+def index_spaces(keys: Sequence[tuple[int, torch.dtype]], sizes: Sequence[int]) -> list[tuple[int, torch.dtype, int]]:
+    """Return per tensor its key and the number of the index space it is laid in, so that no space passes int64.
+
+    Tensors of one key are laid end to end, in list order, in one space
+    until the next would take its summed sizes past ``2^63 - 1``; it opens
+    the key's next space. Every rank gets the same spaces from the same list.
+    """
+    used: dict[tuple[int, torch.dtype], tuple[int, int]] = {}  # per key: its open space and the rows there
+    out: list[tuple[int, torch.dtype, int]] = []
+    for key, n in zip(keys, sizes):
+        space, rows = used.get(key, (0, 0))
+        if rows and rows + n > MAX_SIZE:
+            space, rows = space + 1, 0
+        used[key] = (space, rows + n)
+        out.append((*key, space))
+    return out
 
 
 def _check_cap(cap_mb: Any) -> int:
@@ -249,6 +300,9 @@ class _FusedCall:
         self.vals: list[torch.Tensor] = []
         self.desc: list[tuple[int, tuple[int, ...], torch.dtype]] = []
         self.keys: list[tuple[int, torch.dtype]] = []
+        #: Per tensor, its key and the number of its index space: tensors of one space may share a batch and a
+        #: bucket, laid end to end in int64 indices (:func:`index_spaces`).
+        self.spaces: list[tuple[int, torch.dtype, int]] = []
         self.entry_bytes = np.zeros(0)
         self.counts = np.zeros(0, dtype=np.int64)
         self.cap = 1
@@ -289,13 +343,14 @@ class _FusedCall:
             self.desc.append((n, row_shape, vals.dtype))
             self.keys.append((vals.shape[1], vals.dtype))
             checked.append((idx, vals, n))
+        self.spaces = index_spaces(self.keys, [n for n, _, _ in self.desc])
         self.coalesce(checked)
         self.knobs, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
         if algorithm == "dense":  # the largest bucket it may build: every tensor of one row width and dtype
-            rows: dict[tuple[int, torch.dtype], int] = {}
-            for (n, _, _), key in zip(self.desc, self.keys):
-                rows[key] = rows.get(key, 0) + n
-            for (r, dtype), n in rows.items():
+            rows: dict[tuple[int, torch.dtype, int], int] = {}
+            for (n, _, _), space in zip(self.desc, self.spaces):
+                rows[space] = rows.get(space, 0) + n
+            for (r, dtype, _), n in rows.items():
                 _check_dense_fits(n, r, dtype, self.comm.device)
         self.cap, self.entry_bytes = cap, np.array(
             [8 + r * dtype.itemsize for r, dtype in self.keys], dtype=np.float64)
@@ -314,11 +369,11 @@ class _FusedCall:
             done = [coalesce(i, v, accum_dtype(v.dtype)) for i, v, _ in checked]
             self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
             return
-        groups: dict[tuple[int, torch.dtype], list[int]] = {}
-        for t, key in enumerate(self.keys):
-            groups.setdefault(key, []).append(t)
+        groups: dict[tuple[int, torch.dtype, int], list[int]] = {}
+        for t, space in enumerate(self.spaces):
+            groups.setdefault(space, []).append(t)
         batches = [(members, Batch([checked[t] for t in members], accum_dtype(dtype)))
-                   for (_, dtype), members in groups.items()]
+                   for (_, dtype, _), members in groups.items()]
         if self.comm.world_size > 1:
             self.defer(batches, checked)
             return

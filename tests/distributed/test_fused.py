@@ -14,7 +14,7 @@ import torch
 
 import colltune
 from colltune.algorithms.sparse import device_path
-from colltune.fused import plan_buckets
+from colltune.fused import index_spaces, plan_buckets
 
 from harness import expect_error, pool
 from sparse_cases import ALGORITHMS, assert_close_to_reference, case, make_input, raw, reference
@@ -208,6 +208,41 @@ def test_plan_buckets():
     assert plan_buckets(keys, nbytes, 1000) == [[0, 2, 4], [1, 5], [3]]
     assert plan_buckets(keys, nbytes, 1) == [[0], [1], [2], [3], [4], [5]]
     assert plan_buckets([], np.zeros((2, 0)), 10) == []
+
+
+def test_index_spaces_never_pass_int64():
+    f32 = (1, torch.float32)
+    big = 2**62
+    assert index_spaces([f32, f32, f32], [big, big, 10]) == [(*f32, 0), (*f32, 1), (*f32, 1)]
+    assert index_spaces([f32, (4, torch.float32), f32], [big, big, big - 1]) == [
+        (*f32, 0), (4, torch.float32, 0), (*f32, 0)]  # 2^63 - 1 rows in one space: the most int64 indexes
+    assert index_spaces([f32], [2**63 - 1]) == [(*f32, 0)]
+
+
+def _rank_huge_tables(rank: int, world_size: int, device: bool, algorithm: str) -> list:
+    big = 2**62
+    tensors = [
+        (torch.tensor([5, big - 1 - rank]), torch.full((2,), 1.0 + rank), big),
+        (torch.tensor([rank, 7]), torch.full((2,), 2.0), big),
+        (torch.tensor([3]), torch.ones(1), 10),
+    ]
+    with device_path(device):
+        return [(r.indices.tolist(), r.values.tolist()) for r in
+                colltune.sparse_allreduce_many(tensors, algorithm=algorithm)]
+
+
+@pytest.mark.parametrize("device", [False, True])
+@pytest.mark.parametrize("algorithm", ["auto", "allgather", "oktopk"])
+def test_tables_whose_index_spaces_together_pass_int64_are_reduced_exactly(device, algorithm):
+    big, p = 2**62, 2
+    out = pool(p).run(_rank_huge_tables, device, algorithm)
+    first = sorted({5, *(big - 1 - r for r in range(p))})
+    want = [
+        (first, [float(sum(1 + r for r in range(p)))] + [float(1 + r) for r in reversed(range(p))]),
+        (sorted({*range(p), 7}), [2.0] * p + [2.0 * p]),
+        ([3], [float(p)]),
+    ]
+    assert out[0] == out[1] == want
 
 
 def test_dense_parts_summed_together_in_chunks_keep_their_bits():

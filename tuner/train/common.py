@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from colltune import algorithms as _algorithms
-from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError
+from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
 from colltune.algorithms.sparse import upload
 from colltune.algorithms.state import TopkState
 from colltune.model.policy import AUTO, Decision, Overrides, Policy, policy_from_env
@@ -123,13 +123,28 @@ def _digest(data: Any) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)
 
 
-def _check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise on every rank when ranks routed their tensors differently (they would deadlock otherwise)."""
+def _check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str, error: Exception | None = None) -> None:
+    """Raise on every rank when ranks routed their tensors differently (they would deadlock otherwise).
+
+    A rank that could not route them (``error``: a policy that does not
+    load) joins the check and raises ``error``; the others raise
+    :class:`~colltune.algorithms.errors.RemoteInputError` naming it.
+    """
     if _world_size(group) == 1:
+        if error is not None:
+            raise error
         return
     d = _digest(plan)
-    buf = upload([d, -d], _group_device(group))
+    failed = dist.get_rank(group) + 1 if error is not None else 0
+    buf = upload([d, -d, failed], _group_device(group))
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if int(buf[2]):
+        raise RemoteInputError(
+            f"{what}: rank {int(buf[2]) - 1} could not route its gradients (its policy, COLLTUNE_ALGO or "
+            "COLLTUNE_POLICY is invalid), so this rank abandoned the step too; the error raised there says what to fix."
+        )
     if int(buf[0]) != -int(buf[1]):
         raise RankMismatchError(
             f"{what}: ranks routed their gradients differently (different policies, COLLTUNE_ALGO, options "

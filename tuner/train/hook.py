@@ -399,7 +399,11 @@ class _BucketParts:
         self.buffer = bucket.buffer()
         self.buffer_index = idx = bucket.index()
         params = list(bucket.parameters())
-        self.routes = _bucket_routes(state, params, idx)
+        try:
+            self.routes = _bucket_routes(state, params, idx)
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the plan's check: they must hear of it
+            _check_same_plan(None, state.process_group, f"colltune_hook (bucket {idx})", error=exc)
+            raise
         self.slices: list[tuple[int, int]] = []
         offset = 0
         for param in params:

@@ -38,9 +38,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from colltune import api as _api
 from colltune import fused as _fused
-from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.algorithms import meta as _meta
+from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError
 from colltune.algorithms.meta import dtype_name
 from colltune.algorithms.state import TopkState
+from colltune.api import CallerCheck
 from colltune.model.policy import AUTO
 from colltune.train.common import (
     _STATE_VERSION,
@@ -105,7 +107,9 @@ def _gradient_rows(name: str, param: nn.Parameter) -> tuple[torch.Tensor, torch.
         if grad.sparse_dim() != 1:
             raise ColltuneValueError(
                 f"the sparse gradient of {name} has {grad.sparse_dim()} sparse dimensions, but colltune "
-                "reduces COO tensors over the first dimension only (as nn.Embedding produces)."
+                "reduces COO tensors over the first dimension only (as nn.Embedding produces); make it one "
+                "with grad.to_dense().to_sparse(1), or leave the parameter to DDP or dense='allreduce'.",
+                argument="gradients",
             )
         if grad.is_coalesced():
             return grad.indices()[0], grad.values()
@@ -121,6 +125,21 @@ def _check_buckets(bucket_cap_mb: Any, fuse: Any) -> tuple[float, bool]:
     if not isinstance(fuse, bool):
         raise ColltuneTypeError(f"fuse must be True or False, but got {type(fuse).__name__} {fuse!r:.40}.")
     return float(bucket_cap_mb), fuse
+
+
+#: A sparse gradient of a step: its parameter's name, the parameter, its route, and its rows.
+_SparseItem = tuple[str, nn.Parameter, _Route, tuple[torch.Tensor, torch.Tensor]]
+
+
+class _Step:
+    """What one synchronization reduces, by route, in the tracked parameters' order."""
+
+    __slots__ = ("sparse", "topk", "dense")
+
+    def __init__(self) -> None:
+        self.sparse: list[_SparseItem] = []
+        self.topk: list[tuple[str, nn.Parameter, _Route]] = []
+        self.dense: list[tuple[str, nn.Parameter]] = []
 
 
 def _rows_for(name: str, param: nn.Parameter, async_op: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +283,7 @@ class SparseGradSync:
         self._params = _tracked_parameters(model)
         self._routes: dict[str, _Route] | None = None
         self._routes_compressing: bool | None = None
-        self._routes_checked = False
+        self._routes_code = 0  # a code of the routes, for the step's check
         self._policy_arg: Any = None
         self._synced = False
         self._handles: list[Any] = []  # every hook this synchronizer installed (the same list for its lifetime)
@@ -316,16 +335,33 @@ class SparseGradSync:
         }
         for n, r in routes.items():
             logger.debug("SparseGradSync: %s -> %s %s (%s)", n, r.route, r.algorithm, r.reason)
-        self._routes, self._routes_compressing, self._routes_checked = routes, compressing, False
+        self._routes, self._routes_compressing = routes, compressing
+        self._routes_code = _meta.digest([[n, r.plan()] for n, r in routes.items()])
         return routes
 
-    def _plan(self) -> dict[str, _Route]:
-        """Return the routes of this step, checked to be the same on every rank once per change of routes."""
-        routes = self._compute_routes()
-        if not self._routes_checked:
-            _check_same_plan([[n, r.plan()] for n, r in routes.items()], self.group, "SparseGradSync")
-            self._routes_checked = True
-        return routes
+    def _prepare(self, async_op: bool) -> tuple[_Step | None, CallerCheck]:
+        """Route this step's gradients and read the sparse ones (local: no communication); return them and the check.
+
+        Nothing here raises: a failure (a policy or ``COLLTUNE_ALGO`` that
+        does not load, a gradient of the wrong layout) travels in the step's
+        check, so every rank raises together and none waits for this one.
+        """
+        try:
+            routes = self._compute_routes()
+            step = _Step()
+            for name, param, _ in self._params:
+                route = routes[name]
+                if route.route == "sparse":
+                    step.sparse.append((name, param, route, _rows_for(name, param, async_op)))
+                elif route.route == "topk":
+                    step.topk.append((name, param, route))
+                elif route.route == "dense":
+                    step.dense.append((name, param))
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+            if isinstance(exc, ColltuneError) and exc.argument is None:
+                exc.argument = "policy"
+            return None, CallerCheck(self.step, -1, exc)
+        return step, CallerCheck(self.step, _meta.digest(self._routes_code, async_op, self.fuse))
 
     def routes(self) -> dict[str, tuple[str, str]]:
         """Return ``{parameter name: (route, algorithm)}`` for the current step (no communication)."""
@@ -346,34 +382,44 @@ class SparseGradSync:
                 changes them (``GradScaler.unscale_``, ``clip_grad_norm_``),
                 or the result overwrites the change and ranks clip apart.
 
+        Every rank checks, in the step's first metadata exchange, that all
+        ranks are at the same step and route alike, and hears of any rank's
+        failure to prepare: then every rank raises, nothing is reduced, the
+        step is not counted, and the next synchronization is exact.
+
         Raises:
-            RankMismatchError: ranks routed their gradients differently.
-            ColltuneValueError: a sparse gradient is not COO over its first dimension.
+            ColltuneValueError: a sparse gradient is not COO over its first
+                dimension, or the policy or the environment is invalid.
+            RemoteInputError: another rank's gradients, policy or environment were invalid.
+            RankMismatchError: ranks routed their gradients differently, or are
+                at different steps (one skipped or repeated a synchronization).
         """
         self.wait()
-        routes = self._plan()
+        step, check = self._prepare(async_op)
         p = _world_size(self.group)
-        step_bytes = 0
-        dense_items: list[tuple[str, nn.Parameter]] = []
-        sparse_items: list[tuple[str, nn.Parameter, _Route]] = []
-        for name, param, sparse in self._params:
-            route = routes[name]
-            if route.route == "skip":
-                continue
-            if route.route == "dense":
-                dense_items.append((name, param))
-            elif route.route == "sparse":
-                sparse_items.append((name, param, route))
-            else:
-                step_bytes += self._sync_topk(name, param, route)
-        launched = self._launch_sparse(sparse_items, async_op)
-        step_bytes += self._sync_dense(dense_items, p)
+        # The check rides in the step's first fused call when nothing runs before that call completes;
+        # otherwise (and always on a rank that failed to prepare) it is an exchange of its own.
+        carried = (step is not None and self.fuse and bool(step.sparse)
+                   and not (async_op and (step.topk or step.dense)))
+        if p > 1 and not carried:
+            _api.check_with_peers(self.group, self._hint(), check)
+        elif check.error is not None:
+            raise check.error
+        assert step is not None
+        launched = self._launch_sparse(step.sparse, async_op, check if p > 1 else None)
+        step_bytes = sum(self._sync_topk(*item) for item in step.topk)
+        step_bytes += self._sync_dense(step.dense, p)
         self.step += 1
         self._pending = (launched, step_bytes)
         if not async_op:
             self.wait()
         self._synced = True
         self._dirty.clear()
+
+    def _hint(self) -> torch.Tensor | None:
+        """A tensor on the device the synchronizer's calls run on (its first sparse parameter's), or ``None``."""
+        first = next((param for _, param, sparse in self._params if sparse), None)
+        return first if first is not None else next((param for _, param, _ in self._params), None)
 
     def wait(self) -> None:
         """Put the results of an asynchronous :meth:`synchronize` on the gradients (nothing to do without one).
@@ -384,35 +430,41 @@ class SparseGradSync:
         if pending is None:
             return
         launched, step_bytes = pending
-        step_bytes += self._finish_sparse(launched)
+        try:
+            step_bytes += self._finish_sparse(launched)
+        except BaseException:
+            self.step -= 1  # every rank's call failed alike: the step does not count on any of them
+            raise
         self.last_bytes = step_bytes
         self.bytes_sent += step_bytes
 
-    def _launch_sparse(self, items: list[tuple[str, nn.Parameter, _Route]], async_op: bool) -> list[tuple]:
+    def _launch_sparse(self, items: list[_SparseItem], async_op: bool, check: CallerCheck | None) -> list[tuple]:
         """Start the sparse gradients' reduction; return ``(members, result or handle)`` per call.
 
         Fused (``fuse``): one :func:`colltune.sparse_allreduce_many` per route
-        (algorithm and knobs). Otherwise one :func:`colltune.sparse_allreduce` per gradient.
+        (algorithm and knobs), each with the step's ``check`` in its record.
+        Otherwise one :func:`colltune.sparse_allreduce` per gradient.
         """
         if not self.fuse:
-            return [([item], self._call_one(*item, async_op)) for item in items]
-        groups: dict[tuple, list[tuple[str, nn.Parameter, _Route]]] = {}
+            return [([item[:3]], self._call_one(*item, async_op)) for item in items]
+        groups: dict[tuple, list[_SparseItem]] = {}
         for item in items:
             route = item[2]
             groups.setdefault((route.algorithm, tuple(sorted(route.knobs.items()))), []).append(item)
         launched: list[tuple] = []
         for (algorithm, knobs), members in groups.items():
-            tensors = [(*_rows_for(name, param, async_op), tuple(param.shape)) for name, param, _ in members]
-            launched.append((members, _fused.sparse_allreduce_many(
-                tensors, op="avg", group=self.group, algorithm=algorithm, knobs=dict(knobs) or None,
+            tensors = [(*rows, tuple(param.shape)) for _, param, _, rows in members]
+            launched.append(([m[:3] for m in members], _fused.submit_many(
+                tensors, "avg", self.group, algorithm, async_op, knobs=dict(knobs) or None,
                 name=self.fused_name, policy=self._policy_arg if algorithm == AUTO else None,
-                bucket_cap_mb=self.bucket_cap_mb, async_op=async_op,
+                bucket_cap_mb=self.bucket_cap_mb, check=check,
             )))
         return launched
 
-    def _call_one(self, name: str, param: nn.Parameter, route: _Route, async_op: bool) -> Any:
+    def _call_one(self, name: str, param: nn.Parameter, route: _Route, rows: tuple[torch.Tensor, torch.Tensor],
+                  async_op: bool) -> Any:
         """Start one :func:`colltune.sparse_allreduce` of one sparse gradient."""
-        idx, vals = _rows_for(name, param, async_op)
+        idx, vals = rows
         return _api.sparse_allreduce(
             idx, vals, tuple(param.shape), op="avg", group=self.group, algorithm=route.algorithm,
             knobs=dict(route.knobs) or None, name=name,
