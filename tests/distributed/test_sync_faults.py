@@ -164,6 +164,37 @@ def test_one_rank_failing_to_prepare_makes_every_rank_raise_and_the_next_step_is
                 assert torch.equal(o["grads"][name], out[0]["grads"][name]), (case, rank, name)
 
 
+#: One setting that differs on the last rank: (constructor options there, asynchronous there, head in float64).
+DIFFERENCES = {
+    "async": ({}, True, False),
+    "fuse": ({"fuse": False}, False, False),
+    "bucket_cap_mb": ({"bucket_cap_mb": 1.0}, False, False),
+    "dense": ({"dense": "skip"}, False, False),
+    "dtype": ({}, False, True),
+}
+
+
+def _rank_differs(rank: int, world_size: int, what: str) -> dict:
+    options, async_op, wide = DIFFERENCES[what] if rank == world_size - 1 else ({}, False, False)
+    torch.manual_seed(0)
+    model = Model()
+    if wide:
+        model.head.double()
+        model.head.register_forward_pre_hook(lambda m, args: tuple(a.double() for a in args))
+    sync = SparseGradSync(model, init_sync=False, **options)
+    _backward(model, rank, 0)
+    return {"failed": expect_error(_synchronize, sync, async_op), "step": sync.step}
+
+
+@pytest.mark.parametrize("what", list(DIFFERENCES))
+def test_ranks_whose_synchronizers_differ_all_raise(what: str) -> None:
+    out = pool(2).run(_rank_differs, what)
+    for rank, o in enumerate(out):
+        assert o["failed"].type == "RankMismatchError", (what, rank, o["failed"])
+        assert "routes the gradients" in o["failed"].message, (what, rank, o["failed"])
+        assert o["failed"].elapsed < PROMPT_S and o["step"] == 0
+
+
 def _rank_retry_alone(rank: int, world_size: int, mode: str) -> dict:
     """Rank 0 fails on its own after the reduction (as an out-of-memory error would) and retries the step."""
     options, async_op = MODES[mode]

@@ -336,7 +336,8 @@ class SparseGradSync:
         for n, r in routes.items():
             logger.debug("SparseGradSync: %s -> %s %s (%s)", n, r.route, r.algorithm, r.reason)
         self._routes, self._routes_compressing = routes, compressing
-        self._routes_code = _meta.digest([[n, r.plan()] for n, r in routes.items()])
+        shapes = {name: (tuple(param.shape), dtype_name(param.dtype)) for name, param, _ in self._params}
+        self._routes_code = _meta.digest([[n, r.plan(), shapes[n]] for n, r in routes.items()])
         return routes
 
     def _prepare(self, async_op: bool) -> tuple[_Step | None, CallerCheck]:
@@ -361,7 +362,12 @@ class SparseGradSync:
             if isinstance(exc, ColltuneError) and exc.argument is None:
                 exc.argument = "policy"
             return None, CallerCheck(self.step, -1, exc)
-        return step, CallerCheck(self.step, _meta.digest(self._routes_code, async_op, self.fuse))
+        return step, CallerCheck(self.step, _meta.digest(self._routes_code, async_op, self._options()))
+
+    def _options(self) -> tuple:
+        """The options that shape a step's collectives (buckets, top-k), which every rank must share."""
+        return (self.fuse, self.bucket_cap_mb, self.dense, self.density, self.start_compression_iter,
+                self.min_compress_numel, self.topk_algorithm, sorted(self.topk_options.items()))
 
     def routes(self) -> dict[str, tuple[str, str]]:
         """Return ``{parameter name: (route, algorithm)}`` for the current step (no communication)."""
