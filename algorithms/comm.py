@@ -40,7 +40,10 @@ a group of the same ranks, backend and timeout that only colltune uses,
 made on the first call on that group. The caller's own collectives on the
 group (DDP's backward, a plain ``all_reduce``) therefore never pair with
 colltune's, whichever thread issues them and whenever; an asynchronous call
-may be followed by any of them before its ``wait()``.
+may be followed by any of them before its ``wait()``. Making the twin is the
+call's first exchange with its peers: when a peer does not join within the
+group's timeout, the call raises :class:`~colltune.CollectiveError`, and
+later calls on that group raise one at once, without trying again.
 
 On gloo, tensors on a device (CUDA) are *staged* through host memory
 (:attr:`Comm.staged`, :func:`stages`). gloo runs ``all_reduce`` on CUDA
@@ -65,6 +68,7 @@ import hashlib
 import itertools
 import socket
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -74,6 +78,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from colltune.algorithms.errors import CollectiveError
 from colltune.algorithms.schedule import p2p_gathers
 from colltune.algorithms.sparse import offsets, on_host, upload
 
@@ -744,8 +749,8 @@ def _make_twin(group: Any) -> dist.ProcessGroup:
                 c10d._process_group_name = naming
 
 
-#: Per-group state keys of the private twin and of the group's ranks per node.
-_TWIN, _RANKS_PER_NODE = "comm.private_group", "comm.ranks_per_node"
+#: Per-group state keys of the private twin, of the group's ranks per node, and of a failed set-up of the twin.
+_TWIN, _RANKS_PER_NODE, _TWIN_FAILED = "comm.private_group", "comm.ranks_per_node", "comm.private_group.failed"
 
 
 def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -758,21 +763,106 @@ def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     once, for :func:`ranks_per_node`. ``None`` without a process group, for
     a single rank, or on a rank outside ``group`` (which raises before any
     collective). Later calls cost one dictionary lookup.
+
+    Making the twin is a rendezvous of every rank of ``group``, bounded by
+    the group's timeout. When it fails (a peer never made its first
+    colltune call on the group, or died), the failure is remembered for
+    the group, and every later call on it raises at once, naming the
+    earlier failure, instead of waiting the whole timeout again. colltune
+    does not try again, for the reason NCCL asks for a communicator whose
+    initialisation failed to be aborted and made anew by every rank: the
+    rank that gave up can no longer meet its peers' half of the set-up
+    (they may be in it now, join later, or never come; the default group's
+    twin is also named from a count of groups that has moved on this rank
+    only). The group's own collectives are not affected. A group made
+    again (``dist.new_group``, or ``dist.init_process_group`` for the
+    default group) is a new group and gets a fresh set-up. The error is
+    raised by the call itself, ``async_op=True`` included (as PyTorch
+    raises NCCL's set-up errors), not by ``wait()``.
+
+    Raises:
+        CollectiveError: the set-up failed in the backend now (``__cause__``
+            is the backend's error), or failed on an earlier call on this
+            group. The message names the group, its timeout and what the
+            backend said. Any other error of the set-up is raised as it
+            came, and remembered in the same way.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
     parent = group if group is not None else dist.group.WORLD
     states = _GROUP_STATE.get(parent)
-    if states is not None and _TWIN in states:
-        return states[_TWIN]
+    if states is not None:
+        if _TWIN in states:
+            return states[_TWIN]
+        if _TWIN_FAILED in states:
+            raise _failed_before(parent, *states[_TWIN_FAILED])
     if dist.get_rank(parent) < 0:
         return None
-    twin = None if dist.get_world_size(parent) == 1 else _make_twin(parent)
-    if twin is not None:
-        weakref.finalize(parent, _destroy, twin)  # a destroyed group takes its twin along
-        _group_state(parent, _RANKS_PER_NODE, lambda: _gather_layout(twin))
+    twin = None
+    if dist.get_world_size(parent) > 1:
+        try:
+            twin = _make_twin(parent)
+            weakref.finalize(parent, _destroy, twin)  # a destroyed group takes its twin along
+            _group_state(parent, _RANKS_PER_NODE, lambda: _gather_layout(twin))
+        except Exception as exc:
+            err = _setup_error(parent, exc) if isinstance(exc, RuntimeError) else None
+            # Text only: the exception's frames hold the group, which this weakly keyed record must not keep alive.
+            failure = (f"{type(err or exc).__name__}: {_said(exc)}", time.monotonic())
+            _group_state(parent, _TWIN_FAILED, lambda: failure)
+            if err is None:
+                raise
+            raise err from exc
     _group_state(parent, _TWIN, lambda: twin)
     return twin
+
+
+def _said(exc: BaseException) -> str:
+    """Return the first sentence of what ``exc`` says, without gloo's source location, at most 300 characters."""
+    lines = str(exc).strip().splitlines()
+    said = lines[0] if lines else type(exc).__name__
+    if said.startswith("[") and "] " in said:
+        said = said.split("] ", 1)[1]
+    return said.split(". ", 1)[0].rstrip(".")[:300]
+
+
+def _group_words(group: Any) -> str:
+    """Name ``group`` for an error message: which group, and its (global) ranks."""
+    which = "the default process group" if group is dist.group.WORLD else f"process group {group.group_name!r}"
+    try:
+        ranks = [str(r) for r in dist.get_process_group_ranks(group)]
+    except Exception:  # noqa: BLE001 - a torch without it: the name alone still tells
+        return which
+    shown = ", ".join(ranks if len(ranks) <= 8 else [*ranks[:6], "...", ranks[-1]])
+    return f"{which} (ranks {shown})"
+
+
+def _timeout_words(group: Any) -> str:
+    timeout = group_timeout(group)
+    return "the backend's default" if timeout is None else f"{timeout.total_seconds():g} s"
+
+
+def _setup_error(group: Any, exc: BaseException) -> CollectiveError:
+    """Return the error of a twin's set-up that failed in the backend with ``exc``."""
+    return CollectiveError(
+        f"colltune could not set up its private copy of {_group_words(group)} on rank {dist.get_rank()} at its "
+        f"first colltune call on this group: a peer rank did not join within the group's timeout "
+        f"({_timeout_words(group)}), or died. The backend said: {_said(exc)}. Every rank of the group must make "
+        "the same colltune calls on it, in the same order: look for a rank that has not called colltune on this "
+        "group, or for the first error in the other ranks' logs. colltune cannot use this group any more (later "
+        "calls on it raise at once): re-create the group or restart the job. To give slow peers longer, pass "
+        "timeout=datetime.timedelta(seconds=...) where the group is made (dist.init_process_group, dist.new_group)."
+    )
+
+
+def _failed_before(group: Any, earlier: str, at: float) -> CollectiveError:
+    """Return the error of a call on ``group`` after its twin's set-up failed (``earlier``, at ``time.monotonic()`` ``at``)."""
+    return CollectiveError(
+        f"colltune cannot use {_group_words(group)}: setting up its private copy of the group failed on an earlier "
+        f"call on rank {dist.get_rank()}, {time.monotonic() - at:.1f} s ago ({earlier}). This call raises at once "
+        f"instead of waiting the group's timeout ({_timeout_words(group)}) again: a rank that gave up the set-up "
+        "cannot meet its peers' any more, so colltune does not try again. Re-create the group "
+        "(dist.new_group; dist.init_process_group for the default group) or restart the job."
+    )
 
 
 def _gather_layout(twin: dist.ProcessGroup) -> int:

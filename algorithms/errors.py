@@ -75,6 +75,13 @@ class CollectiveError(ColltuneError, RuntimeError):
 
     Raised on the ranks that notice; ``__cause__`` is the backend's own error.
     The process group cannot run collectives after it: restart the job.
+
+    The first colltune call on a group also raises it when a peer rank does
+    not join, within the group's timeout, the set-up of colltune's private
+    copy of the group (:func:`~colltune.algorithms.comm.private_group`); the
+    message names the group and the timeout. colltune does not try that
+    set-up again: later calls on the group raise this error at once, naming
+    the earlier failure, until the group is made anew.
     """
 
 

@@ -160,6 +160,12 @@ def _run(fn: Callable[[], Any]) -> Any:
     global _out_of_step, _out_of_step_by
     try:
         return fn()
+    except CollectiveError as exc:
+        # Raised as it is by the set-up of the group's private twin (a peer did not join): out of step.
+        with _lock:
+            _out_of_step += 1
+            _out_of_step_by = exc
+        raise
     except ColltuneError:
         raise  # raised by every rank at the same call (the metadata exchange): the ranks stay in step
     except BaseException as exc:
