@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from colltune import cli
+from colltune.model.features import MAX_WORLD_SIZE
 
 CALL = ["--numel", "2^20", "--density", "5e-2"]
 
@@ -62,6 +65,59 @@ def test_bad_cluster_options_exit_2(capsys) -> None:
     assert cli.main(["simulate", *CALL, "--backend", "gloo", "--gpus-per-node", "8"]) == 2
     assert "NCCL cluster" in capsys.readouterr().err
     assert cli.main(["simulate", *CALL, "--nodes", "2", "-P", "16"]) == 2
+
+
+EXPLAIN = ["explain", "--numel", "2^40", "--density", "1e-9", "--overlap", "0.5"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["simulate", *CALL, "-P", str(2**40)], "--world-size/-P"),
+        (["simulate", *CALL, "-P", "8", str(MAX_WORLD_SIZE + 1)], "--world-size/-P"),
+        (["simulate", *CALL, "--nodes", str(2**31), "--gpus-per-node", "8"], "--nodes"),
+        (["simulate", *CALL, "--gpus-per-node", str(2**40)], "--gpus-per-node"),
+        (["explain", *EXPLAIN[1:], "-P", str(2**40)], "--world-size/-P"),
+        (["explain", *EXPLAIN[1:], "-P", "8", "--backend", "nccl", "--gpus-per-node", str(2**40)], "--gpus-per-node"),
+    ],
+)
+def test_world_sizes_beyond_the_bound_exit_2_naming_the_option(argv, option, capsys) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and option in err and str(MAX_WORLD_SIZE) in err
+
+
+def test_nodes_times_ranks_per_node_beyond_the_bound_exit_2(capsys) -> None:
+    nodes = MAX_WORLD_SIZE // 8 + 1
+    assert cli.main(["simulate", *CALL, "--nodes", str(nodes), "--gpus-per-node", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--nodes" in err and str(MAX_WORLD_SIZE) in err and f"at most {MAX_WORLD_SIZE // 8}" in err
+    assert cli.main(["simulate", *CALL, "--nodes", str(nodes)]) == 2  # the profile's 8 ranks per node
+    assert "--nodes" in capsys.readouterr().err
+
+
+def test_the_bound_is_priced_and_stated_in_the_help(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "-P", str(MAX_WORLD_SIZE), "--json"]) == 0
+    (pt,) = json.loads(capsys.readouterr().out)["points"]
+    assert pt["world_size"] == MAX_WORLD_SIZE and pt["choice"]
+    for command in ("simulate", "explain"):
+        assert cli.main([command, "--help"]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert text.count(str(MAX_WORLD_SIZE)) >= 2, command  # -P and --gpus-per-node (and simulate's --nodes)
+
+
+def test_a_million_ranks_are_priced(capsys) -> None:
+    p = 2**20
+    assert cli.main(["simulate", *CALL, "-P", "8", str(p), "--json"]) == 0
+    small, big = json.loads(capsys.readouterr().out)["points"]
+    assert (big["world_size"], big["nodes"], big["ranks_per_node"]) == (p, p // 8, 8)
+    assert big["predicted_us"]["dense"] > small["predicted_us"]["dense"]
+    assert cli.main(["simulate", *CALL, "-P", str(p)]) == 0
+    row = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert row[0][:3] == [str(p), str(p // 8), "8"]  # wide numbers keep their columns apart
+    for backend in ("nccl", "gloo"):
+        assert cli.main([*EXPLAIN, "-P", str(p), "--backend", backend, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)
 
 
 def test_explain_takes_the_cluster_options(capsys) -> None:

@@ -11,6 +11,7 @@ import pytest
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError
 from colltune.model.features import (
     DTYPE_BYTES,
+    MAX_WORLD_SIZE,
     Features,
     bitmap_indices,
     choose_bitmap_bits,
@@ -66,6 +67,23 @@ def test_build_clips_an_estimated_union_into_the_feasible_range() -> None:
     high = Features.build(numel=10**6, row_numel=1, dtype="float32", k_per_rank=[100, 100], union=250.0)
     assert (low.union, low.overlap) == (100.0, 1.0)
     assert (high.union, high.overlap) == (200.0, 0.0)
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 2**24, 2**31])
+@pytest.mark.parametrize("p", [1, 2, 7, 64])
+@pytest.mark.parametrize("mode", ["exact", "topk"])
+def test_uniform_equals_build_with_one_count_per_rank(numel: int, p: int, mode: str) -> None:
+    for k in {0, 1, min(numel, 37), numel}:
+        for union in (0.0, float(k), k + 0.3 * (p * k - k), float(p * k), 2.0 * numel):
+            kw = dict(numel=numel, row_numel=3, dtype="bfloat16", union=union, ranks_per_node=4, mode=mode)
+            assert Features.uniform(k=k, world_size=p, **kw) == Features.build(k_per_rank=[k] * p, **kw)
+
+
+def test_uniform_prices_the_largest_world_in_constant_space() -> None:
+    f = Features.uniform(numel=2**24, row_numel=1, dtype="float32", k=1000, world_size=MAX_WORLD_SIZE,
+                         union=0.5 * 1000 * MAX_WORLD_SIZE, ranks_per_node=8)
+    assert (f.world_size, f.k_sum, f.union, f.nodes) == (MAX_WORLD_SIZE, 1000 * MAX_WORLD_SIZE, 2**24, 2**28)
+    assert f.overlap == pytest.approx(1.0, abs=1e-5)
 
 
 def test_index_bytes_switch_at_two_to_the_31() -> None:

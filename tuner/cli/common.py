@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
+from colltune.model.features import MAX_WORLD_SIZE
 from colltune.model.files import write_text_atomic
 
 
@@ -83,6 +84,15 @@ def number_type(convert: Any, ok: Any, expected: str, must: str, name: str, scal
 
 
 parse_world = number_type(int, lambda v: v >= 1, "an integer >= 1", ">= 1 (the number of ranks)", "parse_world")
+
+
+#: :data:`~colltune.model.features.MAX_WORLD_SIZE` as ``--help`` and the errors state it.
+WORLD_BOUND = f"at most {MAX_WORLD_SIZE} (2^31 - 1, the most ranks torch.distributed and NCCL can count)"
+
+
+#: Ranks the cost model prices (``simulate`` and ``explain``: world sizes, nodes, ranks per node).
+parse_priced_ranks = number_type(int, lambda v: 1 <= v <= MAX_WORLD_SIZE, "an integer >= 1",
+                                 f">= 1 and {WORLD_BOUND}", "parse_priced_ranks")
 
 
 parse_positive_int = number_type(int, lambda v: v >= 1, "an integer >= 1", ">= 1", "parse_positive_int")

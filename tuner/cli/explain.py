@@ -44,7 +44,7 @@ import math
 from typing import ClassVar
 
 from colltune.algorithms.errors import ColltuneValueError
-from colltune.cli.common import cluster_profile, parse_n, parse_world
+from colltune.cli.common import WORLD_BOUND, cluster_profile, parse_n, parse_priced_ranks
 
 __all__ = ["ExplainCommand"]
 
@@ -81,7 +81,8 @@ class ExplainCommand:
                        help="dense rows n, e.g. 1048576 or 2^20")
         g.add_argument("--density", type=parse_unit(True), required=True, metavar="D",
                        help="entries per rank over n, in (0, 1]")
-        g.add_argument("--world-size", "-P", type=parse_world, required=True, metavar="P", help="ranks")
+        g.add_argument("--world-size", "-P", type=parse_priced_ranks, required=True, metavar="P",
+                       help=f"ranks, {WORLD_BOUND}")
         g.add_argument("--overlap", type=parse_unit(False), required=True, metavar="O",
                        help="index overlap between ranks, 0 (disjoint) to 1 (identical)")
         g.add_argument("--row-shape", "--row-numel", dest="row_shape", type=parse_numel, nargs="+", default=[1],
@@ -95,8 +96,8 @@ class ExplainCommand:
         s.add_argument("--policy", metavar="FILE", help="policy file (default: COLLTUNE_POLICY, else none)")
         s.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                        help="whose shipped profile to use without --profile (default gloo)")
-        s.add_argument("--gpus-per-node", type=parse_world, metavar="G",
-                       help="NCCL: ranks per node (default: the profile's)")
+        s.add_argument("--gpus-per-node", type=parse_priced_ranks, metavar="G",
+                       help=f"NCCL: ranks per node, {WORLD_BOUND} (default: the profile's)")
         s.add_argument("--gpu", help="NCCL: GPU generation, v100, a100 or h100 (default: the profile's)")
         s.add_argument("--nic-gbps", type=float, metavar="X", help="NCCL: inter-node bandwidth per GPU, Gbit/s")
         s.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -120,8 +121,8 @@ class ExplainCommand:
         union = k_sum - args.overlap * (k_sum - k)
         profile, _, changed = cluster_profile(args)
         rpn = profile.meta.get("ranks_per_node") if profile.meta.get("backend") == "nccl" else None
-        features = Features.build(numel=n, row_numel=math.prod(args.row_shape), dtype=args.dtype, k_per_rank=[k] * p,
-                                  union=union, ranks_per_node=rpn)
+        features = Features.uniform(numel=n, row_numel=math.prod(args.row_shape), dtype=args.dtype, k=k, world_size=p,
+                                    union=union, ranks_per_node=rpn)
         selector = Selector(policy=args.policy, profile=profile if changed else args.profile)
         explanation = selector.explain(features, name=args.name, backend=args.backend)
         if args.json:

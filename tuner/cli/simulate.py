@@ -32,8 +32,9 @@ import json
 import math
 from typing import ClassVar
 
-from colltune.cli.common import UsageError, cluster_profile, parse_world
+from colltune.cli.common import WORLD_BOUND, UsageError, cluster_profile, parse_priced_ranks
 from colltune.cli.explain import parse_numel, parse_unit
+from colltune.model.features import MAX_WORLD_SIZE
 
 __all__ = ["SimulateCommand"]
 
@@ -61,11 +62,13 @@ class SimulateCommand:
         w.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
         w.add_argument("--topk", action="store_true", help="top-k of a dense tensor of n elements (TopkA, Ok-Topk)")
         c = parser.add_argument_group("the cluster")
-        c.add_argument("--world-size", "-P", type=parse_world, nargs="+", metavar="P",
-                       help=f"world sizes (default {' '.join(map(str, DEFAULT_WORLD_SIZES))})")
-        c.add_argument("--nodes", type=parse_world, metavar="N", help="one world size: N x --gpus-per-node")
-        c.add_argument("--gpus-per-node", type=parse_world, metavar="G",
-                       help="ranks per node (default: the profile's)")
+        c.add_argument("--world-size", "-P", type=parse_priced_ranks, nargs="+", metavar="P",
+                       help=f"world sizes, each >= 2 and {WORLD_BOUND} "
+                       f"(default {' '.join(map(str, DEFAULT_WORLD_SIZES))})")
+        c.add_argument("--nodes", type=parse_priced_ranks, metavar="N",
+                       help=f"one world size: N x --gpus-per-node, the product {WORLD_BOUND}")
+        c.add_argument("--gpus-per-node", type=parse_priced_ranks, metavar="G",
+                       help=f"ranks per node, {WORLD_BOUND} (default: the profile's)")
         c.add_argument("--gpu", help="GPU generation of an NCCL profile: v100, a100, h100 (default: the profile's)")
         c.add_argument("--nic-gbps", type=float, metavar="X", help="inter-node bandwidth per GPU, Gbit/s")
         c.add_argument("--profile", metavar="FILE", help="profile (default: the one shipped for --backend)")
@@ -104,7 +107,12 @@ def _world_sizes(args: argparse.Namespace, rpn: int | None) -> list[int]:
     if args.nodes is not None:
         if args.world_size:
             raise UsageError("give either --nodes (with --gpus-per-node) or --world-size, not both")
-        return [args.nodes * (rpn or 1)]
+        p = args.nodes * (rpn or 1)
+        if p > MAX_WORLD_SIZE:
+            per_node = f"--gpus-per-node {args.gpus_per_node}" if args.gpus_per_node else f"{rpn} ranks per node"
+            raise UsageError(f"--nodes {args.nodes} x {per_node} is {p} ranks, but the world size must be "
+                             f"{WORLD_BOUND}; lower --nodes to at most {MAX_WORLD_SIZE // (rpn or 1)}")
+        return [p]
     sizes = sorted(set(args.world_size or DEFAULT_WORLD_SIZES))
     if sizes[0] < 2:
         raise UsageError(f"--world-size must be at least 2, got {sizes[0]}")

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DTYPE_BYTES",
+    "MAX_WORLD_SIZE",
     "Features",
     "normalize_dtype",
     "index_bytes_for",
@@ -79,6 +80,12 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "float64": 8, "float16": 2, "bfloat
 _ACCUM_BYTES: dict[str, int] = {"float16": 4, "bfloat16": 4}
 
 _INT32_MAX = 2**31 - 1
+
+#: The largest world size the cost model prices (``colltune simulate`` and ``colltune explain`` bound ``P``,
+#: nodes and ranks per node by it). torch.distributed and NCCL count ranks in a C ``int`` (``world_size``,
+#: ``nRanks``), so no process group can have more than ``2**31 - 1`` ranks; past that a prediction describes
+#: a group no run can make. Every price is closed-form in ``P``, so pricing up to the bound takes constant time.
+MAX_WORLD_SIZE = _INT32_MAX
 
 
 def normalize_dtype(dtype: object) -> str:
@@ -262,6 +269,61 @@ class Features:
             mode=mode,
         )
 
+    @classmethod
+    def uniform(
+        cls,
+        *,
+        numel: int,
+        row_numel: int,
+        dtype: object,
+        k: int,
+        world_size: int,
+        union: float,
+        ranks_per_node: int | None = None,
+        mode: str = "exact",
+    ) -> "Features":
+        """Build the features of a call in which every rank holds ``k`` entries, in time independent of ``P``.
+
+        Equal to :meth:`build` with ``k_per_rank=[k] * world_size``, without
+        the list: ``colltune simulate`` and ``colltune explain`` price world
+        sizes of a million ranks and more.
+
+        Args:
+            numel: rows ``n``.
+            row_numel: elements per row.
+            dtype: value dtype (name or dtype object).
+            k: nonzero rows of every rank after coalescing.
+            world_size: ranks ``P``.
+            union: exact or estimated union size; clipped to ``[k, min(P k, numel)]``.
+            ranks_per_node: ranks of the group per node, or ``None`` when unknown.
+            mode: ``exact`` or ``topk``.
+
+        Returns:
+            The features, with ``overlap`` from :func:`overlap_from_union`.
+
+        Raises:
+            ColltuneValueError: a negative count or a world size below 1, an unknown dtype.
+        """
+        k = _check_int("k", k, 0)
+        p = _check_int("world_size", world_size, 1)
+        name = normalize_dtype(dtype)
+        k_sum = p * k
+        u = min(max(float(union), float(k)), float(min(k_sum, numel)))
+        return cls(
+            numel=numel,
+            row_numel=row_numel,
+            value_bytes=DTYPE_BYTES[name],
+            index_bytes=index_bytes_for(numel),
+            world_size=p,
+            k_max=k,
+            k_sum=k_sum,
+            union=u,
+            overlap=_overlap(float(k_sum), float(k), u),
+            dtype=name,
+            ranks_per_node=ranks_per_node,
+            mode=mode,
+        )
+
     @property
     def density(self) -> float:
         """Mean per-rank density, ``k_sum / (P n)``."""
@@ -315,10 +377,14 @@ def overlap_from_union(k_per_rank: Sequence[int] | np.ndarray, union: float) -> 
     u = float(union)
     if not (u >= 0.0) or math.isinf(u):
         raise ColltuneValueError(f"`union` must be a finite number >= 0, but got {union!r}.")
-    total, largest = float(ks.sum()), float(ks.max())
+    return _overlap(float(ks.sum()), float(ks.max()), u)
+
+
+def _overlap(total: float, largest: float, union: float) -> float:
+    """``(K - u) / (K - max k_p)`` clipped to [0, 1] from the sums; 0 when ``K <= max k_p``."""
     if total <= largest:
         return 0.0
-    return float(min(1.0, max(0.0, (total - u) / (total - largest))))
+    return float(min(1.0, max(0.0, (total - union) / (total - largest))))
 
 
 # ---------------------------------------------------------------------------

@@ -86,12 +86,12 @@ def _features(w: Workload, p: int, rpn: int | None) -> dict[str, Features]:
     """Return the features each algorithm is priced on, as the selector builds them for this kind of call."""
     k = w.k()
     union = p * k - w.overlap * (p * k - k)
-    sparse = Features.build(numel=w.numel, row_numel=w.row_numel, dtype=w.dtype, k_per_rank=[k] * p,
-                            union=union, ranks_per_node=rpn, mode=w.mode)
+    sparse = Features.uniform(numel=w.numel, row_numel=w.row_numel, dtype=w.dtype, k=k, world_size=p,
+                              union=union, ranks_per_node=rpn, mode=w.mode)
     if w.mode != "topk":
         return {"dense": sparse, "allgather": sparse, "oktopk": sparse}
-    dense = Features.build(numel=w.numel, row_numel=1, dtype=w.dtype, k_per_rank=[w.numel] * p,
-                           union=w.numel, ranks_per_node=rpn, mode="topk")
+    dense = Features.uniform(numel=w.numel, row_numel=1, dtype=w.dtype, k=w.numel, world_size=p,
+                             union=w.numel, ranks_per_node=rpn, mode="topk")
     return {"dense": dense, "allgather": sparse, "oktopk": sparse}
 
 
@@ -142,12 +142,17 @@ def format_points(points: Sequence[Point], workload: Workload, label: str) -> st
             f"(k={w.k()} per rank), overlap {w.overlap:g}; cost model: {label}")
     width = max([12] + [len(a) + 7 for a in algs])
     cols = "".join(f"{a + ' time':>{width}}{a + ' sent':>{width}}" for a in algs)
-    lines = [head, "", f"{'P':>6}{'nodes':>7}{'per node':>9}{cols}  choice", "-" * (24 + 2 * width * len(algs) + 10)]
+    # P and the nodes widen past 5 and 6 digits (a million ranks and more), so their columns never touch.
+    wp = max([6] + [len(str(pt.world_size)) + 1 for pt in points])
+    wn = max([7] + [len(str(pt.nodes)) + 1 for pt in points])
+    lines = [head, "", f"{'P':>{wp}}{'nodes':>{wn}}{'per node':>9}{cols}  choice",
+             "-" * (wp + wn + 11 + 2 * width * len(algs) + 10)]
     for pt in points:
         cells = "".join(f"{_time(pt.predicted_us[a]):>{width}}{_size(pt.bytes_sent[a]):>{width}}" for a in algs)
         nodes = "-" if pt.nodes is None else str(pt.nodes)
         rpn = "-" if pt.ranks_per_node is None else str(pt.ranks_per_node)
-        lines.append(f"{pt.world_size:>6}{nodes:>7}{rpn:>9}{cells}  {pt.choice}" + (f"  ({pt.note})" if pt.note else ""))
+        lines.append(f"{pt.world_size:>{wp}}{nodes:>{wn}}{rpn:>9}{cells}  {pt.choice}"
+                     + (f"  ({pt.note})" if pt.note else ""))
     lines.append("")
     lines.append("sent: bytes one rank puts on the wire per call (it receives as much: the schedules are symmetric).")
     return "\n".join(lines)
