@@ -206,6 +206,10 @@ class Algorithm(abc.ABC):
     #: an NCCL profile's host cost multiplies (its ``host_sync_us``), and the ceiling the sync-budget test
     #: holds the code to, so the model prices the syncs the code makes.
     HOST_SYNCS: ClassVar[dict[str, int]] = {}
+    #: What the cost model prices the algorithm on in top-k mode (``topk_allreduce``): ``"selection"``,
+    #: each rank's ``k`` selected entries (what a sparse algorithm moves), or ``"tensor"``, every element of
+    #: the accumulated tensor (what an allreduce of it moves). The selector and ``simulate`` read it.
+    topk_priced_on: ClassVar[str] = "selection"
     #: True when :meth:`sparse_allreduce` applies ``SparseInput.op`` itself:
     #: for ``avg`` it divides each summed row by the world size in the
     #: accumulation dtype (the same bits as dividing the returned sum), which

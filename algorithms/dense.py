@@ -31,6 +31,7 @@ class Dense(Algorithm):
     TERMS = ("metadata", "value_all_reduce", "mask_all_reduce", "densify_extract")
     #: The record (the coalesce's count rides in it), the union's size; top-k: the record.
     HOST_SYNCS = {"exact": 2, "topk": 1}
+    topk_priced_on = "tensor"  # top-k mode all-reduces the whole accumulated tensor
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
         """The record, the values' and the mask's all_reduce, then densify and extract the union.

@@ -4,7 +4,8 @@ Everything above this layer that needs the list of algorithms (policy
 validation, the selector, the cost model, the tuner's search space,
 ``explain``, ``bench``, ``report``) asks :func:`names` and :func:`get`; none
 spells the names out. The built-in algorithms register themselves the first
-time the registry is read; :func:`register` adds another one.
+time the registry is read, then the modules :data:`PLUGINS_ENV` names
+(which register theirs); :func:`register` adds another one.
 
 This module imports no torch: reading the registry loads the built-in
 algorithm modules (which do) only when it is first asked for.
@@ -13,6 +14,7 @@ algorithm modules (which do) only when it is first asked for.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from typing import TYPE_CHECKING, TypeVar
 
@@ -21,7 +23,7 @@ from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 if TYPE_CHECKING:
     from colltune.algorithms.base import Algorithm
 
-__all__ = ["BUILTIN_NAMES", "register", "unregister", "names", "get"]
+__all__ = ["BUILTIN_NAMES", "PLUGINS_ENV", "plugin_modules", "register", "unregister", "names", "get"]
 
 #: Modules of the built-in algorithms, in the order :func:`names` lists them.
 BUILTIN_MODULES: tuple[str, ...] = (
@@ -44,6 +46,28 @@ _loading = False
 A = TypeVar("A")
 
 
+#: Modules to import when the registry is first read, comma-separated, each registering its algorithms
+#: (as ``NCCL_TUNER_PLUGIN`` names NCCL's tuner plugin): how the command-line tools, and the ranks they
+#: start, see an algorithm that is not built in. Set it on every rank.
+PLUGINS_ENV = "COLLTUNE_ALGORITHMS"
+
+
+def plugin_modules() -> tuple[str, ...]:
+    """Return the modules :data:`PLUGINS_ENV` names, in order."""
+    return tuple(m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip())
+
+
+def _import_plugin(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - whatever the module raised, say which variable named it
+        raise ColltuneValueError(
+            f"{PLUGINS_ENV} names module {module!r}, which could not be imported ({type(exc).__name__}: "
+            f"{exc}); put the module on the Python path of every rank, or fix the variable.",
+            argument="environment",
+        ) from exc
+
+
 def _load_builtins() -> None:
     global _loaded, _loading
     if _loaded or _loading:
@@ -55,6 +79,8 @@ def _load_builtins() -> None:
         try:
             for module in BUILTIN_MODULES:
                 importlib.import_module(module)
+            for module in plugin_modules():
+                _import_plugin(module)
         finally:
             _loading = False
         _loaded = True

@@ -123,7 +123,7 @@ class BenchCommand(Command):
     """``colltune bench``: time the algorithms and PyTorch's sparse all_reduce."""
 
     name = "bench"
-    help = "time dense, allgather, oktopk and PyTorch's gloo sparse all_reduce on the same inputs"
+    help = "time every registered algorithm, auto and PyTorch's gloo sparse all_reduce on the same inputs"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         from colltune.offline import bench
@@ -160,7 +160,7 @@ class BenchCommand(Command):
                        help="kill the ranks of one world size after this many seconds (default 3600)")
         k = parser.add_argument_group("top-k section")
         k.add_argument("--topk", action="store_true",
-                       help="also run topk_allreduce (dense, allgather, oktopk) for each P "
+                       help="also run topk_allreduce (every registered algorithm) for each P "
                             "(see --topk-n, --topk-density)")
         k.add_argument("--topk-only", action="store_true", help="run only the top-k section")
         k.add_argument("--topk-steps", type=parse_positive_int, metavar="S",

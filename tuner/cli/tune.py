@@ -20,7 +20,7 @@ import time
 
 from colltune.cli.common import parse_density, parse_n, parse_nonneg_int, parse_overlap, parse_positive_int, parse_world
 from colltune.model.files import write_text_atomic
-from colltune.offline.autotune import TuneTarget, completed_trials, format_trials, policy_text, run_study
+from colltune.offline.autotune import TuneTarget, completed_trials, format_trials, policy_text, run_study, space
 
 
 def _write_text(path: str, text: str) -> None:
@@ -44,8 +44,9 @@ class TuneCommand:
                                  "run again to resume")
         parser.add_argument("--out", "-o", default="tuned-policy.yaml", metavar="FILE",
                             help="the policy to write (default tuned-policy.yaml)")
-        parser.add_argument("--algorithm", choices=("all", "allgather", "oktopk"), default="all",
-                            help="whose knobs to tune (default all: allgather and oktopk; --topk: oktopk)")
+        parser.add_argument("--algorithm", default="all", metavar="NAME",
+                            help="whose knobs to tune: all (default: every registered algorithm with knobs to "
+                                 "tune in the mode) or one of them by name")
         parser.add_argument("--topk", action="store_true",
                             help="tune topk_allreduce (Ok-Topk's threshold and boundary refresh intervals, peers in "
                                  "flight) instead of sparse_allreduce")
@@ -87,11 +88,12 @@ class TuneCommand:
 
                 load_profile(args.profile)
         mode = "topk" if args.topk else "exact"
-        if args.topk and args.algorithm == "allgather":
-            raise ProfilingError("--topk tunes Ok-Topk's refresh intervals; allgather (TopkA) has no top-k knobs. "
-                                 "Drop --algorithm or pass --algorithm oktopk.")
-        algorithms = ("oktopk",) if args.topk else (("allgather", "oktopk") if args.algorithm == "all"
-                                                    else (args.algorithm,))
+        tunable = tuple(space(mode))
+        if args.algorithm != "all" and args.algorithm not in tunable:
+            raise ProfilingError(
+                f"--algorithm {args.algorithm!r} has no knobs to tune in {mode} mode; pass all or one of "
+                f"{', '.join(tunable) or 'none'}{' (drop --topk for the others)' if args.topk else ''}.")
+        algorithms = tunable if args.algorithm == "all" else (args.algorithm,)
         w = TuneTarget(mode, args.n, args.density, args.overlap, args.dtype, world, args.rounds, args.steps, args.seed)
         from colltune.offline.workloads import k_for_density
 

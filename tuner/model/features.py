@@ -58,6 +58,7 @@ __all__ = [
     "normalize_dtype",
     "index_bytes_for",
     "overlap_from_union",
+    "features_by_algorithm",
     "choose_bitmap_bits",
     "bitmap_indices",
     "hash_positions_torch_compatible",
@@ -353,6 +354,22 @@ class Features:
     def dense_bytes(self) -> int:
         """Bytes of the dense tensor in the value dtype, ``numel * row_bytes``."""
         return self.numel * self.row_bytes
+
+
+def features_by_algorithm(selection: Features, tensor: Features | None = None) -> dict[str, Features]:
+    """Return, per registered algorithm in registry order, the features the cost model prices it on.
+
+    Exact mode (``tensor`` is ``None``): every algorithm on the call's
+    features. Top-k mode: each on what it moves, as its
+    :attr:`~colltune.algorithms.base.Algorithm.topk_priced_on` says: the
+    ranks' selections (``selection``) or the whole tensor (``tensor``).
+    """
+    from colltune.algorithms import registry
+
+    if tensor is None:
+        return {name: selection for name in registry.names()}
+    return {name: tensor if registry.get(name).topk_priced_on == "tensor" else selection
+            for name in registry.names()}
 
 
 def overlap_from_union(k_per_rank: Sequence[int] | np.ndarray, union: float) -> float:

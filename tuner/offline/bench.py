@@ -18,15 +18,15 @@ rank builds its input from a shared seed (:class:`~colltune.offline.workloads.Wo
    time, and reports the median with the quartiles (IQR) over the rounds,
    and the bytes each rank sent (mean and max over ranks).
 
-Contenders: ``dense``, ``allgather``, ``oktopk`` (through
+Contenders: every registered algorithm (through
 :func:`colltune.sparse_allreduce` with the algorithm forced, so the metadata
-exchange is included), and ``torch``: ``dist.all_reduce`` of a
+exchange is included), ``auto``, and ``torch``: ``dist.all_reduce`` of a
 ``torch.sparse_coo_tensor`` and a ``coalesce()``. PyTorch does not count its
 traffic; its bytes per rank are the model estimate ``(P-1) k (8 + row bytes)``
 (it all-gathers int64 indices and values), flagged ``bytes_estimated``.
 
-The top-k section runs ``topk_allreduce`` with TopkA (``allgather``),
-``oktopk`` and ``dense`` for a number of steps on fresh random gradients per
+The top-k section runs ``topk_allreduce`` with every registered algorithm
+(TopkA is ``allgather``) for a number of steps on fresh random gradients per
 rank (error feedback on), and reports the median time and the entry words
 (4 bytes) each rank sent, ``(bytes_sent - meta_bytes) / 4``, against
 Ok-Topk's bound ``6k(P-1)/P``.

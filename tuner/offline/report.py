@@ -37,20 +37,46 @@ import itertools
 import math
 import os
 import textwrap
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from colltune.algorithms.registry import BUILTIN_NAMES
+from colltune.algorithms import registry
 from colltune.model.files import atomic_path, write_text_atomic
 from colltune.model.profile import Profile, load_profile
 
 __all__ = ["COLORS", "model_of", "decision_grid", "write_report"]
 
-_ALGS: tuple[str, ...] = BUILTIN_NAMES  # what a profile measures
-#: One colour per algorithm, the same in every picture.
-COLORS: dict[str, str] = {"dense": "#4C72B0", "allgather": "#DD8452", "oktopk": "#55A868"}
+#: The colours of the algorithms, in registry order: the built-ins keep theirs in every picture.
+PALETTE: tuple[str, ...] = (
+    "#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD",
+)
+
+
+def _algs() -> tuple[str, ...]:
+    """The algorithms a report shows: every registered one, in registry order."""
+    return registry.names()
+
+
+class _Colors(Mapping[str, str]):
+    """One colour per registered algorithm (:data:`PALETTE` by registry position), the same in every picture."""
+
+    def __getitem__(self, name: str) -> str:
+        names = registry.names()
+        if name not in names:
+            raise KeyError(name)
+        return PALETTE[names.index(name) % len(PALETTE)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.names())
+
+    def __len__(self) -> int:
+        return len(registry.names())
+
+
+#: ``COLORS[name]``: the colour of a registered algorithm.
+COLORS: Mapping[str, str] = _Colors()
 
 
 def model_of(profile: Profile) -> tuple[Any, str]:
@@ -63,17 +89,17 @@ def model_of(profile: Profile) -> tuple[Any, str]:
 
 
 def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
-    """Return predicted times (us), shape ``(len(feats), 3)`` in :data:`_ALGS` order.
+    """Return predicted times (us), shape ``(len(feats), len(_algs()))`` in :func:`_algs` order.
 
     An algorithm never fitted is predicted ``inf``.
     """
     from colltune.model.cost_model import AnalyticModel
 
     if isinstance(model, AnalyticModel):
-        return np.array([[model.predict(f)[a] for a in _ALGS] for f in feats])
+        return np.array([[model.predict(f).get(a, np.inf) for a in _algs()] for f in feats])
     pred = model.predict(list(feats))
-    out = np.full((len(feats), len(_ALGS)), np.inf)
-    for j, a in enumerate(_ALGS):
+    out = np.full((len(feats), len(_algs())), np.inf)
+    for j, a in enumerate(_algs()):
         if a in model.algorithms_:
             out[:, j] = pred[:, model.algorithms_.index(a)]
     return out
@@ -114,8 +140,8 @@ def _plt() -> Any:
 def _draw_map(ax: Any, choice: np.ndarray, speed: np.ndarray, xs: Sequence[float], ylabels: Sequence[str]) -> None:
     from matplotlib.colors import ListedColormap
 
-    cmap = ListedColormap([COLORS[a] for a in _ALGS])
-    ax.imshow(choice, cmap=cmap, vmin=-0.5, vmax=len(_ALGS) - 0.5, aspect="auto", origin="lower")
+    cmap = ListedColormap([COLORS[a] for a in _algs()])
+    ax.imshow(choice, cmap=cmap, vmin=-0.5, vmax=len(_algs()) - 0.5, aspect="auto", origin="lower")
     for i in range(choice.shape[0]):
         for j in range(choice.shape[1]):
             s = speed[i, j]
@@ -131,7 +157,8 @@ def _legend(fig: Any) -> None:
     from matplotlib.patches import Patch
 
     # "outside": constrained layout keeps a band below the axes for the legend.
-    fig.legend(handles=[Patch(color=COLORS[a], label=a) for a in _ALGS], loc="outside lower center", ncol=3,
+    fig.legend(handles=[Patch(color=COLORS[a], label=a) for a in _algs()], loc="outside lower center",
+               ncol=len(_algs()),
                fontsize=9, frameon=False)
 
 
@@ -226,7 +253,7 @@ def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.nda
 
     Returns:
         The measurements, the prediction of each one's own algorithm, the
-        predictions of every algorithm (``(len(ms), 3)``, :data:`_ALGS` order)
+        predictions of every algorithm (``(len(ms), len(_algs()))``, :func:`_algs` order)
         and the number of folds (0: fewer than two configurations).
     """
     from sklearn.model_selection import GroupKFold
@@ -237,7 +264,7 @@ def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.nda
     groups = [default_group(m) for m in ms]
     distinct = sorted(set(groups), key=repr)
     pred = np.full(len(ms), np.nan)
-    every = np.full((len(ms), len(_ALGS)), np.nan)
+    every = np.full((len(ms), len(_algs())), np.nan)
     if len(distinct) < 2:
         return ms, pred, every, 0
     code = {g: i for i, g in enumerate(distinct)}
@@ -248,7 +275,7 @@ def _cv_predictions(profile: Profile, folds: int = 5) -> tuple[list[Any], np.nda
         model = LearnedCostModel(primitives=prior).fit([ms[i] for i in train])
         every[test] = _predict(model, [ms[i].features() for i in test])
     for i, m in enumerate(ms):
-        pred[i] = every[i, _ALGS.index(m.algorithm)]
+        pred[i] = every[i, _algs().index(m.algorithm)]
     return ms, pred, every, k
 
 
@@ -262,7 +289,7 @@ def _cv_summary(ms: Sequence[Any], pred: np.ndarray, every: np.ndarray, folds: i
     if folds == 0:
         return None
     per: dict[str, Any] = {}
-    for a in _ALGS:
+    for a in _algs():
         err = [abs(pred[i] - m.time_us) / m.time_us
                for i, m in enumerate(ms) if m.algorithm == a and np.isfinite(pred[i])]
         if err:
@@ -276,9 +303,9 @@ def _cv_summary(ms: Sequence[Any], pred: np.ndarray, every: np.ndarray, folds: i
         rows[key] = i
     regrets = []
     for key, measured in configs.items():
-        cands = [a for a in _ALGS if a in measured and np.isfinite(every[rows[key], _ALGS.index(a)])]
+        cands = [a for a in _algs() if a in measured and np.isfinite(every[rows[key], _algs().index(a)])]
         if len(cands) >= 2:
-            chosen = min(cands, key=lambda a: every[rows[key], _ALGS.index(a)])
+            chosen = min(cands, key=lambda a: every[rows[key], _algs().index(a)])
             regrets.append(measured[chosen] / min(measured[a] for a in cands))
     r = np.asarray(regrets)
     nan = float("nan")
@@ -339,7 +366,7 @@ def write_report(
     files["predicted-vs-measured"] = _predicted_vs_measured(profile, ms, pred, n_folds, out_dir)
     cv = _cv_summary(ms, pred, every, n_folds)
     path = os.path.join(out_dir, "summary.md")
-    _write_text(path, _summary_md(profile_path, profile, model, label, cv, n, overlap, dtype, files))
+    _write_text(path, _summary_md(profile_path, profile, model, label, cv, n, overlap, dtype, files, maps.cells))
     files["summary"] = path
     return files
 
@@ -356,6 +383,12 @@ class _Maps:
     densities: list[float]
     measured_p: list[int]
     out_dir: str
+    #: Per algorithm (registry order), the map cells where it is chosen, over the maps drawn so far.
+    cells: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_algs(), 0))
+
+    def _count(self, choice: np.ndarray) -> None:
+        for j, a in enumerate(_algs()):
+            self.cells[a] += int((choice == j).sum())
 
     def density_world(self) -> str:
         """Draw density x world size (measured world sizes starred); return the file."""
@@ -363,6 +396,7 @@ class _Maps:
         worlds = sorted(set([2, 4, 8, 16, 32, 64] + measured_p))
         choice, speed = decision_grid(self.model, self.densities, worlds,
                                       lambda d, p: _features(n, d, p, overlap, dtype))
+        self._count(choice)
         fig, (ax,) = _panels(1, 9, 3.6 + 0.1 * len(worlds))
         _draw_map(ax, choice, speed, self.densities, [f"{p}*" if p in measured_p else str(p) for p in worlds])
         ax.set_xlabel("density (entries per rank / n)")
@@ -380,6 +414,7 @@ class _Maps:
         for ax, p in zip(axes, measured_p):
             choice, speed = decision_grid(self.model, self.densities, overlaps,
                                           lambda d, o, p=p: _features(n, d, p, o, dtype))
+            self._count(choice)
             _draw_map(ax, choice, speed, self.densities, [f"{o:.1f}" for o in overlaps])
             ax.set_xlabel("density")
             ax.set_ylabel("overlap")
@@ -392,7 +427,7 @@ class _Maps:
 
 def _predicted_vs_measured(profile: Profile, ms: list[Any], pred: np.ndarray, n_folds: int, out_dir: str) -> str:
     """Draw the cross-validated predictions against the measurements, one panel per algorithm; return the file."""
-    algs = [a for a in _ALGS if any(m.algorithm == a for m in ms)] or list(_ALGS)
+    algs = [a for a in _algs() if any(m.algorithm == a for m in ms)] or list(_algs())
     fig, axes = _panels(len(algs), 4.4, 4.4)
     statistic = str(profile.meta.get("statistic") or "median").replace("-", " ")
     for ax, a in zip(axes, algs):
@@ -435,7 +470,7 @@ def _write_text(path: str, text: str) -> None:
 
 
 def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mapping[str, Any] | None, n: int,
-                overlap: float, dtype: str, files: Mapping[str, str]) -> str:
+                overlap: float, dtype: str, files: Mapping[str, str], cells: Mapping[str, int]) -> str:
     from colltune.offline.active import candidates_from_profile
 
     meta = profile.meta
@@ -451,6 +486,8 @@ def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mappi
     for name, p in profile.primitives.items():
         bw = f"{1 / p.beta_us_per_byte / 1e3:.2f}" if p.beta_us_per_byte > 0 else "-"
         lines.append(f"| {name} | {p.launch_us:.1f} | {p.alpha_us:.1f} | {bw} |")
+    lines += ["", "## Decision maps", "", "| algorithm | colour | cells where it is chosen |", "| --- | --- | ---: |"]
+    lines += [f"| {a} | `{COLORS[a]}` | {c} |" for a, c in cells.items()]
     if cv is not None:
         r = cv["regret"]
         lines += ["", f"## Cross-validated accuracy ({cv['n_folds']} folds over {cv['n_groups']} configurations)", "",
@@ -461,17 +498,17 @@ def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mappi
                       f"measured): geometric mean **{r['geomean']:.3f}**, p95 {r['p95']:.3f}, max {r['max']:.3f}; "
                       f"the fastest was chosen in {100 * r['optimal_fraction']:.0f}% of {r['n_configs']} "
                       "configurations."]
-    cands = candidates_from_profile(profile, [a for a in _ALGS if any(m.algorithm == a for m in profile.measurements)]
-                                    or _ALGS)
+    cands = candidates_from_profile(profile, [a for a in _algs() if any(m.algorithm == a for m in profile.measurements)]
+                                    or _algs())
     if cands:
-        t = np.array([[c.measured[a].time_us if a in c.measured else np.inf for a in _ALGS] for c in cands])
+        t = np.array([[c.measured[a].time_us if a in c.measured else np.inf for a in _algs()] for c in cands])
         pred = _predict(model, [c.features for c in cands])
         best, chosen = t.argmin(1), pred.argmin(1)
         reg = t[np.arange(len(cands)), chosen] / t.min(1)
         lines += ["", "## Measured winners and the model's choices (in-sample)", "",
-                  "| | " + " | ".join(_ALGS) + " |", "| --- |" + " ---: |" * len(_ALGS),
-                  "| fastest measured | " + " | ".join(str(int((best == j).sum())) for j in range(len(_ALGS))) + " |",
-                  "| chosen by the model | " + " | ".join(str(int((chosen == j).sum())) for j in range(len(_ALGS)))
+                  "| | " + " | ".join(_algs()) + " |", "| --- |" + " ---: |" * len(_algs()),
+                  "| fastest measured | " + " | ".join(str(int((best == j).sum())) for j in range(len(_algs()))) + " |",
+                  "| chosen by the model | " + " | ".join(str(int((chosen == j).sum())) for j in range(len(_algs())))
                   + " |", "",
                   f"In-sample regret: geometric mean {math.exp(float(np.mean(np.log(reg)))):.3f}, "
                   f"speedup of the choice over always-dense: geometric mean "
@@ -482,7 +519,7 @@ def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mappi
         for i in worst:
             f = cands[i].features
             lines.append(f"| {f.world_size} | {f.numel} | {f.density:.2g} | {f.overlap:.2f} | {f.dtype} | "
-                         f"{_ALGS[chosen[i]]} | {_ALGS[best[i]]} | {reg[i]:.2f} |")
+                         f"{_algs()[chosen[i]]} | {_algs()[best[i]]} | {reg[i]:.2f} |")
     lines += ["", "## Pictures", ""]
     for key, path in files.items():
         lines.append(f"![{key}]({os.path.basename(path)})")

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from colltune.model.features import Features
+from colltune.model.features import Features, features_by_algorithm
 from colltune.model.files import atomic_path
 
 __all__ = ["Workload", "Point", "simulate", "decision_map", "format_points", "plot", "MAP_DENSITIES"]
@@ -82,17 +82,18 @@ class Point:
                 "bytes_received": dict(self.bytes_sent), "choice": self.choice, "note": self.note}
 
 
-def _features(w: Workload, p: int, rpn: int | None) -> dict[str, Features]:
-    """Return the features each algorithm is priced on, as the selector builds them for this kind of call."""
+def _features(w: Workload, p: int, rpn: int | None) -> tuple[dict[str, Features], Features]:
+    """Return the features each registered algorithm is priced on, as the selector builds them for this kind of
+    call, and the features of the ranks' entries (what the call's extrapolation warning is about)."""
     k = w.k()
     union = p * k - w.overlap * (p * k - k)
     sparse = Features.uniform(numel=w.numel, row_numel=w.row_numel, dtype=w.dtype, k=k, world_size=p,
                               union=union, ranks_per_node=rpn, mode=w.mode)
     if w.mode != "topk":
-        return {"dense": sparse, "allgather": sparse, "oktopk": sparse}
+        return features_by_algorithm(sparse), sparse
     dense = Features.uniform(numel=w.numel, row_numel=1, dtype=w.dtype, k=w.numel, world_size=p,
                              union=w.numel, ranks_per_node=rpn, mode="topk")
-    return {"dense": dense, "allgather": sparse, "oktopk": sparse}
+    return features_by_algorithm(sparse, dense), sparse
 
 
 def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
@@ -111,15 +112,17 @@ def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
     points = []
     for p in world_sizes:
         rpn = None if ranks_per_node is None else min(ranks_per_node, p)
-        feats = _features(workload, p, rpn)
+        feats, entries = _features(workload, p, rpn)
         distinct = {id(f): f for f in feats.values()}  # exact calls price every algorithm on one set of features
         preds = {i: model.predict(f) for i, f in distinct.items()}
         steps = {i: model.analytic.schedule(f) for i, f in distinct.items()}
-        pred = {a: preds[id(f)][a] for a, f in feats.items()}
-        sent = {a: math.fsum(s.nbytes for s in steps[id(f)][a] if s.primitive != "local") for a, f in feats.items()}
+        priced = {a: f for a, f in feats.items() if a in preds[id(f)]}  # an algorithm without a schedule: unpriced
+        pred = {a: preds[id(f)][a] for a, f in priced.items()}
+        sent = {a: math.fsum(s.nbytes for s in steps[id(f)].get(a, ()) if s.primitive != "local")
+                for a, f in priced.items()}
         nodes = None if rpn is None else -(-p // rpn)
         points.append(Point(p, nodes, rpn, pred, sent, min(pred, key=lambda a: (pred[a], list(pred).index(a))),
-                            model.extrapolation(feats["allgather"]) or ""))
+                            model.extrapolation(entries) or ""))
     return points
 
 

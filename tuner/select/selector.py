@@ -5,7 +5,7 @@ Precedence, for each call:
 1. ``COLLTUNE_ALGO`` (the environment) forces an algorithm, as ``NCCL_ALGO`` does.
 2. The policy: the first matching rule that names an algorithm wins.
 3. The cost model of the profile: the algorithm with the smallest predicted
-   time (ties go to the earlier of ``dense, allgather, oktopk``), held back by
+   time (ties go to the earlier in registry order), held back by
    hysteresis (below).
 4. ``dense``, the safe default, when no profile can be loaded.
 
@@ -99,6 +99,7 @@ from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 from colltune.model.features import (
     Features,
     estimate_union_collective,
+    features_by_algorithm,
     normalize_dtype,
     overlap_from_sketches,
     overlap_from_union,
@@ -893,7 +894,7 @@ class Selector:
             sparse = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[k] * p, union=u, **layout)
             dense = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[numel] * p, union=numel,
                                    **layout)
-            feats = {"dense": dense, "allgather": sparse, "oktopk": sparse}
+            feats = features_by_algorithm(sparse, dense)
             choice = self._from_model(model, feats, decision, site, overlap, site.overlap_source)
         site.last = site.latest = choice.algorithm
         site.entries[0] = _Entry(choice, k, p * k, overlap)

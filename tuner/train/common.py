@@ -44,8 +44,9 @@ _STATE_VERSION = 1
 
 
 def _topk_algorithms() -> tuple[str, ...]:
-    """The algorithms that compress a dense gradient: ``auto`` and every registered one but ``dense``."""
-    return (AUTO, *(n for n in _algorithms.names() if n != "dense"))
+    """The algorithms that compress a dense gradient: ``auto`` and every registered one that moves the
+    selection (not the whole tensor, as ``dense`` does)."""
+    return (AUTO, *(n for n in _algorithms.names() if _algorithms.get(n).topk_priced_on != "tensor"))
 
 
 def _sparse_algorithms() -> tuple[str, ...]:
