@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from colltune import algorithms
+
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -49,7 +51,8 @@ RTOL = {
     torch.bfloat16: 8e-3,
 }
 
-ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
+#: Every registered algorithm, then the front door's own choice: the dense-reference suites run each.
+ALGORITHMS = (*algorithms.names(), "auto")
 
 
 def case(**kw) -> dict:

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=2**16, help="dense rows (default 65536)")
     ap.add_argument("--k", type=int, nargs="+", default=[7, 65, 655], help="entries per rank (default 7 65 655)")
     ap.add_argument("--calls", type=int, default=300, help="timed calls per contender and k (default 300)")
-    ap.add_argument("--algorithm", default="allgather", choices=("dense", "allgather", "oktopk"),
+    ap.add_argument("--algorithm", default="allgather", choices=colltune.algorithms.names(),
                     help="our algorithm (default allgather)")
     ap.add_argument("--json", metavar="FILE", help="write the medians here")
     args = ap.parse_args(argv)

@@ -3,7 +3,7 @@
 The measuring run first times the collective primitives at a few message
 sizes per world size (:func:`colltune.offline.profiling.measure_primitives`) and fits
 their alpha-beta constants: the profile's ``primitives``, and the prior of the
-cost model. Then it times ``dense``, ``allgather`` and ``oktopk`` with the
+cost model. Then it times the algorithms a profile measures with the
 benchmark engine (:func:`colltune.offline.bench.run`: interleaved rounds, the max over
 ranks per call, medians) on a grid of rows ``n``, density, overlap and world
 size ``P`` in 2, 4, 8, on local CPU ranks over gloo, and writes every
@@ -75,7 +75,8 @@ GRID_N = (2**12, 2**14, 2**16, 2**18, 2**20)
 GRID_DENSITY = (1e-4, 1e-3, 1e-2, 5e-2, 0.2)
 GRID_OVERLAP = (0.0, 0.5, 1.0)
 GRID_WORLD = (2, 4, 8)
-ALGORITHMS = ("dense", "allgather", "oktopk")
+#: The algorithms a profile measures (the built-in ones: the learned model's feature layout).
+ALGORITHMS = profiling.ALGORITHMS
 #: Estimator settings of the shipped model. The measured primitives are kept
 #: as they are (``calibrate=False``): refitting 15 constants on sweeps that
 #: barely exercise some of them (all_to_all carries only counts when every

@@ -814,7 +814,7 @@ def parse_args(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top-mlp", default="512-256", help="hidden sizes of the top MLP (then 1)")
     ap.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids within a table")
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--algorithm", default="auto", choices=("auto", "dense", "allgather", "oktopk"),
+    ap.add_argument("--algorithm", default="auto", choices=("auto", *colltune.algorithms.names()),
                     help="colltune's algorithm for the sparse gradients")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="colltune-fused: bucket capacity")
     ap.add_argument("--seed", type=int, default=0)

@@ -20,7 +20,10 @@ import sys
 
 import numpy as np
 
-ALGORITHMS = ("dense", "allgather", "oktopk")
+from colltune.algorithms import names
+
+#: Every registered algorithm: each one's exact calls are points of the fit.
+ALGORITHMS = names()
 
 
 def points(rows: list[dict]) -> list[tuple[float, float]]:

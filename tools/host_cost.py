@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=_parse_int, default=2**20, help="rows (default 2^20)")
     ap.add_argument("--k", type=_parse_int, default=1024, help="entries per rank, and top-k's k (default 1024)")
     ap.add_argument("--row", type=int, default=1, help="values per row in exact mode (default 1)")
-    ap.add_argument("--algorithms", nargs="+", default=["dense", "allgather", "oktopk"], help="algorithms")
+    ap.add_argument("--algorithms", nargs="+", default=list(algorithms.names()),
+                    help="algorithms (default: every registered one)")
     ap.add_argument("--modes", nargs="+", default=["exact", "topk"], choices=("exact", "topk"), help="modes")
     ap.add_argument("--calls", type=int, default=15, help="timed calls per point (default 15)")
     ap.add_argument("--warmup", type=int, default=3, help="calls before timing (default 3)")

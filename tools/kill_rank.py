@@ -56,7 +56,8 @@ import colltune  # noqa: E402
 from colltune.model.files import write_text_atomic  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
-ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
+#: Every registered algorithm, then the front door's own choice.
+ALGORITHMS = (*colltune.algorithms.names(), "auto")
 #: Scenario -> (mode, index of the call before which the victim dies).
 SCENARIOS: dict[str, tuple[str, int]] = {
     "sync/before": ("sync", 0),

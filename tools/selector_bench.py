@@ -61,7 +61,8 @@ import torch.distributed as dist  # noqa: E402
 
 from colltune.offline import bench, launch  # noqa: E402
 
-ALGORITHMS = ("dense", "allgather", "oktopk")
+#: The fixed algorithms timed beside the selector (every registered one): the oracle is the fastest of them.
+ALGORITHMS = bench.fixed_algorithms()
 #: The held-out grid: between the profile's grid points (2^12..2^20 every 4x; 1e-4, 1e-3, 1e-2, 5e-2, 0.2; 0, .5, 1).
 HELD_N = (2**13, 2**15, 2**17, 2**19)
 HELD_DENSITY = (3e-4, 3e-3, 2e-2, 0.1)
@@ -364,14 +365,16 @@ def regret(args: argparse.Namespace) -> dict:
         out["rows_pooled"] = rows
         out["pooled_with"] = list(args.pool)
     print()
-    print(f"{'n':>7} {'dens':>6} {'P':>2} {'ovl':>4} {'dtype':>8} {'row':>3} | {'dense':>8} {'allgather':>9} {'oktopk':>8} ms | "
+    width = {a: max(8, len(a)) for a in ALGORITHMS}
+    print(f"{'n':>7} {'dens':>6} {'P':>2} {'ovl':>4} {'dtype':>8} {'row':>3} | "
+          f"{' '.join(f'{a:>{width[a]}}' for a in ALGORITHMS)} ms | "
           f"{'fastest':>9} {'cold':>9} {'warm':>9} | regret cold/warm"
           + ("   (medians over the pooled runs)" if args.pool else ""))
     for r in rows:
         t = r["times_ms"]
         print(f"{r['n']:>7} {r['density']:>6g} {r['world_size']:>2} {r['overlap']:>4.2f} {r['dtype']:>8} {r['row']:>3} | "
-              f"{t['dense']:>8.2f} "
-              f"{t['allgather']:>9.2f} {t['oktopk']:>8.2f}    | {r['fastest']:>9} {r['cold']:>9} {r['warm']:>9} | "
+              f"{' '.join(f'{t[a]:>{width[a]}.2f}' for a in ALGORITHMS)}    | "
+              f"{r['fastest']:>9} {r['cold']:>9} {r['warm']:>9} | "
               f"{r['regret_cold']:.2f} / {r['regret_warm']:.2f}")
     return out
 

@@ -57,7 +57,8 @@ import torch.distributed as dist  # noqa: E402
 import colltune  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
-ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
+#: Every registered algorithm, then the front door's own choice.
+ALGORITHMS = (*colltune.algorithms.names(), "auto")
 SIZES = (1000, 2**14, 100_000, 2**19)
 ROW_SHAPES: tuple[tuple[int, ...], ...] = ((), (4,), (3, 5), (16,))
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

@@ -64,6 +64,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from colltune.algorithms import registry  # noqa: E402
 from colltune.offline.launch import in_torchrun, run_here, run_local  # noqa: E402
 from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook  # noqa: E402
 
@@ -418,9 +419,11 @@ def parse_args(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids within a field")
     ap.add_argument("--lr", type=float, default=0.5)
-    ap.add_argument("--algorithm", default="auto", choices=("auto", "dense", "allgather", "oktopk"),
+    ap.add_argument("--algorithm", default="auto", choices=("auto", *registry.names()),
                     help="colltune's algorithm for the embedding gradient")
-    ap.add_argument("--topk-algorithm", default="auto", choices=("auto", "allgather", "oktopk"))
+    # The hook compresses: every registered algorithm but the dense-like ones (priced on the whole tensor).
+    ap.add_argument("--topk-algorithm", default="auto",
+                    choices=("auto", *(n for n in registry.names() if registry.get(n).topk_priced_on != "tensor")))
     ap.add_argument("--density", type=float, default=0.01, help="top-k density of the MLP gradients")
     ap.add_argument("--warmup", type=int, default=5, help="dense steps before top-k compression starts")
     ap.add_argument("--policy", default=None, help="a policy YAML file (rules may name parameters, e.g. 'mlp.4.*')")

@@ -27,8 +27,10 @@ HELD_OUT = {"n": ["2^15", "2^17", "2^19"], "density": ["3e-3", "2e-2"], "overlap
 
 
 def _bench(world_sizes: list[int], repeats: int, out: str) -> None:
+    from colltune.algorithms import names
+
     cmd = ["colltune", "bench", "-P", *map(str, world_sizes), "--n", *HELD_OUT["n"], "--density",
-           *HELD_OUT["density"], "--overlap", *HELD_OUT["overlap"], "--contenders", "dense", "allgather", "oktopk",
+           *HELD_OUT["density"], "--overlap", *HELD_OUT["overlap"], "--contenders", *names(),
            "--repeats", str(repeats), "--json", out, "--no-progress"]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

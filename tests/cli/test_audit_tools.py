@@ -18,12 +18,12 @@ def _run(tool, *args, cwd):
 
 
 def test_the_audit_counts_every_call_within_what_the_algorithms_declare(tmp_path):
-    from colltune.algorithms import get
+    from colltune.algorithms import get, names
 
     out = tmp_path / "audit.json"
     _run("device_path_audit.py", "-P", "2", "--json", str(out), cwd=tmp_path)
     calls = json.loads(out.read_text())["calls"]
-    for name in ("dense", "allgather", "oktopk"):
+    for name in names():
         assert calls[f"{name} rows of 64"]["syncs"] <= get(name).HOST_SYNCS["exact"], calls[f"{name} rows of 64"]
         assert calls[f"top-k {name}"]["syncs"] <= get(name).HOST_SYNCS["topk"], calls[f"top-k {name}"]
     assert calls["fused, 26 tables"]["syncs"] == calls["fused, 2 tables"]["syncs"]

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from colltune import cli
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model.profile import load_profile
 from colltune.offline import profiling
 
@@ -22,7 +23,7 @@ TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "1e-1", "--over
 
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory):
-    """A profile of 4 configurations x 3 algorithms at P = 2, measured once for the module."""
+    """A profile of 4 configurations x the built-in algorithms at P = 2, measured once for the module."""
     out = tmp_path_factory.mktemp("profile") / "tiny.yaml"
     assert cli.main(["profile", *TINY, "--out", str(out)]) == 0
     return out
@@ -36,8 +37,8 @@ def test_profile_writes_a_valid_profile(tiny_profile, capsys):
     assert meta["nodes"] == 1 and meta["ranks_per_node"] == 2
     for key in ("torch_version", "host", "date"):
         assert meta[key]
-    assert len(prof.measurements) == 4 * 3
-    assert {m.algorithm for m in prof.measurements} == {"dense", "allgather", "oktopk"}
+    assert len(prof.measurements) == 4 * len(BUILTIN_NAMES)
+    assert {m.algorithm for m in prof.measurements} == set(BUILTIN_NAMES)
     for m in prof.measurements:
         assert m.world_size == 2 and m.numel == 1024 and m.time_us > 0 and m.repeats == 2
         # The union is exact: disjoint sets give 2k, identical ones k.
@@ -54,7 +55,7 @@ def test_profile_measures_embedding_rows(tmp_path):
             "--row-shape", "4", "2", "--repeats", "2", "--no-progress", "--out", str(out)]
     assert cli.main(argv) == 0
     prof = load_profile(out)
-    assert len(prof.measurements) == 2 * 3 and {m.row_numel for m in prof.measurements} == {8}
+    assert len(prof.measurements) == 2 * len(BUILTIN_NAMES) and {m.row_numel for m in prof.measurements} == {8}
     assert prof.meta["grid"]["row_numel"] == 8
 
 
@@ -63,7 +64,7 @@ def test_fit_reports_errors_and_stores_the_model(tiny_profile, tmp_path, capsys)
     report = tmp_path / "cv.json"
     assert cli.main(["fit", str(tiny_profile), "--out", str(out), "--folds", "2", "--json", str(report)]) == 0
     text = capsys.readouterr().out
-    for alg in ("dense", "allgather", "oktopk"):
+    for alg in BUILTIN_NAMES:
         assert any(line.startswith(alg) and "%" in line for line in text.splitlines()), text
     assert "regret on held-out configurations" in text and "geomean" in text
     fitted = load_profile(out)
@@ -71,7 +72,7 @@ def test_fit_reports_errors_and_stores_the_model(tiny_profile, tmp_path, capsys)
     assert fitted.meta["fit"]["regret_geomean"] >= 1.0
     assert fitted.measurements == load_profile(tiny_profile).measurements
     cv = json.loads(report.read_text())
-    assert cv["cv"]["n_groups"] == 4 and set(cv["cv"]["per_algorithm"]) == {"dense", "allgather", "oktopk"}
+    assert cv["cv"]["n_groups"] == 4 and set(cv["cv"]["per_algorithm"]) == set(BUILTIN_NAMES)
 
 
 def _journal_configs(path):

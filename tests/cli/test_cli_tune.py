@@ -14,7 +14,7 @@ TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "--rounds", "2"
 
 def _study(storage):
     w = autotune.TuneTarget("exact", 1024, 1e-2, 0.5, "float32", 2, 2, 16, 0)
-    return optuna.load_study(study_name=autotune.study_name(w, ("allgather", "oktopk")),
+    return optuna.load_study(study_name=autotune.study_name(w, tuple(autotune.space("exact"))),
                              storage=autotune._storage(str(storage)))
 
 
@@ -41,7 +41,7 @@ def test_tune_resumes_from_its_storage_and_writes_a_policy(tmp_path, capsys):
     assert policy.default == "auto" and not policy.knobs  # nothing global: other world sizes keep the defaults
     (rule,) = policy.rules
     assert rule.world_size == (2, 2) and rule.backend == ("gloo",) and rule.use == "auto"
-    assert set(rule.knobs) <= {"allgather", "oktopk"} and rule.knobs
+    assert set(rule.knobs) <= set(autotune.space("exact")) and rule.knobs
     for alg, knobs in rule.knobs.items():
         assert set(knobs) <= set(autotune.space("exact")[alg])
     tuned = policy.match(None, 1024, 0.01, 2, None, "float32", "gloo")

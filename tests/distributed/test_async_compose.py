@@ -69,7 +69,7 @@ def _compose(rank: int, world_size: int, algorithm: str) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("algorithm", ["auto", "allgather", "oktopk", "dense"])
+@pytest.mark.parametrize("algorithm", ["auto", *colltune.algorithms.names()])
 def test_async_call_then_other_collectives_then_wait(world_size: int, algorithm: str) -> None:
     out = run_ranks(_compose, world_size, algorithm, pg_timeout=PG_TIMEOUT_S, timeout=120)
     assert out == [[]] * world_size

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from colltune.algorithms import get, names
 from colltune.algorithms.sparse import device_path
 
 from harness import expect_error, pool
@@ -37,7 +38,9 @@ SIZE = 64
 FAST_S = 5.0
 #: The timeout of each case's group: a hang surfaces as a failure after it, not at the pool's deadline.
 GROUP_TIMEOUT_S = 15.0
-ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
+ALGORITHMS = (*names(), "auto")
+#: The algorithms that never densify: a dense-like one (priced on the whole tensor) would allocate every row.
+NEVER_DENSE = (*(n for n in names() if get(n).topk_priced_on != "tensor"), "auto")
 
 
 def _indices(rank: int) -> torch.Tensor:
@@ -224,7 +227,7 @@ CASES: dict[str, Case] = {
     "all_duplicates": ok(indices=lambda: torch.full((5,), 9)),
     "size_numpy_int": ok(size=lambda: __import__("numpy").int64(SIZE)),
     "size_huge_sparse": Case(lambda rank, algorithm: _call(rank, algorithm, {"size": 2**62}, everyone=True), "ok",
-                             only=("allgather", "oktopk", "auto")),
+                             only=NEVER_DENSE),
     "float16_values": Case(
         lambda rank, algorithm: _call(rank, algorithm, {"values": lambda: _values(rank).half()}, everyone=True), "ok"),
     "bfloat16_rows": Case(

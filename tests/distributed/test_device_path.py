@@ -31,6 +31,7 @@ from test_property import _lay_out, exact_cases
 from test_sparse_allreduce import SCENARIOS, _result_record, check_results
 from test_topk import check_topk, make_tensor, topk_cfg
 
+from colltune.algorithms import registry
 from colltune.algorithms.sparse import (
     Magnitudes,
     coalesce,
@@ -326,7 +327,7 @@ def _run_topk_both_paths(rank, world_size, c):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["oktopk", "allgather", "dense"])
+@pytest.mark.parametrize("algorithm", registry.names())
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_topk_gives_the_host_bits_on_the_device_path(world_size, algorithm):
     # Short refresh periods: exact, reused and nudged thresholds and refreshed boundaries all run.

@@ -4,7 +4,7 @@ Each distributed test starts 2 or 3 gloo ranks with a short process-group
 timeout (:data:`PG_TIMEOUT_S`). After a warm-up round (the first ``auto``
 call loads the selector, which takes seconds and is not what is measured),
 one rank SIGKILLs itself before, or in the middle of, a sequence of
-``sparse_allreduce`` (dense, allgather, oktopk, auto) and ``topk_allreduce``
+``sparse_allreduce`` (every registered algorithm and auto) and ``topk_allreduce``
 calls, made synchronously or with ``async_op=True`` (several handles in
 flight, then ``wait()`` on each). Every survivor writes what it got (per
 call: exception type, message, end time) to a JSON file; the victim writes
@@ -46,7 +46,7 @@ from colltune.offline.launch import Outcome, failure_report, launch_ranks
 PG_TIMEOUT_S = 5.0
 #: What a survivor may take beyond the process-group timeout to raise (a loaded 2-core machine).
 SLACK_S = 5.0
-ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
+ALGORITHMS = (*colltune.algorithms.names(), "auto")
 #: Async calls a survivor makes on the broken group after its synchronous call raised.
 AFTER_CALLS = 3
 

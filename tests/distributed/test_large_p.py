@@ -51,7 +51,7 @@ def _run_large(rank, world_size):
             res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=algorithm)
             out["exact"][name, algorithm] = _result_record(res, small=False)
     for kw in TOPK[: 2 if world_size <= 16 else 1]:
-        for algorithm in ("oktopk", "allgather", "dense", "auto"):
+        for algorithm in ALGORITHMS:
             out["topk"].append(_run_topk(rank, world_size, topk_cfg(algorithm=algorithm, **kw)))
     out["rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return out
@@ -118,7 +118,7 @@ def test_every_algorithm_at_large_world_sizes(world_size):
             check_results(c, world_size, [o["exact"][name, algorithm] for o in per_rank], algorithm)
     i = 0
     for kw in TOPK[: 2 if world_size <= 16 else 1]:
-        for algorithm in ("oktopk", "allgather", "dense", "auto"):
+        for algorithm in ALGORITHMS:
             check_topk(topk_cfg(algorithm=algorithm, **kw), world_size, [o["topk"][i] for o in per_rank])
             i += 1
     _check_records(world_size, per_rank)

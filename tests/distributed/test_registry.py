@@ -20,6 +20,7 @@ from colltune import algorithms
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import Knob
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.algorithms.schedule import Pricing, Step
 
 from harness import pool
@@ -75,11 +76,11 @@ def test_register_checks_what_it_is_given() -> None:
     taken = type("Other", (Toy,), {"name": "dense"})
     with pytest.raises(colltune.ColltuneValueError, match="taken by Dense"):
         algorithms.register(taken)
-    assert algorithms.names() == ("dense", "allgather", "oktopk")
+    assert algorithms.names() == BUILTIN_NAMES
 
 
 def test_the_toy_is_listed_and_its_knobs_checked(toy: Algorithm) -> None:
-    assert algorithms.names() == ("dense", "allgather", "oktopk", "toy")
+    assert algorithms.names() == (*BUILTIN_NAMES, "toy")
     assert colltune.algorithm_names()[-1] == "toy"
     assert toy.check_knobs({"chunks": 3}) == {"chunks": 3}
     with pytest.raises(colltune.ColltuneValueError, match=r"knobs\['chunks'\] of algorithm 'toy' must be >= 1"):
@@ -104,7 +105,7 @@ def test_the_analytic_model_prices_and_picks_the_toy(toy: Algorithm) -> None:
     model = AnalyticModel(DEFAULT_PRIMITIVES)
     f = Features.build(numel=2**16, row_numel=1, dtype="float32", k_per_rank=[500, 500, 500, 500], union=1200)
     terms = model.terms(f)
-    assert list(terms) == ["dense", "allgather", "oktopk", "toy"]
+    assert list(terms) == [*BUILTIN_NAMES, "toy"]
     assert list(terms["toy"]) == list(Toy.TERMS)
     assert model.select(f) == "toy"
 
@@ -189,7 +190,7 @@ def _toy_bench_rank(rank: int, world_size: int) -> dict:
 def test_bench_times_the_toy_beside_the_others() -> None:
     out = pool(2).run(_toy_bench_rank, timeout=120)
     got = out[0]
-    assert got["contenders"] == ("auto", "dense", "allgather", "oktopk", "toy", "torch")
+    assert got["contenders"] == ("auto", *BUILTIN_NAMES, "toy", "torch")
     toy = got["rec"]["contenders"]["toy"]
     assert toy["median_ms"] > 0 and toy["max_rel_err"] <= 1e-6  # checked against the exact float64 sum
     assert got["rec"]["auto"]["algorithm"] == "toy"  # priced nearly free, so auto runs it

@@ -32,6 +32,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from colltune.algorithms import registry
+
 from harness import pool
 
 #: The priced total bytes per rank and call within this fraction of the counted mean.
@@ -87,7 +89,6 @@ def counted_bytes(step, p: int) -> float:
 
 def priced(algorithm: str, features, mode: str, knobs: dict) -> dict[str, float]:
     """Return the schedule's bytes per comm-layer primitive (local work left out)."""
-    from colltune.algorithms import registry
     from colltune.algorithms.schedule import Pricing
 
     algo = registry.get(algorithm)
@@ -135,6 +136,10 @@ EXACT = [
         ("oktopk", (), 3000), ("oktopk", (16,), 800),
     ]
 ]
+#: Every registered algorithm with a schedule takes part: those without a case of their own above get one.
+SCHEDULED = [n for n in registry.names() if registry.get(n).TERMS]
+EXACT += [pytest.param(alg, (), 2000, id=f"{alg}-row1-k2000")
+          for alg in SCHEDULED if alg not in {p.values[0] for p in EXACT}]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -163,6 +168,8 @@ TOPK = [
     for alg, n, k in [("dense", 2**16, 600), ("dense", 2**13, 60), ("allgather", 2**16, 600),
                       ("oktopk", 2**16, 600), ("oktopk", 2**18, 5000)]
 ]
+TOPK += [pytest.param(alg, 2**16, 600, id=f"{alg}-n{2**16}-k600")
+         for alg in SCHEDULED if alg not in {p.values[0] for p in TOPK}]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -172,7 +179,7 @@ def test_topk_schedules_price_the_bytes_the_calls_send(world_size, algorithm, n,
 
     c = _topk_case(algorithm, n, k)
     per_rank = pool(world_size).run(_run_topk, c, timeout=120)
-    if algorithm == "dense":  # the selector's view of dense in top-k mode: the whole tensor on every rank
+    if registry.get(algorithm).topk_priced_on == "tensor":  # the selector's view of dense: the whole tensor
         f = Features.build(numel=n, row_numel=1, dtype="float32", k_per_rank=[n] * world_size, union=n)
     else:
         f = Features.build(numel=n, row_numel=1, dtype="float32", k_per_rank=[k] * world_size,

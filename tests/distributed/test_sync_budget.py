@@ -46,7 +46,7 @@ def _single_calls(rank, world_size, algorithm, row_shape, k):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("algorithm", ["dense", "allgather", "oktopk", "auto"])
+@pytest.mark.parametrize("algorithm", [*names(), "auto"])
 @pytest.mark.parametrize("row_shape,k", [((), 40), ((16,), 900)])
 def test_host_syncs_per_call_stay_within_the_ceiling(algorithm, world_size, row_shape, k):
     for syncs, which, _ in pool(world_size).run(_single_calls, algorithm, row_shape, k):
@@ -69,7 +69,7 @@ def _topk_calls(rank, world_size, algorithm):
     return a.n_syncs, dict(a.syncs)
 
 
-@pytest.mark.parametrize("algorithm", ["dense", "allgather", "oktopk"])
+@pytest.mark.parametrize("algorithm", names())
 def test_topk_host_syncs_stay_within_the_ceiling(algorithm):
     for syncs, which in pool(2).run(_topk_calls, algorithm):
         assert syncs <= TOPK_SYNC_CEILING[algorithm], (algorithm, which)

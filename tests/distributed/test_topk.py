@@ -21,6 +21,8 @@ import math
 import pytest
 import torch
 
+from colltune.algorithms import get, names
+
 from harness import pool
 from sparse_cases import DTYPES, RTOL, raw
 
@@ -206,7 +208,10 @@ def check_topk(c: dict, world_size: int, per_rank: list) -> None:
 # ------------------------------------------------------------------ tests
 
 
-ALGS = ["oktopk", "allgather", "dense", "auto"]
+ALGS = [*names(), "auto"]
+#: The algorithms that send a selection of each rank's k entries (and keep the rest as residual), not the whole
+#: tensor as dense does.
+SELECTING = [n for n in names() if get(n).topk_priced_on == "selection"]
 
 
 @pytest.mark.parametrize("algorithm", ALGS)
@@ -217,7 +222,7 @@ def test_topk_over_many_calls(world_size, algorithm):
     check_topk(c, world_size, per_rank)
 
 
-@pytest.mark.parametrize("algorithm", ["oktopk", "allgather", "dense"])
+@pytest.mark.parametrize("algorithm", names())
 def test_topk_sum_op_and_short_refresh_periods(algorithm):
     # Refreshes every few calls: local and global thresholds and region boundaries all recomputed many times.
     c = topk_cfg(
@@ -234,7 +239,7 @@ def test_topk_sum_op_and_short_refresh_periods(algorithm):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
-@pytest.mark.parametrize("algorithm", ["oktopk", "allgather", "dense"])
+@pytest.mark.parametrize("algorithm", names())
 def test_topk_dtypes(dtype, algorithm):
     c = topk_cfg(seed=21, algorithm=algorithm, dtype=dtype, steps=12, shape=(40, 25), k=30)
     per_rank = pool(2).run(_run_topk, c, timeout=120)
@@ -245,7 +250,7 @@ def test_topk_dtypes(dtype, algorithm):
 
 def test_topk_selects_more_than_a_quarter():
     # k close to numel: every algorithm must still deliver correct sums.
-    for algorithm in ("oktopk", "allgather", "auto"):
+    for algorithm in (*SELECTING, "auto"):
         c = topk_cfg(seed=31, algorithm=algorithm, shape=(200,), k=120, steps=6)
         per_rank = pool(2).run(_run_topk, c, timeout=120)
         check_topk(c, 2, per_rank)
@@ -350,7 +355,7 @@ def _run_state_roundtrip(rank, world_size, c):
     return outs_a[c["steps"] // 2 :], outs_b
 
 
-@pytest.mark.parametrize("algorithm", ["oktopk", "allgather"])
+@pytest.mark.parametrize("algorithm", SELECTING)
 def test_state_dict_roundtrip_resumes_identically(algorithm):
     c = topk_cfg(seed=51, algorithm=algorithm, steps=20, shape=(2000,), k=30)
     for r, (a, b) in enumerate(pool(2).run(_run_state_roundtrip, c)):

@@ -47,7 +47,7 @@ def _rank_coo(rank: int, world_size: int, algorithm: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "dense", "allgather", "oktopk"])
+@pytest.mark.parametrize("algorithm", ["auto", *colltune.algorithms.names()])
 def test_sparse_coo_tensor_passed_alone(algorithm: str) -> None:
     out = pool(2).run(_rank_coo, algorithm)
     for o in out:

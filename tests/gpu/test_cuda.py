@@ -90,7 +90,7 @@ def _syncs(fn) -> int:
     return tool.count_syncs(fn, torch.device("cuda", torch.cuda.current_device()))
 
 
-@pytest.mark.parametrize("algorithm", ["dense", "allgather", "oktopk"])
+@pytest.mark.parametrize("algorithm", names())
 def test_host_syncs_per_call_at_p1(nccl, algorithm):
     import colltune
 

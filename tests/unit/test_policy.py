@@ -13,6 +13,7 @@ import pytest
 
 from colltune import algorithms
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model import policy as P
 from colltune.model.policy import (
     DEFAULT_POLICY,
@@ -28,6 +29,8 @@ from colltune.model.policy import (
 )
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "profiles" / "policies"
+#: The registered algorithms as the error messages list them, in registry order.
+LISTED = ", ".join(algorithms.names())
 
 
 def parse(text: str, source: str = "t.yaml") -> Policy:
@@ -320,7 +323,9 @@ def test_bool_knob_round_trips_and_is_applied() -> None:
 
 def test_every_choice_an_algorithm_takes_is_a_valid_policy_value() -> None:
     # The policy's choices come from the algorithms: a mode the algorithm takes (p2p) is not refused here.
-    for algo, knob in (("allgather", "mode"), ("oktopk", "gather_mode")):
+    pairs = [(algo, knob) for algo in algorithms.names() for knob in algorithms.get(algo).knob_choices]
+    assert pairs, "no registered algorithm has a choice knob"
+    for algo, knob in pairs:
         for value in algorithms.get(algo).knob_choices[knob]:
             p = parse(f"version: 1\nknobs:\n  {algo}: {{{knob}: {value}}}\n")
             assert p.knobs[algo][knob] == value
@@ -344,9 +349,9 @@ BAD = [
         "rules[0].when",
         ["unknown key 'numell'", "allowed keys: tensor, numel, density, world_size, overlap, dtype"],
     ),
-    ("unknown-algorithm", "version: 1\nrules:\n  - when: {}\n    use: ring\n", 4, "rules[0].use", ["unknown algorithm 'ring'", "allowed: auto, dense, allgather, oktopk"]),
-    ("unknown-default", "version: 1\ndefault: nccl\n", 2, "default", ["unknown algorithm 'nccl'", "allowed: auto, dense, allgather, oktopk"]),
-    ("unknown-knob-algorithm", "version: 1\nknobs:\n  topk: {}\n", 3, "knobs", ["unknown algorithm 'topk'", "allowed: dense, allgather, oktopk"]),
+    ("unknown-algorithm", "version: 1\nrules:\n  - when: {}\n    use: ring\n", 4, "rules[0].use", ["unknown algorithm 'ring'", f"allowed: auto, {LISTED}"]),
+    ("unknown-default", "version: 1\ndefault: nccl\n", 2, "default", ["unknown algorithm 'nccl'", f"allowed: auto, {LISTED}"]),
+    ("unknown-knob-algorithm", "version: 1\nknobs:\n  topk: {}\n", 3, "knobs", ["unknown algorithm 'topk'", f"allowed: {LISTED}"]),
     ("wrong-type-numel", "version: 1\nrules:\n  - use: dense\n    when:\n      numel: big\n", 5, "rules[0].when.numel", ["expected a [min, max] range or a single integer", "string 'big'"]),
     ("wrong-type-range-item", "version: 1\nrules:\n  - use: dense\n    when:\n      numel: [1, \"2\"]\n", 5, "rules[0].when.numel", ["expected an integer >= 0", "string '2'"]),
     ("bool-is-not-int", "version: 1\nrules:\n  - use: dense\n    when: {world_size: [true, null]}\n", 4, "rules[0].when.world_size", ["boolean 'true'"]),
@@ -561,7 +566,7 @@ def test_env_bad_algorithm_lists_allowed_values() -> None:
     with pytest.raises(PolicyError) as info:
         policy_from_env({"COLLTUNE_ALGO": "ring"})
     assert str(info.value) == (
-        "environment: COLLTUNE_ALGO: unknown algorithm 'ring'; allowed: auto, dense, allgather, oktopk, or unset it"
+        f"environment: COLLTUNE_ALGO: unknown algorithm 'ring'; allowed: auto, {LISTED}, or unset it"
     )
 
 
@@ -624,30 +629,29 @@ def test_known_algorithms_follow_the_registry() -> None:
 
     algorithms.register(Ring)
     try:
-        assert known_algorithms() == ("dense", "allgather", "oktopk", "ring")
+        assert known_algorithms() == (*BUILTIN_NAMES, "ring")
         p = parse("version: 1\ndefault: ring\n")
         assert p.default == "ring"
         with pytest.raises(PolicyError, match="none \\(ring has no knobs\\)"):
             parse("version: 1\nknobs: {ring: {x: 1}}\n")
     finally:
         algorithms.unregister("ring")
-    assert known_algorithms() == ("dense", "allgather", "oktopk")
+    assert known_algorithms() == BUILTIN_NAMES
 
 
 def test_knob_table_covers_the_builtin_algorithms() -> None:
     knobs = knob_table()
-    for name in ("dense", "allgather", "oktopk"):
-        assert name in knobs
+    assert tuple(knobs) == algorithms.names() and set(BUILTIN_NAMES) <= set(knobs)
     # Every knob a policy may set is an algorithm knob or a top-k state knob,
     # and every algorithm knob is settable, with the kind of its default.
     kinds = {bool: "bool", int: "int", float: "float", str: "choice"}
-    for name in ("dense", "allgather", "oktopk"):
+    for name in algorithms.names():
         accepted = algorithms.get(name).knobs
         state = {k.name for k in algorithms.get(name).knob_specs if k.state}
         assert set(knobs[name]) - state == set(accepted), name
         for knob, default in accepted.items():
             assert knobs[name][knob].kind == kinds[type(default)], (name, knob)
-    assert state == {"local_refresh", "global_refresh"}
+    assert {k.name for k in algorithms.get("oktopk").knob_specs if k.state} == {"local_refresh", "global_refresh"}
     for specs in knobs.values():
         for spec in specs.values():
             assert spec.describe() and spec.help
