@@ -69,10 +69,16 @@ __all__ = [
     "note_payload",
     "SHRINK_AFTER",
     "PAYLOAD_IDLE",
+    "FEEDBACK_KEY",
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 6  # 6: fields step and plan, a training wrapper's check
+_VERSION = 6  # 6: fields step and plan (a training wrapper's check), fb_code and fb_us (a measurement)
+
+#: The group state under which the upper layer keeps its measurement of the group's last call (an object
+#: with ``fields()`` giving ``fb_code`` and ``fb_us``, and ``arrived(codes, times)``): every record carries
+#: it, so every rank learns every rank's figure with the next call (``colltune.select.online``).
+FEEDBACK_KEY = "meta.feedback"
 
 _SHAPE_DIMS = 4
 #: Fields every rank must agree on, with how to say them in an error.
@@ -87,6 +93,7 @@ EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
 
 _MAGIC_AT, _VERSION_AT, _ERROR_AT = FIELDS.index("magic"), FIELDS.index("version"), FIELDS.index("error")
 _SHARED_AT = [FIELDS.index(f) for f in SHARED_FIELDS]
+_FB_CODE_AT, _FB_US_AT = FIELDS.index("fb_code"), FIELDS.index("fb_us")
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
 _ERROR_KINDS = {1: "invalid", 2: "wrong type of"}
@@ -285,6 +292,9 @@ def exchange(
             raise local_error
         return [dict(record, magic=_MAGIC, version=_VERSION, error=0)], None
     record = dict(record, kind=_kind_on_path(record.get("kind", -1), comm.host))
+    fb = comm.group_state(FEEDBACK_KEY)
+    if fb is not None:
+        record.update(fb.fields())
     cap = slot_bytes(comm)
     # Fields or a slot still on the device are written into the record there (a host slot joins them).
     on_device = local_error is None and not comm.host and (device_fields or isinstance(slot, torch.Tensor))
@@ -314,6 +324,8 @@ def exchange(
         _check_remote_errors(list(records), comm.rank)
     if (head[:, _SHARED_AT] != head[:1, _SHARED_AT]).any():
         _check_shared(list(records), labels or {})
+    if fb is not None:
+        fb.arrived(head[:, _FB_CODE_AT].tolist(), head[:, _FB_US_AT].tolist())
     return records, (table if comm.host else torch.from_numpy(host_table))[:, hbytes:]
 
 

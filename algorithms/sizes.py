@@ -45,6 +45,8 @@ FIELDS: tuple[str, ...] = (
     "error_arg",
     "step",
     "plan",
+    "fb_code",
+    "fb_us",
 )
 #: Bytes of the record's fields (int64 each), before the eager slot.
 HEADER_BYTES = 8 * len(FIELDS)

@@ -67,6 +67,7 @@ from colltune.api import (
     _group_key,
     _input_error,
     _is_coo,
+    _online,
     _op_name,
     _open,
     _outside_compile,
@@ -192,11 +193,16 @@ def _fused(tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: 
         error = exc
     if error is not None:
         error, call.slot = _input_error(error), None
+    call.timer = _online().start(comm, call.sel)
     counts = call.exchange(error)
+    if call.timer is not None:
+        call.timer.mark()  # the exchange, which every bucket's measurement includes (its prediction does)
     results: list[SparseResult | None] = [None] * len(call.idx)
     for members in plan_buckets(call.spaces, call.entry_bytes * counts, call.cap):
         for t, res in zip(members, call.run_bucket(members, counts, algorithm, op, name)):
             results[t] = res
+    if call.measured is not None:  # the record carries one figure: the bucket predicted to take longest
+        _online().hold(comm, *call.measured[1:])
     return results  # type: ignore[return-value]
 
 
@@ -318,6 +324,9 @@ class _FusedCall:
         self.pending: list[tuple[list[int], Batch]] | None = None
         self.device_fields: dict[str, torch.Tensor] | None = None
         self.deferred_error: Any = None
+        #: Online correction: the call's timer (its exchange), and the bucket to report: (predicted, timer, ...).
+        self.timer: Any = None
+        self.measured: tuple | None = None
 
     def prepare(self, tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: Any, policy: Any,
                 cap_mb: Any) -> None:
@@ -480,8 +489,15 @@ class _FusedCall:
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
             algorithm, knobs = decision.algorithm, _decided_knobs(decision, self.knobs)
         inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None)
+        timer = None if self.timer is None else self.timer.fork()
+        if timer is not None:
+            timer.mark()
         out_idx, out_vals = _run_sparse(inp, comm, algorithm, knobs, op, vals, at)
         if self.sel is not None:
+            predicted = (decision.predicted_us or {}).get(decision.algorithm) if decision is not None else None
+            if timer is not None and predicted is not None and (self.measured is None or predicted > self.measured[0]):
+                timer.mark()
+                self.measured = (predicted, timer, self.sel, site, decision)
             self.sel.observe_sparse(site, bucket_counts, out_idx.numel())
         return self.cut(members, at, out_idx, out_vals, algorithm, decision)
 

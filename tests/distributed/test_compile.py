@@ -29,12 +29,20 @@ def _step(idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
 def _rank_compiled_call(rank: int, world_size: int, backend: str) -> dict:
     from torch._dynamo.utils import counters
 
-    compiled = torch.compile(_step, backend=backend)
-    out = []
-    for step in range(3):
-        idx = torch.tensor([rank, 10 + step, 500])
-        vals = torch.full((3,), float(step + 1))
-        out.append((compiled(idx, vals), _step(idx, vals)))
+    from colltune.select.selector import Selector
+
+    # The compiled and the plain call are two calls at one site: online correction could send them to two
+    # algorithms (top-k results differ between algorithms), which is not what this test compares.
+    colltune.configure(selector=Selector(environ={}, online=False))
+    try:
+        compiled = torch.compile(_step, backend=backend)
+        out = []
+        for step in range(3):
+            idx = torch.tensor([rank, 10 + step, 500])
+            vals = torch.full((3,), float(step + 1))
+            out.append((compiled(idx, vals), _step(idx, vals)))
+    finally:
+        colltune.configure()
     breaks = sum(counters["graph_break"].values())
     return {"pairs": out, "breaks": breaks, "frames": counters["frames"]["total"]}
 

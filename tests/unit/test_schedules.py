@@ -141,7 +141,7 @@ def test_record_sizes_at_large_world_sizes():
     assert sizes.eager_capacity(1024) // 4 == 64  # overlap-sketch hashes per rank at any world size
     # Ok-Topk's P counts fit half the starting slot up to P = 32; from 64 on the slot grows by exactly 8 P.
     assert [sizes.payload_reserve(p) for p in (2, 16, 32, 64, 1024)] == [0, 0, 0, 512, 8192]
-    assert sizes.record_bytes(1024) == 176 + 256 and sizes.record_bytes(1024, payload=True) == 176 + 256 + 8192
+    assert sizes.record_bytes(1024) == 192 + 256 and sizes.record_bytes(1024, payload=True) == 192 + 256 + 8192
     assert sizes.slot_limit(1024) == 256 and sizes.slot_limit(4) == 65536
 
 

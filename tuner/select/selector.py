@@ -81,6 +81,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -115,6 +116,7 @@ from colltune.model.policy import (
     policy_from_env,
 )
 from colltune.model.profile import Profile, ProfileError, load_profile
+from colltune.select import online as _online
 
 if TYPE_CHECKING:  # the cost models are imported when a profile is first used
     from colltune.model.cost_model import AnalyticModel, Domain, LearnedCostModel
@@ -146,7 +148,8 @@ MAX_SITES = 4096
 #: serial is never reused, and a living group's sites are never forgotten for another group's sake).
 MAX_GROUPS = 256
 
-Source = Literal["forced", "policy", "model", "hysteresis", "default", "single-rank", "empty", "no-values", "requested"]
+Source = Literal["forced", "policy", "model", "hysteresis", "explore", "default", "single-rank", "empty", "no-values",
+                 "requested"]
 
 
 
@@ -249,6 +252,7 @@ class Choice:
         source: what decided: ``forced`` (``COLLTUNE_ALGO``), ``policy``,
             ``model`` (the cost model's argmin), ``hysteresis`` (the site's
             previous algorithm kept, within ``margin`` of the best),
+            ``explore`` (another algorithm tried now and then, online),
             ``default`` (no profile), ``single-rank``, ``empty`` (no entries
             anywhere), ``no-values`` (rows of no elements) or ``requested``
             (an explicit ``algorithm=``).
@@ -267,6 +271,11 @@ class Choice:
             from the counts alone), or ``None``.
         cached: whether this call reused an earlier decision.
         features: the features the cost model saw, if it was consulted.
+        state_knobs: the policy's top-k state knobs for ``algorithm``.
+        corrected_us: ``predicted_us`` corrected by the site's own
+            measurements (online correction), what the argmin compared.
+        measured_us: the latest measured time of each algorithm at the
+            site (the maximum over ranks), when online correction has one.
     """
 
     algorithm: str
@@ -281,6 +290,8 @@ class Choice:
     cached: bool = False
     features: Features | None = None
     state_knobs: Mapping[str, Any] = field(default_factory=dict)
+    corrected_us: Mapping[str, float] | None = None
+    measured_us: Mapping[str, float] | None = None
 
     def __str__(self) -> str:
         return f"{self.algorithm} ({self.reason})"
@@ -300,6 +311,8 @@ class Choice:
             "overlap_source": self.overlap_source,
             "cached": self.cached,
             "state_knobs": dict(self.state_knobs),
+            "corrected_us": None if self.corrected_us is None else dict(self.corrected_us),
+            "measured_us": None if self.measured_us is None else dict(self.measured_us),
             "features": None if f is None else {
                 "numel": f.numel, "row_numel": f.row_numel, "dtype": f.dtype, "world_size": f.world_size,
                 "k_max": f.k_max, "k_sum": f.k_sum, "union": f.union, "overlap": f.overlap,
@@ -308,8 +321,7 @@ class Choice:
         }
 
     def _as_cached(self) -> "Choice":
-        return Choice(self.algorithm, self.reason, self.source, self.knobs, self.predicted_us, self.rule,
-                      self.term, self.overlap, self.overlap_source, True, self.features, self.state_knobs)
+        return dataclasses.replace(self, cached=True)
 
 
 _REQUESTED: dict[str, Choice] = {}
@@ -413,7 +425,8 @@ class _Entry:
 
 
 class _Site:
-    __slots__ = ("overlap", "overlap_source", "last", "latest", "entries")
+    __slots__ = ("overlap", "overlap_source", "last", "latest", "entries", "ratios", "measured", "options", "calls",
+                 "explored_at", "total_us", "explore_us")
 
     def __init__(self) -> None:
         self.overlap: float | None = None
@@ -421,6 +434,35 @@ class _Site:
         self.last: str | None = None  # the last decision made afresh (the incumbent)
         self.latest: str | None = None  # the last decision returned, cached or not
         self.entries: dict[int, _Entry] = {}
+        # Online correction (colltune.select.online): measured / predicted per algorithm, the latest figures,
+        # each algorithm's knobs from the last decision (what an exploring call runs with), calls decided by
+        # the model, and the measured time of the site's calls and of its exploring ones.
+        self.ratios: dict[str, Any] = {}
+        self.measured: dict[str, float] = {}
+        self.options: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self.calls = 0
+        self.explored_at = 0
+        self.total_us = 0.0
+        self.explore_us = 0.0
+
+
+#: Values of ``COLLTUNE_ONLINE`` (lower case) that turn online correction off, and on.
+_OFF, _ON = ("0", "off", "false", "no"), ("1", "on", "true", "yes", "")
+
+
+def _online_setting(online: Any, environ: Mapping[str, str]) -> bool:
+    """Return whether online correction is on: ``online`` when given, else ``COLLTUNE_ONLINE`` (on by default)."""
+    if online is not None:
+        if not isinstance(online, bool):
+            raise ColltuneValueError(f"online must be True, False or None, but got {online!r}.")
+        return online
+    raw = environ.get("COLLTUNE_ONLINE", "")
+    if raw.strip().lower() in _OFF:
+        return False
+    if raw.strip().lower() in _ON:
+        return True
+    raise ColltuneValueError(f"COLLTUNE_ONLINE must be 0 or 1 (off or on), but got {raw!r}; unset it for on.",
+                             argument="environment")
 
 
 def _bucket(k_sum: int) -> int:
@@ -538,6 +580,10 @@ class Selector:
         bitmap_seed: hash seed of the overlap estimate.
         environ: the environment to read (``os.environ`` by default; ``{}``
             ignores it).
+        online: correct the profile's predictions with the calls' own
+            measured times, and try another algorithm now and then
+            (:mod:`colltune.select.online`); ``None``: on, unless
+            ``COLLTUNE_ONLINE=0``. Part of the settings every rank must share.
 
     Raises:
         PolicyError: an invalid policy (file, line and allowed values named)
@@ -557,6 +603,7 @@ class Selector:
         overlap_band: float = 0.1,
         bitmap_seed: int = 0,
         environ: Mapping[str, str] | None = None,
+        online: bool | None = None,
     ) -> None:
         if isinstance(reevaluate_every, bool) or not isinstance(reevaluate_every, int) or reevaluate_every < 1:
             raise ColltuneValueError(f"reevaluate_every must be an int >= 1, but got {reevaluate_every!r}.")
@@ -582,12 +629,14 @@ class Selector:
         self.count_band = float(count_band)
         self.overlap_band = float(overlap_band)
         self.bitmap_seed = int(bitmap_seed)
+        self.online = _online_setting(online, os.environ if environ is None else environ)
+        self._ratios = _online.Ratios()
         self._policy_uses_overlap = any(r.overlap is not None for r in self.policy.rules)
         self._models: dict[str, _Model | None] = {}
         self._digests: dict[str, int] = {}
         self._sites = _Sites()
         self._settings = _signed64(int.from_bytes(hashlib.blake2b(json.dumps(
-            [self.reevaluate_every, self.margin, self.count_band, self.overlap_band, self.bitmap_seed]
+            [self.reevaluate_every, self.margin, self.count_band, self.overlap_band, self.bitmap_seed, self.online]
         ).encode(), digest_size=8).digest(), "big"))
         if overrides.log_level is not None:
             _enable_logging(overrides.log_level)
@@ -715,7 +764,7 @@ class Selector:
         k_max = max(counts) if counts else 0
         cached = self._cached_sparse(site_key, name, size, k_sum, k_max, p)
         if cached is not None:
-            return cached
+            return self._explored("sparse", name, site_key, cached, comm.rank)
         if p == 1:
             return _SINGLE
         if k_sum == 0:
@@ -728,7 +777,7 @@ class Selector:
         site.last = site.latest = choice.algorithm
         site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, choice.overlap)
         self._log("sparse", name, site_key, choice, comm.rank)
-        return choice
+        return self._explored("sparse", name, site_key, choice, comm.rank)
 
     def _cached_sparse(self, site_key: tuple, name: str | None, size: int, k_sum: int, k_max: int,
                        p: int) -> Choice | None:
@@ -873,7 +922,7 @@ class Selector:
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug("topk %s numel=%d k=%d P=%d -> %s (cached: %s)",
                                  name or "-", numel, k, p, e.choice.algorithm, e.choice.reason)
-                return e.cached
+                return self._explored("topk", name, site_key, e.cached, rank)
         if p == 1:
             return _SINGLE
         site = self._site(site_key)
@@ -899,7 +948,7 @@ class Selector:
         site.last = site.latest = choice.algorithm
         site.entries[0] = _Entry(choice, k, p * k, overlap)
         self._log("topk", name, site_key, choice, rank)
-        return choice
+        return self._explored("topk", name, site_key, choice, rank)
 
     def observe_topk(self, site_key: tuple, algorithm: str, k: int, world_size: int, global_count: int) -> None:
         """Record what a completed top-k call revealed: TopkA's result size is the union of the local selections."""
@@ -951,7 +1000,8 @@ class Selector:
             if got is None:
                 got = memo[id(f)] = model.predict(f)
             raw[a] = got[a]
-        pred = {a: _q(raw[a]) for a in raw}
+        predicted = {a: _q(raw[a]) for a in raw}
+        pred = self._corrected(site, predicted)
         ranked = _ranked(pred)
         best, runner = ranked[0], ranked[1]
         chosen, src = best, "model"
@@ -975,9 +1025,75 @@ class Selector:
             rule = f"rule {decision.rule_index}" + (f" {decision.rule_name!r}" if decision.rule_name else "")
             reason += f"; {decision.reason} says auto"
         ov_note = "" if overlap is None else f"; overlap {overlap:.2f} ({source})"
+        corrected = pred if pred != predicted else None
+        if corrected is not None:
+            reason += "; corrected by measurements: " + ", ".join(
+                f"{a} x{pred[a] / predicted[a]:.2f}" for a in ranked if predicted[a] > 0 and pred[a] != predicted[a])
+        if self.online:
+            site.options = {a: (_knobs_for(decision, a), _state_knobs_for(decision, a)) for a in pred}
         return Choice(chosen, reason + ov_note, src,  # type: ignore[arg-type]
-                      _knobs_for(decision, chosen), dict(pred), rule, None if term is None else term[0], overlap,
-                      source, False, feats[chosen], _state_knobs_for(decision, chosen))
+                      _knobs_for(decision, chosen), predicted, rule, None if term is None else term[0], overlap,
+                      source, False, feats[chosen], _state_knobs_for(decision, chosen), corrected,
+                      dict(site.measured) or None)
+
+    # -- online correction (colltune.select.online) ----------------------------
+    def _corrected(self, site: _Site, predicted: Mapping[str, float]) -> dict[str, float]:
+        """``predicted`` times the site's corrections (rounded, so ranks agree), or as it is when online is off."""
+        if not self.online or not (site.ratios or self._ratios.every):
+            return dict(predicted)
+        return {a: _q(t * self._ratios.factor(site.ratios, a)) for a, t in predicted.items()}
+
+    def observe_time(self, site_key: tuple, algorithm: str, predicted_us: float, measured_us: float,
+                     explored: bool = False) -> None:
+        """Learn from one decided call's time: the maximum over ranks, the same figure on every rank.
+
+        Called with the next exchange on the group (:class:`colltune.select.online.Feedback`). A cached
+        decision the corrected model no longer picks is decided again at its site's next call.
+        """
+        site = self._sites.get(site_key)
+        if not self.online or site is None or not measured_us > 0:
+            return
+        self._ratios.observe(site.ratios, algorithm, predicted_us, measured_us)
+        site.measured[algorithm] = measured_us
+        site.total_us += measured_us
+        if explored:
+            site.explore_us += measured_us
+        for e in site.entries.values():
+            pred = e.choice.predicted_us
+            if e.choice.source in ("model", "hysteresis") and pred:
+                corr = self._corrected(site, pred)
+                if corr[e.choice.algorithm] > min(corr.values()) * (1.0 + self.margin):
+                    e.age = self.reevaluate_every
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("measured %s %s: %s, predicted %s (x%.2f now)", _site_label(site_key), algorithm,
+                         _ms(measured_us), _ms(predicted_us), self._ratios.factor(site.ratios, algorithm))
+
+    def _explored(self, kind: str, name: str | None, site_key: tuple, choice: Choice, rank: int) -> Choice:
+        """:meth:`_explore` at ``site_key``, logging an exploring call."""
+        site = self._sites.get(site_key)
+        got = choice if site is None else self._explore(site, choice)
+        if got is not choice:
+            self._log(kind, name, site_key, got, rank)
+        return got
+
+    def _explore(self, site: _Site, choice: Choice) -> Choice:
+        """Return ``choice``, or on a site's exploring call (:func:`colltune.select.online.explore_pick`) another."""
+        if not self.online or choice.source not in ("model", "hysteresis") or not choice.predicted_us:
+            return choice
+        site.calls += 1
+        if site.calls - site.explored_at < _online.EXPLORE_EVERY:
+            return choice
+        corr = self._corrected(site, choice.predicted_us)
+        other = _online.explore_pick(corr, choice.algorithm, lambda a: self._ratios.samples(site.ratios, a),
+                                     site.explore_us, site.total_us)
+        if other is None:
+            return choice
+        site.explored_at = site.calls
+        knobs, state_knobs = site.options.get(other, ({}, {}))
+        return Choice(other, f"exploring {other} (corrected {_ms(corr[other])}, {choice.algorithm} "
+                      f"{_ms(corr[choice.algorithm])}): one call in {_online.EXPLORE_EVERY} at most",
+                      "explore", knobs, choice.predicted_us, choice.rule, None, choice.overlap, choice.overlap_source,
+                      False, choice.features, state_knobs, corr, dict(site.measured) or None)
 
     def _log(self, kind: str, name: str | None, site_key: tuple, choice: Choice, rank: int) -> None:
         if logger.isEnabledFor(logging.DEBUG):

@@ -1,0 +1,82 @@
+"""Online correction across ranks: every rank learns the same figures and decides the same, whatever its clock.
+
+Each rank's timer is skewed (rank r's clock reads 1 + 9 r times the real
+time), as loaded hosts and unsynchronized clocks would make it. The
+measurements ride in the next call's metadata record and every rank takes
+the maximum, so the corrections, the explorations and every decision are
+identical on every rank, for single calls, fused calls and top-k calls.
+A rank with online correction off among ranks with it on raises
+``RankMismatchError`` at the record instead of deciding apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colltune
+from colltune.select import online
+from colltune.select.selector import Selector
+
+from harness import expect_error, pool
+
+N = 2**14
+
+
+def _inputs(rank: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * i + rank)
+    k = (40, 400, 4000)[i % 3]
+    return torch.randint(0, N, (k,), generator=g), torch.randn(k, generator=g)
+
+
+def _rank_skewed(rank: int, world_size: int, kind: str) -> dict:
+    sel = Selector(environ={})
+    colltune.configure(selector=sel)
+    real = online.Timer.us
+    skew = 1.0 + 9.0 * rank
+
+    def skewed(self: online.Timer) -> float | None:
+        us = real(self)
+        return None if us is None else us * skew
+
+    online.Timer.us = skewed  # type: ignore[method-assign]
+    try:
+        seen = []
+        state = colltune.algorithms.TopkState(density=0.05)
+        for i in range(120):
+            idx, vals = _inputs(rank, i)
+            if kind == "sparse":
+                res = [colltune.sparse_allreduce(idx, vals, N, name="s")]
+            elif kind == "fused":
+                res = colltune.sparse_allreduce_many([(idx, vals, N), (idx % 100, vals, 100)], name="f")
+            else:
+                res = [colltune.topk_allreduce(torch.randn(N, generator=torch.Generator().manual_seed(i + rank)),
+                                               state, name="t")]
+            seen.append([(r.algorithm, r.decision.source) for r in res])
+        learned = {str(key): sorted(site.measured.items()) for sites in sel._sites.groups.values()
+                   for key, site in sites.items() if site.measured}
+        return {"seen": seen, "learned": learned}
+    finally:
+        online.Timer.us = real  # type: ignore[method-assign]
+        colltune.configure()
+
+
+@pytest.mark.parametrize("kind", ["sparse", "fused", "topk"])
+def test_ranks_with_skewed_clocks_learn_the_same_and_decide_the_same(kind: str) -> None:
+    out = pool(2).run(_rank_skewed, kind)
+    assert out[0]["learned"], "the calls measured themselves and every rank learned the figures"
+    assert out[1] == out[0]
+
+
+def _rank_mixed_setting(rank: int, world_size: int) -> object:
+    colltune.configure(selector=Selector(environ={}, online=rank == 0))
+    try:
+        idx, vals = _inputs(rank, 1)
+        return expect_error(colltune.sparse_allreduce, idx, vals, N, name="mixed")
+    finally:
+        colltune.configure()
+
+
+def test_ranks_that_set_online_correction_apart_raise() -> None:
+    for o in pool(2).run(_rank_mixed_setting):
+        assert o.type == "RankMismatchError" and "policy" in o.message, o

@@ -1,0 +1,246 @@
+"""Online correction: the selector learns from its own calls, the same on every rank.
+
+A profile predicts each algorithm's time on the machine it was measured on;
+on another machine, or as the job's neighbours change, it drifts. Every
+call the selector decides is also a measurement of exactly what it
+predicted, so each call times itself (:class:`Timer`: wall time on CPU,
+CUDA events on a GPU, read on a later call so that timing adds no host
+sync) and hands the figure to the group's :class:`Feedback`. The next
+metadata exchange on the group carries it (record fields ``fb_code`` and
+``fb_us``); every rank takes the maximum over ranks (what the call cost)
+once every rank's figure is there, so every rank learns the same figure at
+the same call and keeps deciding alike, whatever its own clock said.
+
+The selector keeps, per call site and algorithm, the ratio measured /
+predicted as a geometric mean that forgets old calls (:data:`DECAY`) and
+is shrunk toward the algorithm's ratio over every site (itself shrunk
+toward 1) while it has few samples (:data:`PRIOR_CALLS`):
+:class:`Ratios`. Predictions are multiplied by it before the argmin. An
+algorithm the corrected model does not pick is tried now and then
+(:func:`explore_pick`): at most once in :data:`EXPLORE_EVERY` calls of a
+site, within :data:`EXPLORE_WITHIN` of the best corrected prediction (so
+never one predicted more than 2x slower), while the site's exploring has
+cost at most :data:`EXPLORE_TIME` of its measured time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = [
+    "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
+    "Timer", "Feedback", "Ratios", "explore_pick", "feedback", "start", "hold",
+]
+
+#: Each measurement weighs the earlier ones at a site down by this factor: a memory of about 30 calls, so
+#: a correction follows a machine whose load changes.
+DECAY = 0.97
+#: Pseudo-calls of the prior: a site's ratio starts at the algorithm's ratio over every site, which starts
+#: at the machine's, and moves to the site's own as its calls come in (one call counts half).
+PRIOR_CALLS = 1.0
+#: A site explores at most once in this many calls (2.9% of its calls): the first time the time budget
+#: allows after this many calls since its last exploring one.
+EXPLORE_EVERY = 34
+#: Only an algorithm whose corrected prediction is within this factor of the best one is tried.
+EXPLORE_WITHIN = 1.5
+#: ... and only while the site's exploring has cost at most this share of its measured time.
+EXPLORE_TIME = 0.03
+#: A measured / predicted ratio is clipped to [1 / MAX_RATIO, MAX_RATIO] (a stalled call is not a model).
+MAX_RATIO = 100.0
+#: Exchanges a measurement may wait for every rank's figure (a CUDA event not done yet) before it is dropped.
+_MAX_WAIT = 8
+
+
+class Timer:
+    """The time of one call's intervals on this rank: wall time on CPU, CUDA events on a GPU.
+
+    Args:
+        device: the call's device; on CUDA the intervals are events on the current stream.
+    """
+
+    __slots__ = ("cuda", "marks")
+
+    def __init__(self, device: Any) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        """Mark a boundary: intervals are the pairs of marks (the 1st to the 2nd, the 3rd to the 4th...)."""
+        if self.cuda:
+            import torch  # a timer is made by a call, which has loaded torch: the selector itself loads none
+
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def fork(self) -> "Timer":
+        """A timer holding this one's marks so far (a fused call's exchange, shared by its buckets)."""
+        t = Timer.__new__(Timer)
+        t.cuda, t.marks = self.cuda, list(self.marks)
+        return t
+
+    def us(self) -> float | None:
+        """The intervals' total in microseconds, or ``None`` while the device has not reached the last mark."""
+        m = self.marks
+        if len(m) < 2:
+            return None
+        if not self.cuda:
+            return sum(m[i + 1] - m[i] for i in range(0, len(m) - 1, 2)) * 1e6
+        if not m[-1].query():  # no host sync: read on a later call
+            return None
+        return sum(m[i].elapsed_time(m[i + 1]) for i in range(0, len(m) - 1, 2)) * 1e3
+
+
+class Feedback:
+    """A group's measurement of its last decided call, until the next record has carried it to every rank.
+
+    The metadata exchange asks :meth:`fields` for the record and hands the
+    gathered records to :meth:`arrived`; the figure reaches ``sink`` (the
+    selector) on every rank at the same exchange, as the maximum over ranks.
+    """
+
+    __slots__ = ("code", "timer", "sink", "waited")
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.timer: Timer | None = None
+        self.sink: Callable[[float], None] | None = None
+        self.waited = 0
+
+    def hold(self, code: int, timer: Timer, sink: Callable[[float], None]) -> None:
+        """Hold a call's measurement (replacing one not delivered yet)."""
+        self.code, self.timer, self.sink, self.waited = code, timer, sink, 0
+
+    def fields(self) -> dict[str, int]:
+        """The record's fields: the held call's code and this rank's time in microseconds (-1: none, not ready)."""
+        if self.code is None or self.timer is None:
+            return {"fb_code": -1, "fb_us": -1}
+        us = self.timer.us()
+        return {"fb_code": self.code, "fb_us": -1 if us is None else max(0, int(round(us)))}
+
+    def arrived(self, codes: Sequence[int], times: Sequence[int]) -> None:
+        """Deliver the maximum over ranks once every rank's figure of the held call is in the gathered records."""
+        if self.code is None:
+            return
+        if any(c != self.code for c in codes):  # another call's (a rank without a selector): drop it
+            self.code = None
+            return
+        if min(times) < 0:
+            self.waited += 1
+            if self.waited > _MAX_WAIT:
+                self.code = None
+            return
+        sink, self.code, self.sink, self.timer = self.sink, None, None, None
+        if sink is not None:
+            sink(float(max(times)))
+
+
+def feedback(comm: Any) -> Feedback:
+    """Return the group's :class:`Feedback` (kept as long as the group lives)."""
+    from colltune.algorithms.meta import FEEDBACK_KEY
+
+    fb: Feedback = comm.group_state(FEEDBACK_KEY, Feedback)
+    return fb
+
+
+class _Mean:
+    """A geometric mean that forgets: the weighted sum of log ratios and the weight."""
+
+    __slots__ = ("s", "n")
+
+    def __init__(self) -> None:
+        self.s, self.n = 0.0, 0.0
+
+    def add(self, x: float) -> None:
+        self.s, self.n = self.s * DECAY + x, self.n * DECAY + 1.0
+
+
+class Ratios:
+    """Measured / predicted over every site: per algorithm, and over every algorithm (the machine's).
+
+    A site's correction of an algorithm is its own geometric mean, shrunk
+    toward the algorithm's over every site, itself shrunk toward the
+    machine's over every algorithm, each by :data:`PRIOR_CALLS`
+    pseudo-calls. The machine's is not shrunk: a machine uniformly slower
+    than its profile scales every prediction alike from the first
+    measurement on, so no algorithm looks better for being measured less
+    and nothing flaps; only what sets an algorithm apart from the others
+    needs several calls to count. What one site learns of an algorithm
+    informs the others.
+    """
+
+    __slots__ = ("every", "machine")
+
+    def __init__(self) -> None:
+        self.every: dict[str, _Mean] = {}
+        self.machine = _Mean()
+
+    def observe(self, own: dict[str, _Mean], algorithm: str, predicted_us: float, measured_us: float) -> None:
+        """Add one call: ``own`` is the site's table."""
+        r = min(MAX_RATIO, max(1.0 / MAX_RATIO, measured_us / max(predicted_us, 1e-3)))
+        x = math.log(r)
+        own.setdefault(algorithm, _Mean()).add(x)
+        self.every.setdefault(algorithm, _Mean()).add(x)
+        self.machine.add(x)
+
+    def factor(self, own: Mapping[str, _Mean], algorithm: str) -> float:
+        """The site's correction of ``algorithm``'s prediction (1 with no measurement anywhere)."""
+        m = self.machine
+        prior = _shrunk(self.every.get(algorithm), m.s / m.n if m.n else 0.0)
+        return math.exp(_shrunk(own.get(algorithm), prior))
+
+    def samples(self, own: Mapping[str, _Mean], algorithm: str) -> float:
+        """The site's (decayed) count of measurements of ``algorithm``."""
+        m = own.get(algorithm)
+        return 0.0 if m is None else m.n
+
+
+def _shrunk(mean: _Mean | None, prior: float) -> float:
+    """The log mean of ``mean`` with :data:`PRIOR_CALLS` pseudo-calls at ``prior``."""
+    return prior if mean is None else (mean.s + PRIOR_CALLS * prior) / (mean.n + PRIOR_CALLS)
+
+
+def explore_pick(corrected: Mapping[str, float], chosen: str, samples: Callable[[str], float],
+                 spent_us: float, total_us: float) -> str | None:
+    """Return the algorithm to try instead of ``chosen`` on an exploring call, or ``None``.
+
+    Candidates are within :data:`EXPLORE_WITHIN` of the best corrected
+    prediction and affordable within :data:`EXPLORE_TIME` of the site's
+    measured time; the least measured is tried (ties: the faster
+    predicted, then registry order, as ``corrected`` lists them).
+    """
+    best = min(corrected.values())
+    names = list(corrected)
+    fits = [a for a in names if a != chosen and corrected[a] <= EXPLORE_WITHIN * best
+            and spent_us + corrected[a] <= EXPLORE_TIME * (total_us + corrected[a])]
+    if not fits:
+        return None
+    return min(fits, key=lambda a: (samples(a), corrected[a], names.index(a)))
+
+
+def start(comm: Any, selector: Any) -> Timer | None:
+    """Start timing a call that ``selector`` decides (before its metadata exchange), or ``None`` when nothing learns."""
+    if selector is None or not selector.online or comm.world_size < 2:
+        return None
+    timer = Timer(comm.device)
+    timer.mark()
+    return timer
+
+
+def hold(comm: Any, timer: Timer | None, selector: Any, site: tuple, choice: Any) -> None:
+    """End a call's timing and hold it for the group's next record; only a decision the cost model priced teaches."""
+    predicted = None if timer is None or choice is None or choice.predicted_us is None else (
+        choice.predicted_us.get(choice.algorithm))
+    if predicted is None:
+        return
+    from colltune.algorithms.meta import digest
+
+    if len(timer.marks) % 2:  # type: ignore[union-attr]
+        timer.mark()  # type: ignore[union-attr]  # the call ends here (a fused bucket's ended with its run)
+    algorithm, explored = choice.algorithm, choice.source == "explore"
+    feedback(comm).hold(digest(repr(site), algorithm), timer,  # type: ignore[arg-type]
+                        lambda us: selector.observe_time(site, algorithm, predicted, us, explored))
