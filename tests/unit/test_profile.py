@@ -320,17 +320,108 @@ def test_the_fast_reading_of_measurements_equals_yaml(name: str) -> None:
 
 @pytest.mark.parametrize("line, value", [
     ("- {algorithm: dense, numel: 4096, time_us: 1.0e-05}", {"algorithm": "dense", "numel": 4096, "time_us": 1e-05}),
-    ("- {algorithm: dense, numel: 0x10}", None),         # another notation: YAML reads it
-    ("- {algorithm: 'dense', numel: 1}", None),          # quoted
-    ("- {algorithm: yes, numel: 1}", None),              # a YAML boolean
-    ("# a comment", None),
-    ("- {algorithm: dense, algorithm: dense}", None),    # a duplicate key: YAML refuses it
+    ("- {algorithm: dense, numel: 0x10}", "yaml"),       # another notation: YAML reads the line
+    ("- {algorithm: 'dense', numel: 1}", "yaml"),        # quoted
+    ("- {algorithm: yes, numel: 1}", "yaml"),            # a YAML boolean
+    ("- {algorithm: dense, numel: 1}  # note", "yaml"),  # a trailing comment
+    ("- {algorithm: dense}\n# a comment\n\n- {algorithm: oktopk}", "yaml"),  # skipped, as YAML skips them
+    ("# a comment", None),                               # no entry: YAML reads null
+    ("- {algorithm: dense, algorithm: dense}", "yaml"),  # a duplicate key: YAML keeps the last
+    ("- {algorithm: *a}", None),                         # an alias: only the whole text can resolve it
+    ("  - {algorithm: dense}", None),                    # not at column 0
+    ("- {algorithm: dense,\n   numel: 1}", None),      # an entry over two lines
+    ("- |\n  # text, not a comment", None),             # a block scalar
+    ("- {algorithm: dense}\u2028- {algorithm: oktopk}", None),  # a line break to YAML only
+    ("extra: 1", None),                                  # not an entry
 ])
-def test_the_fast_reading_leaves_anything_unusual_to_yaml(line: str, value: dict | None) -> None:
+def test_the_fast_reading_leaves_anything_unusual_to_yaml(line: str, value: dict | str | None) -> None:
     from colltune.model import profile as P
+    from colltune.model import yamlsafe
 
-    got = P._load_fast("format: colltune-profile\nmeasurements:\n" + line + "\n")
+    text = "format: colltune-profile\nmeasurements:\n" + line + "\n"
+    got = P._load_fast(text)
     if value is None:
         assert got is None
+    elif value == "yaml":
+        assert repr(got) == repr(yamlsafe.load(text))  # the same values and the same types
     else:
         assert got == {"format": "colltune-profile", "measurements": [value]}
+
+
+# -- large profiles --------------------------------------------------------------
+
+
+def _many(n: int) -> Profile:
+    ms = []
+    for i in range(n):
+        f = Features.build(numel=4096 * (1 + i % 7), row_numel=1 + i % 3, dtype=("float32", "float16")[i % 2],
+                           k_per_rank=[10 + i % 5, 20], union=25.0)
+        ms.append(Measurement.from_features(f, ("dense", "allgather", "oktopk")[i % 3], time_us=100.0 + i / 7,
+                                            spread_us=i / 3, repeats=1 + i % 4, bytes_sent=i))
+    return profile_from_measurements(ms, PRIMS, {"backend": "gloo", "world_sizes": [2]})
+
+
+def test_saved_measurements_do_not_count_against_the_yaml_node_limit(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from colltune.model import yamlsafe
+
+    prof = _many(300)  # some 8,700 nodes as YAML
+    path = tmp_path / "many.yaml"
+    save_profile(prof, path)
+    monkeypatch.setattr(yamlsafe, "MAX_NODES", 1000)
+    assert load_profile(path) == prof
+    # A hand edit: the checksum deleted, a comment, a blank line, a quoted value, a trailing comment, CRLF line ends.
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("checksum:")]
+    first = lines.index("measurements:") + 1
+    lines[first + 5] = lines[first + 5].replace("algorithm: dense", "algorithm: 'dense'")
+    lines[first + 7] += "  # re-measured"
+    lines[first + 9:first + 9] = ["# by hand", ""]
+    edited = tmp_path / "edited.yaml"
+    edited.write_bytes(("\r\n".join(lines) + "\r\n").encode())
+    assert load_profile(edited) == prof
+    # The same measurements in block style are YAML, within the limit: refused, with the reason and the way out.
+    block = tmp_path / "block.yaml"
+    block.write_text(yaml.safe_dump(prof.to_dict(), sort_keys=False))
+    with pytest.raises(ProfileError) as info:
+        load_profile(block)
+    message = str(info.value)
+    for fragment in ("block.yaml: line ", "more than 1,000 values", "`- {...}` line after `measurements:`"):
+        assert fragment in message, message
+    save_profile(Profile.from_dict(yaml.safe_load(open(block))), block)  # the way out it names
+    assert load_profile(block) == prof
+
+
+_EDGE_VALUES = [True, None, -1, 0, 1, 2, 2**53 - 1, 2**53, 2**63, 1.5, -0.0, 0.0, 1.0, 2.0, float("nan"), float("inf"),
+                1e-300, 1e300, "", "dense", "float16", "float64", "int8", [1], {"a": 1}]
+
+
+def test_checking_every_measurement_at_once_accepts_only_what_the_row_checks_accept() -> None:
+    # The column checks (NumPy) must never let through what _parse_measurement refuses, and must build the same
+    # records; where they are unsure the rows are checked one at a time, which names the bad one.
+    rows = [m.to_dict() for m in _many(6).measurements]
+    assert profile_mod._measurements_all_valid(rows) == [profile_mod._parse_measurement(r, "s", i) for i, r in enumerate(rows)]
+    cases = 0
+    for name in profile_mod.MEASUREMENT_FIELDS:
+        own = rows[2][name]
+        near = [own * s for s in (0.5, 2, 1 + 1e-7, 1 - 1e-7, 1 + 1e-5, -1)] if isinstance(own, float) else []
+        near += [own - 1, own + 1, own * 2] if isinstance(own, int) else []
+        for value in _EDGE_VALUES + near:
+            bad = dict(rows[2], **{name: value})
+            got = profile_mod._measurements_all_valid([rows[0], bad])
+            try:
+                want = [profile_mod._parse_measurement(r, "s", i) for i, r in enumerate([rows[0], bad])]
+            except ProfileError:
+                want = None
+            if got is not None:
+                cases += 1
+                assert want is not None and repr(got) == repr(want), (name, value)
+    assert cases > 20
+    extra = dict(rows[0], extra=1)
+    assert profile_mod._measurements_all_valid([extra]) is None
+
+
+def test_an_unhashable_dtype_is_a_profile_error(tmp_path: pathlib.Path) -> None:
+    doc = _doc(tmp_path)
+    doc["measurements"][0]["dtype"] = [1]
+    _expect_error(_write(tmp_path, doc), "measurements[0].dtype", "expected one of")

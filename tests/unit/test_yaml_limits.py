@@ -218,3 +218,77 @@ def test_loading_stays_code_free(tmp_path: pathlib.Path) -> None:
     with pytest.raises(yaml.constructor.ConstructorError):
         yamlsafe.load(f"!!python/object/apply:os.system ['touch {marker}']\n")
     assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+def test_a_profile_of_too_many_nodes_is_refused_with_the_way_out(tmp_path: pathlib.Path) -> None:
+    # One node every 2 bytes: 16 MiB of this took about 60 s and 3 GiB before the node limit.
+    n = yamlsafe.MAX_NODES
+    path = _write(tmp_path, _profile_text("  pad: [" + "0," * n + "0]\n"), "zeros.yaml")
+    with pytest.raises(ProfileError) as info:
+        load_profile(path)
+    message = str(info.value)
+    for fragment in ("zeros.yaml: line 6: ", f"more than {n:,} values (YAML nodes", "the limit", "right file",
+                     "`- {...}` line after `measurements:`", "save_profile(Profile.from_dict(yaml.safe_load(open(path))), path)"):
+        assert fragment in message, message
+
+
+def test_the_node_limit_counts_keys_values_and_collections(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(yamlsafe, "MAX_NODES", 7)
+    # root, a, [ ], 1, 2, b, { }: 7 nodes.
+    assert yamlsafe.load("a: [1, 2]\nb: {}\n") == {"a": [1, 2], "b": {}}
+    with pytest.raises(yamlsafe.YamlLimitError, match=r"line 2: more than 7 values") as info:
+        yamlsafe.load("a: [1, 2]\nb: {c: 1}\n")
+    assert info.value.limit == "nodes"
+    # An alias is one node here; the value it names counts against MAX_ALIAS_NODES.
+    assert yamlsafe.load("a: &x [1, 2]\nb: *x\n") == {"a": [1, 2], "b": [1, 2]}
+
+
+def test_the_node_limit_holds_for_policies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(yamlsafe, "MAX_NODES", 50)
+    text = "version: 1\nrules:\n" + "".join(f"  - {{name: r{i}, use: dense}}\n" for i in range(20))
+    with pytest.raises(PolicyError, match=r"many\.yaml:\d+: more than 50 values"):
+        parse_policy(text, "many.yaml")
+
+
+def test_libyaml_composes_only_what_cannot_pass_the_node_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # yaml.CSafeLoader cannot be stopped mid-document: it gets text whose node_bound is within the limit.
+    monkeypatch.setattr(yamlsafe, "MAX_NODES", 10)
+    assert isinstance(yamlsafe._loader_for("a: 1\nb: 2\n"), yaml.CSafeLoader) or yamlsafe.CParser is None
+    assert not isinstance(yamlsafe._loader_for("[" + "0," * 10 + "0]"), yaml.CSafeLoader)
+
+
+def _nodes(root: yaml.Node) -> int:
+    seen: dict[int, yaml.Node] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen[id(node)] = node
+            if isinstance(node, yaml.MappingNode):
+                stack.extend(n for pair in node.value for n in pair)
+            elif isinstance(node, yaml.SequenceNode):
+                stack.extend(node.value)
+    return len(seen)
+
+
+def test_node_bound_bounds_every_short_document() -> None:
+    # Every text of up to 4 characters from YAML's indicators and a scalar: the nodes libyaml
+    # composes never exceed node_bound (a lone `?` is 3 nodes: a mapping, its empty key and value).
+    import itertools
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    checked = 0
+    for size in range(1, 5):
+        for chars in itertools.product("a-:,?[]{}\n &*", repeat=size):
+            text = "".join(chars)
+            try:
+                root = loader(text).get_single_node()
+            except yaml.YAMLError:
+                continue
+            if root is not None:
+                checked += 1
+                assert _nodes(root) <= yamlsafe.node_bound(text), repr(text)
+    assert checked > 1000

@@ -60,9 +60,9 @@ Rules:
 - ``null`` for ``knobs``, ``rules``, ``when`` or an algorithm's knob mapping
   means empty (so a key whose entries are all commented out still loads).
 - Anchors, aliases and ``<<`` merge keys work; duplicate keys are errors.
-  Loading is bounded (:mod:`colltune.model.yamlsafe`): a file over 16 MiB, aliases that
-  repeat more than 100,000 nodes, and nesting over 100 levels (or a
-  recursive alias) are errors.
+  Loading is bounded (:mod:`colltune.model.yamlsafe`): a file over 16 MiB, more
+  than 100,000 values (YAML nodes), aliases that repeat more than 100,000
+  nodes, and nesting over 100 levels (or a recursive alias) are errors.
 
 Matching unknown conditions
 ---------------------------

@@ -9,17 +9,20 @@ for an endless one; and brackets nested some 20,000 deep overflow the C stack
 in libyaml's composer and kill the process.
 
 :func:`compose` builds the node graph (where an alias is one shared node, so
-composing is linear in the text) and :func:`check_graph` walks it *as
-expanded*, before any Python object is constructed, refusing:
+composing is linear in the text), refusing more than :data:`MAX_NODES` nodes
+as it goes, and :func:`check_graph` walks it *as expanded*, before any Python
+object is constructed, refusing:
 
 - more than :data:`MAX_ALIAS_NODES` nodes repeated through aliases;
 - collections nested more than :data:`MAX_DEPTH` deep (which also stops a
   recursive alias).
 
 :func:`read_bytes` and :func:`check_text` refuse input over :data:`MAX_BYTES`
-before it is parsed, which bounds the nodes written in the file. Every refusal
-is a :class:`YamlLimitError`; the callers re-raise it as their own error class
-with the file name.
+before it is parsed. Bytes alone do not bound the work: PyYAML spends some
+400 bytes and several microseconds on each node, and a text can write one
+node per byte (``[0,0,...]``), so it is :data:`MAX_NODES` that keeps a load
+within seconds and about 100 MiB. Every refusal is a :class:`YamlLimitError`;
+the callers re-raise it as their own error class with the file name.
 
 Loading stays code-free: only safe loaders are used (no Python tags, nothing
 is ever instantiated). :func:`load` keeps the speed of ``yaml.CSafeLoader``.
@@ -42,6 +45,7 @@ from yaml.resolver import Resolver
 
 __all__ = [
     "MAX_BYTES",
+    "MAX_NODES",
     "MAX_ALIAS_NODES",
     "MAX_DEPTH",
     "YamlLimitError",
@@ -49,17 +53,24 @@ __all__ = [
     "check_text",
     "check_graph",
     "compose",
+    "node_bound",
     "load",
 ]
 
 #: Largest file or text accepted, in bytes. The largest shipped profile
 #: (profiles/cpu-gloo-grid.yaml, 2280 measurements) is 0.9 MB; 16 MiB is 18
-#: times that, some 40,000 measurements. It also bounds the nodes written in a
-#: file, which aliases do not multiply: loading costs about 1 s and 36 MiB per
-#: MB of profile-shaped text and 350 bytes per node, so a file at the limit
-#: takes seconds and at most about 3 GiB (2 bytes a node, ``[0,0,...]``);
-#: 64 MiB would allow four times that.
+#: times that, some 60,000 measurements, which a profile reads without YAML
+#: (see :func:`colltune.model.profile.load_profile`). Refused before any byte is read.
 MAX_BYTES = 16 * 1024 * 1024
+#: Most nodes a document may write (every scalar, sequence and mapping, keys
+#: included; an alias counts once here, its value against
+#: :data:`MAX_ALIAS_NODES`). Composing, checking and constructing cost about
+#: 400 bytes and 3 to 15 microseconds a node (deep nesting costs most), so this
+#: many take at most a second or two and about 100 MiB; 16 MiB of ``[0,0,...]``
+#: would be 8 million nodes, 60 s and 3 GiB. Colltune's own YAML is far under
+#: it: a policy or a profile's head holds a few thousand nodes, and a
+#: profile's measurements in the layout colltune writes are not read as YAML.
+MAX_NODES = 100_000
 #: Most nodes that aliases may repeat (every use of an alias counts the whole
 #: value it names). No shipped file uses aliases, a policy's ``<<: *defaults``
 #: repeats a few nodes per rule, and the callers walk 100,000 in well under a
@@ -80,12 +91,14 @@ class YamlLimitError(ValueError):
         problem: what was found and the limit.
         fix: what to do about it.
         line: 1-based line where the limit was crossed, or ``None``.
+        limit: which limit: ``"bytes"``, ``"nodes"``, ``"aliases"`` or ``"depth"``.
     """
 
-    def __init__(self, problem: str, fix: str, line: int | None = None) -> None:
+    def __init__(self, problem: str, fix: str, line: int | None = None, *, limit: str = "") -> None:
         self.problem = problem
         self.fix = fix
         self.line = line
+        self.limit = limit
         where = "" if line is None else f"line {line}: "
         super().__init__(f"{where}{problem}; {fix}")
 
@@ -94,7 +107,7 @@ def _too_deep(line: int | None, recursive: bool = False) -> YamlLimitError:
     problem = f"collections nested more than {MAX_DEPTH} deep"
     if recursive:
         problem += " through aliases (an alias inside the collection it names, a recursive structure, nests without end)"
-    return YamlLimitError(problem, "write the structure out flat; colltune files nest a few levels", line)
+    return YamlLimitError(problem, "write the structure out flat; colltune files nest a few levels", line, limit="depth")
 
 
 def _line(node: Node) -> int | None:
@@ -143,6 +156,7 @@ def check_graph(root: Node) -> None:
                     "write repeated values out instead of nesting aliases: every use of an alias counts "
                     "the whole value it names, so aliases of aliases multiply",
                     _line(origin),
+                    limit="aliases",
                 )
         if nested:
             if depth >= MAX_DEPTH:
@@ -151,8 +165,39 @@ def check_graph(root: Node) -> None:
             stack.extend([(n, depth + 1, origin) for n in reversed(nested)])
 
 
+def _too_many(line: int | None) -> YamlLimitError:
+    return YamlLimitError(
+        f"more than {MAX_NODES:,} values (YAML nodes: scalars, lists and mappings, keys included), the limit "
+        "(the value at this line is past it)",
+        "check that this is the right file: colltune's own files hold a few thousand",
+        line,
+        limit="nodes",
+    )
+
+
+def _count_nodes(loader: Composer) -> None:
+    """Make ``loader`` refuse its node past :data:`MAX_NODES` as it composes, before building more."""
+    compose_node = loader.compose_node
+    count = 0
+
+    def counted(parent: Node | None, index: Any) -> Node:
+        nonlocal count
+        count += 1
+        if count > MAX_NODES:
+            event = loader.peek_event()
+            raise _too_many(None if event.start_mark is None else event.start_mark.line + 1)
+        return compose_node(parent, index)
+
+    setattr(loader, "compose_node", counted)  # this instance only; the class keeps its method
+
+
 def compose(loader: Any) -> Node | None:
     """Compose ``loader``'s single document and check it with :func:`check_graph`.
+
+    A loader with PyYAML's Python composer (``yaml.SafeLoader`` and its
+    subclasses) stops at node :data:`MAX_NODES` + 1; libyaml's composer
+    (``yaml.CSafeLoader``) cannot be stopped, so :func:`load` gives it only
+    text that cannot hold more (see :func:`node_bound`).
 
     Args:
         loader: a safe loader instance holding the text (``yaml.SafeLoader``
@@ -165,6 +210,8 @@ def compose(loader: Any) -> Node | None:
         YamlLimitError: the document is over a limit of this module.
         yaml.YAMLError: the text is not valid YAML.
     """
+    if isinstance(loader, Composer):
+        _count_nodes(loader)
     try:
         root = loader.get_single_node()
     except RecursionError:
@@ -176,13 +223,34 @@ def compose(loader: Any) -> Node | None:
             raise
         # libyaml's parser refuses deep nesting by a limit of its own on some PyYAML releases (6.0.4):
         # parse in Python, which has none, so that this module's limit decides on every release.
+        fallback = yaml.SafeLoader(text)
+        _count_nodes(fallback)
         try:
-            root = yaml.SafeLoader(text).get_single_node()
+            root = fallback.get_single_node()
         except RecursionError:
             raise _too_deep(None) from None
+        finally:
+            del fallback.compose_node
+            fallback.dispose()
+    finally:
+        if isinstance(loader, Composer):
+            del loader.compose_node  # the counter holds the loader: no cycle left behind
     if root is not None:
         check_graph(root)
     return root
+
+
+def node_bound(text: str) -> int:
+    """Return a bound on the nodes ``text`` can compose to, from its indicator characters.
+
+    Every node but the root is a sequence entry, started by a ``-``, ``[``
+    or ``,`` of its own, or the key or the value of a mapping pair, which has
+    a ``:``, ``?``, ``{`` or ``,`` of its own; so each of these characters
+    accounts for at most two nodes (``?`` alone is a mapping pair of an empty
+    key and an empty value). Tight for nested block mappings, loose for text
+    whose strings hold these characters; counting takes a few ms per MB.
+    """
+    return 1 + 2 * sum(text.count(c) for c in ",:-?[{")
 
 
 try:
@@ -222,10 +290,11 @@ def _c_composer_safe(text: str) -> bool:
 
 def _loader_for(text: str) -> Any:
     # yaml.CSafeLoader composes in C, about 1.5x as fast as the Python
-    # composer on libyaml's events, but crashes on very deep nesting.
+    # composer on libyaml's events, but crashes on very deep nesting and
+    # cannot be stopped at MAX_NODES: it gets only text that fits both.
     if CParser is None:  # pragma: no cover
         return yaml.SafeLoader(text)
-    if _c_composer_safe(text):
+    if node_bound(text) <= MAX_NODES and _c_composer_safe(text):
         return yaml.CSafeLoader(text)
     return _CEventLoader(text)
 
@@ -235,6 +304,7 @@ def _too_big(size: int | None, limit: int) -> YamlLimitError:
     return YamlLimitError(
         f"the limit is {limit:,} bytes ({limit / 2**20:g} MiB), got {found}",
         "check that this is the right file: the largest shipped profile is under 1 MB",
+        limit="bytes",
     )
 
 
