@@ -80,3 +80,45 @@ def _rank_mixed_setting(rank: int, world_size: int) -> object:
 def test_ranks_that_set_online_correction_apart_raise() -> None:
     for o in pool(2).run(_rank_mixed_setting):
         assert o.type == "RankMismatchError" and "policy" in o.message, o
+
+
+def _rank_subgroups(rank: int, world_size: int) -> list:
+    """Ranks 0, 1 and ranks 2, 3 learn apart on their subgroups (0 and 1 find the algorithm they first chose
+    10x slower there than the others find it), then all four decide on the world group."""
+    import torch.distributed as dist
+
+    from colltune.api import _group_key
+
+    sel = Selector(environ={})
+    colltune.configure(selector=sel)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    observe = sel.observe_time
+    first: list[str] = []
+
+    def slanted(site_key: tuple, algorithm: str, predicted: float, measured: float, explored: bool = False) -> None:
+        first[:] = first or [algorithm]
+        if rank < 2 and site_key[-1] == _group_key(mine) and algorithm == first[0]:
+            measured *= 10.0
+        observe(site_key, algorithm, predicted, measured, explored)
+
+    sel.observe_time = slanted  # type: ignore[method-assign]
+    try:
+        for i in range(150):
+            idx, vals = _inputs(rank, i)
+            colltune.sparse_allreduce(idx, vals, N, name="pair", group=mine)
+        seen = []
+        for i in range(60):
+            idx, vals = _inputs(rank, i)
+            res = colltune.sparse_allreduce(idx, vals, N, name="world")
+            seen.append((res.algorithm, res.decision.source))
+        return seen
+    finally:
+        colltune.configure()
+        for g in pairs:
+            dist.destroy_process_group(g)
+
+
+def test_ranks_that_learned_apart_on_subgroups_still_decide_alike_on_a_shared_group() -> None:
+    out = pool(4).run(_rank_subgroups)
+    assert all(o == out[0] for o in out[1:])

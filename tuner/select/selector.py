@@ -425,10 +425,10 @@ class _Entry:
 
 
 class _Site:
-    __slots__ = ("overlap", "overlap_source", "last", "latest", "entries", "ratios", "measured", "options", "calls",
-                 "explored_at", "total_us", "explore_us")
+    __slots__ = ("overlap", "overlap_source", "last", "latest", "entries", "ratios", "pool", "measured", "options",
+                 "calls", "explored_at", "total_us", "explore_us", "seeded")
 
-    def __init__(self) -> None:
+    def __init__(self, pool: _online.Ratios | None = None) -> None:
         self.overlap: float | None = None
         self.overlap_source: str | None = None
         self.last: str | None = None  # the last decision made afresh (the incumbent)
@@ -438,6 +438,10 @@ class _Site:
         # each algorithm's knobs from the last decision (what an exploring call runs with), calls decided by
         # the model, and the measured time of the site's calls and of its exploring ones.
         self.ratios: dict[str, Any] = {}
+        # The ratios over every site of the site's group: only calls on the group teach them, so every rank of
+        # the group holds the same (ranks of different subgroups learn different ones, and never share them).
+        self.pool = pool if pool is not None else _online.Ratios()
+        self.seeded = False
         self.measured: dict[str, float] = {}
         self.options: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self.calls = 0
@@ -525,10 +529,11 @@ class _Sites:
     sites of groups destroyed meanwhile go (:func:`~colltune.algorithms.comm.live_serials`).
     """
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "pools")
 
     def __init__(self) -> None:
         self.groups: OrderedDict[Any, OrderedDict[tuple, _Site]] = OrderedDict()
+        self.pools: dict[Any, _online.Ratios] = {}  # per group: online correction's ratios over its sites
 
     def get(self, key: tuple) -> _Site | None:
         sites = self.groups.get(key[-1])
@@ -544,10 +549,11 @@ class _Sites:
                 alive = live_serials()
                 for gone in [g for g in self.groups if g not in alive]:
                     del self.groups[gone]
+                    self.pools.pop(gone, None)
             sites = self.groups[key[-1]] = OrderedDict()
         site = sites.get(key)
         if site is None:
-            site = sites[key] = _Site()
+            site = sites[key] = _Site(self.pools.setdefault(key[-1], _online.Ratios()))
             if len(sites) > MAX_SITES:
                 sites.popitem(last=False)
         else:
@@ -556,6 +562,7 @@ class _Sites:
 
     def clear(self) -> None:
         self.groups.clear()
+        self.pools.clear()
 
     def __len__(self) -> int:
         return sum(len(sites) for sites in self.groups.values())
@@ -630,7 +637,6 @@ class Selector:
         self.overlap_band = float(overlap_band)
         self.bitmap_seed = int(bitmap_seed)
         self.online = _online_setting(online, os.environ if environ is None else environ)
-        self._ratios = _online.Ratios()
         self._policy_uses_overlap = any(r.overlap is not None for r in self.policy.rules)
         self._models: dict[str, _Model | None] = {}
         self._digests: dict[str, int] = {}
@@ -1039,9 +1045,9 @@ class Selector:
     # -- online correction (colltune.select.online) ----------------------------
     def _corrected(self, site: _Site, predicted: Mapping[str, float]) -> dict[str, float]:
         """``predicted`` times the site's corrections (rounded, so ranks agree), or as it is when online is off."""
-        if not self.online or not (site.ratios or self._ratios.every):
+        if not self.online or not (site.ratios or site.pool.every):
             return dict(predicted)
-        return {a: _q(t * self._ratios.factor(site.ratios, a)) for a, t in predicted.items()}
+        return {a: _q(t * site.pool.factor(site.ratios, a)) for a, t in predicted.items()}
 
     def observe_time(self, site_key: tuple, algorithm: str, predicted_us: float, measured_us: float,
                      explored: bool = False) -> None:
@@ -1053,7 +1059,7 @@ class Selector:
         site = self._sites.get(site_key)
         if not self.online or site is None or not measured_us > 0:
             return
-        self._ratios.observe(site.ratios, algorithm, predicted_us, measured_us)
+        site.pool.observe(site.ratios, algorithm, predicted_us, measured_us)
         site.measured[algorithm] = measured_us
         site.total_us += measured_us
         if explored:
@@ -1066,7 +1072,7 @@ class Selector:
                     e.age = self.reevaluate_every
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("measured %s %s: %s, predicted %s (x%.2f now)", _site_label(site_key), algorithm,
-                         _ms(measured_us), _ms(predicted_us), self._ratios.factor(site.ratios, algorithm))
+                         _ms(measured_us), _ms(predicted_us), site.pool.factor(site.ratios, algorithm))
 
     def _explored(self, kind: str, name: str | None, site_key: tuple, choice: Choice, rank: int) -> Choice:
         """:meth:`_explore` at ``site_key``, logging an exploring call."""
@@ -1084,7 +1090,7 @@ class Selector:
         if site.calls - site.explored_at < _online.EXPLORE_EVERY:
             return choice
         corr = self._corrected(site, choice.predicted_us)
-        other = _online.explore_pick(corr, choice.algorithm, lambda a: self._ratios.samples(site.ratios, a),
+        other = _online.explore_pick(corr, choice.algorithm, lambda a: site.pool.samples(site.ratios, a),
                                      site.explore_us, site.total_us)
         if other is None:
             return choice
