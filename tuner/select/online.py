@@ -31,7 +31,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
     "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
-    "Timer", "Feedback", "Ratios", "explore_pick", "feedback", "start", "hold",
+    "Timer", "Feedback", "Ratios", "explore_pick", "feedback", "start", "hold", "STATE_FORMAT", "STATE_VERSION",
+    "MAX_STATE_BYTES", "MAX_STATE_SITES", "SAVE_EVERY", "stable_key", "dump_state", "load_state",
 ]
 
 #: Each measurement weighs the earlier ones at a site down by this factor: a memory of about 30 calls, so
@@ -164,13 +165,11 @@ class Ratios:
 
     A site's correction of an algorithm is its own geometric mean, shrunk
     toward the algorithm's over every site, itself shrunk toward the
-    machine's over every algorithm, each by :data:`PRIOR_CALLS`
-    pseudo-calls. The machine's is not shrunk: a machine uniformly slower
-    than its profile scales every prediction alike from the first
-    measurement on, so no algorithm looks better for being measured less
-    and nothing flaps; only what sets an algorithm apart from the others
-    needs several calls to count. What one site learns of an algorithm
-    informs the others.
+    machine's (:meth:`machine_log`), each by :data:`PRIOR_CALLS`
+    pseudo-calls. So an algorithm the profile prices wrong is corrected
+    from its own calls, while once two algorithms have been measured a
+    machine uniformly slower than its profile scales every prediction
+    alike, and what one site learns of an algorithm informs the others.
     """
 
     __slots__ = ("every", "machine")
@@ -189,9 +188,18 @@ class Ratios:
 
     def factor(self, own: Mapping[str, _Mean], algorithm: str) -> float:
         """The site's correction of ``algorithm``'s prediction (1 with no measurement anywhere)."""
-        m = self.machine
-        prior = _shrunk(self.every.get(algorithm), m.s / m.n if m.n else 0.0)
+        prior = _shrunk(self.every.get(algorithm), self.machine_log())
         return math.exp(_shrunk(own.get(algorithm), prior))
+
+    def machine_log(self) -> float:
+        """The machine's log ratio: the mean of the measured algorithms' own, once two or more are measured.
+
+        With one algorithm measured, nothing tells a machine slower than its
+        profile from that algorithm priced wrong: the others keep the
+        profile's prices (0) until one of them is measured too.
+        """
+        logs = [m.s / m.n for m in self.every.values() if m.n >= 0.5]
+        return sum(logs) / len(logs) if len(logs) >= 2 else 0.0
 
     def samples(self, own: Mapping[str, _Mean], algorithm: str) -> float:
         """The site's (decayed) count of measurements of ``algorithm``."""
@@ -244,3 +252,81 @@ def hold(comm: Any, timer: Timer | None, selector: Any, site: tuple, choice: Any
     algorithm, explored = choice.algorithm, choice.source == "explore"
     feedback(comm).hold(digest(repr(site), algorithm), timer,  # type: ignore[arg-type]
                         lambda us: selector.observe_time(site, algorithm, predicted, us, explored))
+
+
+# --------------------------------------------------------------------------- the state file
+
+#: What the state file says it is, and the layout this colltune reads.
+STATE_FORMAT, STATE_VERSION = "colltune-online", 1
+#: The largest state file read (a file larger is refused at once, unread).
+MAX_STATE_BYTES = 4 * 2**20
+#: The most call sites a state file keeps (the most recently measured).
+MAX_STATE_SITES = 4096
+#: A selector with a state file saves it every this many measurements (and at exit).
+SAVE_EVERY = 256
+
+
+def stable_key(site_key: tuple) -> str:
+    """A call site's key without its group's serial: the same site in the next run of the job."""
+    return repr(site_key[:-1])
+
+
+def _pair(m: _Mean) -> list[float]:
+    return [m.s, m.n]
+
+
+def _mean(raw: Any, where: str) -> _Mean:
+    if (not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(x, (int, float)) for x in raw)
+            or not all(math.isfinite(x) for x in raw) or raw[1] < 0):
+        raise ValueError(f"{where}: expected [log sum, weight] of finite numbers, got {str(raw)[:60]}")
+    m = _Mean()
+    m.s, m.n = float(raw[0]), float(raw[1])
+    return m
+
+
+def dump_state(ratios: Ratios, sites: Mapping[str, Mapping[str, _Mean]], meta: Mapping[str, Any]) -> str:
+    """Return the state as JSON text: the machine's, each algorithm's and each site's ratios, and ``meta``."""
+    import json
+
+    kept = list(sites.items())[-MAX_STATE_SITES:]
+    return json.dumps({
+        "format": STATE_FORMAT, "version": STATE_VERSION, **meta,
+        "machine": _pair(ratios.machine),
+        "algorithms": {a: _pair(m) for a, m in ratios.every.items()},
+        "sites": {k: {a: _pair(m) for a, m in own.items()} for k, own in kept},
+    }, sort_keys=True)
+
+
+def load_state(path: str) -> tuple[Ratios, dict[str, dict[str, _Mean]], dict[str, Any]]:
+    """Read a state file; return its ratios, its sites' and its other fields.
+
+    Raises:
+        ValueError: the file is unreadable, too large, not JSON, or not a
+            state of this layout (the message says which).
+    """
+    import json
+    import os
+
+    size = os.path.getsize(path)
+    if size > MAX_STATE_BYTES:
+        raise ValueError(f"{size} bytes, more than the {MAX_STATE_BYTES} a state file may have")
+    with open(path, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    if not isinstance(raw, dict) or raw.get("format") != STATE_FORMAT:
+        said = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(f"not a colltune online-correction state (format {str(said)!r})")
+    if raw.get("version") != STATE_VERSION:
+        raise ValueError(f"layout version {raw.get('version')!r}, but this colltune reads {STATE_VERSION}")
+    ratios = Ratios()
+    ratios.machine = _mean(raw.get("machine"), "machine")
+    algos, sites = raw.get("algorithms"), raw.get("sites")
+    if not isinstance(algos, dict) or not isinstance(sites, dict):
+        raise ValueError("algorithms and sites must be mappings")
+    ratios.every = {str(a): _mean(v, f"algorithms.{a}") for a, v in algos.items()}
+    own: dict[str, dict[str, _Mean]] = {}
+    for k, table in list(sites.items())[:MAX_STATE_SITES]:
+        if not isinstance(table, dict):
+            raise ValueError(f"sites.{k}: expected a mapping")
+        own[str(k)] = {str(a): _mean(v, f"sites.{k}.{a}") for a, v in table.items()}
+    meta = {k: v for k, v in raw.items() if k not in ("machine", "algorithms", "sites")}
+    return ratios, own, meta
