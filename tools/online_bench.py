@@ -1,0 +1,186 @@
+"""Online correction's targets: choice regret over a stream of calls, with it on and off, in one run.
+
+A training-like stream: ``--sites`` call sites (tensors of ``n`` rows from
+2^14 to 2^20), each called ``--calls`` times with its density drifting
+(half an octave up and down around its base, 1e-3 to 5e-2) and fresh
+indices every call (overlap about 0.5). In every call, on the same inputs,
+one after another after a barrier (a busy moment slows all alike):
+
+* every registered algorithm, forced: the call's truth (the slowest rank's
+  time of each);
+* ``auto`` with online correction **on** (its own selector);
+* ``auto`` with it **off** (another selector, same profile).
+
+Regret of a choice = the forced time of the algorithm it chose / the fastest
+forced time of that call. Printed per mode, over each site's calls after its
+first ``--settle`` (50): geometric mean, 95th percentile, the share of calls
+and of time spent exploring, the cost of ``on`` against ``off`` (geometric
+mean of auto's own times), and whether every rank decided the same in every
+call (checked).
+
+``--wrong ALG:X`` makes the profile wrong in a known way: its predictions of
+``ALG`` are multiplied by ``X`` (``allgather:0.33`` prices allgather 3x too
+low). Targets (issue: online correction): with a wrong profile, ``on`` at
+most 1.03 geometric mean and 1.10 at the 95th percentile, exploring at most
+3% of the time; with the right profile, ``on`` costs at most 1% over ``off``.
+
+Usage::
+
+    python tools/online_bench.py --ranks 4 --calls 200
+    python tools/online_bench.py --ranks 4 --calls 200 --wrong allgather:0.33
+    python tools/online_bench.py --ranks 4 --profile profiles/cpu-gloo.yaml --json online.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import colltune  # noqa: E402
+from colltune.offline import launch  # noqa: E402
+from colltune.select.selector import Selector  # noqa: E402
+
+SIZES = (2**14, 2**16, 2**18, 2**20)
+BASES = (1e-3, 5e-3, 2e-2, 5e-2)
+
+
+class _Scaled:
+    """A profile's model with one algorithm's predictions multiplied by a factor (the known error)."""
+
+    def __init__(self, model: Any, algorithm: str, factor: float) -> None:
+        self._model, self._algorithm, self._factor = model, algorithm, factor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def _scaled(self, pred: dict[str, float]) -> dict[str, float]:
+        return {a: t * self._factor if a == self._algorithm else t for a, t in pred.items()}
+
+    def predict(self, f: Any) -> dict[str, float]:
+        return self._scaled(self._model.predict(f))
+
+    def predict_many(self, feats: Any) -> list[dict[str, float]]:
+        return [self._scaled(p) for p in self._model.predict_many(feats)]
+
+
+def _wrong(sel: Selector, backend: str, wrong: tuple[str, float] | None) -> None:
+    """Make the selector's model of ``backend`` wrong in a known way."""
+    if wrong is not None:
+        sel._models[backend] = _Scaled(sel.model(backend), *wrong)  # type: ignore[assignment]
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t) * 1e6
+
+
+def _timed(call: Any) -> tuple[Any, float]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    res = call()
+    return res, _slowest(time.perf_counter() - t0)
+
+
+def _rank(rank: int, world_size: int, cfg: dict) -> dict:
+    wrong = tuple(cfg["wrong"]) if cfg["wrong"] else None
+    sels = {}
+    for mode, on in (("on", True), ("off", False)):
+        sels[mode] = Selector(profile=cfg["profile"], environ={}, online=on)
+        _wrong(sels[mode], "gloo", wrong)  # type: ignore[arg-type]
+    names = colltune.algorithms.names()
+    out: list[dict] = []
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for i in range(cfg["calls"]):
+        for s in range(cfg["sites"]):
+            n, base = SIZES[s % len(SIZES)], BASES[s % len(BASES)]
+            density = base * 2 ** (0.5 * math.sin(2 * math.pi * i / 97 + s))
+            k = max(1, int(n * density))
+            shared = torch.randperm(n, generator=torch.Generator().manual_seed(i * 31 + s))[: k // 2]
+            idx = torch.cat([shared, torch.randint(0, n, (k - shared.numel(),), generator=gen)])
+            vals = torch.randn(idx.numel(), generator=gen)
+            rec: dict[str, Any] = {"site": s, "call": i}
+            rec["forced"] = {a: _timed(lambda a=a: colltune.sparse_allreduce(idx, vals, n, algorithm=a))[1]
+                             for a in names}
+            for mode, sel in sels.items():
+                res, t = _timed(lambda sel=sel: colltune.sparse_allreduce(idx, vals, n, name=f"site{s}", policy=sel))
+                rec[mode] = {"algorithm": res.algorithm, "source": res.decision.source, "us": t}
+            out.append(rec)
+    return {"calls": out}
+
+
+def _summary(records: list[dict], settle: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode in ("on", "off"):
+        after = [r for r in records if r["call"] >= settle]
+        regret = sorted(r["forced"][r[mode]["algorithm"]] / min(r["forced"].values()) for r in after)
+        explored = [r for r in records if r[mode]["source"] == "explore"]
+        total = sum(r[mode]["us"] for r in records)
+        out[mode] = {
+            "regret_geomean": math.exp(sum(math.log(x) for x in regret) / len(regret)),
+            "regret_p95": regret[min(len(regret) - 1, int(0.95 * len(regret)))],
+            "regret_max": regret[-1],
+            "explore_calls": len(explored) / len(records),
+            "explore_time": sum(r[mode]["us"] for r in explored) / total,
+            "auto_us_geomean": math.exp(sum(math.log(r[mode]["us"]) for r in after) / len(after)),
+        }
+    out["on_over_off"] = out["on"]["auto_us_geomean"] / out["off"]["auto_us_geomean"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=200, help="calls per site (default 200)")
+    ap.add_argument("--sites", type=int, default=4, help="call sites (default 4)")
+    ap.add_argument("--settle", type=int, default=50, help="calls of a site before regret counts (default 50)")
+    ap.add_argument("--profile", default=None, help="the profile (default: the one shipped for gloo)")
+    ap.add_argument("--wrong", default=None, metavar="ALG:X", help="multiply the profile's predictions of ALG by X")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    wrong = None
+    if args.wrong:
+        alg, _, x = args.wrong.partition(":")
+        if alg not in colltune.algorithms.names() or not x:
+            ap.error(f"--wrong takes ALG:X with ALG one of {', '.join(colltune.algorithms.names())}")
+        wrong = [alg, float(x)]
+    cfg = {"calls": args.calls, "sites": args.sites, "profile": args.profile, "wrong": wrong}
+    per_rank = launch.run_local(_rank, args.ranks, cfg, timeout=3600)
+    same = all(
+        [(c["on"]["algorithm"], c["on"]["source"], c["off"]["algorithm"]) for c in r["calls"]]
+        == [(c["on"]["algorithm"], c["on"]["source"], c["off"]["algorithm"]) for c in per_rank[0]["calls"]]
+        for r in per_rank
+    )
+    records = per_rank[0]["calls"]
+    summary = _summary(records, args.settle)
+    summary.update(ranks=args.ranks, calls=args.calls, sites=args.sites, wrong=wrong, same_on_every_rank=same,
+                   profile=args.profile or "shipped (gloo)")
+    print(f"P={args.ranks}, {args.sites} sites x {args.calls} calls, profile {summary['profile']}"
+          f"{f', wrong: {wrong[0]} x{wrong[1]:g}' if wrong else ''}; regret after each site's first {args.settle}")
+    print(f"{'mode':>4} {'regret gm':>10} {'p95':>6} {'max':>6} {'explore calls':>14} {'explore time':>13}")
+    for mode in ("on", "off"):
+        m = summary[mode]
+        print(f"{mode:>4} {m['regret_geomean']:>10.3f} {m['regret_p95']:>6.2f} {m['regret_max']:>6.2f} "
+              f"{100 * m['explore_calls']:>13.1f}% {100 * m['explore_time']:>12.1f}%")
+    print(f"auto's own time, on / off (geometric mean): {summary['on_over_off']:.3f}; "
+          f"the same decisions on every rank: {same}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"summary": summary, "calls": records}, fh, indent=1)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
