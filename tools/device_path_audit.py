@@ -62,8 +62,12 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
     from colltune.algorithms import names
     from colltune.algorithms.sparse import device_path
     from colltune.algorithms.state import TopkState
+    from colltune.select.selector import Selector
 
     torch.set_num_threads(1)
+    # The decisions from the profile alone: online correction could change an auto call's algorithm between
+    # the calls counted, and what is counted is the code path of each algorithm.
+    colltune.configure(selector=Selector(online=False))
     g = torch.Generator().manual_seed(rank)
     n, out = 1 << 16, {}
     with device_path():

@@ -13,6 +13,8 @@ metadata exchange would. Checked:
 * exploration stays within its budgets (3% of the calls and of the time)
   and never tries an algorithm predicted more than 2x slower;
 * a policy rule, ``COLLTUNE_ALGO`` and ``online=False`` turn it off;
+* the state file round-trips, and a corrupt, truncated, huge or foreign one
+  is ignored with a warning;
 * the group's :class:`Feedback` delivers the maximum over ranks only once
   every rank's figure is in, and drops another call's.
 """
@@ -144,3 +146,37 @@ def test_feedback_delivers_the_slowest_rank_once_every_rank_reported() -> None:
     fb.hold(8, timer, got.append)
     fb.arrived([8, 9, 8], [1, 1, 1])  # another call's figure: dropped, never mixed
     assert got == [3100.0] and fb.code is None
+
+
+def test_the_state_file_round_trips_and_the_next_run_starts_from_it(tmp_path: Path) -> None:
+    path = tmp_path / "online.json"
+    first = Selector(profile=PROFILE, environ={"COLLTUNE_ONLINE_STATE": str(path)})
+    _stream(first, {"allgather": 3.0}, 60)
+    first.save_online_state()
+    assert _decide(Selector(profile=PROFILE, environ={}), 1e-2)[1].algorithm == "allgather"  # the profile's pick
+    again = Selector(profile=PROFILE, environ={}, online_state=path)
+    _, c = _decide(again, 1e-2)
+    assert c.algorithm == "dense" and c.corrected_us["allgather"] > 1.5 * c.predicted_us["allgather"]
+    assert again.digest("nccl") != Selector(profile=PROFILE, environ={}).digest("nccl")  # ranks must share it
+
+
+@pytest.mark.parametrize("content", [
+    "not json at all", '{"format": "colltune-online", "version": 1, "machine": [0, 0], "algo',  # truncated
+    '{"format": "something-else"}', '{"format": "colltune-online", "version": 99}',
+    '{"format": "colltune-online", "version": 1, "colltune": "0.0.1", "machine": [0, 0], "algorithms": {}, '
+    '"sites": {}}',  # another colltune's (this one is never 0.0.1)
+    '{"format": "colltune-online", "version": 1, "machine": [0, "x"], "algorithms": {}, "sites": {}}',
+    "huge",
+])
+def test_a_bad_state_file_is_ignored_with_a_warning(tmp_path: Path, content: str,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "online.json"
+    if content == "huge":
+        path.write_text(" " * (online.MAX_STATE_BYTES + 1))
+    else:
+        path.write_text(content)
+    with caplog.at_level("WARNING"):
+        sel = Selector(profile=PROFILE, environ={}, online_state=path)
+    assert "ignored" in caplog.text and "online.json" in caplog.text
+    assert sel.digest("nccl") == Selector(profile=PROFILE, environ={}).digest("nccl")
+    assert _decide(sel, 1e-2)[1].algorithm == "allgather"

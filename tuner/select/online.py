@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 __all__ = [
     "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
     "Timer", "Feedback", "Ratios", "explore_pick", "feedback", "start", "hold", "STATE_FORMAT", "STATE_VERSION",
-    "MAX_STATE_BYTES", "MAX_STATE_SITES", "SAVE_EVERY", "stable_key", "dump_state", "load_state",
+    "MAX_STATE_BYTES", "MAX_STATE_SITES", "SAVE_EVERY", "stable_key", "copy_mean", "library_version", "dump_state", "load_state",
 ]
 
 #: Each measurement weighs the earlier ones at a site down by this factor: a memory of about 30 calls, so
@@ -266,9 +266,26 @@ MAX_STATE_SITES = 4096
 SAVE_EVERY = 256
 
 
+def library_version() -> str:
+    """The installed colltune's version (what a state file says it was written by), or ``unknown``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("colltune")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def stable_key(site_key: tuple) -> str:
-    """A call site's key without its group's serial: the same site in the next run of the job."""
+    """A call site's key without its group's serial (its last item): the same site in the next run of the job."""
     return repr(site_key[:-1])
+
+
+def copy_mean(m: _Mean) -> _Mean:
+    """A copy of one site's figures for one algorithm."""
+    out = _Mean()
+    out.s, out.n = m.s, m.n
+    return out
 
 
 def _pair(m: _Mean) -> list[float]:

@@ -81,6 +81,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -90,6 +91,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -441,7 +443,7 @@ class _Site:
         # The ratios over every site of the site's group: only calls on the group teach them, so every rank of
         # the group holds the same (ranks of different subgroups learn different ones, and never share them).
         self.pool = pool if pool is not None else _online.Ratios()
-        self.seeded = False
+        self.seeded = ""  # the site's key in a state file, once its first decision knew its backend
         self.measured: dict[str, float] = {}
         self.options: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self.calls = 0
@@ -467,6 +469,12 @@ def _online_setting(online: Any, environ: Mapping[str, str]) -> bool:
         return True
     raise ColltuneValueError(f"COLLTUNE_ONLINE must be 0 or 1 (off or on), but got {raw!r}; unset it for on.",
                              argument="environment")
+
+
+def _save_at_exit(ref: Any) -> None:
+    sel = ref()
+    if sel is not None:
+        sel.save_online_state()
 
 
 def _bucket(k_sum: int) -> int:
@@ -591,6 +599,13 @@ class Selector:
             measured times, and try another algorithm now and then
             (:mod:`colltune.select.online`); ``None``: on, unless
             ``COLLTUNE_ONLINE=0``. Part of the settings every rank must share.
+        online_state: a file the corrections are saved to (every
+            :data:`~colltune.select.online.SAVE_EVERY` measurements and at
+            exit, atomically) and loaded from when the selector is made, so
+            the next run of the job starts from what this one learned;
+            ``None``: ``COLLTUNE_ONLINE_STATE``, else none. A file that cannot
+            be read, or another colltune's, is ignored with a warning. Every
+            rank must load the same file (its digest is part of the settings).
 
     Raises:
         PolicyError: an invalid policy (file, line and allowed values named)
@@ -611,6 +626,7 @@ class Selector:
         bitmap_seed: int = 0,
         environ: Mapping[str, str] | None = None,
         online: bool | None = None,
+        online_state: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(reevaluate_every, bool) or not isinstance(reevaluate_every, int) or reevaluate_every < 1:
             raise ColltuneValueError(f"reevaluate_every must be an int >= 1, but got {reevaluate_every!r}.")
@@ -636,13 +652,14 @@ class Selector:
         self.count_band = float(count_band)
         self.overlap_band = float(overlap_band)
         self.bitmap_seed = int(bitmap_seed)
-        self.online = _online_setting(online, os.environ if environ is None else environ)
+        self._init_online(online, online_state, os.environ if environ is None else environ)
         self._policy_uses_overlap = any(r.overlap is not None for r in self.policy.rules)
         self._models: dict[str, _Model | None] = {}
         self._digests: dict[str, int] = {}
         self._sites = _Sites()
         self._settings = _signed64(int.from_bytes(hashlib.blake2b(json.dumps(
-            [self.reevaluate_every, self.margin, self.count_band, self.overlap_band, self.bitmap_seed, self.online]
+            [self.reevaluate_every, self.margin, self.count_band, self.overlap_band, self.bitmap_seed, self.online,
+             self._state_code]
         ).encode(), digest_size=8).digest(), "big"))
         if overrides.log_level is not None:
             _enable_logging(overrides.log_level)
@@ -777,7 +794,7 @@ class Selector:
             return _EMPTY
         if row_numel == 0:  # the same for every algorithm, and outside what the cost model describes
             return _NO_VALUES
-        site = self._site(site_key)
+        site = self._seeded(site_key, backend)
         call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p, backend, ranks_per_node)
         choice = self._choose_sparse(site, call, comm, backend, indices, sketches)
         site.last = site.latest = choice.algorithm
@@ -931,7 +948,7 @@ class Selector:
                 return self._explored("topk", name, site_key, e.cached, rank)
         if p == 1:
             return _SINGLE
-        site = self._site(site_key)
+        site = self._seeded(site_key, backend)
         dtype_name = normalize_dtype(dtype)
         overlap = site.overlap
         decision = self._match(name, numel, k / numel, p, overlap, dtype_name, backend)
@@ -1049,6 +1066,68 @@ class Selector:
             return dict(predicted)
         return {a: _q(t * site.pool.factor(site.ratios, a)) for a, t in predicted.items()}
 
+    def _init_online(self, online: Any, state: Any, env: Mapping[str, str]) -> None:
+        """Set online correction up: on or off, and its state file (loaded now, saved at exit)."""
+        self.online = _online_setting(online, env)
+        given = state if state is not None else env.get("COLLTUNE_ONLINE_STATE") or None
+        self._state_path = None if given is None or not self.online else os.fspath(given)
+        self._saved: dict[str, dict[str, Any]] = {}  # per stable site key: the tables a state file held
+        self._state_code = self._load_state() if self._state_path is not None else 0
+        self._observed = 0
+        if self._state_path is not None:
+            atexit.register(_save_at_exit, weakref.ref(self))
+
+    def _seeded(self, site_key: tuple, backend: str) -> _Site:
+        """The site, its corrections taken from the state file on its first decision (the same on every rank)."""
+        site = self._site(site_key)
+        if not site.seeded:
+            site.seeded = _online.stable_key((backend, *site_key))
+            saved = self._saved.get(site.seeded)
+            if saved and not site.ratios:
+                site.ratios = {a: _online.copy_mean(m) for a, m in saved.items()}
+        return site
+
+    def _load_state(self) -> int:
+        """Read the state file, if there is one; return its digest (0 for none, or one ignored)."""
+        path = self._state_path
+        if path is None or not os.path.exists(path):
+            return 0
+        version = _online.library_version()
+        try:
+            _, sites, meta = _online.load_state(path)
+            if meta.get("colltune") != version:
+                raise ValueError(f"written by colltune {meta.get('colltune')!r}, this is {version}")
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            logger.warning("online-correction state %s ignored (%s): decisions start from the profile", path, exc)
+            return 0
+        self._saved = sites
+        return _signed64(int.from_bytes(hashlib.blake2b(
+            _online.dump_state(_online.Ratios(), sites, {}).encode(), digest_size=8).digest(), "big"))
+
+    def save_online_state(self, path: str | os.PathLike[str] | None = None) -> None:
+        """Write what online correction learned to ``path`` (default: the selector's state file), atomically.
+
+        Each site's table, under a key that holds in the next run (the
+        backend and the site without its group); sites the file held that
+        this run did not see are kept. A write that fails logs a warning.
+        """
+        target = os.fspath(path) if path is not None else self._state_path
+        if target is None:
+            return
+        from colltune.model.files import write_text_atomic
+
+        tables = dict(self._saved)
+        for sites in self._sites.groups.values():
+            for site in sites.values():
+                if site.seeded and site.ratios:
+                    tables.pop(site.seeded, None)
+                    tables[site.seeded] = site.ratios
+        try:
+            write_text_atomic(target, _online.dump_state(_online.Ratios(), tables,
+                                                         {"colltune": _online.library_version()}))
+        except OSError as exc:
+            logger.warning("cannot save the online-correction state to %s (%s)", target, exc)
+
     def observe_time(self, site_key: tuple, algorithm: str, predicted_us: float, measured_us: float,
                      explored: bool = False) -> None:
         """Learn from one decided call's time: the maximum over ranks, the same figure on every rank.
@@ -1060,6 +1139,9 @@ class Selector:
         if not self.online or site is None or not measured_us > 0:
             return
         site.pool.observe(site.ratios, algorithm, predicted_us, measured_us)
+        self._observed += 1
+        if self._state_path is not None and self._observed % _online.SAVE_EVERY == 0:
+            self.save_online_state()
         site.measured[algorithm] = measured_us
         site.total_us += measured_us
         if explored:
