@@ -428,7 +428,7 @@ class _Entry:
 
 class _Site:
     __slots__ = ("overlap", "overlap_source", "last", "latest", "entries", "ratios", "pool", "measured", "options",
-                 "calls", "explored_at", "total_us", "explore_us", "seeded")
+                 "calls", "explored_at", "total_us", "explore_us", "seeded", "warm")
 
     def __init__(self, pool: _online.Ratios | None = None) -> None:
         self.overlap: float | None = None
@@ -444,6 +444,7 @@ class _Site:
         # the group holds the same (ranks of different subgroups learn different ones, and never share them).
         self.pool = pool if pool is not None else _online.Ratios()
         self.seeded = ""  # the site's key in a state file, once its first decision knew its backend
+        self.warm = False  # whether the site's first measured call (one-off set-up included) has gone by
         self.measured: dict[str, float] = {}
         self.options: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self.calls = 0
@@ -1137,6 +1138,9 @@ class Selector:
         """
         site = self._sites.get(site_key)
         if not self.online or site is None or not measured_us > 0:
+            return
+        if not site.warm:  # a site's first call pays one-off set-up (the group's twin, buffers, the sketch)
+            site.warm = True
             return
         site.pool.observe(site.ratios, algorithm, predicted_us, measured_us)
         self._observed += 1
