@@ -828,10 +828,7 @@ def _said(exc: BaseException) -> str:
 def _group_words(group: Any) -> str:
     """Name ``group`` for an error message: which group, and its (global) ranks."""
     which = "the default process group" if group is dist.group.WORLD else f"process group {group.group_name!r}"
-    try:
-        ranks = [str(r) for r in dist.get_process_group_ranks(group)]
-    except Exception:  # noqa: BLE001 - a torch without it: the name alone still tells
-        return which
+    ranks = [str(r) for r in dist.get_process_group_ranks(group)]
     shown = ", ".join(ranks if len(ranks) <= 8 else [*ranks[:6], "...", ranks[-1]])
     return f"{which} (ranks {shown})"
 

@@ -349,11 +349,8 @@ class HashPart(Algorithm):
         p = comm.world_size
         if p < 2 or 8 * p > capacity:
             return None
-        if on_host(indices):
-            ind = indices.numpy()
-            if ind.size and ind[-1] >= size:
-                ind = ind[ind < size]
-            return np.bincount(hash_owner_host(ind, p), minlength=p).astype(np.int64).view(np.uint8)
+        if on_host(indices):  # the host path coalesces before the record: never padded
+            return np.bincount(hash_owner_host(indices.numpy(), p), minlength=p).astype(np.int64).view(np.uint8)
         owner = torch.where(indices < size, hash_owner(indices, p), p)
         bounds = torch.searchsorted(torch.sort(owner).values, torch.arange(p + 1, device=indices.device))
         return torch.diff(bounds).view(torch.uint8)

@@ -49,6 +49,7 @@ from colltune.algorithms.errors import (
 from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, Batch, accum_dtype, coalesce, on_host, upload
 from colltune.algorithms.state import TopkState
 from colltune.model.features import sketch_hashes
+from colltune.select import online  # light: the selector itself is imported on the first auto call
 
 __all__ = [
     "sparse_allreduce", "topk_allreduce", "SparseResult", "TopkResult", "AsyncHandle", "OPS", "CallerCheck",
@@ -582,13 +583,6 @@ def _check_dense_fits(n: int, row_numel: int, dtype: torch.dtype, device: torch.
 # --------------------------------------------------------------------------- auto
 
 
-def _online() -> Any:
-    """:mod:`colltune.select.online`, imported on first use (as the selector is)."""
-    from colltune.select import online
-
-    return online
-
-
 def _selector_module() -> Any:
     # Imported on the first auto call: explicit algorithms never load policies or profiles.
     from colltune.select import selector
@@ -892,7 +886,7 @@ def _sparse_allreduce(
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
         error, call.slot, call.eager, call.sketch_bytes, call.payload_bytes = (
             _input_error(exc), None, _meta.EAGER_NONE, 0, 0)
-    timer = _online().start(comm, call.sel)
+    timer = online.start(comm, call.sel)
     records, slots = _meta.exchange(comm, call.record, error, call.slot, device_fields=call.device_fields,
                                     deferred_error=call.deferred_error)
     counts = tuple(rec["count"] for rec in records)
@@ -908,7 +902,7 @@ def _sparse_allreduce(
         if has_entries and algorithms.get(algorithm).eager_entries else 0,
     )
     out_idx, out_vals = _run_sparse(inp, comm, algorithm, call.knobs_checked, op, call.values)
-    _online().hold(comm, timer, call.sel, call.site, decision)
+    online.hold(comm, timer, call.sel, call.site, decision)
     if call.sel is not None:
         call.sel.observe_sparse(call.site, counts, out_idx.numel())
     out_vals = out_vals.to(call.dtype).reshape((out_idx.numel(),) + inp.row_shape)
@@ -1222,7 +1216,7 @@ def _topk_allreduce(
         record["payload"] = 0 if prep is None else int(prep.payload.size)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
         error, prep = _input_error(exc), None
-    timer = _online().start(comm, sel)
+    timer = online.start(comm, sel)
     _, slots = _meta.exchange(comm, record, error, None if prep is None else prep.payload)
     _meta.note_slot_use(comm, 0)  # top-k leaves the rest of the eager slot empty
     if sel is None:
@@ -1235,7 +1229,7 @@ def _topk_allreduce(
     else:
         prep = None  # the payload belongs to the algorithm that made it: another one chosen meanwhile runs without
     out = _run_topk(acc, state, comm, algorithm, knobs_checked, prep)
-    _online().hold(comm, timer, sel, site, decision)
+    online.hold(comm, timer, sel, site, decision)
     state.step += 1
     if sel is not None:
         sel.observe_topk(site, algorithm, k, comm.world_size, out.global_count)

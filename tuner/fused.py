@@ -67,7 +67,6 @@ from colltune.api import (
     _group_key,
     _input_error,
     _is_coo,
-    _online,
     _op_name,
     _open,
     _outside_compile,
@@ -79,6 +78,7 @@ from colltune.api import (
     deferred_fields,
     first_range_error,
 )
+from colltune.select import online
 
 __all__ = ["sparse_allreduce_many", "submit_many", "DEFAULT_BUCKET_CAP_MB", "plan_buckets", "index_spaces"]
 
@@ -186,14 +186,14 @@ def _fused(tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: 
     if check is not None:
         call.record.update(check.fields())
         error = check.error
-    try:
-        if error is None:
+    if error is None:
+        try:
             call.prepare(tensors, op, group, algorithm, knobs, name, policy, cap_mb)
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
-        error = exc
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
+            error = exc
     if error is not None:
         error, call.slot = _input_error(error), None
-    call.timer = _online().start(comm, call.sel)
+    call.timer = online.start(comm, call.sel)
     counts = call.exchange(error)
     if call.timer is not None:
         call.timer.mark()  # the exchange, which every bucket's measurement includes (its prediction does)
@@ -202,7 +202,7 @@ def _fused(tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: 
         for t, res in zip(members, call.run_bucket(members, counts, algorithm, op, name)):
             results[t] = res
     if call.measured is not None:  # the record carries one figure: the bucket predicted to take longest
-        _online().hold(comm, *call.measured[1:])
+        online.hold(comm, *call.measured[1:])
     return results  # type: ignore[return-value]
 
 

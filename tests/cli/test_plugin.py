@@ -83,7 +83,7 @@ def test_simulate_prices_a_registered_plugin(plugin: dict[str, str]) -> None:
     for extra in ([], ["--topk"]):
         out = json.loads(_colltune(plugin, "simulate", "--numel", "2^20", "--density", "1e-3", "-P", "8",
                                    "--backend", "nccl", "--json", *extra))
-        point = out["points"][0] if isinstance(out, dict) else out[0]
+        point = out["points"][0]
         assert "toy" in point["predicted_us"] and "toy" in point["bytes_sent"], point
 
 
@@ -113,4 +113,5 @@ def test_tune_searches_a_registered_plugins_knobs(plugin: dict[str, str], tmp_pa
 def test_report_draws_a_registered_plugin(plugin: dict[str, str], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     _colltune(plugin, "report", str(ROOT / "profiles" / "analytic-nccl.yaml"), "--out", str(tmp_path / "r"))
-    assert "toy" in (tmp_path / "r" / "summary.md").read_text()
+    row = next(line for line in (tmp_path / "r" / "summary.md").read_text().splitlines() if line.startswith("| toy |"))
+    assert int(row.rstrip(" |").rsplit("|", 1)[1]) > 0, row  # chosen (drawn) in some cells of the maps

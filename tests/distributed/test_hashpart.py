@@ -209,20 +209,20 @@ def _audited(rank, world_size, row_shape, k):
     idx = torch.randint(0, n, (k,), generator=g)
     vals = torch.randn((k, *row_shape), generator=g)
     with _Registered(), device_path():
-        for _ in range(3):
-            colltune.sparse_allreduce(idx, vals, size=n, algorithm="hashpart", name="hashpart-budget")
+        earlier = [raw(colltune.sparse_allreduce(idx, vals, size=n, algorithm="hashpart", name="hashpart-budget").values)
+                   for _ in range(3)]
         with audit() as a:  # raises on atomics and on places written twice
             res = colltune.sparse_allreduce(idx, vals, size=n, algorithm="hashpart", name="hashpart-budget")
-    return a.n_syncs, dict(a.syncs), raw(res.values)
+    return a.n_syncs, dict(a.syncs), raw(res.values), earlier
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("row_shape,k", [((), 40), ((16,), 900)])
 def test_the_device_path_is_deterministic_and_within_its_host_syncs(world_size, row_shape, k):
     out = pool(world_size).run(_audited, row_shape, k)
-    for syncs, which, bits in out:
+    for syncs, which, bits, earlier in out:
         assert syncs <= HashPart.HOST_SYNCS["exact"], which
-        assert bits == out[0][2]
+        assert bits == out[0][2] and all(b == bits for b in earlier)  # every rank, every call
 
 
 def _topk(rank, world_size, dtype, device):

@@ -161,11 +161,10 @@ def test_the_state_file_round_trips_and_the_next_run_starts_from_it(tmp_path: Pa
 
 
 @pytest.mark.parametrize("content", [
-    "not json at all", '{"format": "colltune-online", "version": 1, "machine": [0, 0], "algo',  # truncated
+    "not json at all", '{"format": "colltune-online", "version": 1, "sites": {"a": {"dense": [0',  # truncated
     '{"format": "something-else"}', '{"format": "colltune-online", "version": 99}',
-    '{"format": "colltune-online", "version": 1, "colltune": "0.0.1", "machine": [0, 0], "algorithms": {}, '
-    '"sites": {}}',  # another colltune's (this one is never 0.0.1)
-    '{"format": "colltune-online", "version": 1, "machine": [0, "x"], "algorithms": {}, "sites": {}}',
+    '{"format": "colltune-online", "version": 1, "colltune": "0.0.1", "sites": {}}',  # another colltune's
+    '{"format": "colltune-online", "version": 1, "sites": {"s": {"dense": [0, "x"]}}}',
     "huge",
 ])
 def test_a_bad_state_file_is_ignored_with_a_warning(tmp_path: Path, content: str,

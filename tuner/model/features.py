@@ -59,6 +59,7 @@ __all__ = [
     "index_bytes_for",
     "overlap_from_union",
     "features_by_algorithm",
+    "topk_features",
     "choose_bitmap_bits",
     "bitmap_indices",
     "hash_positions_torch_compatible",
@@ -354,6 +355,21 @@ class Features:
     def dense_bytes(self) -> int:
         """Bytes of the dense tensor in the value dtype, ``numel * row_bytes``."""
         return self.numel * self.row_bytes
+
+
+def topk_features(numel: int, k: int, world_size: int, overlap: float, dtype: object,
+                  ranks_per_node: int | None = None) -> tuple[Features, Features]:
+    """Return what a top-k call of ``k`` per rank is priced on: the ranks' selections and the whole tensor.
+
+    The selections overlap by ``overlap`` (their union is ``P k - overlap (P k - k)``); the whole tensor is
+    ``numel`` elements on every rank. In closed form (:meth:`Features.uniform`): no per-rank lists.
+    """
+    k = min(k, numel)
+    union = world_size * k - overlap * (world_size * k - k)
+    common: dict[str, Any] = {"numel": numel, "row_numel": 1, "dtype": dtype, "world_size": world_size,
+                              "ranks_per_node": ranks_per_node, "mode": "topk"}
+    return (Features.uniform(k=k, union=union, **common),
+            Features.uniform(k=numel, union=float(numel), **common))
 
 
 def features_by_algorithm(selection: Features, tensor: Features | None = None) -> dict[str, Features]:

@@ -318,7 +318,7 @@ class Profile:
         Equal profiles have equal digests on every machine and Python version:
         it is SHA-256 of canonical JSON (sorted keys, shortest float repr).
         Ranks can all-gather it to check that they loaded the same profile.
-        Computed on each access (some 5 to 10 ms per thousand measurements).
+        Computed on each access: a hash over every measurement.
         """
         return _digest(self.to_dict())
 

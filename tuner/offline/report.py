@@ -96,7 +96,8 @@ def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
     from colltune.model.cost_model import AnalyticModel
 
     if isinstance(model, AnalyticModel):
-        return np.array([[model.predict(f).get(a, np.inf) for a in _algs()] for f in feats])
+        preds = [model.predict(f) for f in feats]
+        return np.array([[p.get(a, np.inf) for a in _algs()] for p in preds])
     pred = model.predict(list(feats))
     out = np.full((len(feats), len(_algs())), np.inf)
     for j, a in enumerate(_algs()):

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from colltune.model.features import Features, features_by_algorithm
+from colltune.model.features import Features, features_by_algorithm, topk_features
 from colltune.model.files import atomic_path
 
 __all__ = ["Workload", "Point", "simulate", "decision_map", "format_points", "plot", "MAP_DENSITIES"]
@@ -86,14 +86,13 @@ def _features(w: Workload, p: int, rpn: int | None) -> tuple[dict[str, Features]
     """Return the features each registered algorithm is priced on, as the selector builds them for this kind of
     call, and the features of the ranks' entries (what the call's extrapolation warning is about)."""
     k = w.k()
+    if w.mode == "topk":
+        sparse, dense = topk_features(w.numel, k, p, w.overlap, w.dtype, rpn)
+        return features_by_algorithm(sparse, dense), sparse
     union = p * k - w.overlap * (p * k - k)
     sparse = Features.uniform(numel=w.numel, row_numel=w.row_numel, dtype=w.dtype, k=k, world_size=p,
                               union=union, ranks_per_node=rpn, mode=w.mode)
-    if w.mode != "topk":
-        return features_by_algorithm(sparse), sparse
-    dense = Features.uniform(numel=w.numel, row_numel=1, dtype=w.dtype, k=w.numel, world_size=p,
-                             union=w.numel, ranks_per_node=rpn, mode="topk")
-    return features_by_algorithm(sparse, dense), sparse
+    return features_by_algorithm(sparse), sparse
 
 
 def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,

@@ -288,10 +288,6 @@ def copy_mean(m: _Mean) -> _Mean:
     return out
 
 
-def _pair(m: _Mean) -> list[float]:
-    return [m.s, m.n]
-
-
 def _mean(raw: Any, where: str) -> _Mean:
     if (not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(x, (int, float)) for x in raw)
             or not all(math.isfinite(x) for x in raw) or raw[1] < 0):
@@ -301,21 +297,23 @@ def _mean(raw: Any, where: str) -> _Mean:
     return m
 
 
-def dump_state(ratios: Ratios, sites: Mapping[str, Mapping[str, _Mean]], meta: Mapping[str, Any]) -> str:
-    """Return the state as JSON text: the machine's, each algorithm's and each site's ratios, and ``meta``."""
+def dump_state(sites: Mapping[str, Mapping[str, _Mean]], meta: Mapping[str, Any]) -> str:
+    """Return the state as JSON text: each site's table (the most recent :data:`MAX_STATE_SITES`) and ``meta``.
+
+    The group-wide ratios are not kept: they are learned again within a few
+    calls, and a group of the next run has no stable name to find them by.
+    """
     import json
 
     kept = list(sites.items())[-MAX_STATE_SITES:]
     return json.dumps({
         "format": STATE_FORMAT, "version": STATE_VERSION, **meta,
-        "machine": _pair(ratios.machine),
-        "algorithms": {a: _pair(m) for a, m in ratios.every.items()},
-        "sites": {k: {a: _pair(m) for a, m in own.items()} for k, own in kept},
+        "sites": {k: {a: [m.s, m.n] for a, m in own.items()} for k, own in kept},
     }, sort_keys=True)
 
 
-def load_state(path: str) -> tuple[Ratios, dict[str, dict[str, _Mean]], dict[str, Any]]:
-    """Read a state file; return its ratios, its sites' and its other fields.
+def load_state(path: str) -> tuple[dict[str, dict[str, _Mean]], dict[str, Any]]:
+    """Read a state file; return its sites' tables and its other fields.
 
     Raises:
         ValueError: the file is unreadable, too large, not JSON, or not a
@@ -334,16 +332,13 @@ def load_state(path: str) -> tuple[Ratios, dict[str, dict[str, _Mean]], dict[str
         raise ValueError(f"not a colltune online-correction state (format {str(said)!r})")
     if raw.get("version") != STATE_VERSION:
         raise ValueError(f"layout version {raw.get('version')!r}, but this colltune reads {STATE_VERSION}")
-    ratios = Ratios()
-    ratios.machine = _mean(raw.get("machine"), "machine")
-    algos, sites = raw.get("algorithms"), raw.get("sites")
-    if not isinstance(algos, dict) or not isinstance(sites, dict):
-        raise ValueError("algorithms and sites must be mappings")
-    ratios.every = {str(a): _mean(v, f"algorithms.{a}") for a, v in algos.items()}
+    sites = raw.get("sites")
+    if not isinstance(sites, dict):
+        raise ValueError("sites must be a mapping")
     own: dict[str, dict[str, _Mean]] = {}
     for k, table in list(sites.items())[:MAX_STATE_SITES]:
         if not isinstance(table, dict):
             raise ValueError(f"sites.{k}: expected a mapping")
         own[str(k)] = {str(a): _mean(v, f"sites.{k}.{a}") for a, v in table.items()}
-    meta = {k: v for k, v in raw.items() if k not in ("machine", "algorithms", "sites")}
-    return ratios, own, meta
+    meta = {k: v for k, v in raw.items() if k != "sites"}
+    return own, meta

@@ -106,6 +106,7 @@ from colltune.model.features import (
     normalize_dtype,
     overlap_from_sketches,
     overlap_from_union,
+    topk_features,
 )
 from colltune.model.policy import (
     AUTO,
@@ -960,13 +961,7 @@ class Selector:
             choice = Choice(SAFE_DEFAULT, f"no profile for backend {backend}: the safe default {SAFE_DEFAULT}",
                             "default", _knobs_for(decision, SAFE_DEFAULT))
         else:
-            ov = 0.0 if overlap is None else overlap
-            k = min(k, numel)
-            u = p * k - ov * (p * k - k)
-            layout = {"ranks_per_node": ranks_per_node, "mode": "topk"}
-            sparse = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[k] * p, union=u, **layout)
-            dense = Features.build(numel=numel, row_numel=1, dtype=dtype_name, k_per_rank=[numel] * p, union=numel,
-                                   **layout)
+            sparse, dense = topk_features(numel, k, p, 0.0 if overlap is None else overlap, dtype_name, ranks_per_node)
             feats = features_by_algorithm(sparse, dense)
             choice = self._from_model(model, feats, decision, site, overlap, site.overlap_source)
         site.last = site.latest = choice.algorithm
@@ -1095,7 +1090,7 @@ class Selector:
             return 0
         version = _online.library_version()
         try:
-            _, sites, meta = _online.load_state(path)
+            sites, meta = _online.load_state(path)
             if meta.get("colltune") != version:
                 raise ValueError(f"written by colltune {meta.get('colltune')!r}, this is {version}")
         except (OSError, ValueError, UnicodeDecodeError) as exc:
@@ -1103,7 +1098,7 @@ class Selector:
             return 0
         self._saved = sites
         return _signed64(int.from_bytes(hashlib.blake2b(
-            _online.dump_state(_online.Ratios(), sites, {}).encode(), digest_size=8).digest(), "big"))
+            _online.dump_state(sites, {}).encode(), digest_size=8).digest(), "big"))
 
     def save_online_state(self, path: str | os.PathLike[str] | None = None) -> None:
         """Write what online correction learned to ``path`` (default: the selector's state file), atomically.
@@ -1124,8 +1119,7 @@ class Selector:
                     tables.pop(site.seeded, None)
                     tables[site.seeded] = site.ratios
         try:
-            write_text_atomic(target, _online.dump_state(_online.Ratios(), tables,
-                                                         {"colltune": _online.library_version()}))
+            write_text_atomic(target, _online.dump_state(tables, {"colltune": _online.library_version()}))
         except OSError as exc:
             logger.warning("cannot save the online-correction state to %s (%s)", target, exc)
 
