@@ -9,7 +9,8 @@ import pytest
 from colltune import cli
 from colltune.model.features import MAX_WORLD_SIZE
 
-CALL = ["--numel", "2^20", "--density", "5e-2"]
+#: Identical index sets: the overlap fits at every world size up to the bound.
+CALL = ["--numel", "2^20", "--density", "5e-2", "--overlap", "1"]
 
 
 def test_simulate_prints_every_world_size_and_a_choice(capsys) -> None:
@@ -97,7 +98,7 @@ def test_nodes_times_ranks_per_node_beyond_the_bound_exit_2(capsys) -> None:
 
 
 def test_the_bound_is_priced_and_stated_in_the_help(capsys) -> None:
-    assert cli.main(["simulate", *CALL, "-P", str(MAX_WORLD_SIZE), "--json"]) == 0
+    assert cli.main(["simulate", *CALL, "-P", str(MAX_WORLD_SIZE), "--gpus-per-node", "1", "--json"]) == 0
     (pt,) = json.loads(capsys.readouterr().out)["points"]
     assert pt["world_size"] == MAX_WORLD_SIZE and pt["choice"]
     for command in ("simulate", "explain"):
@@ -130,3 +131,47 @@ def test_explain_takes_the_cluster_options(capsys) -> None:
     times = {d["algorithm"]: d["predicted_us"] for d in eight["algorithms"]}
     spread = {d["algorithm"]: d["predicted_us"] for d in one["algorithms"]}
     assert times["dense"] != spread["dense"]  # 8 nodes of 8 against 64 nodes of 1
+
+
+def test_the_layout_printed_is_the_layout_priced(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "-P", "12", "--json"]) == 0  # 8 per node: 2 nodes of 6
+    (pt,) = json.loads(capsys.readouterr().out)["points"]
+    assert (pt["nodes"], pt["ranks_per_node"]) == (2, 6)
+    assert cli.main(["simulate", *CALL, "--nodes", "2", "--gpus-per-node", "6", "--json"]) == 0
+    (same,) = json.loads(capsys.readouterr().out)["points"]
+    assert same["predicted_us"] == pt["predicted_us"]
+
+
+def test_an_uneven_layout_is_refused_with_the_even_ones_near_it(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "-P", "8", "1020"]) == 2
+    err = capsys.readouterr().err
+    assert "1020 ranks do not spread evenly" in err and "1016 or 1024" in err and "128 x 8 = 1024" in err
+
+
+def test_default_world_sizes_are_whole_nodes(capsys) -> None:
+    assert cli.main(["simulate", *CALL, "--gpus-per-node", "6", "--json"]) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [pt["world_size"] for pt in points] == [6 * n for n in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert all(pt["ranks_per_node"] == 6 for pt in points)
+
+
+def test_an_overlap_that_cannot_fit_is_not_priced(capsys) -> None:
+    call = ["simulate", "--numel", "1e6", "--density", "1e-2", "--overlap", "0"]
+    assert cli.main([*call, "-P", "8", "128", "--json"]) == 0
+    fits, tight = json.loads(capsys.readouterr().out)["points"]
+    assert fits["choice"] and not fits["refused"]
+    assert tight["predicted_us"] == {} and not tight["choice"]
+    assert "overlap by at least 0.221" in tight["refused"]  # ceil((128e4 - 1e6) / 127) / 1e4
+    assert cli.main([*call, "-P", "8", "128"]) == 0
+    assert "not priced: --overlap 0 does not fit" in capsys.readouterr().out
+    assert cli.main([*call, "-P", "128"]) == 2  # nothing left to price
+    assert "does not fit" in capsys.readouterr().err
+    # explain refuses the same call in the same words
+    assert cli.main(["explain", *call[1:], "-P", "128", "--backend", "nccl"]) == 2
+    assert "overlap by at least 0.221" in capsys.readouterr().err
+
+
+def test_explain_prices_an_overlap_that_fits_after_rounding(capsys) -> None:
+    # 2 ranks of 10 entries over 15 rows share at least 5 (0.5); 0.55 fits although round(0.55 * 10) is 6
+    assert cli.main(["explain", "--numel", "15", "--density", "0.6667", "-P", "2", "--overlap", "0.55"]) == 0
+

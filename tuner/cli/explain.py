@@ -105,18 +105,14 @@ class ExplainCommand:
     def run(self, args: argparse.Namespace) -> int:
         """Print the explanation; return 0."""
         from colltune.model.features import Features
-        from colltune.offline.workloads import shared_count
+        from colltune.offline.simulate import Workload, misfit
         from colltune.select.selector import Selector, format_explanation
 
         n, p = args.numel, args.world_size
         k = max(1, min(n, int(round(args.density * n))))
-        if k * p > n and args.overlap < 1.0:
-            s = shared_count(n, k, p, args.overlap)
-            if s / k > args.overlap + 1e-9:
-                raise ColltuneValueError(
-                    f"--overlap {args.overlap} does not fit: {p} ranks with {k} entries each over n={n} rows "
-                    f"overlap by at least {s / k:.3f}; raise --overlap or --numel, or lower --density."
-                )
+        refused = misfit(Workload(n, args.density, args.overlap), p)
+        if refused:
+            raise ColltuneValueError(f"{refused}.")
         k_sum = p * k
         union = k_sum - args.overlap * (k_sum - k)
         profile, _, changed = cluster_profile(args)

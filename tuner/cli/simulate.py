@@ -12,16 +12,19 @@ elements instead.
 
 Input: options only::
 
-    colltune simulate --numel 2^24 --density 1e-2 --overlap 0.5 -P 8 64 512 1024
+    colltune simulate --numel 2^24 --density 1e-3 --overlap 0.5 -P 8 64 512 1024
     colltune simulate --nodes 64 --gpus-per-node 8 --gpu a100 --nic-gbps 200 --numel 1e6 --row-shape 64 --density 1e-3
     colltune simulate --topk --numel 3.4e8 --density 1e-3 -P 32 64 128 256 --gpus-per-node 1 --plot bert.png
     colltune simulate ... --json
 
 Output: per world size, the nodes and ranks per node priced, each
 algorithm's predicted time and the bytes one rank sends per call (it
-receives as much), and the cost model's choice (policies and hysteresis
-are not applied). ``--plot FILE`` draws time and bytes against P and the
-decision map over density and P (PNG); ``--json`` prints one object.
+receives as much), and the cost model's choice (policies and hysteresis are
+not applied). On an NCCL profile every world size fills whole nodes of equal
+size, or the command refuses it; a world size where the overlap cannot fit
+in the rows is listed as not priced. ``--plot FILE`` draws time and bytes
+against P and the decision map over density and P (PNG); ``--json`` prints
+one object.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from colltune.model.features import MAX_WORLD_SIZE
 
 __all__ = ["SimulateCommand"]
 
-#: World sizes simulated without ``--world-size`` or ``--nodes``.
+#: World sizes simulated without ``--world-size`` or ``--nodes`` on a profile without nodes (gloo).
 DEFAULT_WORLD_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+#: Nodes simulated without ``--world-size`` or ``--nodes`` on an NCCL profile: 1 to 128 full nodes.
+DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class SimulateCommand:
@@ -63,8 +68,9 @@ class SimulateCommand:
         w.add_argument("--topk", action="store_true", help="top-k of a dense tensor of n elements (TopkA, Ok-Topk)")
         c = parser.add_argument_group("the cluster")
         c.add_argument("--world-size", "-P", type=parse_priced_ranks, nargs="+", metavar="P",
-                       help=f"world sizes, each >= 2 and {WORLD_BOUND} "
-                       f"(default {' '.join(map(str, DEFAULT_WORLD_SIZES))})")
+                       help=f"world sizes, each >= 2 and {WORLD_BOUND}; on an NCCL profile each a whole number of "
+                       "nodes of --gpus-per-node ranks (default: 1 to 128 full nodes; "
+                       f"{' '.join(map(str, DEFAULT_WORLD_SIZES))} on a gloo profile)")
         c.add_argument("--nodes", type=parse_priced_ranks, metavar="N",
                        help=f"one world size: N x --gpus-per-node, the product {WORLD_BOUND}")
         c.add_argument("--gpus-per-node", type=parse_priced_ranks, metavar="G",
@@ -113,7 +119,14 @@ def _world_sizes(args: argparse.Namespace, rpn: int | None) -> list[int]:
             raise UsageError(f"--nodes {args.nodes} x {per_node} is {p} ranks, but the world size must be "
                              f"{WORLD_BOUND}; lower --nodes to at most {MAX_WORLD_SIZE // (rpn or 1)}")
         return [p]
-    sizes = sorted(set(args.world_size or DEFAULT_WORLD_SIZES))
+    sizes = sorted(set(args.world_size or _default_sizes(rpn)))
     if sizes[0] < 2:
         raise UsageError(f"--world-size must be at least 2, got {sizes[0]}")
     return sizes
+
+
+def _default_sizes(rpn: int | None) -> list[int]:
+    """The world sizes priced without ``--world-size``: full nodes of an NCCL profile, else :data:`DEFAULT_WORLD_SIZES`."""
+    if rpn is None:
+        return list(DEFAULT_WORLD_SIZES)
+    return [n * rpn for n in DEFAULT_NODES if 2 <= n * rpn <= MAX_WORLD_SIZE]

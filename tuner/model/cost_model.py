@@ -91,6 +91,7 @@ __all__ = [
     "default_group",
     "cross_validate",
     "model_for_profile",
+    "even_layout",
 ]
 
 logger = logging.getLogger(__name__)
@@ -1083,11 +1084,24 @@ class Network:
         return max(times)
 
 
+def even_layout(world_size: int, ranks_per_node: int) -> tuple[int, int]:
+    """Return the nodes and ranks per node an NCCL profile prices ``world_size`` ranks on.
+
+    The ranks go on ``ceil(P / ranks_per_node)`` nodes with
+    ``ceil(P / nodes)`` on each: NCCL's tuning model assumes every node holds
+    as many ranks, so when ``nodes`` does not divide ``P`` the layout priced
+    holds more ranks than ``P`` (1020 ranks at 8 per node are priced as
+    128 x 8). Callers that show a layout compare ``nodes * per_node`` to ``P``.
+    """
+    nodes = -(-world_size // min(ranks_per_node, world_size))
+    return nodes, -(-world_size // nodes)
+
+
 @lru_cache(maxsize=1024)
 def _layout(network: Network, p: int, rpn: int) -> nccl.Topology:
-    """P ranks, ``rpn`` per node, spread as evenly as they go over ``ceil(P / rpn)`` nodes (cached: every step asks)."""
-    nodes = -(-p // min(rpn, p))
-    return nccl.Topology(nodes=nodes, gpus_per_node=-(-p // nodes), gpu=network.gpu, nic_gbps=network.nic_gbps)
+    """The topology :func:`even_layout` gives (cached: every step asks)."""
+    nodes, per_node = even_layout(p, rpn)
+    return nccl.Topology(nodes=nodes, gpus_per_node=per_node, gpu=network.gpu, nic_gbps=network.nic_gbps)
 
 
 # ---------------------------------------------------------------------------

@@ -58,6 +58,7 @@ __all__ = [
     "normalize_dtype",
     "index_bytes_for",
     "overlap_from_union",
+    "least_overlap",
     "features_by_algorithm",
     "topk_features",
     "choose_bitmap_bits",
@@ -411,6 +412,22 @@ def overlap_from_union(k_per_rank: Sequence[int] | np.ndarray, union: float) -> 
     if not (u >= 0.0) or math.isinf(u):
         raise ColltuneValueError(f"`union` must be a finite number >= 0, but got {union!r}.")
     return _overlap(float(ks.sum()), float(ks.max()), u)
+
+
+def least_overlap(numel: int, k: int, world_size: int) -> float:
+    """Return the least overlap at which ``world_size`` ranks of ``k`` distinct indices each fit in ``numel`` rows.
+
+    With ``s`` indices common to every rank and the rest private, the union
+    is ``s + P (k - s)``, which fits in ``n`` rows when
+    ``s >= (P k - n) / (P - 1)``; the overlap is ``s / k``. 0 when the ranks
+    fit disjoint; above 1 when even identical index sets do not fit
+    (``k > n``).
+    """
+    if k > numel:
+        return math.inf
+    if world_size < 2 or world_size * k <= numel:
+        return 0.0
+    return math.ceil((world_size * k - numel) / (world_size - 1)) / k
 
 
 def _overlap(total: float, largest: float, union: float) -> float:

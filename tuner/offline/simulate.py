@@ -24,10 +24,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from colltune.model.features import Features, features_by_algorithm, topk_features
+from colltune.algorithms.errors import ColltuneValueError
+from colltune.model.cost_model import even_layout
+from colltune.model.features import Features, features_by_algorithm, least_overlap, topk_features
 from colltune.model.files import atomic_path
 
-__all__ = ["Workload", "Point", "simulate", "decision_map", "format_points", "plot", "MAP_DENSITIES"]
+__all__ = ["Workload", "Point", "misfit", "check_layout", "simulate", "decision_map", "format_points", "plot", "MAP_DENSITIES"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Point:
         bytes_sent: bytes one rank sends per algorithm (and receives).
         choice: the algorithm with the smallest predicted time.
         note: why the model is not fully trusted there (extrapolation), or ``""``.
+        refused: why this world size is not priced (the overlap cannot fit), or ``""``.
     """
 
     world_size: int
@@ -74,12 +77,14 @@ class Point:
     bytes_sent: dict[str, float] = field(default_factory=dict)
     choice: str = ""
     note: str = ""
+    refused: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """Return the point as JSON-ready plain data."""
         return {"world_size": self.world_size, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
                 "predicted_us": dict(self.predicted_us), "bytes_sent": dict(self.bytes_sent),
-                "bytes_received": dict(self.bytes_sent), "choice": self.choice, "note": self.note}
+                "bytes_received": dict(self.bytes_sent), "choice": self.choice, "note": self.note,
+                "refused": self.refused}
 
 
 def _features(w: Workload, p: int, rpn: int | None) -> tuple[dict[str, Features], Features]:
@@ -95,6 +100,45 @@ def _features(w: Workload, p: int, rpn: int | None) -> tuple[dict[str, Features]
     return features_by_algorithm(sparse), sparse
 
 
+def misfit(workload: Workload, world_size: int) -> str:
+    """Why ``workload`` cannot be priced at ``world_size`` as asked, or ``""``.
+
+    In exact mode each rank's ``k`` distinct entries must fit in ``numel``
+    rows with no more overlap than asked; ``colltune explain`` refuses the
+    same call with the same words.
+    """
+    w, k = workload, workload.k()
+    least = least_overlap(w.numel, k, world_size)
+    if w.mode != "exact" or least <= w.overlap + 1e-9:
+        return ""
+    return (f"--overlap {w.overlap:g} does not fit: {world_size} ranks with {k} entries each over n={w.numel} rows "
+            f"overlap by at least {least:.3f}; raise --overlap or --numel, or lower --density")
+
+
+def check_layout(world_sizes: Sequence[int], ranks_per_node: int | None) -> None:
+    """Refuse world sizes that do not spread evenly over nodes of ``ranks_per_node`` ranks.
+
+    NCCL's model prices nodes that hold as many ranks each
+    (:func:`colltune.model.cost_model.even_layout`), so an uneven world size
+    would be priced as a larger one.
+
+    Raises:
+        ColltuneValueError: naming the first such world size and the nearest even ones.
+    """
+    if ranks_per_node is None:
+        return
+    uneven = [p for p in world_sizes if math.prod(even_layout(p, ranks_per_node)) != p]
+    if uneven:
+        p = uneven[0]
+        nodes, per_node = even_layout(p, ranks_per_node)
+        raise ColltuneValueError(
+            f"{p} ranks do not spread evenly over nodes of at most {ranks_per_node} ranks: NCCL's model prices "
+            f"nodes that hold as many ranks each, so it would price {nodes} x {per_node} = {nodes * per_node} "
+            "ranks. Ask for a whole number of nodes "
+            f"({ranks_per_node * (p // ranks_per_node) or ranks_per_node} or {nodes * ranks_per_node} ranks), or set "
+            "--gpus-per-node to a divisor of it.")
+
+
 def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
              ranks_per_node: int | None = None) -> list[Point]:
     """Price ``workload`` at each world size with ``model`` (the selector's view of a profile).
@@ -106,11 +150,26 @@ def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
         ranks_per_node: ranks per node (``None``: the profile's layout).
 
     Returns:
-        One :class:`Point` per world size, in the order given.
+        One :class:`Point` per world size, in the order given, each with the
+        nodes and ranks per node it was priced on. A world size where the
+        overlap cannot fit is not priced: its point has no predictions, and
+        its ``refused`` says why (:func:`misfit`).
+
+    Raises:
+        ColltuneValueError: an uneven layout (:func:`check_layout`), or the
+            overlap fits at none of the world sizes.
     """
+    check_layout(world_sizes, ranks_per_node)
+    reasons = {p: misfit(workload, p) for p in world_sizes}
+    if world_sizes and all(reasons.values()):
+        raise ColltuneValueError(f"{reasons[world_sizes[0]]}.")
     points = []
     for p in world_sizes:
         rpn = None if ranks_per_node is None else min(ranks_per_node, p)
+        nodes, per_node = (None, None) if rpn is None else even_layout(p, rpn)
+        if reasons[p]:
+            points.append(Point(p, nodes, per_node, refused=reasons[p]))
+            continue
         feats, entries = _features(workload, p, rpn)
         distinct = {id(f): f for f in feats.values()}  # exact calls price every algorithm on one set of features
         preds = {i: model.predict(f) for i, f in distinct.items()}
@@ -119,8 +178,7 @@ def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
         pred = {a: preds[id(f)][a] for a, f in priced.items()}
         sent = {a: math.fsum(s.nbytes for s in steps[id(f)].get(a, ()) if s.primitive != "local")
                 for a, f in priced.items()}
-        nodes = None if rpn is None else -(-p // rpn)
-        points.append(Point(p, nodes, rpn, pred, sent, min(pred, key=lambda a: (pred[a], list(pred).index(a))),
+        points.append(Point(p, nodes, per_node, pred, sent, min(pred, key=lambda a: (pred[a], list(pred).index(a))),
                             model.extrapolation(entries) or ""))
     return points
 
@@ -138,7 +196,8 @@ def _time(us: float) -> str:
 
 def format_points(points: Sequence[Point], workload: Workload, label: str) -> str:
     """Return the simulation as a table: per world size each algorithm's time and bytes, and the choice."""
-    algs = list(points[0].predicted_us) if points else []
+    priced = [pt for pt in points if not pt.refused]
+    algs = list(priced[0].predicted_us) if priced else []
     w = workload
     head = (f"{w.mode} call: n={w.numel} rows x {w.row_numel}, {w.dtype}, density {w.density:g} "
             f"(k={w.k()} per rank), overlap {w.overlap:g}; cost model: {label}")
@@ -150,9 +209,12 @@ def format_points(points: Sequence[Point], workload: Workload, label: str) -> st
     lines = [head, "", f"{'P':>{wp}}{'nodes':>{wn}}{'per node':>9}{cols}  choice",
              "-" * (wp + wn + 11 + 2 * width * len(algs) + 10)]
     for pt in points:
-        cells = "".join(f"{_time(pt.predicted_us[a]):>{width}}{_size(pt.bytes_sent[a]):>{width}}" for a in algs)
         nodes = "-" if pt.nodes is None else str(pt.nodes)
         rpn = "-" if pt.ranks_per_node is None else str(pt.ranks_per_node)
+        if pt.refused:
+            lines.append(f"{pt.world_size:>{wp}}{nodes:>{wn}}{rpn:>9}  not priced: {pt.refused}")
+            continue
+        cells = "".join(f"{_time(pt.predicted_us[a]):>{width}}{_size(pt.bytes_sent[a]):>{width}}" for a in algs)
         lines.append(f"{pt.world_size:>{wp}}{nodes:>{wn}}{rpn:>9}{cells}  {pt.choice}"
                      + (f"  ({pt.note})" if pt.note else ""))
     lines.append("")
@@ -166,11 +228,16 @@ MAP_DENSITIES: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e
 
 def decision_map(model: Any, workload: Workload, world_sizes: Sequence[int], densities: Sequence[float], *,
                  ranks_per_node: int | None = None) -> list[list[str]]:
-    """Return the choice at each density (rows) and world size (columns), the rest of ``workload`` fixed."""
+    """Return the choice at each density (rows) and world size (columns), the rest of ``workload`` fixed.
+
+    A cell where the overlap cannot fit holds ``""`` (drawn grey).
+    """
     out = []
     for d in densities:
         w = Workload(workload.numel, d, workload.overlap, workload.row_numel, workload.dtype, workload.mode)
-        out.append([pt.choice for pt in simulate(model, w, world_sizes, ranks_per_node=ranks_per_node)])
+        fits = [p for p in world_sizes if not misfit(w, p)]
+        chosen = {pt.world_size: pt.choice for pt in simulate(model, w, fits, ranks_per_node=ranks_per_node)}
+        out.append([chosen.get(p, "") for p in world_sizes])
     return out
 
 
@@ -188,12 +255,14 @@ def plot(points: Sequence[Point], path: str, workload: Workload, label: str,
 
     from colltune.offline.report import COLORS
 
+    columns = [pt.world_size for pt in points]  # the map's: every world size asked
+    points = [pt for pt in points if not pt.refused]
     ps = [pt.world_size for pt in points]
     fig, axes = plt.subplots(1, 3 if choices else 2, figsize=(16 if choices else 11, 4.8), layout="constrained")
     ax_t, ax_b = axes[0], axes[1]
     if choices:
-        _draw_choices(axes[2], choices, ps, densities, COLORS)
-    for a in points[0].predicted_us:
+        _draw_choices(axes[2], choices, columns, densities, COLORS)
+    for a in (points[0].predicted_us if points else ()):
         color = COLORS.get(a)
         ax_t.plot(ps, [pt.predicted_us[a] / 1e3 for pt in points], marker="o", ms=3, label=a, color=color)
         ax_b.plot(ps, [max(pt.bytes_sent[a], 1.0) for pt in points], marker="o", ms=3, label=a, color=color)
