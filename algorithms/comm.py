@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 
 from colltune.algorithms.errors import CollectiveError
-from colltune.algorithms.schedule import p2p_gathers
+from colltune.algorithms.schedule import p2p_gathers, record_by_all_reduce
 from colltune.algorithms.sparse import offsets, on_host, upload
 
 __all__ = [
@@ -331,7 +331,8 @@ class Comm:
             and ``device``; see the module docstring). Set once, here.
     """
 
-    __slots__ = ("group", "wire", "rank", "world_size", "device", "traffic", "direct", "direct_record", "staged", "_meta")
+    __slots__ = ("group", "wire", "rank", "world_size", "device", "traffic", "direct", "direct_record", "reduce_record", "staged",
+                 "_meta")
 
     def __init__(
         self,
@@ -347,11 +348,14 @@ class Comm:
         #: Whether the metadata record is gathered point to point: by backend and size alone, never by
         #: code path, so that ranks on different paths still exchange records (and raise, not hang).
         self.direct_record = False
+        #: Whether the record is summed as a table instead (:func:`record_by_all_reduce`): by backend and size alone.
+        self.reduce_record = False
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             backend = str(dist.get_backend(group))
             self.direct_record = self.world_size > 2 and backend.lower() in DIRECT_BACKENDS
+            self.reduce_record = record_by_all_reduce(self.world_size, backend.lower() not in DIRECT_BACKENDS)
             if direct is None:
                 # At P = 2 the ring is one exchange already, and the backend's own call is cheaper. Host
                 # path only: gloo's point-to-point calls hand the backend raw host memory, and the device
@@ -495,6 +499,23 @@ class Comm:
         out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         self._collective("all_gather", lambda o, i: _all_gather_single(o, i, group=self.wire), out, t)
         return out
+
+    def gather_record(self, row: torch.Tensor) -> torch.Tensor:
+        """Return every rank's metadata record ``row`` (1-D ``uint8``), in rank order, as a ``[P, R]`` table.
+
+        Point to point on :data:`DIRECT_BACKENDS` past 2 ranks
+        (:attr:`direct_record`); summed as a zeroed table holding this
+        rank's row (:attr:`reduce_record`, exact: every byte has one nonzero
+        addend); else the backend's ``all_gather``.
+        """
+        p = self.world_size
+        if not self.reduce_record:
+            return self.all_gather(row, direct=self.direct_record).view(p, row.numel())
+        table = torch.zeros((p, row.numel()), dtype=row.dtype, device=row.device)
+        table[self.rank] = row
+        self._count("all_reduce", 2 * _nbytes(table) * (p - 1) // p, 2 * (p - 1))
+        dist.all_reduce(table, group=self.wire)
+        return table
 
     def _gather_direct(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather contiguous ``t`` point to point, every peer at once (not counted)."""

@@ -1,6 +1,9 @@
 """The small metadata record every call exchanges first.
 
-One ``all_gather`` of a fixed-size int64 record per rank tells every rank
+One ``all_gather`` of a fixed-size int64 record per rank (on NCCL from 32
+ranks on, an ``all_reduce`` of the table, whose latency grows with
+``log2`` of the nodes instead of ``P``:
+:func:`~colltune.algorithms.schedule.record_by_all_reduce`) tells every rank
 (1) how many entries each rank holds, which the algorithms need anyway, and
 (2) whether all ranks agree on the call: size, row shape, dtype, op,
 algorithm and policy digest. Because every rank sees every record, every
@@ -308,7 +311,7 @@ def exchange(
     if on_device and local_error is None:
         _fill_on_device(row, device_fields or {}, slot if isinstance(slot, torch.Tensor) else None)
     with comm.meta():
-        table = comm.all_gather(row, direct=comm.direct_record).view(comm.world_size, row.numel())
+        table = comm.gather_record(row)
     # One read of the whole table: the slots' readers (counts, sketches, payloads) need no other.
     host_table = table.numpy() if comm.host else table.cpu().numpy()
     records = Records(np.ascontiguousarray(host_table[:, :hbytes]).view(np.int64))

@@ -26,7 +26,37 @@ from typing import Any
 from colltune.algorithms import sizes
 from colltune.algorithms.errors import ColltuneValueError
 
-__all__ = ["Step", "Pricing", "p2p_gathers"]
+__all__ = ["Step", "Pricing", "p2p_gathers", "record_by_all_reduce", "RECORD_ALL_REDUCE_FROM"]
+
+#: The world size from which a collective backend (NCCL) gathers the metadata record by an ``all_reduce``
+#: (:func:`record_by_all_reduce`).
+RECORD_ALL_REDUCE_FROM = 32
+
+
+def record_by_all_reduce(world_size: int, collective: bool) -> bool:
+    """Whether the metadata record travels as an ``all_reduce`` of a table with one row per rank.
+
+    Each rank writes its record in its own row of a zeroed ``[P, R]`` table
+    and the table is summed: every byte has one nonzero addend, so the sum
+    is the gathered table exactly, on every rank. NCCL's ``all_gather``
+    runs only as a ring, whose latency grows with ``P`` (``P - 1`` steps),
+    while its ``all_reduce`` can run as a tree, whose latency grows with
+    the nodes' ``log2``. NCCL 2.21.5's tuning model
+    (:mod:`colltune.model.nccl`, DGX H100 nodes) prices the record at rest
+    (:func:`~colltune.algorithms.sizes.record_bytes`) gathered and summed:
+    16 ranks (2 x 8) 23.8 and 26.6 us, 32 ranks (4 x 8) 43.8 and 38.4 us,
+    128 (16 x 8) 162 and 63 us, 1024 (128 x 8) 1268 and 157 us; at one rank
+    per node the crossover is at 32 ranks too (91.4 and 63.3 us). So a
+    collective backend sums the record from :data:`RECORD_ALL_REDUCE_FROM`
+    ranks on.
+
+    ``collective`` is True for a backend whose collectives run as the
+    backend runs them (NCCL; not :data:`~colltune.algorithms.comm.DIRECT_BACKENDS`,
+    whose records travel point to point). A group has one backend, so
+    every rank resolves the same exchange whatever its tensors' path. The
+    cost model prices the device path (an NCCL profile) so.
+    """
+    return collective and world_size >= RECORD_ALL_REDUCE_FROM
 
 
 def p2p_gathers(world_size: int, ranks_per_node: int | None, host: bool) -> bool:
@@ -139,8 +169,13 @@ class Pricing:
         return self.mode == "topk"
 
     def metadata(self, record_bytes: float | None = None) -> Step:
-        """The all_gather of the metadata record every call starts with."""
-        return self.all_gather("metadata", self.record_bytes if record_bytes is None else record_bytes)
+        """The exchange of the metadata record every call starts with: an all_gather, or from
+        :data:`RECORD_ALL_REDUCE_FROM` ranks on the device path an all_reduce of the table
+        (:func:`record_by_all_reduce`)."""
+        nbytes = self.record_bytes if record_bytes is None else record_bytes
+        if record_by_all_reduce(self.p, not self.host):
+            return self.all_reduce("metadata", self.p * nbytes)
+        return self.all_gather("metadata", nbytes)
 
     def all_reduce(self, term: str, nbytes: float, share: float = 1.0) -> Step:
         """A ring all_reduce of ``nbytes``, paid on a ``share`` of the calls."""

@@ -276,3 +276,29 @@ def test_auto_gathers_point_to_point_on_the_host_path_or_one_node_only():
                 ok = _priced("oktopk", Pricing(f, host=host))
                 assert ok["union_gather"].primitive == ("p2p" if point_to_point else "all_gather"), (p, host, f.row_numel)
                 assert ok["sizes_all_gather"].calls == (0 if point_to_point and f is narrow else 1)
+
+
+def test_the_record_is_summed_as_a_table_on_the_device_path_from_32_ranks():
+    from colltune.algorithms.schedule import RECORD_ALL_REDUCE_FROM, record_by_all_reduce
+    from colltune.model.profile import load_profile
+    from colltune.select.selector import model_for_profile, shipped_profile
+
+    assert RECORD_ALL_REDUCE_FROM == 32 and record_by_all_reduce(32, True) and not record_by_all_reduce(31, True)
+    assert not record_by_all_reduce(1024, False)  # gloo gathers records point to point
+    for p in (16, 32, 1024):
+        f = _features(p, 2**24, 10_000)
+        record = sizes.record_bytes(p)
+        device, host = _priced("dense", Pricing(f, host=False)), _priced("dense", Pricing(f, host=True))
+        assert host["metadata"].primitive == "all_gather" and host["metadata"].nbytes == (p - 1) * record
+        if p < 32:
+            assert device["metadata"] == host["metadata"]
+        else:  # a ring all_reduce of the P x R table: 2 (P - 1) / P of it sent
+            assert device["metadata"].primitive == "all_reduce"
+            assert device["metadata"].nbytes == pytest.approx(2 * (p - 1) / p * p * record)
+    # The bound: the record costs at most 0.3 ms at 1024 ranks (128 DGX H100 nodes) in NCCL's model,
+    # Ok-Topk's counts in the slot included; gathered by NCCL's ring it cost 1.27 ms.
+    model = model_for_profile(load_profile(shipped_profile("nccl")), "analytic-nccl.yaml")
+    small = Features.uniform(numel=2**20, row_numel=1, dtype="float32", k=10, world_size=1024, union=10240,
+                             ranks_per_node=8)
+    terms = model.analytic.terms(small)
+    assert max(t["metadata"] for t in terms.values()) <= 300.0, {a: t["metadata"] for a, t in terms.items()}
