@@ -40,7 +40,7 @@ from colltune.algorithms.knobs import Knob
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import accum_dtype, wire_index_dtype
 
-__all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "TopkPrepared", "Algorithm"]
+__all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Delivered", "TopkPrepared", "Algorithm"]
 
 Op = Literal["sum", "avg"]
 
@@ -63,8 +63,9 @@ class SparseInput:
         op: ``sum`` or ``avg``; read only by algorithms that set
             :attr:`Algorithm.applies_avg`.
         payload: every rank's :meth:`Algorithm.eager_payload` from the
-            metadata exchange (``[P, payload bytes]`` ``uint8``), or ``None``
-            when the ranks sent none.
+            metadata exchange (``[P, payload bytes]`` ``uint8``, host data:
+            a NumPy view of the exchanged table), or ``None`` when the ranks
+            sent none.
     """
 
     indices: torch.Tensor
@@ -75,7 +76,7 @@ class SparseInput:
     counts: tuple[int, ...]
     eager: torch.Tensor | None = None
     op: str = "sum"
-    payload: torch.Tensor | None = None
+    payload: np.ndarray | None = None
 
     @property
     def row_numel(self) -> int:
@@ -143,7 +144,8 @@ class TopkOutput:
         indices: flat int64 indices of the reduced entries, sorted, unique;
             ``None`` when the result is dense (no compression).
         values: the summed values at ``indices`` (or the whole dense sum).
-        sent: flat local indices whose accumulated values were delivered;
+        sent: flat local indices whose accumulated values were delivered,
+            or a :class:`Delivered` that says so without compacting them;
             ``None`` means all of them (dense).
         local_count: entries this rank selected locally.
         global_count: entries kept globally.
@@ -151,9 +153,37 @@ class TopkOutput:
 
     indices: torch.Tensor | None
     values: torch.Tensor
-    sent: torch.Tensor | None
+    sent: "torch.Tensor | Delivered | None"
     local_count: int
     global_count: int
+
+
+@dataclass
+class Delivered:
+    """Which of this rank's selected entries were delivered, kept on the device until someone reads them.
+
+    Attributes:
+        indices: flat int64 local indices selected (sorted, unique).
+        hit: a bool tensor of the same length: delivered or not.
+
+    Compacting ``indices[hit]`` reads its count on the device (a host
+    sync), so the error feedback clears the residual with :meth:`clear`,
+    which needs none, and :meth:`compact` runs only for a caller that reads
+    the delivered indices.
+    """
+
+    indices: torch.Tensor
+    hit: torch.Tensor
+
+    def clear(self, residual: torch.Tensor) -> None:
+        """Zero ``residual`` (flat) at the delivered indices, in place, with no host sync."""
+        flat = residual.view(-1)
+        flat[self.indices] = torch.where(self.hit, torch.zeros((), dtype=flat.dtype, device=flat.device),
+                                         flat.index_select(0, self.indices))
+
+    def compact(self) -> torch.Tensor:
+        """The delivered indices (sorted, unique)."""
+        return self.indices[self.hit]
 
 
 @dataclass
@@ -161,17 +191,19 @@ class TopkPrepared:
     """What an algorithm worked out before the metadata exchange of a top-k call (:meth:`Algorithm.topk_prepare`).
 
     Attributes:
-        payload: this rank's bytes for the record's eager slot (flat ``uint8``).
+        payload: this rank's bytes for the record's eager slot (flat
+            ``uint8``; on the device path a device tensor, written into the
+            record there).
         work: the algorithm's own pre-exchange work (Ok-Topk: its local
             selection), handed back to it unread by the front door.
         gathered: every rank's payload after the exchange (``[P, payload
-            bytes]`` ``uint8``), set by the front door before
+            bytes]`` ``uint8``, host data), set by the front door before
             :meth:`Algorithm.topk_allreduce` receives it.
     """
 
-    payload: np.ndarray
+    payload: np.ndarray | torch.Tensor
     work: Any = None
-    gathered: torch.Tensor | None = None
+    gathered: np.ndarray | None = None
 
 
 class Algorithm(abc.ABC):

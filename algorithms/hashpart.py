@@ -359,7 +359,7 @@ class HashPart(Algorithm):
         p, me = comm.world_size, comm.rank
         counts = None
         if inp.payload is not None and p > 1 and inp.payload.shape[1] == 8 * p:
-            table = inp.payload.cpu().contiguous().numpy().view(np.int64)  # row j: rank j's count per owner
+            table = np.ascontiguousarray(inp.payload).view(np.int64)  # row j: rank j's count per owner
             counts = table[me].tolist(), table[:, me].tolist()
         out = hash_reduce(
             comm, inp.indices, inp.values, inp.size, inp.dtype, counts=counts, divide=inp.op == "avg",

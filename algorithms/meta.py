@@ -256,7 +256,7 @@ def exchange(
     labels: Mapping[str, tuple[str, str]] | None = None,
     device_fields: Mapping[str, torch.Tensor] | None = None,
     deferred_error: Callable[[], BaseException] | None = None,
-) -> tuple[Sequence[dict[str, int]], torch.Tensor | None]:
+) -> tuple[Sequence[dict[str, int]], np.ndarray | None]:
     """All-gather ``record`` and check that every rank agrees; return every rank's record and eager slot.
 
     Args:
@@ -280,10 +280,11 @@ def exchange(
 
     Returns:
         ``(records, slots)``: every rank's record (a :class:`Records`, or a
-        list on a single rank), and every rank's slot as
-        one ``uint8`` CPU tensor of shape ``[P, slot_bytes]``, read from the device with the records in
-        one read (``None`` on a single rank, where
-        nothing is exchanged).
+        list on a single rank), and every rank's slot as one ``uint8``
+        NumPy array of shape ``[P, slot_bytes]``, a view of the table read
+        from the device with the records in one read: host data, which a
+        reader takes without another read (``None`` on a single rank,
+        where nothing is exchanged).
 
     Raises:
         The rank's own ``local_error``; :class:`RemoteInputError` if another
@@ -329,7 +330,7 @@ def exchange(
         _check_shared(list(records), labels or {})
     if fb is not None:
         fb.arrived(head[:, _FB_CODE_AT].tolist(), head[:, _FB_US_AT].tolist())
-    return records, (table if comm.host else torch.from_numpy(host_table))[:, hbytes:]
+    return records, host_table[:, hbytes:]
 
 
 @functools.lru_cache(maxsize=256)

@@ -36,9 +36,10 @@ Top-k mode (``topk_allreduce``, Ok-Topk's Algorithm 1 with Algorithm 2's error
 feedback done by the caller):
 
 1. Local selection by a threshold: exact (a top-k) every ``local_refresh``
-   calls; in between the previous threshold is reused, and nudged by
-   ``nudge`` while the count is outside the band, with an exact recompute if
-   nudging does not bring it back.
+   calls; in between the previous threshold is reused, or the nearest of
+   its nudges by ``(1 + nudge) ** j`` (``|j| <= LOCAL_NUDGES``, all counted
+   at once) whose count is in the band, with an exact recompute if none
+   is.
 2. Split and reduce of the selected entries, as above. While the
    boundaries in the :class:`~colltune.algorithms.state.TopkState` are
    cached, the local selection runs before the metadata exchange
@@ -76,7 +77,7 @@ import torch
 from colltune.algorithms import meta as _meta
 from colltune.algorithms import sizes
 from colltune.algorithms.balance import balance_and_gather
-from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput, TopkPrepared
+from colltune.algorithms.base import Algorithm, Delivered, SparseInput, TopkOutput, TopkPrepared
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import Knob
 from colltune.algorithms.registry import register
@@ -437,7 +438,7 @@ def _gather_regions_eager(
     sizes = msgs.view(-1)[heads].view(torch.int64).view(-1).tolist()
     rest = [max(0, sizes[j] - caps[j]) for j in range(p)]
     if not any(rest):
-        gidx, gvals = unpack(msgs[_rows_mask(at, h, sizes, comm.device)], r, index_dtype, wire_dtype)
+        gidx, gvals = unpack(msgs.index_select(0, _entry_rows(at, h, sizes, comm.device)), r, index_dtype, wire_dtype)
         return gidx, gvals, sizes
     tails = {me: blob[first:]}  # some region outgrew its room: its owner sends the rest to everyone
     for j in range(p):
@@ -452,13 +453,16 @@ def _gather_regions_eager(
     return gidx, gvals, sizes
 
 
-def _rows_mask(at: list[int], h: int, sizes: list[int], device: torch.device) -> torch.Tensor:
-    """Return which rows of the eager gather's buffer hold entries: rows ``[at[j] + h, at[j] + h + sizes[j])``."""
-    marks = np.zeros(at[-1] + 1, dtype=np.int64)
+def _entry_rows(at: list[int], h: int, sizes: list[int], device: torch.device) -> torch.Tensor:
+    """Return the rows of the eager gather's buffer that hold entries, in order: ``[at[j] + h, at[j] + h + sizes[j])``.
+
+    Built on the host from sizes the host holds, so selecting them needs no
+    host sync (a boolean mask's selection would read its count).
+    """
     starts = np.asarray(at[:-1], dtype=np.int64) + h
-    np.add.at(marks, starts, 1)
-    np.add.at(marks, starts + np.asarray(sizes, dtype=np.int64), -1)
-    return upload(torch.from_numpy(np.cumsum(marks[:-1]) > 0), device)
+    lengths = np.asarray(sizes, dtype=np.int64)
+    first = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return upload(torch.from_numpy(first + np.arange(int(lengths.sum()), dtype=np.int64)), device)
 
 
 def _gather_regions_p2p(
@@ -626,6 +630,10 @@ def _topk_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
 #: the cut of a reduced, error-fed gradient the kept count can halve for a
 #: 5% higher threshold, which would step over the band (a factor 1.9 wide).
 GLOBAL_NUDGES = 8
+#: Nudged local thresholds tried on each side of a reused one, all counted at once (one host read on a
+#: device): factors ``(1 + nudge) ** j``, ``|j| <= LOCAL_NUDGES`` (+-22% with the default nudge 0.05); the
+#: one in the band nearest the reused threshold wins, else the exact one is computed.
+LOCAL_NUDGES = 4
 
 
 @register
@@ -655,10 +663,11 @@ class OkTopk(Algorithm):
         "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
         "region_reduce", "threshold_all_reduce", "sizes_all_gather", "balance_p2p", "union_gather", "unpack",
     )
-    #: Exact: the record (the coalesce's count and the region counts ride in it), the split's counts and
-    #: merge, the reduced union's sizes, the gather's; top-k: the selection's counts (up to 4 while a
-    #: reused threshold is nudged), the record, and the rest as exact.
-    HOST_SYNCS = {"exact": 5, "topk": 12}
+    #: Exact: the record (the coalesce's count and the region counts ride in it; the slots are read with
+    #: it), the split's merge, the reduced regions' sizes. Top-k: the local selection's counts (every
+    #: nudged threshold at once; a second read when none fits and the exact one is computed), the record,
+    #: the split's merge, the global selection's counts.
+    HOST_SYNCS = {"exact": 3, "topk": 5}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
@@ -722,7 +731,7 @@ class OkTopk(Algorithm):
         # refresh due); a state made afresh for other knobs refreshes, and the counts travel again.
         counts = None
         if inp.payload is not None and inp.payload.shape[1] == 8 * p and not st.bounds.due(inp.size, p):
-            table = inp.payload.cpu().contiguous().numpy().view(np.int64)  # row r: rank r's count per region
+            table = np.ascontiguousarray(inp.payload).view(np.int64)  # row r: rank r's count per region
             counts = table[comm.rank].tolist(), table[:, comm.rank].tolist()
         with comm.meta():
             cuts = st.bounds.get(idx, inp.size, comm)
@@ -763,8 +772,11 @@ class OkTopk(Algorithm):
             return None
         k = state.k_for(n)
         lidx, th = self._local_selection(Magnitudes(acc), state, k, state.band_for(k))
-        counts = np.diff(np.asarray(_slices(lidx, cuts), dtype=np.int64))
-        return TopkPrepared(counts.view(np.uint8), _Selection(lidx, th, state.step, state.local_refresh))
+        if on_host(lidx):
+            payload: np.ndarray | torch.Tensor = np.diff(np.asarray(_slices(lidx, cuts), dtype=np.int64)).view(np.uint8)
+        else:  # counted on the device, written into the record there: read with it, in its one read
+            payload = torch.diff(torch.searchsorted(lidx, upload(cuts, lidx.device))).view(torch.uint8)
+        return TopkPrepared(payload, _Selection(lidx, th, state.step, state.local_refresh))
 
     def topk_allreduce(
         self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: TopkPrepared | None = None
@@ -793,9 +805,8 @@ class OkTopk(Algorithm):
         # Which of this rank's entries were delivered: those whose index survived globally.
         pos = torch.searchsorted(gidx, lidx).clamp(max=max(gidx.numel() - 1, 0))
         hit = gidx[pos] == lidx if gidx.numel() else torch.zeros_like(lidx, dtype=torch.bool)
-        return TopkOutput(
-            indices=gidx, values=gvals.view(-1), sent=lidx[hit], local_count=lidx.numel(), global_count=total
-        )
+        return TopkOutput(indices=gidx, values=gvals.view(-1), sent=Delivered(lidx, hit), local_count=lidx.numel(),
+                          global_count=total)
 
     @staticmethod
     def _prepared(
@@ -817,7 +828,7 @@ class OkTopk(Algorithm):
         if (prepared.gathered.shape[1] != 8 * p or state.boundaries.due(n, p)
                 or (sel.step, sel.local_refresh) != (state.step, state.local_refresh)):
             return None, None, None
-        table = prepared.gathered.cpu().contiguous().numpy().view(np.int64)  # row r: rank r's count per region
+        table = np.ascontiguousarray(prepared.gathered).view(np.int64)  # row r: rank r's count per region
         return sel.lidx, sel.threshold, (table[comm.rank].tolist(), table[:, comm.rank].tolist())
 
     @staticmethod
@@ -830,17 +841,17 @@ class OkTopk(Algorithm):
         lo, hi = band
         th = state.local_threshold
         exact = th is None or state.step % state.local_refresh == 0
-        count = None
         if not exact:
-            for _ in range(4):
-                count = mag.count(th)
-                if lo <= count <= hi:
-                    break
-                th = th * (1 + state.nudge) if count > hi else th * (1 - state.nudge)
+            cands = [th * (1 + state.nudge) ** j for j in range(-LOCAL_NUDGES, LOCAL_NUDGES + 1)]
+            counts = mag.counts(cands).tolist()  # every candidate in one read
+            fits = [j for j, c in enumerate(counts) if lo <= c <= hi]
+            if fits:
+                best = min(fits, key=lambda j: (abs(j - LOCAL_NUDGES), j))
+                th, count = cands[best], counts[best]
             else:
                 exact = True
         if exact:
-            th, count = mag.kth_largest(k), None
+            th, count = mag.kth_largest_counted(k)
         return mag.indices(th, count), th
 
     def _global_selection(

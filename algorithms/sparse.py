@@ -742,6 +742,16 @@ class Magnitudes:
             return float(np.partition(self.mag, self.mag.size - k)[self.mag.size - k])
         return float(torch.topk(self.mag, k, sorted=False).values.min())
 
+    def kth_largest_counted(self, k: int) -> tuple[float, int]:
+        """The ``k``-th largest value and how many values it selects (:meth:`count`), in one read on the device."""
+        if self.host:
+            th = self.kth_largest(k)
+            return th, self.count(th)
+        th = torch.topk(self.mag, k, sorted=False).values.min()
+        count = torch.count_nonzero((self.mag >= th) & (self.mag > 0))  # the selection's rule at th, 0 included
+        th_host, count_host = torch.stack((th.double(), count.double())).tolist()
+        return th_host, int(count_host)
+
     def top_k_indices(self, k: int) -> torch.Tensor:
         """Sorted int64 positions of the ``k`` largest values (``1 <= k <= numel``); ties: the lowest positions.
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from colltune import algorithms
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.allgather import eager_slot, slot_need
-from colltune.algorithms.base import SparseInput, SparseResult, TopkOutput, TopkPrepared
+from colltune.algorithms.base import Delivered, SparseInput, SparseResult, TopkOutput, TopkPrepared
 from colltune.algorithms.comm import Comm, Traffic, group_serial, group_timeout, private_group, ranks_per_node
 from colltune.algorithms.errors import (
     AbandonedCallError,
@@ -1026,8 +1026,8 @@ class _SparseCall:
             return algorithm, None
         sketches = None
         if self.eager == _meta.EAGER_SKETCH:
-            table = slots[:, self.payload_bytes : self.payload_bytes + self.sketch_bytes]
-            table = table.cpu().contiguous().numpy().view(np.uint32)
+            table = np.ascontiguousarray(slots[:, self.payload_bytes : self.payload_bytes + self.sketch_bytes])
+            table = table.view(np.uint32)
             sketches = [table[r, : min(c, table.shape[1])] for r, c in enumerate(counts)]
         decision = sel.decide_sparse(
             self.site, comm=self.comm, backend=self.backend, name=name, size=self.n, row_numel=self.vals.shape[1],
@@ -1044,7 +1044,7 @@ class _SparseCall:
         """Return what the algorithm receives: the local entries, every rank's counts, slots and payloads."""
         entries_at = self.payload_bytes + self.sketch_bytes
         has_entries = self.eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
-        eager_entries = slots[:, entries_at:] if has_entries else None
+        eager_entries = torch.from_numpy(slots[:, entries_at:]) if has_entries else None
         # The payload belongs to the algorithm that made it: another one chosen meanwhile does not get it.
         payload = slots[:, : self.payload_bytes] if self.payload_bytes and algorithm == self.likely else None
         return SparseInput(self.idx, self.vals, self.n, self.row_shape, self.dtype, counts, eager_entries, op,
@@ -1093,7 +1093,9 @@ class TopkResult:
         local_count: entries this rank selected.
         global_count: entries in the result.
         sent_indices: flat indices of this rank whose accumulated values were
-            delivered (and so left the residual); ``None`` means all.
+            delivered (and so left the residual); ``None`` means all. On a
+            device it is compacted when first read (that read is a host
+            sync the call itself does not make).
         traffic: bytes and messages this rank sent.
     """
 
@@ -1103,9 +1105,16 @@ class TopkResult:
     algorithm: str
     local_count: int
     global_count: int
-    sent_indices: torch.Tensor | None
+    _sent: "torch.Tensor | Delivered | None"
     traffic: Traffic = field(default_factory=Traffic)
     decision: Any = None
+
+    @property
+    def sent_indices(self) -> torch.Tensor | None:
+        """See the class docstring."""
+        if isinstance(self._sent, Delivered):
+            self._sent = self._sent.compact()
+        return self._sent
 
     def to_dense(self) -> torch.Tensor:
         """Return the result as a dense tensor shaped like the input."""
@@ -1213,7 +1222,7 @@ def _topk_allreduce(
         acc = _accumulate(tensor, state)
         likely = sel.last_choice(site) if sel is not None else algorithm
         prep = _topk_prepare(likely, acc, state, comm)
-        record["payload"] = 0 if prep is None else int(prep.payload.size)
+        record["payload"] = 0 if prep is None else _payload_bytes(prep.payload)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
         error, prep = _input_error(exc), None
     timer = online.start(comm, sel)
@@ -1225,7 +1234,7 @@ def _topk_allreduce(
         decision, knobs_checked = _decide_topk(sel, site, comm, backend, name, tensor, k, state, knobs_checked)
         algorithm = decision.algorithm
     if prep is not None and algorithm == likely and slots is not None:
-        prep.gathered = slots[:, : prep.payload.size]
+        prep.gathered = slots[:, : _payload_bytes(prep.payload)]
     else:
         prep = None  # the payload belongs to the algorithm that made it: another one chosen meanwhile runs without
     out = _run_topk(acc, state, comm, algorithm, knobs_checked, prep)
@@ -1304,11 +1313,19 @@ def _run_topk(
         out = algo.topk_allreduce(acc, state, comm, knobs, prepared=prepared)
     if out.sent is None:
         state.residual = torch.zeros_like(acc)
+    elif isinstance(out.sent, Delivered):
+        out.sent.clear(acc)
+        state.residual = acc
     else:
         residual = acc
         residual[out.sent] = 0
         state.residual = residual
     return out
+
+
+def _payload_bytes(payload: np.ndarray | torch.Tensor) -> int:
+    """Bytes of a record payload, a host array or a device tensor (its length is known without a read)."""
+    return int(payload.numel() if isinstance(payload, torch.Tensor) else payload.size)
 
 
 def _apply_state_knobs(state: TopkState, decision: Any) -> None:

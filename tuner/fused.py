@@ -454,7 +454,7 @@ class _FusedCall:
         if comm.world_size == 1:
             return self.counts.reshape(1, t)
         if records[0]["eager"] == _COUNTS_IN_SLOT:
-            counts = slots[:, : 8 * t].cpu().contiguous().numpy().view(np.int64)  # type: ignore[index]
+            counts = np.ascontiguousarray(slots[:, : 8 * t]).view(np.int64)  # type: ignore[index]
         else:
             with comm.meta():
                 row = upload(self.counts, comm.device) if self.pending is None else self.device_counts

@@ -24,10 +24,10 @@ from harness import pool
 
 #: Host syncs per steady-state call, at most: what each algorithm declares (and the cost model prices).
 SYNC_CEILING = {name: get(name).HOST_SYNCS["exact"] for name in names()} | {"auto": get("allgather").HOST_SYNCS["exact"]}
-#: A top-k call; Ok-Topk's includes up to 4 counts while a reused threshold is nudged into its band.
+#: A top-k call; Ok-Topk's includes a second read of its local selection when no nudged threshold fits.
 TOPK_SYNC_CEILING = {name: get(name).HOST_SYNCS["topk"] for name in names()}
 #: A fused call, whatever the number of tensors.
-FUSED_SYNC_CEILING = 4
+FUSED_SYNC_CEILING = 3
 
 
 def _single_calls(rank, world_size, algorithm, row_shape, k):
