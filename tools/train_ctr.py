@@ -36,6 +36,11 @@ Usage::
     python tools/train_ctr.py --ranks 4 --mode colltune              # P local gloo ranks
     python tools/train_ctr.py --ranks 4 --bench --steps 20 --repeats 3
     torchrun --nproc-per-node 4 tools/train_ctr.py --mode colltune   # the same code under torchrun
+    torchrun --nproc-per-node 8 tools/train_ctr.py --backend nccl --bench   # a GPU per rank; skips ddp-sparse
+
+With ``--backend nccl`` every rank trains on ``cuda:<local rank>`` (a GPU
+per rank on each machine); modes NCCL cannot run are skipped with a line
+saying why (``ddp-sparse``: DDP cannot reduce sparse gradients on NCCL).
 
 Bytes sent: colltune's own counters for its calls; for DDP, the textbook
 volume of what it runs (ring allreduce ``2 L (P-1)/P``; gloo's sparse
@@ -71,6 +76,9 @@ from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook  # n
 MODES = ("ddp-dense", "ddp-sparse", "colltune", "colltune-sync-all", "colltune-topk")
 #: The modes that synchronize exactly with colltune (the issue's setup (c)).
 EXACT_MODES = ("colltune", "colltune-sync-all")
+#: Modes NCCL cannot run, and why: skipped with a line on --backend nccl.
+NCCL_SKIPS = {"ddp-sparse": "DDP cannot reduce sparse gradients on NCCL (NCCL has no sparse allreduce; "
+                            "run it with --backend gloo)"}
 
 
 # --------------------------------------------------------------------------- data
@@ -433,14 +441,34 @@ def parse_args(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None, help="write the runs and the summary to this file")
     a = ap.parse_args(argv)
     cfg = {k.replace("-", "_"): v for k, v in vars(a).items()}
-    cfg["modes"] = list(MODES) if a.bench else list(dict.fromkeys(a.mode))
+    modes = list(MODES) if a.bench else list(dict.fromkeys(a.mode))
+    if a.backend == "nccl":
+        _check_gpus(ap, a.ranks)
+    cfg["skipped"] = {m: NCCL_SKIPS[m] for m in modes if a.backend == "nccl" and m in NCCL_SKIPS}
+    cfg["modes"] = [m for m in modes if m not in cfg["skipped"]]
+    if not cfg["modes"]:
+        ap.error("nothing to run on nccl: " + "; ".join(f"{m}: {why}" for m, why in cfg["skipped"].items()))
     if cfg["interleave"] is None:
         cfg["interleave"] = "step" if len(cfg["modes"]) > 1 else "run"
     return cfg
 
 
+def _check_gpus(ap: argparse.ArgumentParser, ranks: int) -> None:
+    """``ap.error`` unless each rank on this machine can have a GPU of its own (NCCL refuses two ranks on one)."""
+    if not torch.cuda.is_available():
+        ap.error(f"--backend nccl needs CUDA, which is not available here (torch {torch.__version__}); "
+                 "use --backend gloo")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if in_torchrun() else ranks
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        ap.error(f"--backend nccl needs a GPU per rank: {local} ranks on this machine, {gpus} GPU(s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if not in_torchrun() or os.environ.get("RANK") == "0":
+        for mode, why in cfg["skipped"].items():
+            print(f"skipping {mode}: {why}", flush=True)
     if in_torchrun():
         runs = run_here(rank_main, cfg, backend=cfg["backend"], pg_timeout=600)
         world_size = int(os.environ["WORLD_SIZE"])

@@ -1023,6 +1023,12 @@ def _run_profile(out: str, world_sizes: Sequence[int], grid: Grid, options: _Run
     """Measure, fit and write as :func:`run_profile` does, with its keyword options in ``options``."""
     started = time.monotonic()
     world_sizes, is_root = _run_world_sizes(world_sizes)
+    if is_root and options.backend == "nccl":
+        import torch  # noqa: F401  (NCCL's release is read from a loaded torch; measuring on NCCL needs it anyway)
+
+        from colltune.select.selector import warn_nccl_version_once
+
+        warn_nccl_version_once()  # what this run measures replaces the analytic model's NCCL release
     jpath = journal_path(out)
     header = {"backend": options.backend, "grid": grid.as_dict(), "algorithms": list(options.algorithms),
               "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}

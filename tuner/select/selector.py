@@ -136,6 +136,10 @@ __all__ = [
     "profiles_dir",
     "shipped_profile",
     "format_explanation",
+    "encoded_nccl_release",
+    "installed_nccl_version",
+    "nccl_version_warning",
+    "warn_nccl_version_once",
 ]
 
 logger = logging.getLogger(__name__)
@@ -240,6 +244,98 @@ def shipped_profile(backend: str) -> Path | None:
         return None
     path = d / name
     return path if path.is_file() else None
+
+
+# --------------------------------------------------------------------------- the NCCL release priced
+
+_nccl_warning_lock = threading.Lock()
+#: Whether this process has warned about the NCCL release (once per process, whichever selector or command).
+_nccl_warned = False
+
+
+def encoded_nccl_release() -> tuple[int, int, int]:
+    """Return the NCCL release the analytic NCCL model encodes: ``source.release`` of ``profiles/nccl-tuning.yaml``.
+
+    Example:
+        >>> encoded_nccl_release()  # doctest: +SKIP
+        (2, 21, 5)
+    """
+    from colltune.model.nccl import load_tuning
+
+    tag = str(load_tuning().source["release"])  # e.g. "v2.21.5-1": NCCL's tag, release 2.21.5, package build 1
+    parts = tag.lstrip("v").split("-")[0].split(".")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def installed_nccl_version() -> tuple[int, ...] | None:
+    """Return the NCCL release torch runs, ``(major, minor, patch)``, or ``None`` without NCCL (a CPU build).
+
+    Reads ``torch.cuda.nccl.version()`` only when torch is loaded already: the selector imports no torch
+    itself, and an NCCL group means torch is loaded.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        version = torch.cuda.nccl.version()  # a tuple on CUDA builds, (2, 28, 9) or with a suffix appended
+    except Exception:  # CPU builds have no NCCL bindings (AttributeError, RuntimeError)
+        return None
+    if not isinstance(version, tuple) or len(version) < 3:
+        return None
+    return tuple(int(v) for v in version[:3])
+
+
+def nccl_version_warning(installed: Sequence[int] | None,
+                         encoded: tuple[int, int, int] | None = None) -> str | None:
+    """Return the warning for an installed NCCL other than the release the analytic NCCL model encodes, or ``None``.
+
+    Args:
+        installed: the installed release as ``torch.cuda.nccl.version()`` gives it; ``None`` (no NCCL)
+            warns of nothing.
+        encoded: the model's release (default: :func:`encoded_nccl_release`).
+
+    Returns:
+        The message, or ``None`` when there is no NCCL or its major, minor and patch match.
+
+    Example:
+        >>> nccl_version_warning((2, 21, 5), (2, 21, 5)) is None
+        True
+    """
+    if not installed or len(installed) < 3:
+        return None
+    have = tuple(int(v) for v in installed[:3])
+    want = encoded or encoded_nccl_release()
+    if have == tuple(want):
+        return None
+    have_s, want_s = ".".join(map(str, have)), ".".join(map(str, want))
+    return (f"NCCL {have_s} is installed, but colltune's analytic NCCL model encodes NCCL {want_s} "
+            f"(profiles/nccl-tuning.yaml): the NCCL algorithm and protocol it assumes per collective, and their "
+            f"latencies and bandwidths, follow {want_s}, so predicted times, and auto's choice where algorithms "
+            f"are close, may be off for {have_s}. A profile measured on this cluster replaces them: "
+            f"run `colltune profile --backend nccl` under torchrun and point COLLTUNE_PROFILE at it.")
+
+
+def warn_nccl_version_once(installed: Sequence[int] | None = None) -> str | None:
+    """Log :func:`nccl_version_warning` at WARNING once per process; return the message when this call logged it.
+
+    Args:
+        installed: the installed release (default: :func:`installed_nccl_version`).
+    """
+    global _nccl_warned
+    if _nccl_warned:
+        return None
+    try:
+        message = nccl_version_warning(installed if installed is not None else installed_nccl_version())
+    except ColltuneValueError:  # an unreadable tuning file: pricing with it raises and says why, a warning need not
+        return None
+    if message is None:
+        return None
+    with _nccl_warning_lock:
+        if _nccl_warned:
+            return None
+        _nccl_warned = True
+    logger.warning("%s", message)
+    return message
 
 
 # --------------------------------------------------------------------------- decisions
@@ -692,6 +788,8 @@ class Selector:
                                    path.name, exc, SAFE_DEFAULT)
                     profile = None
         got = None if profile is None else model_for_profile(profile, label or "<profile>")
+        if key == "nccl" and got is not None and got.learned is None and got.analytic.network is not None:
+            warn_nccl_version_once()  # no measurements: NCCL's collectives are priced by one NCCL release's model
         self._models[key] = got
         self._digests[key] = self._compute_digest(profile)
         if got is None:
