@@ -40,6 +40,7 @@ from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
     SPLIT_MIN_ROW_BYTES,
     Magnitudes,
+    Parts,
     accum_dtype,
     entry_bytes,
     gather_mode,
@@ -69,13 +70,16 @@ def gather_merge(
     size: int,
     wire_dtype: torch.dtype,
     mode: str,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather coalesced entries and merge them in rank order (see :func:`merge_sources`)."""
+    """All-gather coalesced entries and merge them in rank order (see :func:`merge_sources`; ``parts``: a fused
+    call's tensors, whose result sizes the merge reads with its own)."""
     index_dtype = wire_index_dtype(size)
     r = vals.shape[1]
     mode = gather_mode(mode, r, wire_dtype, comm.p2p_gathers)
     if mode == "p2p" and comm.world_size > 1:
-        return gather_merge_p2p(comm, idx.to(comm.device), vals.to(comm.device), counts, size, wire_dtype)
+        return gather_merge_p2p(comm, idx.to(comm.device), vals.to(comm.device), counts, size, wire_dtype,
+                                parts=parts)
     if on_host(comm.device):
         # One gather into one buffer, unpacked and merged in one pass: rank order is buffer order.
         buf = torch.from_numpy(pack_host(idx, vals, index_dtype, wire_dtype))
@@ -84,7 +88,7 @@ def gather_merge(
     buf = pack(idx.to(comm.device), vals.to(comm.device), index_dtype, wire_dtype)
     pieces = comm.all_gather_v(buf, counts, mode)
     sources = [unpack(piece, r, index_dtype, wire_dtype) for piece in pieces]
-    return merge_sources(sources, size, r, accum_dtype(wire_dtype), comm.device)
+    return merge_sources(sources, size, r, accum_dtype(wire_dtype), comm.device, parts)
 
 
 def gather_merge_p2p(
@@ -96,6 +100,7 @@ def gather_merge_p2p(
     wire_dtype: torch.dtype,
     head: list[int] | None = None,
     slots: torch.Tensor | None = None,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather coalesced entries as separate index and row messages received in place, then merge in rank order.
 
@@ -121,7 +126,7 @@ def gather_merge_p2p(
                 all_idx[at[j] : at[j] + head[j]] = hidx[j * mu : j * mu + head[j]]
                 all_vals[at[j] : at[j] + head[j]] = hvals[j * mu : j * mu + head[j]]
     comm.all_gather_rows((all_idx, all_vals), at, max(1, p - 1), head)
-    return merge_runs(all_idx.to(torch.int64), all_vals, at, size, accum_dtype(wire_dtype))
+    return merge_runs(all_idx.to(torch.int64), all_vals, at, size, accum_dtype(wire_dtype), parts)
 
 
 def eager_slot(
@@ -253,7 +258,7 @@ class Allgather(Algorithm):
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         counts = list(inp.counts)
         if inp.eager is None or comm.world_size == 1:
-            return gather_merge(comm, inp.indices, inp.values, counts, inp.size, inp.dtype, knobs["mode"])
+            return gather_merge(comm, inp.indices, inp.values, counts, inp.size, inp.dtype, knobs["mode"], inp.parts)
         # The first entries of every rank already arrived in the eager slots;
         # gather only what did not fit, then merge in rank order as usual.
         p, r, me = comm.world_size, inp.row_numel, comm.rank
@@ -267,7 +272,7 @@ class Allgather(Algorithm):
         if any(rest) and mode == "p2p":
             return gather_merge_p2p(
                 comm, inp.indices.to(comm.device), inp.values.to(comm.device), counts, inp.size,
-                inp.dtype, head, upload(inp.eager, comm.device),
+                inp.dtype, head, upload(inp.eager, comm.device), inp.parts,
             )
         mu = max(head)
         host = on_host(comm.device)
@@ -289,7 +294,7 @@ class Allgather(Algorithm):
         if tail_buf is not None:
             tails_t = [unpack(piece, r, index_dtype, inp.dtype) for piece in comm.all_gather_v(tail_buf, rest, mode)]
             sources = [(torch.cat((i0, i1)), torch.cat((v0, v1))) for (i0, v0), (i1, v1) in zip(sources, tails_t)]
-        return merge_sources(sources, inp.size, r, accum_dtype(inp.dtype), comm.device)
+        return merge_sources(sources, inp.size, r, accum_dtype(inp.dtype), comm.device, inp.parts)
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         n = acc.numel()

@@ -38,7 +38,7 @@ from colltune.algorithms.comm import Comm, Traffic
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.algorithms.knobs import Knob
 from colltune.algorithms.schedule import Pricing, Step
-from colltune.algorithms.sparse import accum_dtype, wire_index_dtype
+from colltune.algorithms.sparse import Parts, accum_dtype, wire_index_dtype
 
 __all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Delivered", "TopkPrepared", "Algorithm"]
 
@@ -66,6 +66,9 @@ class SparseInput:
             metadata exchange (``[P, payload bytes]`` ``uint8``, host data:
             a NumPy view of the exchanged table), or ``None`` when the ranks
             sent none.
+        parts: a fused call's tensors laid end to end in this input; an
+            algorithm whose last step reads its result's size from the
+            device may read each part's with it (:class:`~colltune.algorithms.sparse.Parts`).
     """
 
     indices: torch.Tensor
@@ -77,6 +80,7 @@ class SparseInput:
     eager: torch.Tensor | None = None
     op: str = "sum"
     payload: np.ndarray | None = None
+    parts: Parts | None = None
 
     @property
     def row_numel(self) -> int:

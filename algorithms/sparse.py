@@ -26,7 +26,7 @@ import math
 import os
 from contextlib import contextmanager
 from itertools import accumulate
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ __all__ = [
     "merge_host",
     "sum_by_index",
     "sum_sorted_runs",
+    "Parts",
     "Batch",
     "upload",
     "mask_positions",
@@ -168,19 +169,57 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> t
     return union, sums
 
 
-def sum_sorted_runs(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class Parts:
+    """A fused call's tensors laid end to end in one index space, and how many result rows each one gets.
+
+    Attributes:
+        bounds: the tensors' row offsets (``bounds[j]`` to ``bounds[j + 1]``
+            is tensor ``j``), host ints.
+        sizes: each tensor's count of result rows, set by the reduction
+            that produced the result when it read them with its own count
+            (:func:`sum_sorted_runs`), else ``None`` (the caller reads them).
+    """
+
+    __slots__ = ("bounds", "sizes")
+
+    def __init__(self, bounds: Sequence[int]) -> None:
+        self.bounds = list(bounds)
+        self.sizes: list[int] | None = None
+
+
+def sum_sorted_runs(idx: torch.Tensor, vals: torch.Tensor, parts: Parts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the rows of each run of equal indices in sorted ``idx``, in row order: the device path's one reduction.
 
     ``idx`` is sorted int64 (``[K]``), ``vals`` ``[K, r]`` in the accumulation
     dtype. Returns the sorted unique indices and, per index, ``((0 + v_first)
     + v_next) + ...`` in the order the rows come, the bits the host path's
     :func:`sum_by_index` gives (see :func:`_segment_sums`). The run count is
-    the one host read (``unique_consecutive``).
+    the one host read (``unique_consecutive``); with ``parts`` that read also
+    brings each part's count of unique indices, into ``parts.sizes``.
     """
+    if parts is not None:
+        return _sum_sorted_runs_parts(idx, vals, parts)
     uniq, counts = torch.unique_consecutive(idx, return_counts=True)
     if uniq.numel() == idx.numel():
         return idx, vals + 0.0  # 0 + v, as a sum gives (a lone -0.0 comes out +0.0); never in place
     return uniq, _segment_sums(vals, counts)
+
+
+def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sum_sorted_runs`, reading the run count and every part's with it in one read."""
+    k = idx.numel()
+    first = torch.ones(k, dtype=torch.bool, device=idx.device)  # where a run starts
+    torch.ne(idx[1:], idx[:-1], out=first[1:])
+    runs = torch.zeros(k + 1, dtype=torch.int64, device=idx.device)
+    torch.cumsum(first, 0, out=runs[1:])  # runs[x]: the runs starting before position x (integers: exact)
+    at = torch.searchsorted(idx, upload(parts.bounds, idx.device))  # each part's first position
+    seen = runs.index_select(0, at).tolist()  # the one host read: runs before each part's start
+    u = seen[-1]
+    parts.sizes = [b - a for a, b in zip(seen, seen[1:])]
+    if u == k:
+        return idx, vals + 0.0  # as above
+    starts = torch.searchsorted(runs[1:], torch.arange(1, u + 1, device=idx.device))  # where run j + 1 begins
+    return idx.index_select(0, starts), _segment_sums(vals, _run_lengths(starts, k))
 
 
 def _segment_sums(vals: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -519,7 +558,8 @@ def unpack(
 
 
 def merge_sources(
-    sources: list[tuple[torch.Tensor, torch.Tensor]], size: int, row_numel: int, acc: torch.dtype, device: torch.device
+    sources: list[tuple[torch.Tensor, torch.Tensor]], size: int, row_numel: int, acc: torch.dtype, device: torch.device,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum coalesced sources into one coalesced result, adding in list order.
 
@@ -549,7 +589,7 @@ def merge_sources(
     # Concatenated in list order, a stable sort keeps each index's rows in source order.
     cat, order = torch.sort(torch.cat([i for i, _ in sources]), stable=True)
     vals = torch.cat([v.to(acc) for _, v in sources]).index_select(0, order)
-    return sum_sorted_runs(cat, vals)
+    return sum_sorted_runs(cat, vals, parts)
 
 
 def _merge_host(
@@ -559,7 +599,7 @@ def _merge_host(
 
 
 def merge_runs(
-    idx: torch.Tensor, vals: torch.Tensor, at: list[int], size: int, acc: torch.dtype
+    idx: torch.Tensor, vals: torch.Tensor, at: list[int], size: int, acc: torch.dtype, parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_sources` of the runs ``[at[j], at[j+1])`` of one buffer (int64 ``idx``, ``[K, r]`` ``vals``).
 
@@ -569,7 +609,7 @@ def merge_runs(
     if on_host(idx):
         return merge_host_pieces([(idx.numpy(), vals.to(acc).numpy())], size)
     sources = [(idx[at[j] : at[j + 1]], vals[at[j] : at[j + 1]]) for j in range(len(at) - 1)]
-    return merge_sources(sources, size, vals.shape[1], acc, idx.device)
+    return merge_sources(sources, size, vals.shape[1], acc, idx.device, parts)
 
 
 # --------------------------------------------------------------------------- host (NumPy) forms

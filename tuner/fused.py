@@ -53,7 +53,7 @@ from colltune.algorithms.base import SparseInput, SparseResult
 from colltune.algorithms.comm import Comm, ranks_per_node
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError, RankMismatchError
 from colltune.algorithms.sizes import slot_limit
-from colltune.algorithms.sparse import Batch, accum_dtype, coalesce, offsets, on_host, upload
+from colltune.algorithms.sparse import Batch, Parts, accum_dtype, coalesce, offsets, on_host, upload
 from colltune.api import (
     MAX_SIZE,
     AsyncHandle,
@@ -488,7 +488,8 @@ class _FusedCall:
                 site, comm=comm, backend=self.backend, name=name, size=at[-1], row_numel=r, dtype=dtype,
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
             algorithm, knobs = decision.algorithm, _decided_knobs(decision, self.knobs)
-        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None)
+        parts = Parts(at) if len(members) > 1 else None
+        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts)
         timer = None if self.timer is None else self.timer.fork()
         if timer is not None:
             timer.mark()
@@ -499,17 +500,24 @@ class _FusedCall:
                 timer.mark()
                 self.measured = (predicted, timer, self.sel, site, decision)
             self.sel.observe_sparse(site, bucket_counts, out_idx.numel())
-        return self.cut(members, at, out_idx, out_vals, algorithm, decision)
+        return self.cut(members, at, out_idx, out_vals, algorithm, decision, parts)
 
     def cut(self, members: list[int], at: list[int], out_idx: torch.Tensor, out_vals: torch.Tensor,
-            algorithm: str, decision: Any) -> list[SparseResult]:
-        """Cut a bucket's result at its tensors' offsets into one result per tensor (views of two tensors)."""
+            algorithm: str, decision: Any, parts: Parts | None = None) -> list[SparseResult]:
+        """Cut a bucket's result at its tensors' offsets into one result per tensor (views of two tensors).
+
+        Each tensor's size comes from ``parts`` when the algorithm read them
+        with its result's own size, else from one read here.
+        """
         device = out_idx.device
         if len(members) > 1:
             bounds = upload(at, device)
-            cuts = torch.searchsorted(out_idx, bounds)
-            per = cuts[1:] - cuts[:-1]
-            sizes = per.tolist()
+            if parts is not None and parts.sizes is not None:
+                sizes = parts.sizes
+                per = upload(sizes, device)
+            else:
+                per = torch.diff(torch.searchsorted(out_idx, bounds))
+                sizes = per.tolist()
             shift = torch.repeat_interleave(bounds[:-1], per, output_size=out_idx.numel())
             idxs = torch.split(out_idx - shift, sizes)
         else:

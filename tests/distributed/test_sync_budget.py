@@ -27,7 +27,7 @@ SYNC_CEILING = {name: get(name).HOST_SYNCS["exact"] for name in names()} | {"aut
 #: A top-k call; Ok-Topk's includes a second read of its local selection when no nudged threshold fits.
 TOPK_SYNC_CEILING = {name: get(name).HOST_SYNCS["topk"] for name in names()}
 #: A fused call, whatever the number of tensors.
-FUSED_SYNC_CEILING = 3
+FUSED_SYNC_CEILING = 2
 
 
 def _single_calls(rank, world_size, algorithm, row_shape, k):
