@@ -1019,6 +1019,8 @@ class Network:
         nic_gbps: inter-node bandwidth per GPU in Gbit/s, or ``None`` for the generation's.
         host_call_us: the host's fixed cost of a call, in microseconds.
         host_sync_us: the cost of one host synchronization, in microseconds.
+        p2p: point-to-point figures measured on the cluster (``meta.p2p``), replacing the NCCL model's
+            defaults per level, or ``None``.
     """
 
     gpu: str
@@ -1026,6 +1028,7 @@ class Network:
     nic_gbps: float | None = None
     host_call_us: float = 0.0
     host_sync_us: float = 0.0
+    p2p: nccl.P2P | None = None
 
     @classmethod
     def of(cls, meta: Mapping[str, Any]) -> "Network | None":
@@ -1033,7 +1036,8 @@ class Network:
         if str(meta.get("backend", "")).lower() != "nccl" or not meta.get("gpu"):
             return None
         return cls(str(meta["gpu"]), int(meta.get("ranks_per_node") or 8), meta.get("nic_gbps"),
-                   float(meta.get("host_call_us") or 0.0), float(meta.get("host_sync_us") or 0.0))
+                   float(meta.get("host_call_us") or 0.0), float(meta.get("host_sync_us") or 0.0),
+                   None if meta.get("p2p") is None else nccl.P2P.from_meta(meta["p2p"]))
 
     def host_us(self, algorithm: str, mode: str) -> float:
         """Return the host's cost of one call of ``algorithm`` in ``mode`` (``exact`` or ``topk``), in microseconds."""
@@ -1101,7 +1105,8 @@ def even_layout(world_size: int, ranks_per_node: int) -> tuple[int, int]:
 def _layout(network: Network, p: int, rpn: int) -> nccl.Topology:
     """The topology :func:`even_layout` gives (cached: every step asks)."""
     nodes, per_node = even_layout(p, rpn)
-    return nccl.Topology(nodes=nodes, gpus_per_node=per_node, gpu=network.gpu, nic_gbps=network.nic_gbps)
+    return nccl.Topology(nodes=nodes, gpus_per_node=per_node, gpu=network.gpu, nic_gbps=network.nic_gbps,
+                         p2p=network.p2p)
 
 
 # ---------------------------------------------------------------------------

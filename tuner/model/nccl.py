@@ -19,13 +19,17 @@ With ``P`` ranks on ``N`` nodes, a graph of ``C`` channels of ``bw`` GB/s each
       Tree/*       min(busBw * 0.92, C * perChMaxTreeBw), then
       Tree/LL      min(busBw / 3.8, llMaxBw)
       Tree/LL128   min(busBw * (7/9 on one node, 120/128 beyond), C * perChMaxTreeLL128Bw)
-      Tree         * 0.85 when the tree graph is a plain chain (one GPU per node)
-    algBw = busBw * P / nsteps (Ring) or busBw * 0.5 (Tree)
+      Tree         * 0.85 when the tree graph is a plain chain (NCCL_TOPO_PATTERN_TREE:
+                   one GPU per node, and every sm90 tree across nodes)
+      NVLS/Simple       C_nvls * min(bwIntra, bwInter) of the NVLS graph
+      NVLS_TREE/Simple  C_nvls * min(bwIntra, bwInter, or bwInter / 2 beyond 2 nodes)
+    algBw = busBw * P / nsteps (Ring), busBw * 5/6 (NVLS, NVLS_TREE) or busBw * 0.5 (Tree)
 
     latency (Ring)  = baseLat + (nsteps - nInterSteps) * max(intraLat, netOverhead)
                       + nInterSteps * interLat
     latency (Ring, broadcast) = baseLat + hwLat of one hop
     latency (Tree)  = baseLat + 2 * ((P/N - 1) * intraLat + log2i(N) * interLat)
+    latency (NVLS)  = NVLink hop (25 us); (NVLS_TREE) = 25 + 2 * log2i(N) * 14 us
 
     time_us = latency * (1.9 before Ampere, else 1.4, for multi-node Ring/Simple
               all_reduce of at least 64 bytes per channel and rank)
@@ -38,6 +42,16 @@ node), ``N-1`` and ``N``; ``intraLat`` is the NVLink (or PCI) hop latency,
 hosts, 2 us on AMD, three times that for Simple. Tree runs only all_reduce;
 all_gather, reduce_scatter and broadcast run on Ring. LL128 needs NVLink (or
 one GPU per node) inside the node.
+
+NVLink SHARP (NVLS, NVLS_TREE) runs where NCCL enables it: NVSwitch nodes of
+sm90 or later with 3 or more GPUs each and multicast support
+(:attr:`Topology.nvls`), for an element type and operation the switch reduces
+(:func:`nvls_supported`: sum of 32/64-bit integers and of 16/32/64-bit
+floats; min and max of the integers and 16-bit floats). NVLS runs
+all_reduce, all_gather and reduce_scatter on one node (across nodes it needs
+CollNet); NVLS_TREE runs all_reduce across nodes. Its graph has up to one
+channel per GPU (a DGX H100: 8 channels of 40 GB/s, so 320 GB/s of busBw,
+266.7 of algBw, about 467 GB/s of nccl-tests bus bandwidth).
 
 ``nbytes``: NCCL's ``nBytes`` (``src/include/info.h`` ``ncclInfoSetDerived``)
 ----------------------------------------------------------------------------
@@ -70,10 +84,15 @@ step, ``p2p latency = baseLat(Ring, Simple) + hwLat(link, Ring, Simple)`` (plus
 the NIC's latency twice across nodes), and moves at:
 
 - within a node, the GPU's share of the fabric: the single-node ring graph's
-  ``C * bw`` (240 GB/s on a DGX A100, 360 on a DGX H100);
-- across nodes, ``min(PCIe, node NIC bandwidth / senders)``: the node's NICs
-  (``gpus_per_node * nic_gbps / 8`` GB/s) shared by the ranks of the node that
-  send across nodes at once, never more than the GPU's PCIe link.
+  ``C * bw`` (240 GB/s on a DGX A100, 360 on a DGX H100, where NVIDIA measures
+  370);
+- across nodes, ``min(PCIe, 0.96 * node NIC bandwidth / senders)``: the node's
+  NICs (``gpus_per_node * nic_gbps / 8`` GB/s) at the 96% of line rate NCCL's
+  send/recv reaches (48 GB/s per NDR NIC, 24 per HDR, as NVIDIA measures),
+  shared by the ranks of the node that send across nodes at once, never more
+  than the GPU's PCIe link.
+
+Measured figures (:class:`P2P`, a profile's ``meta.p2p``) replace any of these.
 
 ``all_to_all`` sends ``nbytes_per_peer`` to each of the other ranks, every rank
 at once, NVLink and network in parallel: ``max(T_intra, T_inter)`` with ``T =
@@ -82,15 +101,13 @@ the ``gpus_per_node - 1`` local and ``P - gpus_per_node`` remote peers, where
 ``W`` is the number of peers NCCL serves at once (its p2p channels over its
 channels per peer, ``paths.cc`` ``ncclTopoComputeP2pChannels``).
 
-Left out: CollNet (needs SHARP switches), NVLS and NVLS-Tree (NVLink SHARP on
-H100, which NCCL 2.21 prefers for large all_reduce on NVSwitch systems: about
-480 GB/s bus bandwidth on one DGX H100, where Ring gives 360), the per-size
-channel and thread tuning, NCCL_ALGO/NCCL_PROTO and tuner plugins.
+Left out: CollNet (needs SHARP switches, and with it NVLS across nodes), the
+per-size channel and thread tuning, NCCL_ALGO/NCCL_PROTO and tuner plugins.
 
 Example:
     >>> topo = Topology(nodes=16, gpus_per_node=8, gpu="h100")
     >>> round(collective_time_us("all_reduce", 4 << 20, topo), 1)
-    144.7
+    152.7
     >>> choice = collective_choice("all_reduce", 4 << 20, topo)
     >>> choice.algorithm, choice.protocol
     ('tree', 'll128')
@@ -114,6 +131,9 @@ __all__ = [
     "ALGORITHMS",
     "PROTOCOLS",
     "DATA_FILE",
+    "DTYPES",
+    "OPS",
+    "P2P",
     "Topology",
     "Graph",
     "SearchResult",
@@ -124,14 +144,16 @@ __all__ = [
     "predict_all",
     "collective_choice",
     "collective_time_us",
+    "nvls_supported",
     "p2p_time_us",
     "all_to_all_time_us",
 ]
 
 #: The collectives priced with NCCL's tuning table.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-#: NCCL's algorithms modelled here, in NCCL's order (Tree before Ring).
-ALGORITHMS = ("tree", "ring")
+#: NCCL's algorithms modelled here, in NCCL's order (tuning.cc ``ncclAlgoStr``: Tree, Ring, then NVLS and
+#: NVLS_TREE after the CollNet pair, which is left out).
+ALGORITHMS = ("tree", "ring", "nvls", "nvls_tree")
 #: NCCL's protocols, in NCCL's order.
 PROTOCOLS = ("ll", "ll128", "simple")
 #: The data file, in the shipped profiles folder.
@@ -163,6 +185,9 @@ _RELEASE = {
         "speed_inter": ("numbers", 0), "speed_intra_sm90": ("numbers", 0), "speed_inter_sm90": ("numbers", 0),
         "lower_speed_min_ratio": "number", "dup_min_bw": "number", "dup_sm90_bw": "number",
         "dup_sm90_channels": "int", "sm90_multi_node_dup_bw": "number", "fallback_bw": "number"},
+    "nvls": {
+        "hw_latency_us": {"nvlink": "number", "net": "number"}, "tree_hw_latency_us": {"nvlink": "number", "net": "number"},
+        "bw_ratio": "number", "min_gpus_per_node": "int", "min_compute_capability": "int"},
 }
 _GENERATION = {
     "compute_capability": "int", "system": "text", "nvlink_links": "int", "nvlink_link_bw": "number",
@@ -273,6 +298,57 @@ def load_tuning(path: str | None = None) -> Tuning:
 # --------------------------------------------------------------------------- the topology
 
 
+_P2P_LEVELS = ("intra_node", "inter_node")
+_P2P_FIGURES = ("latency_us", "bandwidth_GBps")
+
+
+@dataclass(frozen=True)
+class P2P:
+    """Measured point-to-point figures that replace the defaults of :func:`p2p_time_us` (``None`` keeps one).
+
+    A profile carries them as ``meta.p2p`` (see :meth:`from_meta`); ``colltune
+    profile`` measures them on the user's cluster.
+
+    Attributes:
+        intra_latency_us: the fixed cost of one message to a peer on the same node, microseconds.
+        intra_GBps: a rank's bandwidth to the other GPUs of its node, GB/s, shared by its messages in flight.
+        inter_latency_us: the fixed cost of one message to a peer on another node, microseconds.
+        inter_GBps: a rank's bandwidth to other nodes while every rank of its node sends
+            across nodes at once (an all-to-all), GB/s.
+    """
+
+    intra_latency_us: float | None = None
+    intra_GBps: float | None = None
+    inter_latency_us: float | None = None
+    inter_GBps: float | None = None
+
+    @classmethod
+    def from_meta(cls, value: Any, where: str = "meta.p2p") -> "P2P":
+        """Read ``{intra_node: {latency_us, bandwidth_GBps}, inter_node: {...}}`` (every key optional).
+
+        Raises:
+            ColltuneValueError: a key is unknown or a figure is not a finite
+                number (latency >= 0, bandwidth > 0); the message names the key.
+        """
+        figures: dict[str, float] = {}
+        if not isinstance(value, dict):
+            raise ColltuneValueError(f"{where}: must be a mapping of {_P2P_LEVELS}, got {value!r:.60}.",
+                                     argument="p2p")
+        for level, entry in value.items():
+            if level not in _P2P_LEVELS or not isinstance(entry, dict) or set(map(str, entry)) - set(_P2P_FIGURES):
+                raise ColltuneValueError(f"{where}.{level}: the levels are {_P2P_LEVELS}, each a mapping of "
+                                         f"{_P2P_FIGURES}; got {entry!r:.60}.", argument="p2p")
+            for name, number in entry.items():
+                numeric = isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number)
+                if not numeric or not (number >= 0 if name == "latency_us" else number > 0):
+                    raise ColltuneValueError(f"{where}.{level}.{name}: must be a finite number "
+                                             f"{'>= 0' if name == 'latency_us' else '> 0'}, got {number!r:.60}.",
+                                             argument="p2p")
+                short = "latency_us" if name == "latency_us" else "GBps"
+                figures[f"{level.split('_')[0]}_{short}"] = float(number)
+        return cls(**figures)
+
+
 @dataclass(frozen=True)
 class Topology:
     """A homogeneous GPU cluster: ``nodes`` nodes of ``gpus_per_node`` GPUs, one rank per GPU.
@@ -287,6 +363,15 @@ class Topology:
         intra_link: the fabric inside a node, ``"nvlink"`` (NVSwitch) or ``"pcie"``.
         cpu: host CPU vendor (``"intel"``, ``"amd"``, ``"other"``), which sets
             NCCL's per-step network overhead; ``None`` takes the generation's DGX CPU.
+        nvls: the GPUs support NVLink SHARP multicast (NCCL's ``nvlsSupport``:
+            CUDA 12.1 driver and fabric manager, ``NCCL_NVLS_ENABLE`` not 0).
+            NCCL still uses NVLS only on NVSwitch nodes of sm90 or later with
+            3 or more GPUs per node; ``False`` models ``NCCL_NVLS_ENABLE=0``.
+        search: the graphs NCCL's topology search found on this cluster (what
+            ``NCCL_DEBUG_SUBSYS=GRAPH`` prints); ``None`` replays the search on
+            the modelled node (:func:`topology_search`).
+        p2p: measured point-to-point figures that replace the defaults of
+            :func:`p2p_time_us` and :func:`all_to_all_time_us`; ``None`` keeps them.
 
     Raises:
         ColltuneValueError: a field is out of range or unknown; the message names it.
@@ -298,6 +383,9 @@ class Topology:
     nic_gbps: float | None = None
     intra_link: Literal["nvlink", "pcie"] = "nvlink"
     cpu: Literal["intel", "amd", "other"] | None = None
+    nvls: bool = True
+    search: SearchResult | None = None
+    p2p: P2P | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -319,6 +407,14 @@ class Topology:
         if self.cpu is not None and self.cpu not in _CPUS:
             raise ColltuneValueError(f"Topology `cpu` must be one of {_CPUS} or None, got {self.cpu!r}.",
                                      argument="cpu")
+        self._check_overrides()
+
+    def _check_overrides(self) -> None:
+        for name, kind in (("nvls", bool), ("search", SearchResult), ("p2p", P2P)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (value is None and name != "nvls"):
+                raise ColltuneValueError(f"Topology `{name}` must be a {kind.__name__}"
+                                         f"{'' if name == 'nvls' else ' or None'}, got {value!r:.60}.", argument=name)
 
     @property
     def world_size(self) -> int:
@@ -370,16 +466,23 @@ class SearchResult:
     Attributes:
         ring: the ring graph (``graphs[NCCL_ALGO_RING]``).
         tree: the tree graph (``graphs[NCCL_ALGO_TREE]``), with the ring's channel count.
-        tree_is_chain: the tree graph's pattern is NCCL_TOPO_PATTERN_TREE
-            (one GPU per node), which costs Tree 15% of its bandwidth.
+        tree_is_chain: the tree graph's pattern is NCCL_TOPO_PATTERN_TREE,
+            which costs Tree 15% of its bandwidth (tuning.cc line 185): with
+            one GPU per node (search.cc line 897), and on sm90 across nodes,
+            where the balanced tree finds no perfect graph and the search
+            falls back to the simpler tree (search.cc lines 963-966).
         comm_channels: the communicator's collective channels after
             ``ncclTopoPostset`` doubles them.
+        nvls: the NVLS graph (``graphs[NCCL_ALGO_NVLS]``, shared by NVLS_TREE),
+            or ``None`` where NCCL finds none (no NVSwitch, before sm90, 2
+            GPUs or fewer per node, or no multicast support).
     """
 
     ring: Graph
     tree: Graph
     tree_is_chain: bool
     comm_channels: int
+    nvls: Graph | None = None
 
 
 def _capacity(node: _Node, bw_inter: float, bw_intra: float) -> int:
@@ -475,6 +578,69 @@ def _search_tree(node: _Node, channels: int) -> Graph:
     return Graph(channels, intra, inter)
 
 
+def _nvls_channels(node: _Node, speed: float) -> int:
+    """NVLS channels that fit at ``speed`` (search.cc v2.21.5-1 ``ncclTopoSearchTryNvls``, lines 337-368).
+
+    Each channel pulls ``speed`` from every GPU to the NVSwitch and back,
+    twice from its head GPU; the heads differ, so with ``c`` channels a head
+    carries ``(c + 1) * speed`` of its fabric link. Across nodes each channel
+    also takes its head's NIC, one channel per NIC (lines 557, 576).
+    """
+    channels = min(node.gpus, int(node.fabric_bw / speed + _EPS) - 1)
+    if node.nodes > 1 and speed > node.nic_path_bw + _EPS:
+        return 0
+    return max(0, channels)
+
+
+def _search_nvls(node: _Node) -> Graph | None:
+    """The NVLS graph of ncclTopoCompute (search.cc v2.21.5-1 lines 893-902, 922, 991-994, 1021-1024).
+
+    Pass 1 goes down NCCL's speed array from the fastest speed the GPU's
+    path allows and keeps the most channels (then the most ``channels *
+    bwInter``), up to one per GPU; one node needs all of them. Pass 2 keeps
+    ``bwIntra`` and raises ``bwInter`` while the NICs carry it and it is
+    under twice ``bwIntra``. NVLS channels are never doubled (line 837).
+    """
+    search = load_tuning().release["search"]
+    speeds = _speeds(node)
+    # One node: minChannels = maxChannels = GPUs; the start speed must fit them all (line 922).
+    need = node.gpus if node.nodes == 1 else 1
+    max_bw = node.fabric_bw if node.nodes == 1 else node.nic_path_bw
+    i = _first_speed(speeds, max_bw, node.fabric_bw * node.gpus / (node.gpus - 1), need)
+    best: tuple[int, float] | None = None
+    while True:
+        n = _nvls_channels(node, speeds[i])
+        if n >= need and (best is None or n > best[0] or n * speeds[i] > best[0] * best[1] + _EPS):
+            best = (n, speeds[i])
+        if best is not None and (best[0] == node.gpus or best[0] * best[1] >= node.fabric_bw - _EPS):
+            break
+        if i < len(speeds) - 1 and (best is None or speeds[i + 1] / best[1] > search["lower_speed_min_ratio"]):
+            i += 1
+            continue
+        break
+    if best is None:
+        return None
+    channels, intra = best
+    inter, j = intra, speeds.index(intra)
+    while j > 0 and inter < 2 * intra - _EPS and (node.nodes == 1 or speeds[j - 1] <= node.nic_path_bw + _EPS):
+        j -= 1
+        inter = speeds[j]
+    return Graph(channels, intra, inter)
+
+
+def _nvls_graph(node: _Node, topo: Topology) -> Graph | None:
+    """The NVLS graph where NCCL enables NVLS, else None.
+
+    v2.21.5-1: transport/nvls.cc ncclNvlsInit line 241 (more than 2 GPUs),
+    lines 249-256 (multicast support); search.cc line 893 (an NVSwitch, sm90).
+    """
+    gate = load_tuning().release["nvls"]
+    if (not topo.nvls or topo.intra_link != "nvlink" or node.cc < gate["min_compute_capability"]
+            or node.gpus < gate["min_gpus_per_node"]):
+        return None
+    return _search_nvls(node)
+
+
 @lru_cache(maxsize=1024)
 def topology_search(topo: Topology) -> SearchResult:
     """Replay NCCL's topology search (``search.cc`` ``ncclTopoCompute``) on a model of the topology's nodes.
@@ -493,9 +659,16 @@ def topology_search(topo: Topology) -> SearchResult:
     Args:
         topo: the cluster.
 
+    NVLS (sm90 NVSwitch nodes of 3 or more GPUs) searches up to one channel
+    per GPU, each pulling from every GPU and twice from its head, across nodes
+    one per NIC; then raises the inter-node speed (:func:`_search_nvls`).
+
     Returns:
-        The ring and tree graphs and the communicator's channel count.
+        The ring, tree and NVLS graphs and the communicator's channel count;
+        ``topo.search`` when the topology records what NCCL found.
     """
+    if topo.search is not None:
+        return topo.search
     node = _node(topo)
     search = load_tuning().release["search"]
     ring = _search_ring(node)
@@ -504,7 +677,12 @@ def topology_search(topo: Topology) -> SearchResult:
     # connect.cc: sm90 multi-node fast rings are doubled once more while under 16 channels.
     if node.cc == 90 and node.nodes > 1 and ring.bw_intra > search["sm90_multi_node_dup_bw"] and comm < 16:
         comm = min(search["max_comm_channels"], 2 * comm)
-    return SearchResult(ring, tree, node.gpus == 1, comm)
+    # The balanced tree needs two GPUs of the node to reach one NIC within the
+    # PCIe switch (PATH_PIX); with a NIC per GPU it finds no perfect graph, and
+    # on sm90 the search then keeps the simpler tree (search.cc v2.21.5-1 lines
+    # 963-966); with one GPU per node the pattern is the tree (line 897).
+    chain = node.gpus == 1 or (node.cc >= 90 and node.nodes > 1)
+    return SearchResult(ring, tree, chain, comm, _nvls_graph(node, topo))
 
 
 # --------------------------------------------------------------------------- NCCL's tuning table
@@ -578,6 +756,45 @@ def _latency(topo: Topology, coll: str, algo: str, proto: str) -> float:
     return float(base + (nsteps - ninter) * max(intra, overhead) + ninter * inter)
 
 
+def _nvls_pair(topo: Topology, algo: str) -> tuple[float, float]:
+    """``(latency_us, algBw GB/s)`` of NVLS or NVLS_TREE with the Simple protocol (tuning.cc v2.21.5-1).
+
+    busBw = nChannels * min(bwIntra, bwInter) for NVLS (line 175), nChannels
+    * min(bwIntra, bwInter, or bwInter / 2 beyond 2 nodes) for NVLS_TREE
+    (line 176), times 5/6 to algBw (line 216). Latency (lines 258-263): NVLS
+    pays one NVLink hop; NVLS_TREE one NVLink hop plus 2 log2i(nNodes)
+    network hops (and twice the NIC's latency on each). This release applies
+    no NVLS efficiency factor and no NVLS bandwidth cap (``nvlsEfficiency``
+    and ``perChMaxNVLSTreeBws`` first appear in v2.28.3-1).
+    """
+    rel = load_tuning().release
+    nv, graph = rel["nvls"], topology_search(topo).nvls
+    assert graph is not None
+    if algo == "nvls":
+        bw = min(graph.bw_intra, graph.bw_inter)
+        latency = nv["hw_latency_us"]["nvlink"]
+    else:
+        bw = min(graph.bw_intra, graph.bw_inter if topo.nodes <= 2 else graph.bw_inter / 2)
+        inter = nv["tree_hw_latency_us"]["net"] + 2 * rel["net_latency_us"]
+        latency = nv["tree_hw_latency_us"]["nvlink"] + 2 * _log2i(topo.nodes) * inter
+    return float(latency), float(graph.channels * bw * nv["bw_ratio"])
+
+
+def _nvls_algorithms(topo: Topology, coll: str) -> tuple[str, ...]:
+    """The NVLS algorithms NCCL enables for ``coll`` on ``topo`` (before the dtype and op check).
+
+    NVLS runs all_reduce on one node, and all_gather and reduce_scatter on one
+    node (tuning.cc lines 168-169; enqueue.cc lines 1503-1505: across nodes it
+    needs CollNet, left out here); NVLS_TREE runs all_reduce across nodes
+    (tuning.cc line 284 disables it on one node).
+    """
+    if not topo.nvls or topology_search(topo).nvls is None or coll == "broadcast":
+        return ()
+    if topo.nodes == 1:
+        return ("nvls",)
+    return ("nvls_tree",) if coll == "all_reduce" else ()
+
+
 @lru_cache(maxsize=1024)
 def _table(topo: Topology, coll: str) -> dict[tuple[str, str], tuple[float, float]]:
     """``(latency_us, algBw GB/s)`` of every pair NCCL enables for ``coll`` on ``topo``."""
@@ -585,6 +802,10 @@ def _table(topo: Topology, coll: str) -> dict[tuple[str, str], tuple[float, floa
     nsteps, _ = _steps(coll, topo.world_size, topo.nodes)
     out: dict[tuple[str, str], tuple[float, float]] = {}
     for algo in ALGORITHMS:
+        if algo in ("nvls", "nvls_tree"):
+            if algo in _nvls_algorithms(topo, coll):
+                out[(algo, "simple")] = _nvls_pair(topo, algo)
+            continue
         if algo == "tree" and coll != "all_reduce":
             continue
         for proto in PROTOCOLS:
@@ -605,7 +826,7 @@ class Choice:
     """NCCL's pick for one call, and why.
 
     Attributes:
-        algorithm: ``"ring"`` or ``"tree"``.
+        algorithm: ``"tree"``, ``"ring"``, ``"nvls"`` or ``"nvls_tree"``.
         protocol: ``"ll"``, ``"ll128"`` or ``"simple"``.
         latency_us: the latency term, corrections included.
         bandwidth_GBps: the algorithm bandwidth of the bytes term, GB/s
@@ -620,18 +841,46 @@ class Choice:
     time_us: float
 
 
-def _check_call(coll: str, nbytes: int, topo: Topology) -> None:
+#: The element types NCCL reduces, by the names torch gives them.
+DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64")
+#: The reduction operations (all_gather and broadcast always pass ``sum``).
+OPS = ("sum", "prod", "max", "min", "avg")
+# include/device.h ncclNvlsSupported, v2.21.5-1 lines 423-440: sum on 32- and 64-bit integers, 16-bit and
+# 32/64-bit floats; min and max (ncclDevMinMax) on the integers and 16-bit floats; nothing on 8-bit types,
+# prod, or avg (PreMulSum, SumPostDiv).
+_NVLS_OPS = {
+    "sum": frozenset({"int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64"}),
+    "max": frozenset({"int32", "uint32", "int64", "uint64", "float16", "bfloat16"}),
+    "min": frozenset({"int32", "uint32", "int64", "uint64", "float16", "bfloat16"}),
+}
+
+
+def nvls_supported(dtype: str, op: str = "sum") -> bool:
+    """Return whether NCCL runs NVLS for this element type and operation (``ncclNvlsSupported``).
+
+    NCCL checks the user's type and operation before it prices the call
+    (enqueue.cc v2.21.5-1 line 773), for all_gather too (with ``sum``).
+    """
+    return dtype in _NVLS_OPS.get(op, frozenset())
+
+
+def _check_call(coll: str, nbytes: int, topo: Topology, dtype: str = "float32", op: str = "sum") -> None:
     if coll not in COLLECTIVES:
         raise ColltuneValueError(f"`coll` must be one of {COLLECTIVES}, got {coll!r}.", argument="coll")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ColltuneValueError(f"`nbytes` must be an integer >= 0, got {nbytes!r}.", argument="nbytes")
     if not isinstance(topo, Topology):
         raise ColltuneValueError(f"`topo` must be a Topology, got {type(topo).__name__}.", argument="topo")
+    if dtype not in DTYPES:
+        raise ColltuneValueError(f"`dtype` must be one of {DTYPES}, got {dtype!r}.", argument="dtype")
+    if op not in OPS:
+        raise ColltuneValueError(f"`op` must be one of {OPS}, got {op!r}.", argument="op")
 
 
-def _terms(coll: str, nbytes: int, topo: Topology) -> dict[tuple[str, str], tuple[float, float]]:
+def _terms(coll: str, nbytes: int, topo: Topology, dtype: str = "float32",
+           op: str = "sum") -> dict[tuple[str, str], tuple[float, float]]:
     """``(latency_us, bandwidth GB/s)`` per pair after ncclTopoGetAlgoTime's per-size corrections."""
-    _check_call(coll, nbytes, topo)
+    _check_call(coll, nbytes, topo, dtype, op)
     if topo.world_size == 1:
         return {("ring", "simple"): (0.0, math.inf)}  # NCCL runs a local copy and predicts nothing
     rel = load_tuning().release
@@ -641,8 +890,11 @@ def _terms(coll: str, nbytes: int, topo: Topology) -> dict[tuple[str, str], tupl
     plateau = (topo.nodes > 1 and coll == "all_reduce"
                and nbytes // (found.comm_channels * topo.world_size) >= f["ring_plateau_min_bytes"])
     cc = load_tuning().generations[topo.gpu]["compute_capability"]
+    nvls_ok = nvls_supported(dtype, op if coll in ("all_reduce", "reduce_scatter") else "sum")
     out = {}
     for (algo, proto), (lat, bw) in _table(topo, coll).items():
+        if algo in ("nvls", "nvls_tree") and not nvls_ok:
+            continue
         if algo == "tree" and log_size < len(rel["tree_correction_factor"][proto]):
             bw *= rel["tree_correction_factor"][proto][log_size]
         if algo == "ring" and proto == "simple" and plateau:
@@ -651,7 +903,8 @@ def _terms(coll: str, nbytes: int, topo: Topology) -> dict[tuple[str, str], tupl
     return out
 
 
-def predict_all(coll: str, nbytes: int, topo: Topology) -> dict[tuple[str, str], float]:
+def predict_all(coll: str, nbytes: int, topo: Topology, *, dtype: str = "float32",
+                op: str = "sum") -> dict[tuple[str, str], float]:
     """Return NCCL's predicted time of every (algorithm, protocol) pair it would consider.
 
     Args:
@@ -660,31 +913,41 @@ def predict_all(coll: str, nbytes: int, topo: Topology) -> dict[tuple[str, str],
             whole gathered output of all_gather and the whole input of
             reduce_scatter on one rank (per-rank share times world size).
         topo: the cluster.
+        dtype: the element type (one of :data:`DTYPES`); with ``op`` it
+            decides whether NCCL may use NVLS (:func:`nvls_supported`).
+        op: the reduction (one of :data:`OPS`); all_gather and broadcast
+            ignore it, as NCCL passes ``sum`` for them.
 
     Returns:
         ``{(algorithm, protocol): time_us}``; Tree only for all_reduce, LL128
-        only with NVLink (or one GPU) per node. On one rank, ``{("ring",
-        "simple"): 0.0}``.
+        only with NVLink (or one GPU) per node, NVLS (one node: all_reduce,
+        all_gather, reduce_scatter) and NVLS_TREE (all_reduce across nodes)
+        only with the Simple protocol on NVSwitch nodes of sm90 or later. On
+        one rank, ``{("ring", "simple"): 0.0}``.
 
     Raises:
         ColltuneValueError: an argument is out of range; the message names it.
     """
-    return {pair: lat + nbytes / (1000.0 * bw) for pair, (lat, bw) in _terms(coll, nbytes, topo).items()}
+    return {pair: lat + nbytes / (1000.0 * bw)
+            for pair, (lat, bw) in _terms(coll, nbytes, topo, dtype, op).items()}
 
 
-def collective_choice(coll: str, nbytes: int, topo: Topology) -> Choice:
+def collective_choice(coll: str, nbytes: int, topo: Topology, *, dtype: str = "float32",
+                      op: str = "sum") -> Choice:
     """Return the (algorithm, protocol) NCCL picks for one call, with its latency, bandwidth and time.
 
-    NCCL scans Tree then Ring, LL then LL128 then Simple, and keeps the first
-    strictly smallest time; so does this. Arguments as :func:`predict_all`.
+    NCCL scans Tree, Ring, NVLS, NVLS_TREE and, in each, LL then LL128 then
+    Simple, and keeps the first strictly smallest time (enqueue.cc
+    ``topoGetAlgoInfo``); so does this. Arguments as :func:`predict_all`.
     """
     # min() keeps the first of equal times, as NCCL's strict comparison does.
     choices = [Choice(algo, proto, lat, bw, lat + nbytes / (1000.0 * bw))
-               for (algo, proto), (lat, bw) in _terms(coll, nbytes, topo).items()]
+               for (algo, proto), (lat, bw) in _terms(coll, nbytes, topo, dtype, op).items()]
     return min(choices, key=lambda c: c.time_us)
 
 
-def collective_time_us(coll: str, nbytes: int, topo: Topology) -> float:
+def collective_time_us(coll: str, nbytes: int, topo: Topology, *, dtype: str = "float32",
+                       op: str = "sum") -> float:
     """Return NCCL's predicted time of one collective in microseconds: the minimum of :func:`predict_all`.
 
     Args:
@@ -695,33 +958,63 @@ def collective_time_us(coll: str, nbytes: int, topo: Topology) -> float:
             reduce_scatter the bytes of the input on one rank (each rank's
             output x world size).
         topo: the cluster.
+        dtype: the element type; NVLS needs one NCCL reduces on the switch
+            (:func:`nvls_supported`).
+        op: the reduction, ``"sum"`` unless the call says otherwise.
 
     Raises:
         ColltuneValueError: an argument is out of range; the message names it.
     """
-    return collective_choice(coll, nbytes, topo).time_us
+    return collective_choice(coll, nbytes, topo, dtype=dtype, op=op).time_us
 
 
 # --------------------------------------------------------------------------- point to point
 
 
-def _p2p_latency(link: str, rounds: int = 1) -> float:
-    """Ring/Simple base latency once, plus ``rounds`` hops over ``link`` ("nvlink", "pci", "net")."""
+#: The share of a NIC's line rate (NCCL counts Gbit/s / 8) that NCCL's send/recv reaches: NVIDIA measures
+#: 48-49 GB/s per 400 Gb/s NDR NIC in alltoall_perf (https://github.com/NVIDIA/nccl-tests/issues/267) and
+#: 24 GB/s per 200 Gb/s HDR NIC "on perfect setups" (https://github.com/NVIDIA/nccl-tests/issues/160):
+#: 48 / 50 = 24 / 25 = 0.96.
+P2P_NIC_EFFICIENCY = 0.96
+
+
+def _p2p_latency(topo: Topology, link: str, rounds: int = 1) -> float:
+    """One message's latency over ``link`` ("nvlink", "pci", "net"), then one more hop per further round.
+
+    The first message costs the measured latency of the level when
+    ``topo.p2p`` gives one, else NCCL's Ring/Simple base latency plus one
+    hop (tuning.cc v2.21.5-1 baseLat line 57, hwLat lines 67, 71, 75); each
+    further round of peers one hop.
+    """
     rel = load_tuning().release
     hop = rel["hw_latency_us"][link]["ring"]["simple"] + (2 * rel["net_latency_us"] if link == "net" else 0.0)
-    return float(rel["base_latency_us"]["ring"]["simple"] + rounds * hop)
+    measured = None
+    if topo.p2p is not None:
+        measured = topo.p2p.inter_latency_us if link == "net" else topo.p2p.intra_latency_us
+    first = measured if measured is not None else rel["base_latency_us"]["ring"]["simple"] + hop
+    return float(first + (rounds - 1) * hop)
 
 
 def _intra_bw(topo: Topology) -> float:
-    """A GPU's bandwidth to the other GPUs of its node: the one-node ring graph's ``channels * bw``."""
-    ring = topology_search(replace(topo, nodes=1)).ring
+    """A GPU's bandwidth to the other GPUs of its node: measured, else the one-node ring graph's ``channels * bw``."""
+    if topo.p2p is not None and topo.p2p.intra_GBps is not None:
+        return topo.p2p.intra_GBps
+    ring = topology_search(replace(topo, nodes=1, search=None)).ring
     return ring.channels * ring.bw_intra
 
 
 def _net_bw(topo: Topology, senders: int) -> float:
-    """A rank's share of the node's NICs when ``senders`` ranks of the node send across nodes at once."""
+    """A rank's share of the node's NICs when ``senders`` ranks of the node send across nodes at once.
+
+    By default the node's NICs at :data:`P2P_NIC_EFFICIENCY` of their line
+    rate, never more than the GPU's PCIe link; a measured figure (every rank
+    sending) scales the same way, capped by the larger of it and PCIe.
+    """
     node = _node(topo)
-    return min(node.pcie_bw, node.gpus * node.nic_bw / senders)
+    if topo.p2p is not None and topo.p2p.inter_GBps is not None:
+        measured = topo.p2p.inter_GBps
+        return min(max(node.pcie_bw, measured), measured * node.gpus / senders)
+    return min(node.pcie_bw, P2P_NIC_EFFICIENCY * node.gpus * node.nic_bw / senders)
 
 
 def _check_count(name: str, value: int, low: int, high: int | None = None) -> None:
@@ -735,13 +1028,16 @@ def p2p_time_us(nbytes: int, topo: Topology, peers_in_flight: int = 1, inter_nod
     """Return the time of one send of ``nbytes`` while ``peers_in_flight`` such sends leave this rank at once.
 
     ``time = p2p latency + peers_in_flight * nbytes / (1000 * bandwidth)``:
-    the sends share the rank's bandwidth and finish together. Latency is one
-    Ring/Simple step of NCCL's table (base 8.4 us + one hop: 14 us across
-    nodes, 3.4 us over NVLink, 5.7 us over PCIe in v2.21.5-1). Bandwidth
-    within a node is the GPU's fabric share (:func:`topology_search` of one
-    node: channels x speed); across nodes it is ``min(PCIe, gpus_per_node *
-    nic_gbps / 8 / senders_per_node)``: the node's NICs shared by the ranks
-    that send across nodes at once, never more than the GPU's PCIe link.
+    the sends share the rank's bandwidth and finish together. By default the
+    latency is one Ring/Simple step of NCCL's table (base 8.4 us + one hop:
+    14 us across nodes, 3.4 us over NVLink, 5.7 us over PCIe in v2.21.5-1).
+    Bandwidth within a node is the GPU's fabric share (:func:`topology_search`
+    of one node: channels x speed; 360 GB/s on a DGX H100, where NVIDIA
+    measures 370, nccl-tests#212); across nodes it is ``min(PCIe, 0.96 *
+    gpus_per_node * nic_gbps / 8 / senders_per_node)``: the node's NICs at the
+    share of line rate NCCL reaches (:data:`P2P_NIC_EFFICIENCY`) shared by the
+    ranks that send across nodes at once, never more than the GPU's PCIe
+    link. ``topo.p2p`` replaces any of these with measured figures.
 
     Args:
         nbytes: bytes of one send (>= 0).
@@ -765,12 +1061,12 @@ def p2p_time_us(nbytes: int, topo: Topology, peers_in_flight: int = 1, inter_nod
                                      "inter_node=False for a peer on the same node.", argument="inter_node")
         senders = topo.gpus_per_node if senders_per_node is None else senders_per_node
         _check_count("senders_per_node", senders, 1, topo.gpus_per_node)
-        return _p2p_latency("net") + peers_in_flight * nbytes / (1000.0 * _net_bw(topo, senders))
+        return _p2p_latency(topo, "net") + peers_in_flight * nbytes / (1000.0 * _net_bw(topo, senders))
     if topo.gpus_per_node < 2:
         raise ColltuneValueError("`inter_node` is False, which needs gpus_per_node >= 2: with one GPU per node "
                                  "every peer is on another node.", argument="inter_node")
     link = "nvlink" if topo.intra_link == "nvlink" else "pci"
-    return _p2p_latency(link) + peers_in_flight * nbytes / (1000.0 * _intra_bw(topo))
+    return _p2p_latency(topo, link) + peers_in_flight * nbytes / (1000.0 * _intra_bw(topo))
 
 
 def _next_pow2(value: int) -> int:
@@ -799,7 +1095,8 @@ def all_to_all_time_us(nbytes_per_peer: int, topo: Topology) -> float:
     ``max(T_intra, T_inter)``, NVLink and network working in parallel, each
     ``T = baseLat + ceil(peers / W) * hop + peers * nbytes_per_peer / (1000 *
     bandwidth)`` (Ring/Simple base latency 8.4 us once, one hop per round of
-    ``W`` peers: 3.4 us over NVLink, 14 us across nodes) over the
+    ``W`` peers: 3.4 us over NVLink, 14 us across nodes; a measured latency
+    in ``topo.p2p`` replaces the first round's ``baseLat + hop``) over the
     ``gpus_per_node - 1`` peers on the node (fabric bandwidth) and the
     ``world_size - gpus_per_node`` peers on other nodes (the rank's share of
     the node's NICs when every rank sends, see :func:`p2p_time_us`). ``W`` is
@@ -821,9 +1118,9 @@ def all_to_all_time_us(nbytes_per_peer: int, topo: Topology) -> float:
     local, remote = topo.gpus_per_node - 1, topo.world_size - topo.gpus_per_node
     if local:
         link = "nvlink" if topo.intra_link == "nvlink" else "pci"
-        times.append(_p2p_latency(link, math.ceil(local / at_once))
+        times.append(_p2p_latency(topo, link, math.ceil(local / at_once))
                      + local * nbytes_per_peer / (1000.0 * _intra_bw(topo)))
     if remote:
-        times.append(_p2p_latency("net", math.ceil(remote / at_once))
+        times.append(_p2p_latency(topo, "net", math.ceil(remote / at_once))
                      + remote * nbytes_per_peer / (1000.0 * _net_bw(topo, topo.gpus_per_node)))
     return max(times)

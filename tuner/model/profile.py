@@ -19,6 +19,9 @@ Format (version 1)::
                                     # an NCCL profile prices collectives with NCCL's tuning model
       nic_gbps: 400                 # number: inter-node bandwidth per GPU, Gbit/s (default: the
                                     # generation's)
+      p2p:                          # measured point-to-point figures replacing the NCCL model's
+        intra_node: {latency_us: 11.8, bandwidth_GBps: 360}   # defaults (every key optional):
+        inter_node: {latency_us: 22.4, bandwidth_GBps: 48}    # one message, a rank's GB/s
       torch_version: 2.13.0         # str
       host: node001                 # str
       date: '2025-01-31'            # str (a bare YAML date is accepted)
@@ -94,6 +97,7 @@ import yaml
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
 from colltune.model import yamlsafe
 from colltune.model.features import DTYPE_BYTES, Features, index_bytes_for
+from colltune.model.nccl import P2P
 
 __all__ = [
     "FORMAT",
@@ -407,6 +411,11 @@ def _parse_meta(value: Any, source: str) -> dict[str, Any]:
     for key in ("host_call_us", "host_sync_us"):
         if isinstance(meta.get(key), bool) or (meta.get(key) is not None and not 0 <= meta[key] < float("inf")):
             raise _err(source, f"meta.{key}", f"expected a number of microseconds >= 0, got {meta[key]!r}.")
+    if meta.get("p2p") is not None:  # the NCCL model reads these figures; it checks them
+        try:
+            P2P.from_meta(meta["p2p"])
+        except ColltuneValueError as exc:
+            raise _err(source, "meta.p2p", str(exc)) from None
     return meta
 
 
