@@ -299,22 +299,31 @@ def _summarize(report: dict, choices: dict[tuple, dict], worlds: tuple[int, ...]
             continue
         t = {a: c["contenders"][a]["median_ms"] for a in ALGORITHMS}
         best = min(t.values())
+        fastest = min(t, key=t.get)
+        rounds = {a: c["contenders"][a].get("times_ms", []) for a in ALGORITHMS}
         rows.append({
             "n": c["n"], "density": c["density"], "world_size": c["world_size"], "overlap": c["overlap"],
             "k": c["k"], "dtype": c.get("dtype", "float32"), "row": _row_width(c), "times_ms": t,
-            "fastest": min(t, key=t.get), **ch,
+            "fastest": fastest, **ch,
             "regret_cold": t[ch["cold"]] / best, "regret_warm": t[ch["warm"]] / best,
             "regret_fixed": {a: t[a] / best for a in ALGORITHMS},
+            # The choice's time over the fastest's round by round, with its confidence interval and verdict.
+            "noise_cold": bench.paired_ratio(rounds[ch["cold"]], rounds[fastest]),
+            "noise_warm": bench.paired_ratio(rounds[ch["warm"]], rounds[fastest]),
         })
 
-    def stats(xs: list[float]) -> dict:
-        return {"geomean": _geomean(xs), "p95": _p95(xs), "max": max(xs),
-                "optimal_fraction": statistics.fmean(x <= 1.0 for x in xs)}
+    def stats(xs: list[float], noise: list[dict] | None = None) -> dict:
+        out = {"geomean": _geomean(xs), "p95": _p95(xs), "max": max(xs),
+               "optimal_fraction": statistics.fmean(x <= 1.0 for x in xs)}
+        if noise is not None:  # the fastest, or not slower than it beyond noise
+            out["not_slower_fraction"] = statistics.fmean(
+                x <= 1.0 or n["verdict"] in ("within noise", "faster") for x, n in zip(xs, noise))
+        return out
 
     summary = {
         "configs": len(rows),
-        "selector_cold": stats([r["regret_cold"] for r in rows]),
-        "selector_warm": stats([r["regret_warm"] for r in rows]),
+        "selector_cold": stats([r["regret_cold"] for r in rows], [r["noise_cold"] for r in rows]),
+        "selector_warm": stats([r["regret_warm"] for r in rows], [r["noise_warm"] for r in rows]),
         "fixed": {a: stats([r["regret_fixed"][a] for r in rows]) for a in ALGORITHMS},
     }
     for p in worlds:
@@ -329,7 +338,8 @@ def _print_summary(label: str, s: dict) -> None:
     for key in ("selector_cold", "selector_warm"):
         v = s[key]
         print(f"  {key}: geomean {v['geomean']:.3f}, p95 {v['p95']:.3f}, max {v['max']:.2f}, "
-              f"optimal {v['optimal_fraction']:.0%} of {s['configs']}")
+              f"optimal {v['optimal_fraction']:.0%} of {s['configs']}"
+              + (f", optimal or within noise {v['not_slower_fraction']:.0%}" if "not_slower_fraction" in v else ""))
     for a, v in s["fixed"].items():
         print(f"  always {a}: geomean {v['geomean']:.3f}, p95 {v['p95']:.3f}")
     print("  per P (selector, cold): " + ", ".join(
@@ -375,8 +385,20 @@ def regret(args: argparse.Namespace) -> dict:
         print(f"{r['n']:>7} {r['density']:>6g} {r['world_size']:>2} {r['overlap']:>4.2f} {r['dtype']:>8} {r['row']:>3} | "
               f"{' '.join(f'{t[a]:>{width[a]}.2f}' for a in ALGORITHMS)}    | "
               f"{r['fastest']:>9} {r['cold']:>9} {r['warm']:>9} | "
-              f"{r['regret_cold']:.2f} / {r['regret_warm']:.2f}")
+              f"{_regret_text(r, 'cold')} / {_regret_text(r, 'warm')}")
+    print("regret: the choice's time over the fastest's, round by round, median [95% confidence interval; min-max "
+          "under 6 rounds]; within noise: the interval holds 1")
     return out
+
+
+def _regret_text(row: dict, which: str) -> str:
+    """The regret of the cold or warm choice with its noise (``1.00`` when it is the fastest)."""
+    if row[which] == row["fastest"]:
+        return "1.00"
+    n = row.get(f"noise_{which}")
+    if not n or n["regret_paired"] is None:
+        return f"{row[f'regret_{which}']:.2f}"
+    return bench.describe_regret(n["regret_paired"], n["regret_lo"], n["regret_hi"], n["verdict"])
 
 
 def overheads(args: argparse.Namespace, out: dict) -> None:

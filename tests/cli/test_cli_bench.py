@@ -222,3 +222,68 @@ def test_every_command_is_registered_once():
     parser = cli.build_parser()
     assert "bench" in cli.COMMANDS
     assert parser.parse_args(["bench", "--quick"]).command == "bench"
+
+
+# --------------------------------------------------------------------------- auto against the oracle, with its noise
+
+
+def _config(auto_ms, oracle_ms, n=2**16):
+    """A configuration where ``auto`` ran allgather, the oracle, timed in rounds of the given times."""
+    c = {"n": n, "density": 0.01, "world_size": 4, "overlap": 0.5,
+         "contenders": {"auto": bench._stats([t / 1e3 for t in auto_ms]),
+                        "allgather": bench._stats([t / 1e3 for t in oracle_ms])}}
+    bench._add_oracle(c, "allgather", "")
+    return c
+
+
+def test_the_median_interval_has_the_stated_coverage():
+    assert bench.median_interval(5) == (1, 1 - 2 / 32)  # min to max: all five rounds can reach
+    k, coverage = bench.median_interval(15)
+    assert coverage >= bench.CONFIDENCE and 1 - 2 * sum(math.comb(15, j) for j in range(k + 1)) / 2**15 < 0.95
+
+
+@pytest.mark.parametrize(
+    ("auto", "oracle", "verdict"),
+    [
+        ([1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], "within noise"),
+        ([0.6, 0.62, 0.61, 0.6, 0.63, 0.6], [1.0, 1.01, 0.99, 1.0, 1.02, 1.0], "faster"),
+        ([1.5, 1.52, 1.49, 1.5, 1.51, 1.5], [1.0, 1.01, 0.99, 1.0, 1.02, 1.0], "slower"),
+        ([0.5, 0.5], [1.0, 1.0], "few rounds"),
+    ],
+)
+def test_auto_against_the_oracle_is_judged_by_its_interval(auto, oracle, verdict):
+    a = _config(auto, oracle)["auto"]
+    assert a["verdict"] == verdict and a["paired_rounds"] == len(auto)
+    assert a["regret_lo"] <= a["regret_paired"] <= a["regret_hi"]
+    assert a["regret"] > 0 and "choice_regret" in a  # the fields earlier reports hold are kept
+
+
+def test_a_ratio_below_1_is_never_printed_as_a_regret():
+    report = {"configs": [
+        _config([0.6, 0.62, 0.61, 0.6, 0.63, 0.6], [1.0, 1.01, 0.99, 1.0, 1.02, 1.0]),
+        _config([0.97, 1.0, 0.95, 0.99, 0.96, 0.98], [1.0, 0.97, 1.01, 0.96, 1.0, 1.02], n=2**20),
+        _config([1.5, 1.52, 1.49, 1.5, 1.51, 1.5], [1.0, 1.01, 0.99, 1.0, 1.02, 1.0], n=2**22),
+    ]}
+    report["auto_summary"] = bench.auto_summary(report)
+    text = bench.format_auto(report)
+    rows = text.splitlines()[3:6]
+    assert "x faster [" in rows[0] and "regret" not in rows[0]
+    assert "within noise (0.9" in rows[1] and "regret" not in rows[1]
+    assert "regret 1.50 [" in rows[2]
+    assert "regret 0." not in text
+    s = report["auto_summary"]
+    assert s["verdicts"] == {"faster": 1, "within noise": 1, "slower": 1}
+    assert s["slower_max"] == pytest.approx(1.5, rel=0.02) and "worst regret 1.5" in text
+    assert "slower in 1, within noise in 1, faster in 1" in text
+
+
+def test_a_report_without_intervals_still_prints():
+    c = _config([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    for key in ("regret_paired", "regret_lo", "regret_hi", "regret_confidence", "paired_rounds", "verdict"):
+        del c["auto"][key]
+    report = {"configs": [c]}
+    summary = bench.auto_summary(report)
+    for key in ("verdicts", "regret_lo_geomean", "regret_hi_geomean", "slower_max"):
+        del summary[key]
+    report["auto_summary"] = summary
+    assert "1.00" in bench.format_auto(report)

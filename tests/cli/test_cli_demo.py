@@ -14,7 +14,6 @@ import pytest
 from test_cli_report import synthetic_profile
 
 from colltune import cli
-from colltune.cli import demo
 from colltune.model.profile import load_profile
 from colltune.offline import bench, profiling
 
@@ -34,7 +33,7 @@ def stand_ins(monkeypatch):
         calls["bench"] = ({c.world_size for c in configs}, kw["profile"])
         return {"format": "colltune-bench/1", "configs": [], "topk": [], "elapsed_s": 0.0}
 
-    monkeypatch.setattr(demo, "run_profile", fake_profile)
+    monkeypatch.setattr(profiling, "run_profile", fake_profile)
     monkeypatch.setattr(bench, "run", fake_bench)
     return calls
 
@@ -70,7 +69,7 @@ def test_demo_out_must_be_a_directory(name, tmp_path, capsys, monkeypatch):
     def _too_late(*a, **k):
         raise AssertionError("a bad --out must be refused before anything runs")
 
-    monkeypatch.setattr(demo, "run_profile", _too_late)
+    monkeypatch.setattr(profiling, "run_profile", _too_late)
     path = tmp_path / name
     if name == "a-file":
         path.write_text("")

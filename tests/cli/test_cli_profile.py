@@ -236,3 +236,46 @@ def test_the_journal_keeps_every_round_and_refuses_a_corrupt_middle(tmp_path):
         fh.write("\n".join([lines[0], "{not json", lines[1]]) + "\n")
     with pytest.raises(profiling.ProfilingError, match="corrupt"):
         profiling.Journal(path, {"backend": "gloo"})
+
+
+def _stderr_on_a_terminal(argv: list[str], timeout: float = 300.0) -> str:
+    """Run ``colltune ARGV`` with standard error on a pseudo-terminal (so tqdm draws bars); return what it drew."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "colltune.cli", *argv], stdout=subprocess.DEVNULL, stderr=slave,
+                            cwd=_ROOT)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the terminal's last writer closed it
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(master)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")[-3000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pseudo-terminals as Linux has them")
+def test_each_world_size_has_one_bar_that_ends_at_100_percent(tmp_path):
+    argv = ["profile", "--world-size", "1", "2", "--n", "2^10", "--density", "1e-2", "1e-1", "--overlap", "0",
+            "--dtype", "float32", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "p.yaml")]
+    drawn = _stderr_on_a_terminal(argv)
+    states = [s for s in drawn.replace("\r\n", "\r").split("\r") if s.startswith("profile P=")]
+    assert {s.split(":")[0] for s in states} == {"profile P=1", "profile P=2"}, drawn
+    for p in (1, 2):
+        mine = [s for s in states if s.startswith(f"profile P={p}:")]
+        assert "100%" in mine[-1] and "2/2" in mine[-1], mine  # each world size counts its own 2 configurations
+        assert all("/2 " in s for s in mine), mine

@@ -1,8 +1,12 @@
-"""``colltune tune``: an Optuna study that resumes from its journal storage and writes a valid policy."""
+"""``colltune tune``: an Optuna study that resumes from its storage (a journal file or a database URL) and writes a
+valid policy."""
 
 from __future__ import annotations
 
+import time
+
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from colltune import cli
@@ -15,7 +19,7 @@ TINY = ["--world-size", "2", "--n", "2^10", "--density", "1e-2", "--rounds", "2"
 def _study(storage):
     w = autotune.TuneTarget("exact", 1024, 1e-2, 0.5, "float32", 2, 2, 16, 0)
     return optuna.load_study(study_name=autotune.study_name(w, tuple(autotune.space("exact"))),
-                             storage=autotune._storage(str(storage)))
+                             storage=autotune.storage_of(str(storage)))
 
 
 def test_tune_resumes_from_its_storage_and_writes_a_policy(tmp_path, capsys):
@@ -97,3 +101,61 @@ def test_a_written_policy_with_a_bool_knob_loads(tmp_path):
     out.write_text(text)
     knobs = load_policy(out).rules[0].knobs["oktopk"]
     assert knobs == {"balance": False, "peers_in_flight": 2} and knobs["balance"] is False
+
+
+def test_a_database_url_holds_the_study_and_a_second_run_resumes_it(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    argv = ["tune", *TINY, "--algorithm", "allgather", "--storage", url, "--out", str(tmp_path / "p.yaml")]
+    assert cli.main([*argv, "--trials", "2"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    w = autotune.TuneTarget("exact", 1024, 1e-2, 0.5, "float32", 2, 2, 16, 0)
+    name = autotune.study_name(w, ("allgather",))
+    first = {t.number: t.value for t in optuna.load_study(study_name=name, storage=url).trials
+             if t.state == TrialState.COMPLETE}
+    assert len(first) == 2
+    assert cli.main([*argv, "--trials", "3"]) == 0
+    out = capsys.readouterr().out
+    study = optuna.load_study(study_name=name, storage=url)
+    done = {t.number: t.value for t in study.trials if t.state == TrialState.COMPLETE}
+    assert len(done) == 3 and {k: done[k] for k in first} == first  # the same study, one trial more
+    assert [s.study_name for s in optuna.get_all_study_summaries(url)] == [name]
+    assert f"in {url}" in out
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_database_trial_whose_heartbeat_stopped_is_failed_and_tried_again(tmp_path, monkeypatch):
+    """A node that died leaves a RUNNING trial whose heartbeat went silent; opening the study retries it."""
+    monkeypatch.setattr(autotune, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(autotune, "GRACE_S", 1)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    w = autotune.TuneTarget("exact", 1024, 1e-2, 0.5, "float32", 2)
+    study = autotune._open_study(url, w, ("oktopk",), 0)
+    cut = study.ask()
+    autotune.suggest(cut, "exact", ("oktopk",), 2)
+    study._storage.record_heartbeat(cut._trial_id)  # what Study.optimize's heartbeat thread does
+    live = study.ask()  # no heartbeat yet: another node's trial that has just started
+    time.sleep(2.5)
+    study = autotune._open_study(url, w, ("oktopk",), 0)
+    states = {t.number: t.state for t in study.trials}
+    assert states[cut.number] == TrialState.FAIL and states[live.number] == TrialState.RUNNING
+    (retry,) = [t for t in study.trials if t.state == TrialState.WAITING]
+    assert retry.params == cut.params and retry.user_attrs.get("default")
+
+
+@pytest.mark.parametrize("spec", ["tune.journal", "journal:tune.journal", "sub/dir/tune.journal"])
+def test_a_path_or_journal_prefix_is_a_journal_file(spec):
+    assert autotune.journal_file(spec) == spec.removeprefix("journal:")
+    assert not autotune.is_url(spec)
+
+
+def test_a_database_password_is_not_shown():
+    assert autotune.storage_label("postgresql://me:secret@db:5432/tune") == "postgresql://me:***@db:5432/tune"
+    assert autotune.storage_label("sqlite:///t.db") == "sqlite:///t.db"
+    assert autotune.storage_label("runs/t.journal") == "t.journal"
+
+
+def test_a_url_that_opens_no_database_exits_2(tmp_path, capsys):
+    argv = ["tune", *TINY, "--storage", "nosuchdb://host/x", "--out", str(tmp_path / "p.yaml")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--storage 'nosuchdb://host/x'" in err and "sqlite:///" in err and "Traceback" not in err

@@ -1,7 +1,8 @@
 """The ``colltune`` command line.
 
-Subcommands are small classes registered in one table (:data:`COMMANDS`);
-``main(argv) -> int`` parses, dispatches and turns errors into exit statuses:
+Subcommands are small classes registered in one table (:data:`TABLE`;
+:data:`COMMANDS` maps each name to its command); ``main(argv) -> int``
+parses, dispatches and turns errors into exit statuses:
 
 ====  ==========================================================
 0     success
@@ -17,42 +18,91 @@ Subcommands are small classes registered in one table (:data:`COMMANDS`);
 ``colltune --version`` prints ``colltune <version>``.
 
 One module per subcommand (:mod:`colltune.cli.bench`, ``profile`` (with
-``fit``), ``tune``, ``explain``, ``report``, ``demo``), each with its input
-and output formats; :mod:`colltune.cli.common` holds the argument types and
-the :class:`Command` base. Nothing in the package imports the CLI.
+``fit``), ``tune``, ``explain``, ``simulate``, ``report``, ``demo``), each
+with its input and output formats; :mod:`colltune.cli.common` holds the
+argument types and the :class:`Command` base. Nothing in the package imports
+the CLI.
+
+The table of commands (:data:`TABLE`) names each command's module, class and
+one-line help, so ``colltune --help`` lists the commands without importing
+them, and ``colltune CMD ...`` imports only ``CMD``'s module. A command
+module imports torch and the ``cli`` extras inside ``run``, never at module
+level, so every ``--help`` answers without loading them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from typing import Sequence
+from typing import Collection, Iterator, Mapping, NamedTuple, Sequence
 
 import colltune
 from colltune.algorithms.errors import ColltuneError
-from colltune.cli.bench import BenchCommand
 from colltune.cli.common import Command, UsageError, discard_stdout
-from colltune.cli.demo import DemoCommand
-from colltune.cli.explain import ExplainCommand
-from colltune.cli.profile import FitCommand, ProfileCommand
-from colltune.cli.report import ReportCommand
-from colltune.cli.simulate import SimulateCommand
-from colltune.cli.tune import TuneCommand
 
-__all__ = ["main", "Command", "COMMANDS", "EXIT_BROKEN_PIPE", "UsageError"]
+__all__ = ["main", "build_parser", "Command", "COMMANDS", "TABLE", "Entry", "EXIT_BROKEN_PIPE", "UsageError"]
 
 logger = logging.getLogger(__name__)
 
 
+class Entry(NamedTuple):
+    """Where one subcommand lives, and its one-line help (the class's ``help``; a test checks they agree)."""
+
+    module: str
+    cls: str
+    help: str
+
+
 #: Every subcommand, in the order ``colltune --help`` lists them.
-COMMANDS: dict[str, Command] = {  # type: ignore[misc]
-    c.name: c
-    for c in (
-        BenchCommand(), ProfileCommand(), FitCommand(), TuneCommand(), ExplainCommand(), SimulateCommand(),
-        ReportCommand(), DemoCommand(),
-    )
+TABLE: dict[str, Entry] = {
+    "bench": Entry("colltune.cli.bench", "BenchCommand",
+                   "time every registered algorithm, auto and PyTorch's gloo sparse all_reduce on the same inputs"),
+    "profile": Entry("colltune.cli.profile", "ProfileCommand",
+                     "measure every algorithm over a grid of calls on local ranks (or torchrun's) and write a "
+                     "profile"),
+    "fit": Entry("colltune.cli.profile", "FitCommand",
+                 "fit the learned cost model on a profile; print cross-validated error and regret; store the model"),
+    "tune": Entry("colltune.cli.tune", "TuneCommand",
+                  "tune the algorithms' knobs with Optuna on a workload (resumable); write them as a policy"),
+    "explain": Entry("colltune.cli.explain", "ExplainCommand",
+                     "show each algorithm's predicted time for a call, the selector's choice, and why"),
+    "simulate": Entry("colltune.cli.simulate", "SimulateCommand",
+                      "predict each algorithm's time and bytes on a cluster, per world size, and the choice"),
+    "report": Entry("colltune.cli.report", "ReportCommand",
+                    "draw decision maps and predicted-versus-measured plots of a profile; write a markdown summary"),
+    "demo": Entry("colltune.cli.demo", "DemoCommand",
+                  "profile this machine quickly (local gloo ranks), then bench auto, each algorithm, the oracle and "
+                  "torch"),
 }
+
+
+class _Commands(Mapping[str, Command]):
+    """The commands by name; a command's module is imported the first time the command is looked up."""
+
+    def __init__(self, table: Mapping[str, Entry]) -> None:
+        self._table = table
+        self._made: dict[str, Command] = {}
+
+    def __getitem__(self, name: str) -> Command:
+        if name not in self._made:
+            entry = self._table[name]
+            self._made[name] = getattr(importlib.import_module(entry.module), entry.cls)()
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+
+#: Every subcommand by name, in :data:`TABLE`'s order (a mapping; a command is built on first lookup).
+COMMANDS: Mapping[str, Command] = _Commands(TABLE)
 
 
 # --------------------------------------------------------------------------- main
@@ -65,21 +115,42 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the parser with every registered subcommand."""
+#: The levels ``--log-level`` takes.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """Return the parser with every registered subcommand.
+
+    Args:
+        only: the commands whose options are added (their modules are
+            imported); the others are listed with their help alone. Default:
+            every command.
+    """
     parser = _Parser(
         prog="colltune",
         description="Autotuned sparse gradient collectives on torch.distributed.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"colltune {colltune.__version__}")
-    parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                        help="logging level (default WARNING)")
+    parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS, help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for cmd in COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        cmd.add_arguments(p)
+    for name, entry in TABLE.items():
+        p = sub.add_parser(name, help=entry.help, description=entry.help)
+        if only is None or name in only:
+            COMMANDS[name].add_arguments(p)
     return parser
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """Return the subcommand ``argv`` names (its first word that is not an option or an option's value), or None."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in TABLE else None
+    return None
 
 
 #: The exit status when standard output is closed early: 128 + SIGPIPE, as a shell reports it.
@@ -103,11 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(argv: Sequence[str] | None) -> int:
     """Parse ``argv``, run the chosen command and turn its errors into exit statuses."""
-    from colltune.offline.launch import RankError
-
-    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    chosen = command_of(words)
+    parser = build_parser(only=() if chosen is None else (chosen,))
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        args = parser.parse_args(words)
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -122,10 +193,10 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     except UsageError as exc:
         print(f"colltune {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except RankError as exc:
-        print(f"colltune {args.command}: failed: {exc}", file=sys.stderr)
-        return 1
     except ColltuneError as exc:
+        if _is_rank_error(exc):
+            print(f"colltune {args.command}: failed: {exc}", file=sys.stderr)
+            return 1
         print(f"colltune {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -137,6 +208,16 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         print(f"colltune {args.command}: error: it needs {exc.name.split('.')[0]}, one of the command line's "
               "extras, which is not installed; install them with pip install 'colltune[cli]'", file=sys.stderr)
         return 2
+
+
+def _is_rank_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a rank's failure (:class:`colltune.offline.launch.RankError`).
+
+    Only a command that launched ranks can raise one, and that command has
+    imported the launcher; the others never load it (nor torch) to ask.
+    """
+    launch = sys.modules.get("colltune.offline.launch")
+    return launch is not None and isinstance(exc, launch.RankError)
 
 
 #: Top-level modules of the ``cli`` extra (``pip install 'colltune[cli]'``); a training job needs none of them.

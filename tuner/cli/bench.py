@@ -84,15 +84,26 @@ same::
 
 ``auto``, the selector's choice (:mod:`colltune.select.selector`), is a contender
 too (``--profile FILE`` chooses its profile), and every configuration gets the
-*oracle* (the fastest fixed algorithm, measured) and auto's regret against
-it, printed as a decision table after the timings and stored as::
+*oracle* (the fastest fixed algorithm, measured) and auto's time over the
+oracle's, printed as a decision table after the timings and stored as::
 
     "oracle": {"algorithm": "allgather", "median_ms": 4.02},
     "auto": {"algorithm": "allgather", "reason": "...", "regret": 1.03,
              "choice_regret": 1.0, "speedup": {"dense": 2.3, "allgather": 0.97,
-                                               "oktopk": 1.4, "torch": 1.8}}
+                                               "oktopk": 1.4, "torch": 1.8},
+             "regret_paired": 1.02, "regret_lo": 0.97, "regret_hi": 1.08,
+             "regret_confidence": 0.96, "paired_rounds": 15, "verdict": "within noise"}
 
-with ``"auto_summary"`` (geometric means over the configurations) at the top.
+``regret`` is the ratio of the medians; ``regret_paired`` the median of the
+ratios of the same round's times (the contenders run interleaved, so a
+round's load hits both), with its distribution-free confidence interval
+``regret_lo`` to ``regret_hi`` (coverage ``regret_confidence``: 95% or more
+from 6 rounds, min to max below that). The ``verdict`` reads the interval:
+``"slower"`` (above 1: a regret), ``"within noise"`` (it holds 1),
+``"faster"`` (below 1: auto beat the fastest fixed algorithm timed
+separately, shown as ``1.5x faster``, never as a regret below 1) or
+``"few rounds"`` (under 3). ``"auto_summary"`` at the top holds the
+geometric means over the configurations and the count of each verdict.
 
 The team's own performance targets are checked from this file by
 ``python3 tools/check_targets.py colltune-bench.json``, not printed here.
@@ -103,6 +114,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from colltune.algorithms.registry import BUILTIN_NAMES, PLUGINS_ENV
 from colltune.cli.common import (
     Command,
     UsageError,
@@ -118,6 +130,10 @@ from colltune.cli.common import (
     write_json,
 )
 
+#: World sizes of the full grid: :data:`colltune.offline.bench.FULL_WORLD`, stated here so that ``--help``
+#: needs no torch (a test checks that the two agree).
+FULL_WORLD = (2, 4, 8)
+
 
 class BenchCommand(Command):
     """``colltune bench``: time the algorithms and PyTorch's sparse all_reduce."""
@@ -126,11 +142,9 @@ class BenchCommand(Command):
     help = "time every registered algorithm, auto and PyTorch's gloo sparse all_reduce on the same inputs"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        from colltune.offline import bench
-
         g = parser.add_argument_group("grid (each takes one or more values; defaults: the full grid)")
         g.add_argument("--world-size", "-P", type=parse_world, nargs="+", metavar="P",
-                       help=f"ranks (default {' '.join(map(str, bench.FULL_WORLD))}; --quick: 4)")
+                       help=f"ranks (default {' '.join(map(str, FULL_WORLD))}; --quick: 4)")
         g.add_argument("--n", type=parse_n, nargs="+", metavar="N",
                        help="dense rows, e.g. 65536 or 2^16 (default 2^16 2^20 2^22)")
         g.add_argument("--density", type=parse_density, nargs="+", metavar="D",
@@ -154,8 +168,9 @@ class BenchCommand(Command):
                        help="calls in a row per timed sample (default 1: one call after a barrier, its latency); "
                             "B > 1 reports the time per call of B back-to-back calls, as when a training step "
                             "reduces many tensors in a row (sparse grid only)")
-        t.add_argument("--contenders", nargs="+", choices=bench.all_contenders(), default=list(bench.all_contenders()),
-                       help="what to time (default all)")
+        t.add_argument("--contenders", nargs="+", metavar="NAME",
+                       help="what to time (default all): auto, any registered algorithm (the built-in "
+                            f"{', '.join(BUILTIN_NAMES)} and plugins named in {PLUGINS_ENV}), torch")
         t.add_argument("--timeout", type=parse_seconds, default=3600.0,
                        help="kill the ranks of one world size after this many seconds (default 3600)")
         k = parser.add_argument_group("top-k section")
@@ -179,6 +194,7 @@ class BenchCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from colltune.offline import bench, launch
 
+        args.contenders = _checked_contenders(args.contenders, bench.all_contenders())
         check_writable(args.json)
         if args.profile is not None:
             from colltune.model.profile import load_profile
@@ -201,6 +217,18 @@ class BenchCommand(Command):
         save(report)
         _print_summary(args, report)
         return 0
+
+
+def _checked_contenders(asked: list[str] | None, known: tuple[str, ...]) -> list[str]:
+    """Return ``--contenders`` (default: every contender), refusing a name that is not one."""
+    if asked is None:
+        return list(known)
+    unknown = [a for a in asked if a not in known]
+    if unknown:
+        raise UsageError(f"--contenders: {', '.join(map(repr, unknown))} is not a contender; pass some of "
+                         f"{', '.join(known)} (a plugin's algorithm counts once its module is named in "
+                         f"{PLUGINS_ENV}).")
+    return list(asked)
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[Any], list[Any], Any]:

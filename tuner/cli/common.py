@@ -2,6 +2,8 @@
 
 Argument types raise ``argparse.ArgumentTypeError`` with the option's
 expected form, so ``colltune X --n foo`` fails with one line naming it.
+
+Every ``--help`` imports this module, so it loads no NumPy and no torch.
 """
 
 from __future__ import annotations
@@ -14,10 +16,7 @@ import os
 import sys
 from typing import Any, ClassVar
 
-import numpy as np
-
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
-from colltune.model.features import MAX_WORLD_SIZE
 from colltune.model.files import write_text_atomic
 
 
@@ -86,7 +85,11 @@ def number_type(convert: Any, ok: Any, expected: str, must: str, name: str, scal
 parse_world = number_type(int, lambda v: v >= 1, "an integer >= 1", ">= 1 (the number of ranks)", "parse_world")
 
 
-#: :data:`~colltune.model.features.MAX_WORLD_SIZE` as ``--help`` and the errors state it.
+#: The most ranks the cost model prices: :data:`colltune.model.features.MAX_WORLD_SIZE`, stated here so that
+#: ``--help`` needs no NumPy (a test checks that the two agree).
+MAX_WORLD_SIZE = 2**31 - 1
+
+#: :data:`MAX_WORLD_SIZE` as ``--help`` and the errors state it.
 WORLD_BOUND = f"at most {MAX_WORLD_SIZE} (2^31 - 1, the most ranks torch.distributed and NCCL can count)"
 
 
@@ -134,6 +137,10 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def _json_default(o: Any) -> Any:
+    if type(o).__module__ != "numpy":
+        raise TypeError(f"not JSON serializable: {type(o).__name__}")
+    import numpy as np  # loaded already: ``o`` is one of its objects
+
     if isinstance(o, np.generic):
         return o.item()
     if isinstance(o, np.ndarray):

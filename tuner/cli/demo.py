@@ -32,14 +32,6 @@ import os
 from colltune.cli.bench import BenchCommand
 from colltune.cli.common import UsageError, parse_world
 from colltune.cli.profile import profile_summary
-from colltune.offline.profiling import (
-    PRIMITIVE_SIZES_QUICK,
-    Grid,
-    TimingPlan,
-    check_output_path,
-    journal_path,
-    run_profile,
-)
 
 #: Where ``colltune demo`` writes without ``--out``.
 DEFAULT_OUT = "colltune-demo"
@@ -63,15 +55,18 @@ class DemoCommand:
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     def run(self, args: argparse.Namespace) -> int:
+        from colltune.offline import profiling
+
         profile, bench_json = demo_paths(args.out)
-        jpath = journal_path(profile)
+        jpath = profiling.journal_path(profile)
         if os.path.exists(jpath):
             os.remove(jpath)  # the demo always starts afresh
         print(f"colltune demo: writing {profile} and {bench_json}", flush=True)
         print(f"\n== 1/2 profile this machine: quick grid at P={','.join(map(str, args.world_size))} "
               "(gloo, local ranks)", flush=True)
-        res = run_profile(profile, args.world_size, Grid.preset("quick"), plan=TimingPlan.for_grid("quick"),
-                          progress=not args.no_progress, primitive_sizes=PRIMITIVE_SIZES_QUICK)
+        res = profiling.run_profile(profile, args.world_size, profiling.Grid.preset("quick"),
+                                    plan=profiling.TimingPlan.for_grid("quick"), progress=not args.no_progress,
+                                    primitive_sizes=profiling.PRIMITIVE_SIZES_QUICK)
         if res is not None:  # rank 0 (under torchrun, the others print nothing)
             print(profile_summary(res), flush=True)
             print(f"\n== 2/2 bench on the profile: auto, each algorithm, the oracle, torch (P={max(args.world_size)})",
@@ -96,6 +91,8 @@ def demo_paths(out: str) -> tuple[str, str]:
         UsageError: ``out`` is a file, names a file (``.yaml``, ``.json``),
             or cannot be created or written.
     """
+    from colltune.offline.profiling import check_output_path
+
     if os.path.isfile(out) or os.path.splitext(out)[1].lower() in (".yaml", ".yml", ".json"):
         raise UsageError(f"--out is the directory the demo writes {PROFILE_NAME} and {BENCH_NAME} into, but got "
                          f"the file {out!r}; pass a directory such as {DEFAULT_OUT!r}.")

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import TYPE_CHECKING
 
 from colltune.cli.common import (
     number_type,
@@ -58,33 +59,21 @@ from colltune.cli.common import (
     parse_world,
     write_json,
 )
-from colltune.model.profile import (
-    load_profile,
-    save_profile,
-)
-from colltune.offline.profiling import (
-    ALGORITHMS,
-    DTYPES,
-    GRIDS,
-    PRIMITIVE_SIZES,
-    PRIMITIVE_SIZES_QUICK,
-    STATISTICS,
-    Grid,
-    ProfileResult,
-    ProfilingError,
-    TimingPlan,
-    check_output_path,
-    fit_profile,
-    format_fit_report,
-    format_seconds,
-    measurement_key,
-    run_profile,
-)
+
+if TYPE_CHECKING:
+    from colltune.offline.profiling import Grid, ProfileResult, TimingPlan
+
+#: Names of the built-in grids (:data:`colltune.offline.profiling.GRIDS`), the value dtypes a grid may take
+#: (``DTYPES``) and the statistics a profile may record (``STATISTICS``), stated here so that ``--help`` needs
+#: no NumPy (a test checks that they agree with :mod:`colltune.offline.profiling`).
+GRID_NAMES = ("quick", "full")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+STATISTICS = ("median", "lower-quartile")
 
 
 def _add_grid_options(parser: argparse.ArgumentParser, default_grid: str = "quick") -> None:
     g = parser.add_argument_group("grid")
-    g.add_argument("--grid", choices=tuple(GRIDS), default=default_grid,
+    g.add_argument("--grid", choices=GRID_NAMES, default=default_grid,
                    help=f"built-in grid (default {default_grid}): quick (18 configurations per world size, about "
                         "a minute at P=2 and 4 on two cores), full (about 400 per world size)")
     g.add_argument("--n", type=parse_n, nargs="+", metavar="N", help="replace the grid's rows n (2^16 or 65536)")
@@ -104,6 +93,9 @@ def _add_grid_options(parser: argparse.ArgumentParser, default_grid: str = "quic
 
 
 def _grid_from_args(args: argparse.Namespace) -> tuple[Grid, TimingPlan]:
+    """Return the grid and the timing plan the options ask for."""
+    from colltune.offline.profiling import Grid, TimingPlan
+
     grid = Grid.preset(args.grid, n=args.n, density=args.density, overlap=args.overlap, dtype=args.dtype,
                        row_numel=math.prod(args.row_shape) if args.row_shape else None, seed=args.seed)
     base = TimingPlan.for_grid(args.grid)
@@ -115,6 +107,9 @@ def _grid_from_args(args: argparse.Namespace) -> tuple[Grid, TimingPlan]:
 
 
 def profile_summary(res: ProfileResult) -> str:
+    """Return the lines printed after a profile run: what was written, what is left, the primitives."""
+    from colltune.offline.profiling import ALGORITHMS, format_seconds, measurement_key
+
     prof = res.profile
     algs = sorted({m.algorithm for m in prof.measurements}, key=ALGORITHMS.index)
     n_cfg = len({measurement_key(m) for m in prof.measurements})
@@ -187,10 +182,11 @@ class ProfileCommand:
     def run(self, args: argparse.Namespace) -> int:
         if args.simulate or args.active:
             return run_active(args)
+        from colltune.offline import launch
+        from colltune.offline.profiling import PRIMITIVE_SIZES, PRIMITIVE_SIZES_QUICK, run_profile
+
         grid, plan = _grid_from_args(args)
         out = args.out or os.path.join("profiles", f"{args.backend}-local.yaml")
-        from colltune.offline import launch
-
         worlds = args.world_size or ([] if launch.in_torchrun() else [2, 4])
         res = run_profile(out, worlds, grid, backend=args.backend, plan=plan, budget_s=args.budget, resume=args.resume,
                           progress=not args.no_progress, timeout=args.timeout,
@@ -232,6 +228,9 @@ class FitCommand:
         parser.add_argument("--json", metavar="FILE", help="also write the cross-validation report as JSON")
 
     def run(self, args: argparse.Namespace) -> int:
+        from colltune.model.profile import load_profile, save_profile
+        from colltune.offline.profiling import ProfilingError, check_output_path, fit_profile, format_fit_report
+
         out = args.out or args.profile
         check_output_path(out)
         if args.json:
@@ -251,7 +250,9 @@ class FitCommand:
 
 def run_active(args: argparse.Namespace) -> int:
     """``colltune profile --active [--simulate PROFILE]``."""
+    from colltune.model.profile import load_profile
     from colltune.offline import active  # Optuna: imported only when asked for
+    from colltune.offline.profiling import check_output_path
 
     if args.simulate:
         if args.json:

@@ -14,8 +14,6 @@ import argparse
 import os
 
 from colltune.cli.common import parse_n, parse_overlap, parse_positive_int
-from colltune.model.profile import load_profile
-from colltune.offline.report import write_report
 
 
 class ReportCommand:
@@ -39,7 +37,9 @@ class ReportCommand:
                             help="cross-validation folds (default 5)")
 
     def run(self, args: argparse.Namespace) -> int:
+        from colltune.model.profile import load_profile
         from colltune.offline.profiling import ProfilingError
+        from colltune.offline.report import write_report
 
         out = args.out
         if os.path.exists(out) and not os.path.isdir(out):

@@ -35,9 +35,8 @@ import json
 import math
 from typing import ClassVar
 
-from colltune.cli.common import WORLD_BOUND, UsageError, cluster_profile, parse_priced_ranks
+from colltune.cli.common import MAX_WORLD_SIZE, WORLD_BOUND, UsageError, cluster_profile, parse_priced_ranks
 from colltune.cli.explain import parse_numel, parse_unit
-from colltune.model.features import MAX_WORLD_SIZE
 
 __all__ = ["SimulateCommand"]
 

@@ -4,11 +4,15 @@ An Optuna study over the knobs (allgather's ``mode``; Ok-Topk's
 ``boundary_refresh``, ``peers_in_flight``, ``dense_fallback_ratio``; with
 ``--topk`` its ``local_refresh`` and ``global_refresh``) minimizing the
 measured time on one workload, the default knobs timed in the same rounds.
-Trials live in an Optuna journal file (``--storage``); running the command
-again resumes the study up to ``--trials``. Prints every trial, the best one
-marked ``<== BEST``, and writes a policy (format: ``colltune.model.policy``)::
+Trials live in an Optuna storage (``--storage``): a journal file (a bare
+path, or ``journal:PATH``), or a database URL (``sqlite:///tune.db``,
+``postgresql://user@host/db``) that several nodes can share. Running the
+command again resumes the study up to ``--trials``. Prints every trial, the
+best one marked ``<== BEST``, and writes a policy (format:
+``colltune.model.policy``)::
 
     colltune tune --world-size 4 --trials 30 --storage tune.journal --out tuned.yaml
+    colltune tune --world-size 4 --trials 30 --storage sqlite:///tune.db --out tuned.yaml
     colltune tune --world-size 4 --topk --n 2^22 --density 1e-3 --trials 40
 """
 
@@ -20,7 +24,6 @@ import time
 
 from colltune.cli.common import parse_density, parse_n, parse_nonneg_int, parse_overlap, parse_positive_int, parse_world
 from colltune.model.files import write_text_atomic
-from colltune.offline.autotune import TuneTarget, completed_trials, format_trials, policy_text, run_study, space
 
 
 def _write_text(path: str, text: str) -> None:
@@ -39,9 +42,10 @@ class TuneCommand:
                             help="ranks to start (default 4; under torchrun: the running ranks)")
         parser.add_argument("--trials", type=parse_positive_int, default=30, metavar="N",
                             help="finished trials the study should hold (default 30); a resumed study runs the rest")
-        parser.add_argument("--storage", default="colltune-tune.journal", metavar="FILE",
-                            help="Optuna journal file of the study (default colltune-tune.journal); "
-                                 "run again to resume")
+        parser.add_argument("--storage", default="colltune-tune.journal", metavar="STORAGE",
+                            help="the study's Optuna storage: a journal file (a path, or journal:PATH; default "
+                                 "colltune-tune.journal) or a database URL such as sqlite:///tune.db or "
+                                 "postgresql://user@host/db, which several nodes can share; run again to resume")
         parser.add_argument("--out", "-o", default="tuned-policy.yaml", metavar="FILE",
                             help="the policy to write (default tuned-policy.yaml)")
         parser.add_argument("--algorithm", default="all", metavar="NAME",
@@ -67,6 +71,16 @@ class TuneCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from colltune.offline import launch
+        from colltune.offline.autotune import (
+            TuneTarget,
+            completed_trials,
+            format_trials,
+            journal_file,
+            policy_text,
+            run_study,
+            space,
+            storage_label,
+        )
         from colltune.offline.profiling import ProfilingError, check_output_path
 
         is_root = True
@@ -80,9 +94,7 @@ class TuneCommand:
             world = args.world_size or 4
         if is_root:
             check_output_path(args.out)
-            check_output_path(args.storage, "--storage")
-            if os.path.exists(args.storage) and os.path.getsize(args.storage) > 0:
-                _check_storage(args.storage)
+            _check_storage(args.storage)
             if args.profile is not None:
                 from colltune.model.profile import load_profile
 
@@ -108,17 +120,32 @@ class TuneCommand:
         print(format_trials(study, algorithms))
         text = policy_text(study, algorithms, args.storage, args.profile, args.backend)
         _write_text(args.out, text)
-        print(f"\nwrote {args.out} (the best knobs as a policy; study {study.study_name!r} in {args.storage}, "
+        print(f"\nwrote {args.out} (the best knobs as a policy; study {study.study_name!r} in "
+              f"{args.storage if journal_file(args.storage) is not None else storage_label(args.storage)}, "
               f"{len(completed_trials(study))} trials; {time.monotonic() - t0:.0f} s)")
         return 0
 
 
-def _check_storage(path: str) -> None:
-    """Refuse a storage file that is not an Optuna journal (before any rank starts)."""
+def _check_storage(spec: str) -> None:
+    """Refuse a ``--storage`` that cannot hold the study, before any rank starts.
+
+    A journal file must be writable and, when it holds anything, an Optuna
+    journal; a database URL must open.
+    """
     import json
 
-    from colltune.offline.profiling import ProfilingError
+    from colltune.offline.autotune import journal_file, storage_of
+    from colltune.offline.profiling import ProfilingError, check_output_path
 
+    path = journal_file(spec)
+    if path is None:
+        storage_of(spec)
+        return
+    if not path:
+        raise ProfilingError(f"--storage {spec!r} names no file; pass journal:PATH or a path such as tune.journal.")
+    check_output_path(path, "--storage")
+    if not (os.path.exists(path) and os.path.getsize(path) > 0):
+        return
     try:
         with open(path, "rb") as fh:
             first = fh.readline()
@@ -126,5 +153,6 @@ def _check_storage(path: str) -> None:
         if not isinstance(rec, dict) or "op_code" not in rec:
             raise ValueError
     except (OSError, ValueError, UnicodeDecodeError):
-        raise ProfilingError(f"--storage {path!r} is not an Optuna journal file; pass a new path (it is created) or "
-                             "the file of an earlier colltune tune run.") from None
+        raise ProfilingError(f"--storage {path!r} is not an Optuna journal file; pass a new path (it is created), "
+                             "the file of an earlier colltune tune run, or a database URL such as "
+                             "sqlite:///tune.db.") from None

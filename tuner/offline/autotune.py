@@ -29,10 +29,24 @@ Top-k mode (``--topk``: ``topk_allreduce`` with Ok-Topk, error feedback on)::
 Storage and resuming
 --------------------
 
-Trials live in an Optuna ``JournalStorage`` file (``--storage``, an
-append-only log). Running the same command again continues the study: it
-runs until the study holds ``--trials`` finished trials. A trial cut short
-by a kill is marked failed and its knobs are tried again first.
+``--storage`` names the study's Optuna storage (:func:`storage_of`):
+
+=============================  ==================================================
+``tune.journal``               a journal file (``JournalStorage`` with a
+``journal:tune.journal``       ``JournalFileBackend``; an append-only log), for
+                               one run at a time
+``sqlite:///tune.db``          a relational database by its SQLAlchemy URL
+``postgresql://u@host/db``     (``RDBStorage``): several nodes can run the same
+                               study at once
+=============================  ==================================================
+
+Running the same command again continues the study (``create_study`` with
+``load_if_exists``): it runs until the study holds ``--trials`` finished
+trials. A trial cut short by a kill is failed and its knobs are tried again
+first: in a journal, every trial still running when the study is opened
+(one run at a time); in a database, the trials whose heartbeat stopped
+(``fail_stale_trials`` and Optuna's retry callback), so the running trials
+of other nodes are left alone.
 
 Output
 ------
@@ -55,15 +69,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import statistics
+import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from colltune import algorithms
 from colltune.algorithms.knobs import Knob
 
-__all__ = ["TuneTarget", "space", "tuned_knobs", "suggest", "run_study", "policy_text", "format_trials"]
+__all__ = ["TuneTarget", "space", "tuned_knobs", "suggest", "run_study", "policy_text", "format_trials",
+           "storage_of", "storage_label", "journal_file", "is_url"]
 
 
 
@@ -218,40 +236,50 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
     return statistics.median(flat[:r]) * 1e3, statistics.median(flat[r:]) * 1e3
 
 
-def _tune_rank(rank: int, world_size: int, w: TuneTarget, algorithms: Sequence[str], trials: int, storage_path: str,
+def _tune_rank(rank: int, world_size: int, w: TuneTarget, algorithms: Sequence[str], trials: int, storage: str,
                seed: int, show: bool, backend: str) -> dict[str, Any] | None:
-    """The rank function: rank 0 owns the study and asks; every rank measures each trial."""
-    import torch.distributed as dist
-
+    """The rank function: rank 0 runs the study (``Study.optimize``); every rank measures each trial."""
     from colltune.offline.profiling import _setup_device
 
     device = _setup_device(backend)
-    study = _open_study(storage_path, w, algorithms, seed) if rank == 0 else None
-    ran = 0
-    while True:
-        box: list[Any] = [None]
-        trial = None
-        if rank == 0:
-            done = sum(1 for t in study.trials if t.state.is_finished() and t.state.name == "COMPLETE")
-            if done < trials:
-                trial = study.ask()
-                box[0] = {"number": trial.number, **suggest(trial, w.mode, algorithms, world_size)}
-        if world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        setting = box[0]
-        if setting is None:
-            break
+    if rank != 0:
+        while (setting := _shared(None, world_size)) is not None:
+            _measure(rank, world_size, w, setting, device)
+        return None
+    from optuna.study import MaxTrialsCallback
+    from optuna.trial import TrialState
+
+    study = _open_study(storage, w, algorithms, seed)
+    ran = [0]
+
+    def objective(trial: Any) -> float:
+        setting = _shared({"number": trial.number, **suggest(trial, w.mode, algorithms, world_size)}, world_size)
         tuned_ms, default_ms = _measure(rank, world_size, w, setting, device)
-        ran += 1
-        if rank == 0:
-            trial.set_user_attr("default_ms", default_ms)
-            trial.set_user_attr("speedup_vs_default", default_ms / tuned_ms)
-            study.tell(trial, tuned_ms)
-            if show:
-                knobs = ", ".join(f"{k}={_fmt(v)}" for k, v in setting["knobs"].items())
-                print(f"trial {setting['number']:>3}: {setting['algorithm']} {knobs}: {tuned_ms:.3f} ms "
-                      f"(default knobs {default_ms:.3f} ms)", flush=True)
-    return {"ran": ran} if rank == 0 else None
+        ran[0] += 1
+        trial.set_user_attr("default_ms", default_ms)
+        trial.set_user_attr("speedup_vs_default", default_ms / tuned_ms)
+        if show:
+            knobs = ", ".join(f"{k}={_fmt(v)}" for k, v in setting["knobs"].items())
+            print(f"trial {setting['number']:>3}: {setting['algorithm']} {knobs}: {tuned_ms:.3f} ms "
+                  f"(default knobs {default_ms:.3f} ms)", flush=True)
+        return tuned_ms
+
+    left = trials - len(completed_trials(study))
+    if left > 0:
+        # Other nodes may run the same study: stop once it holds ``trials``, whoever finished them.
+        study.optimize(objective, n_trials=left, callbacks=[MaxTrialsCallback(trials, states=(TrialState.COMPLETE,))])
+    _shared(None, world_size)  # the other ranks stop
+    return {"ran": ran[0]}
+
+
+def _shared(setting: dict[str, Any] | None, world_size: int) -> dict[str, Any] | None:
+    """Return rank 0's ``setting`` on every rank (``None``: the study is done)."""
+    import torch.distributed as dist
+
+    box: list[Any] = [setting]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _fmt(v: Any) -> str:
@@ -261,39 +289,115 @@ def _fmt(v: Any) -> str:
 # --------------------------------------------------------------------------- the study
 
 
-def _storage(path: str) -> Any:
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+#: Seconds between the heartbeats of a running trial in a database, and the silence after which it is stale
+#: (a node that died); a journal has no heartbeat.
+HEARTBEAT_S = 30
+GRACE_S = 120
 
-    return JournalStorage(JournalFileBackend(path))
+#: What ``--storage`` may start with to name a journal file explicitly.
+JOURNAL_PREFIX = "journal:"
 
 
-def _open_study(storage_path: str, w: TuneTarget, algorithms: Sequence[str], seed: int) -> Any:
-    """Create or load the study; queue the defaults first.
+def is_url(spec: str) -> bool:
+    """Whether ``spec`` is a database URL (``dialect[+driver]://...``) rather than a journal file."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", spec) is not None
 
-    Trials a kill left running are failed and their knobs queued again.
+
+def journal_file(spec: str) -> str | None:
+    """Return the journal file ``spec`` names (a bare path or ``journal:PATH``), or None for a database URL."""
+    if spec.startswith(JOURNAL_PREFIX):
+        return spec[len(JOURNAL_PREFIX):]
+    return None if is_url(spec) else spec
+
+
+def storage_label(spec: str) -> str:
+    """Return ``spec`` as output may show it: a journal's file name, a URL without its password."""
+    path = journal_file(spec)
+    if path is not None:
+        return os.path.basename(path)
+    return re.sub(r"^([^:]+://[^:/@]*):[^@/]*@", r"\1:***@", spec)
+
+
+def storage_of(spec: str) -> Any:
+    """Return the Optuna storage ``--storage SPEC`` names.
+
+    A bare path or ``journal:PATH`` is a journal file (``JournalStorage``
+    with a ``JournalFileBackend``); a URL such as ``sqlite:///tune.db`` or
+    ``postgresql://user@host/db`` is a database (``RDBStorage``) whose
+    running trials send heartbeats, so a trial whose node died is failed and
+    queued again (Optuna's retry callback) while other nodes' trials run on.
+
+    Raises:
+        ProfilingError: the URL names no database Optuna can open.
+    """
+    import optuna.storages
+
+    path = journal_file(spec)
+    if path is not None:
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(path))
+    retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    try:
+        with _quiet_experimental():
+            callback = {"heartbeat_stale_trial_callback": retry()} if retry is not None else {
+                "failed_trial_callback": optuna.storages.RetryFailedTrialCallback()}
+            return optuna.storages.RDBStorage(spec, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **callback)
+    except Exception as exc:  # SQLAlchemy's errors: a bad URL, a missing driver, a database out of reach
+        from colltune.offline.profiling import ProfilingError
+
+        raise ProfilingError(
+            f"--storage {storage_label(spec)!r} cannot be opened as an Optuna database ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); pass a URL such as sqlite:///tune.db or "
+            "postgresql://user@host/db with its driver installed, or a file path for a journal.") from None
+
+
+@contextlib.contextmanager
+def _quiet_experimental() -> Iterator[None]:
+    """Silence Optuna's notes that heartbeats and their retry callback are experimental (every run would print them)."""
+    from optuna.exceptions import ExperimentalWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        yield
+
+
+def _open_study(storage: str, w: TuneTarget, algorithms: Sequence[str], seed: int) -> Any:
+    """Create or load the study in ``storage`` (a ``--storage`` spec); queue the defaults first.
+
+    Trials cut short are failed and their knobs queued again: in a journal
+    (one run at a time), every trial still running; in a database, the
+    trials whose heartbeat went silent.
     """
     import optuna
-    from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = _storage(storage_path)
-    study = optuna.create_study(study_name=study_name(w, algorithms), storage=storage, direction="minimize",
-                                load_if_exists=True)
+    study = optuna.create_study(study_name=study_name(w, algorithms), storage=storage_of(storage),
+                                direction="minimize", load_if_exists=True)
     # A resumed study gets a sampler seeded past its trials, so its random start does not repeat the first run's.
     study.sampler = optuna.samplers.TPESampler(seed=seed * 100_003 + len(study.trials), n_startup_trials=8)
     if not study.trials:
         for alg in algorithms:  # the defaults first: every later trial is judged against them
             study.enqueue_trial(_default_params(w.mode, alg, algorithms, w.world_size), user_attrs={"default": True})
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        # Cut short by a kill: nothing of it was recorded; fail it and try its knobs again first.
-        storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
-        study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number, **(
-            {"default": True} if t.user_attrs.get("default") else {})})
+    if journal_file(storage) is not None:
+        _retry_running(study)
+    else:
+        with _quiet_experimental():
+            optuna.storages.fail_stale_trials(study)
     study.set_user_attr("workload", {k: getattr(w, k) for k in ("mode", "n", "density", "overlap", "dtype",
                                                                "world_size", "rounds", "steps", "seed")})
     study.set_user_attr("algorithms", list(algorithms))
     return study
+
+
+def _retry_running(study: Any) -> None:
+    """Fail the trials a kill left running in a journal, and queue their knobs again first."""
+    from optuna.trial import TrialState
+
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.tell(t.number, state=TrialState.FAIL)  # nothing of it was recorded
+        study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number, **(
+            {"default": True} if t.user_attrs.get("default") else {})})
 
 
 def study_name(w: TuneTarget, algorithms: Sequence[str]) -> str:
@@ -301,20 +405,23 @@ def study_name(w: TuneTarget, algorithms: Sequence[str]) -> str:
     return w.name + ("-" + "+".join(algorithms))
 
 
-def run_study(w: TuneTarget, algorithms: Sequence[str], trials: int, storage_path: str, *, seed: int = 0,
+def run_study(w: TuneTarget, algorithms: Sequence[str], trials: int, storage: str, *, seed: int = 0,
               show: bool = True, backend: str = "gloo", timeout: float = 6 * 3600.0) -> Any:
-    """Run the study until it holds ``trials`` finished trials (local ranks, or torchrun's); return it on rank 0."""
+    """Run the study until it holds ``trials`` finished trials (local ranks, or torchrun's); return it on rank 0.
+
+    ``storage`` is a ``--storage`` spec (:func:`storage_of`).
+    """
     from colltune.offline import launch
 
     if launch.in_torchrun():
-        got = launch.run_here(_tune_rank, w, tuple(algorithms), trials, storage_path, seed, show, backend,
+        got = launch.run_here(_tune_rank, w, tuple(algorithms), trials, storage, seed, show, backend,
                               backend=backend)
         if got is None:
             return None
     else:
-        launch.run_local(_tune_rank, w.world_size, w, tuple(algorithms), trials, storage_path, seed, show, backend,
+        launch.run_local(_tune_rank, w.world_size, w, tuple(algorithms), trials, storage, seed, show, backend,
                          backend=backend, timeout=timeout)
-    return _open_study(storage_path, w, algorithms, seed)
+    return _open_study(storage, w, algorithms, seed)
 
 
 def completed_trials(study: Any) -> list[Any]:
@@ -360,7 +467,7 @@ def format_trials(study: Any, algorithms: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profile: str | None = None,
+def policy_text(study: Any, algorithms: Sequence[str], storage: str, profile: str | None = None,
                 backend: str = "gloo") -> str:
     """Return the policy YAML holding the best knobs of each algorithm tuned.
 
@@ -381,7 +488,7 @@ def policy_text(study: Any, algorithms: Sequence[str], storage_path: str, profil
             _, k = _setting_of(best[alg], algorithms)
             knobs[alg] = {name: (float(f"{v:.4g}") if isinstance(v, float) else v) for name, v in k.items()}
     w = study.user_attrs.get("workload", {})
-    head = [f"# colltune tune: study {study.study_name!r} ({os.path.basename(storage_path)})",
+    head = [f"# colltune tune: study {study.study_name!r} ({storage_label(storage)})",
             "# workload: " + ", ".join(f"{k}={v}" for k, v in w.items())]
     if overall is not None:
         alg, _ = _setting_of(overall, algorithms)

@@ -549,7 +549,75 @@ def _add_oracle(out: dict[str, Any], auto_ran: str | None, auto_why: str | None)
         "choice_regret": (cs[auto_ran]["median_ms"] / cs[best]["median_ms"]) if auto_ran in fixed else None,
         "speedup": {a: cs[a]["median_ms"] / t_auto
                     for a in (*fixed_algorithms(), "torch") if "median_ms" in cs.get(a, {})},
+        **paired_ratio(cs["auto"].get("times_ms", []), cs[best].get("times_ms", [])),
     }
+
+
+#: The fewest paired rounds whose interval tells noise from a difference.
+MIN_PAIRED_ROUNDS = 3
+#: The confidence the interval of the median ratio aims at (fewer than 6 rounds reach less: min to max).
+CONFIDENCE = 0.95
+
+
+def median_interval(n: int, confidence: float = CONFIDENCE) -> tuple[int, float]:
+    """Return ``k`` and the coverage of the distribution-free interval of a median from ``n`` samples.
+
+    The interval runs from the ``k``-th smallest to the ``k``-th largest
+    sample (1-based); its coverage is ``1 - 2 P(B <= k - 1)`` for ``B``
+    binomial with ``n`` trials and probability 1/2 (the sign test). ``k``
+    is the largest that keeps the coverage at least ``confidence``, and 1
+    (min to max) when even that falls short.
+    """
+    pmf = [math.comb(n, j) / 2**n for j in range(n + 1)]
+    k = 1
+    while k < (n + 1) // 2 and 1 - 2 * sum(pmf[: k + 1]) >= confidence:
+        k += 1
+    return k, 1 - 2 * sum(pmf[:k])
+
+
+def paired_ratio(auto_ms: Sequence[float], oracle_ms: Sequence[float]) -> dict[str, Any]:
+    """Return auto's time over the oracle's, round by round, with its confidence interval and what it says.
+
+    The contenders run interleaved, each once per round on the same inputs,
+    so the ratio of the same round's times cancels the load both met. The
+    median ratio's interval (:func:`median_interval`) is the noise: one that
+    holds 1 is ``"within noise"``; one wholly below 1 is ``"faster"`` (auto
+    beat the fastest fixed algorithm timed separately, so there is no
+    regret), wholly above is ``"slower"``. Under :data:`MIN_PAIRED_ROUNDS`
+    rounds there is nothing to judge by: ``"few rounds"``.
+
+    Returns:
+        ``{"regret_paired", "regret_lo", "regret_hi", "regret_confidence",
+        "paired_rounds", "verdict"}``: the median ratio, its interval and
+        the interval's coverage (``None`` without a paired round).
+    """
+    ratios = sorted(a / o for a, o in zip(auto_ms, oracle_ms) if o > 0)
+    if not ratios:
+        return {"regret_paired": None, "regret_lo": None, "regret_hi": None, "regret_confidence": None,
+                "paired_rounds": 0, "verdict": "few rounds"}
+    k, coverage = median_interval(len(ratios))
+    lo, hi = ratios[k - 1], ratios[-k]
+    if len(ratios) < MIN_PAIRED_ROUNDS:
+        verdict = "few rounds"
+    else:
+        verdict = "faster" if hi < 1.0 else "slower" if lo > 1.0 else "within noise"
+    return {"regret_paired": statistics.median(ratios), "regret_lo": lo, "regret_hi": hi,
+            "regret_confidence": coverage, "paired_rounds": len(ratios), "verdict": verdict}
+
+
+def describe_regret(ratio: float, lo: float | None, hi: float | None, verdict: str) -> str:
+    """Say auto's time over the oracle's with its interval; a ratio below 1 is a speedup, never a regret.
+
+    Example: ``regret 1.48 [1.40-1.55]``, ``within noise (0.97 [0.90-1.05])``,
+    ``1.52x faster [1.40-1.61]``, ``0.97 (2 rounds)``.
+    """
+    if lo is None or hi is None or verdict == "few rounds":
+        return f"{ratio:.2f} (too few rounds to judge)"
+    if verdict == "faster":
+        return f"{1 / ratio:.2f}x faster [{1 / hi:.2f}-{1 / lo:.2f}]"
+    if verdict == "slower":
+        return f"regret {ratio:.2f} [{lo:.2f}-{hi:.2f}]"
+    return f"within noise ({ratio:.2f} [{lo:.2f}-{hi:.2f}])"
 
 
 def _progress(total: int, initial: int, desc: str) -> Any:
@@ -726,7 +794,7 @@ def run(
         contenders: which of :func:`all_contenders` to run (default all).
         plan: warm-up and repeats.
         show: print one table line per configuration as it finishes (rank 0).
-        progress: show a progress bar on stderr (rank 0, when it is a terminal).
+        progress: show a progress bar per world size on stderr (rank 0, when it is a terminal).
         timeout: the deadline of each launch, in seconds.
         on_partial: called with the report so far after each world size.
         profile: the profile ``auto`` uses (default: the selector's default).
@@ -741,14 +809,12 @@ def run(
     sizes = _world_sizes(configs, topk_configs)
     tasks_all: list[tuple[str, Any, tuple[str, ...]]] = [("exact", c, contenders) for c in configs]
     tasks_all += [("topk", c, topk_contenders()) for c in topk_configs]
-    total = sum(1 for t in tasks_all if t[1].world_size in sizes)
-    done = 0
     started = time.perf_counter()
     for p in sizes:
         tasks = [t for t in tasks_all if t[1].world_size == p]
         if not tasks:
             continue
-        prog = (done, total) if progress else None
+        prog = (0, len(tasks)) if progress else None  # one bar per world size, counting its own tasks
         if launch.in_torchrun():
             records = launch.run_here(_bench_rank, tasks, contenders, plan, show, prog, None, profile)
             if records is None:  # not rank 0: only rank 0 reports
@@ -757,7 +823,6 @@ def run(
         else:
             _run_tolerant(tasks, p, contenders, plan, show, prog, timeout,
                           lambda recs: _publish(report, recs, started, on_partial), profile)
-        done += len(tasks)
     if "auto" in contenders:
         report["profile"] = profile
         report["auto_summary"] = auto_summary(report)
@@ -1076,18 +1141,25 @@ def auto_summary(report: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"configs", "regret_geomean", "regret_max", "optimal_fraction",
-        "choice_regret_geomean", "speedup_geomean": {contender: x}, "chosen": {algorithm: count}}``;
-        regrets and speedups are ratios of measured medians.
+        "choice_regret_geomean", "speedup_geomean": {contender: x}, "chosen": {algorithm: count},
+        "verdicts": {verdict: count}, "regret_lo_geomean", "regret_hi_geomean", "slower_max"}``;
+        regrets and speedups are ratios of measured medians; the verdicts
+        are :func:`paired_ratio`'s, the interval geomeans those of the
+        per-configuration intervals' ends, and ``slower_max`` the largest regret
+        of a configuration where auto was slower beyond noise (``None`` if
+        none was).
     """
     rows = [c["auto"] for c in report.get("configs", []) if "auto" in c]
     if not rows:
         return {"configs": 0}
     names = sorted({a for r in rows for a in r["speedup"]}, key=lambda a: (*fixed_algorithms(), "torch").index(a))
     chosen: dict[str, int] = {}
-    for c in report["configs"]:
-        if "auto" in c:
-            chosen[c["auto"]["algorithm"]] = chosen.get(c["auto"]["algorithm"], 0) + 1
+    verdicts: dict[str, int] = {}
+    for r in rows:
+        chosen[r["algorithm"]] = chosen.get(r["algorithm"], 0) + 1
+        verdicts[r.get("verdict", "few rounds")] = verdicts.get(r.get("verdict", "few rounds"), 0) + 1
     optimal = [c["auto"]["algorithm"] == c["oracle"]["algorithm"] for c in report["configs"] if "auto" in c]
+    slower = [r["regret"] for r in rows if r.get("verdict") == "slower"]
     return {
         "configs": len(rows),
         "regret_geomean": _geomean([r["regret"] for r in rows]),
@@ -1096,33 +1168,62 @@ def auto_summary(report: dict[str, Any]) -> dict[str, Any]:
         "optimal_fraction": sum(optimal) / len(optimal),
         "speedup_geomean": {a: _geomean([r["speedup"].get(a) for r in rows]) for a in names},
         "chosen": chosen,
+        "verdicts": verdicts,
+        "regret_lo_geomean": _geomean([r.get("regret_lo") for r in rows]),
+        "regret_hi_geomean": _geomean([r.get("regret_hi") for r in rows]),
+        "slower_max": max(slower, default=None),
     }
 
 
+def _regret_cell(a: dict[str, Any]) -> str:
+    """Auto's time over the oracle's in a table cell (reports written before the intervals: the ratio alone)."""
+    ratio = a.get("regret_paired") or a["regret"]
+    if "verdict" not in a:
+        return f"{ratio:.2f}"
+    return describe_regret(ratio, a.get("regret_lo"), a.get("regret_hi"), a["verdict"])
+
+
 def format_auto(report: dict[str, Any]) -> str:
-    """Return the decision table: per configuration, what auto ran, the oracle, auto's regret and speedups."""
+    """Return the decision table: per configuration, what auto ran, the oracle, auto against it and speedups."""
     rows = [c for c in report.get("configs", []) if "auto" in c]
     if not rows:
         return "auto: no configuration timed auto"
     others = [a for a in (*fixed_algorithms(), "torch") if any(a in c["auto"]["speedup"] for c in rows)]
-    head = (f"{'n':>5} {'density':>7} {'P':>2} {'overlap':>7}  {'auto ran':<10} {'oracle':<10} {'regret':>7}  "
-            + " ".join(f"{'x vs ' + _short(a):>11}" for a in others))
+    cells = [_regret_cell(c["auto"]) for c in rows]
+    width = max(len("auto / oracle"), *map(len, cells))
+    head = (f"{'n':>5} {'density':>7} {'P':>2} {'overlap':>7}  {'auto ran':<10} {'oracle':<10} "
+            f"{'auto / oracle':<{width}}  " + " ".join(f"{'x vs ' + _short(a):>11}" for a in others))
     lines = [f"decision table: auto (profile {report.get('profile') or 'default'}) against the oracle "
              "(fastest fixed algorithm, measured) on the same inputs", head, "-" * len(head)]
-    for c in rows:
+    for c, cell in zip(rows, cells):
         a = c["auto"]
         mark = " " if a["algorithm"] == c["oracle"]["algorithm"] else "*"
         lines.append(
             f"{_n_name(c['n']):>5} {c['density']:>7g} {c['world_size']:>2} {c['overlap']:>7.2f}  "
-            f"{a['algorithm']:<9}{mark} {c['oracle']['algorithm']:<10} {a['regret']:>7.2f}  "
+            f"{a['algorithm']:<9}{mark} {c['oracle']['algorithm']:<10} {cell:<{width}}  "
             + " ".join(f"{a['speedup'][o]:>11.2f}" if o in a["speedup"] else f"{'-':>11}" for o in others)
         )
     s = report.get("auto_summary") or auto_summary(report)
     sp = ", ".join(f"{v:.2f}x vs {k}" for k, v in s["speedup_geomean"].items() if v is not None)
-    lines += [
-        "-" * len(head),
-        f"auto over {s['configs']} configurations: regret (auto time / oracle time) geomean {s['regret_geomean']:.2f}, "
-        f"max {s['regret_max']:.2f}; picked the oracle's algorithm in {100 * s['optimal_fraction']:.0f}% "
-        "(* marks the others); speedup geomean " + sp,
-    ]
+    lines += ["-" * len(head), _summary_line(s) + "; speedup geomean " + sp,
+              "auto / oracle: auto's time over the oracle's in the same round, median over the rounds [its "
+              "95% confidence interval; min-max under 6 rounds]; within noise: the interval holds 1"]
     return "\n".join(lines)
+
+
+def _summary_line(s: dict[str, Any]) -> str:
+    """The decision table's summary: how often auto was slower, within noise or faster, and the geomean."""
+    head = f"auto over {s['configs']} configurations: "
+    if "verdicts" not in s:  # a report written before the intervals
+        return (head + f"regret (auto time / oracle time) geomean {s['regret_geomean']:.2f}, max "
+                f"{s['regret_max']:.2f}; picked the oracle's algorithm in {100 * s['optimal_fraction']:.0f}%")
+    v = s["verdicts"]
+    counts = ", ".join(f"{k} in {v[k]}" for k in ("slower", "within noise", "faster", "few rounds") if v.get(k))
+    geo = s["regret_geomean"]
+    lo, hi = s.get("regret_lo_geomean"), s.get("regret_hi_geomean")
+    verdict = "few rounds" if lo is None or hi is None else (
+        "faster" if hi < 1.0 else "slower" if lo > 1.0 else "within noise")
+    worst = (f"; worst regret {s['slower_max']:.2f}" if s.get("slower_max") is not None
+             else "; never slower than the oracle beyond noise")
+    return (head + counts + "; geomean " + describe_regret(geo, lo, hi, verdict) + worst
+            + f"; picked the oracle's algorithm in {100 * s['optimal_fraction']:.0f}% (* marks the others)")

@@ -1041,7 +1041,7 @@ def _run_profile(out: str, world_sizes: Sequence[int], grid: Grid, options: _Run
                     + (f" ({len(run.previous)} measurements from {out})" if run.previous else "")
                     + f"; {total - resumed} to go")
     deadline = None if options.budget_s is None else time.time() + options.budget_s
-    launches = _Launches(grid, run, options, jpath, header, deadline, (resumed, total) if options.progress else None)
+    launches = _Launches(grid, run, options, jpath, header, deadline, options.progress)
     measured, stopped = launches.run(world_sizes, per_p, is_root)
     if not is_root:
         return None
@@ -1082,7 +1082,7 @@ class _Launches:
     jpath: str
     header: dict[str, Any]
     deadline: float | None
-    progress: tuple[int, int] | None
+    progress: bool
 
     def run(self, world_sizes: list[int], per_p: dict[int, list[ProfileConfig]], is_root: bool) -> tuple[int, bool]:
         """Return how many configurations were measured and whether the budget stopped the run."""
@@ -1097,7 +1097,7 @@ class _Launches:
                     continue
                 if self.deadline is not None and time.time() >= self.deadline:
                     return measured, True
-            got = self._launch(p, todo, bool(need_prims), measured)
+            got = self._launch(p, todo, bool(need_prims), len(per_p[p]))
             if not is_root:
                 return measured, False
             measured += got["measured"]
@@ -1113,12 +1113,17 @@ class _Launches:
         random.Random(self.grid.seed * 7919 + p).shuffle(todo)
         return todo
 
-    def _launch(self, p: int, todo: list[ProfileConfig], need_prims: bool, measured: int) -> Any:
-        """Run :func:`_profile_rank` on ``p`` ranks (or the running ones); return rank 0's tally."""
+    def _launch(self, p: int, todo: list[ProfileConfig], need_prims: bool, configs: int) -> Any:
+        """Run :func:`_profile_rank` on ``p`` ranks (or the running ones); return rank 0's tally.
+
+        ``configs`` is how many configurations world size ``p`` has in all:
+        its progress bar counts those, starting at the ones already done, so
+        each world size's bar ends at 100%.
+        """
         from colltune.offline import launch
 
         o = self.options
-        progress = None if self.progress is None else (self.progress[0] + measured, self.progress[1])
+        progress = (configs - len(todo), configs) if self.progress else None
         args = (todo, tuple(o.algorithms), o.plan, tuple(o.primitive_sizes) if need_prims else None,
                 self.jpath, self.header, self.deadline, progress, o.backend,
                 None if launch.in_torchrun() else os.getpid())
