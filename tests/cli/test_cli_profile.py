@@ -279,3 +279,24 @@ def test_each_world_size_has_one_bar_that_ends_at_100_percent(tmp_path):
         mine = [s for s in states if s.startswith(f"profile P={p}:")]
         assert "100%" in mine[-1] and "2/2" in mine[-1], mine  # each world size counts its own 2 configurations
         assert all("/2 " in s for s in mine), mine
+
+
+def test_p2p_measures_into_the_profile_it_wrote(tmp_path, capsys, monkeypatch):
+    import pathlib
+    import shutil
+
+    from colltune.model import nccl
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    out = tmp_path / "p2p.yaml"
+
+    def fake_profile(path, *a, **k):  # the grid's measurements are another test's: copy a profile in their place
+        shutil.copy(repo / "profiles" / "analytic-nccl.yaml", path)
+        return None
+
+    monkeypatch.setattr(profiling, "run_profile", fake_profile)
+    assert cli.main(["profile", "--world-size", "2", "--p2p", "--out", str(out), "--no-progress"]) == 0
+    figures = load_profile(out).meta["p2p"]
+    assert set(figures) == {"intra_node"}  # two local ranks: one node
+    assert figures["intra_node"]["latency_us"] > 0 and figures["intra_node"]["bandwidth_GBps"] > 0
+    assert nccl.P2P.from_meta(figures).intra_latency_us == figures["intra_node"]["latency_us"]

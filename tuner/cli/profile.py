@@ -16,6 +16,7 @@ finishes; ``--resume`` measures only what is missing::
     colltune profile --grid full --world-size 2 4 --out profiles/grid.yaml --budget 30
     colltune profile --grid full --world-size 2 4 --out profiles/grid.yaml --resume
     torchrun --nproc-per-node 8 -m colltune.cli -- profile --backend nccl --out profiles/a100.yaml
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m colltune.cli -- profile --backend nccl --p2p --out profiles/h100.yaml
     colltune profile --active --measurements 60 --world-size 2 4 --out profiles/active.yaml
     colltune profile --active --simulate profiles/cpu-gloo-grid.yaml --seeds 5 --json active.json
     colltune profile --active --simulate profiles/cpu-gloo-grid.yaml --truth model --noise 0.1 --seeds 5
@@ -148,6 +149,10 @@ class ProfileCommand:
                             help="continue an interrupted run from its journal (OUT.journal.jsonl); nothing "
                                  "measured is measured again")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+        parser.add_argument("--p2p", action="store_true",
+                            help="also measure point-to-point latency and bandwidth within and across nodes (on the "
+                            "largest world size, or torchrun's ranks) into the profile's meta.p2p, which the NCCL "
+                            "model then prices point-to-point steps and all_to_all with")
         parser.add_argument("--statistic", choices=STATISTICS, default="median",
                             help="what a configuration's time is: the median of its rounds (default), or their "
                                  "lower quartile, robust on a machine shared with other jobs (their load only adds "
@@ -192,9 +197,19 @@ class ProfileCommand:
                           progress=not args.no_progress, timeout=args.timeout,
                           primitive_sizes=PRIMITIVE_SIZES_QUICK if args.grid == "quick" else PRIMITIVE_SIZES,
                           statistic=args.statistic, keep_journal=args.keep_journal, notes=args.notes)
+        figures = None
+        if args.p2p:
+            from colltune.offline.p2p import measure_into_profile
+
+            figures = measure_into_profile(out, max(worlds) if worlds else 0, backend=args.backend,
+                                           timeout=args.timeout)
         if res is None:
             return 0
         print(profile_summary(res), flush=True)
+        if figures is not None:
+            print("point to point (meta.p2p): " + "; ".join(
+                f"{level.replace('_', ' ')} {f['latency_us']:g} us, {f['bandwidth_GBps']:g} GB/s"
+                for level, f in figures.items()), flush=True)
         return 0
 
 
