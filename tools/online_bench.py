@@ -112,13 +112,29 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
             idx = torch.cat([shared, torch.randint(0, n, (k - shared.numel(),), generator=gen)])
             vals = torch.randn(idx.numel(), generator=gen)
             rec: dict[str, Any] = {"site": s, "call": i}
-            rec["forced"] = {a: _timed(lambda a=a: colltune.sparse_allreduce(idx, vals, n, algorithm=a))[1]
-                             for a in names}
+            forced = {a: _timed(lambda a=a: colltune.sparse_allreduce(idx, vals, n, algorithm=a)) for a in names}
+            rec["forced"] = {a: t for a, (_, t) in forced.items()}
+            rec["predicted"] = _predicted(sels["off"], n, idx, forced[names[0]][0].indices.numel(), world_size)
             for mode, sel in sels.items():
                 res, t = _timed(lambda sel=sel: colltune.sparse_allreduce(idx, vals, n, name=f"site{s}", policy=sel))
-                rec[mode] = {"algorithm": res.algorithm, "source": res.decision.source, "us": t}
+                d = res.decision
+                rec[mode] = {"algorithm": res.algorithm, "source": d.source, "us": t,
+                             "correction": {a: d.corrected_us[a] / d.predicted_us[a] for a in d.predicted_us
+                                            if d.corrected_us and d.predicted_us[a] > 0}}
             out.append(rec)
     return {"calls": out}
+
+
+def _predicted(sel: Selector, n: int, idx: torch.Tensor, union: int, world_size: int) -> dict[str, float]:
+    """The profile's prediction of each algorithm for this call (the selector's model, uncorrected)."""
+    from colltune.model.features import Features
+
+    k = torch.tensor([torch.unique(idx).numel()], dtype=torch.int64)
+    ks = [torch.zeros_like(k) for _ in range(world_size)]
+    dist.all_gather(ks, k)
+    f = Features.build(numel=n, row_numel=1, dtype="float32", k_per_rank=[int(x) for x in ks], union=union,
+                       ranks_per_node=world_size)
+    return dict(sel.model("gloo").predict(f))  # type: ignore[union-attr]
 
 
 def _summary(records: list[dict], settle: int) -> dict[str, Any]:

@@ -159,3 +159,34 @@ def test_log_ticks_are_round_and_few():
         assert 1 <= len(ticks) <= 6 and all(lo <= t <= hi for t in ticks), (lo, hi, ticks)
         assert all(float(f"{t:.2g}") == t for t in ticks), ticks
     assert _log_ticks(5, 40) == [5, 7, 10, 15, 20, 30] and _log_ticks(1, 1000) == [1, 10, 100, 1000]
+
+
+def _online_run(path) -> None:
+    import json
+
+    calls = [{"site": s, "call": i, "forced": {"dense": 300.0, "allgather": 100.0},
+              "predicted": {"dense": 300.0, "allgather": 300.0},
+              "on": {"algorithm": "allgather" if i > 3 else "dense", "source": "model", "us": 100.0,
+                     "correction": {"allgather": 1 / 3}},
+              "off": {"algorithm": "dense", "source": "model", "us": 300.0, "correction": {}}}
+             for s in (0, 1) for i in range(20)]
+    path.write_text(json.dumps({"summary": {}, "calls": calls}))
+
+
+def test_report_draws_an_online_run_alone(tmp_path, capsys):
+    run = tmp_path / "online.json"
+    _online_run(run)
+    assert cli.main(["report", "--online", str(run), "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    for name in ("online-regret.png", "online-predicted-vs-measured.png", "online-summary.md"):
+        assert (tmp_path / "r" / name).is_file() and name in out
+    assert "| allgather | 40 | 0.33 | 1.00 |" in (tmp_path / "r" / "online-summary.md").read_text()
+
+
+def test_report_without_a_profile_or_a_run_exits_2(tmp_path, capsys):
+    assert cli.main(["report", "--out", str(tmp_path / "r")]) == 2
+    assert "PROFILE" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli.main(["report", "--online", str(bad), "--out", str(tmp_path / "r")]) == 2
+    assert "--online" in capsys.readouterr().err and not (tmp_path / "r").exists()

@@ -3,9 +3,15 @@
 Draws a profile: ``decision-density-world.png`` and
 ``decision-density-overlap.png`` (the chosen algorithm per cell, with the
 predicted speedup over dense), ``predicted-vs-measured.png``
-(cross-validated), and ``summary.md``::
+(cross-validated), and ``summary.md``. With ``--online RUN`` it draws a
+run of online correction (the JSON ``tools/online_bench.py --json``
+writes): ``online-regret.png`` (regret over calls, correction on and off),
+``online-predicted-vs-measured.png`` (per algorithm, measured against the
+profile's and the corrected prediction) and ``online-summary.md``
+(:mod:`colltune.offline.online_report`)::
 
     colltune report profiles/local.yaml --out report/
+    colltune report --online online.json --out report/
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from colltune.cli.common import parse_n, parse_overlap, parse_positive_int
+from colltune.cli.common import UsageError, parse_n, parse_overlap, parse_positive_int
 
 
 class ReportCommand:
@@ -24,7 +30,11 @@ class ReportCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
 
-        parser.add_argument("profile", metavar="PROFILE", help="a profile (colltune profile / fit)")
+        parser.add_argument("profile", metavar="PROFILE", nargs="?",
+                            help="a profile (colltune profile / fit); optional with --online")
+        parser.add_argument("--online", metavar="RUN",
+                            help="also draw a run of online correction: regret over calls and measured against "
+                            "predicted (the JSON tools/online_bench.py --json writes)")
         parser.add_argument("--out", "-o", required=True, metavar="DIR",
                             help="directory for the PNG files and summary.md")
         parser.add_argument("--n", type=parse_n, metavar="N", help="rows of the decision maps (default: the "
@@ -49,10 +59,19 @@ class ReportCommand:
         if not os.path.isdir(target) or not os.access(target, os.W_OK):
             raise ProfilingError(f"--out {out!r} cannot be written (no writable directory {target!r}); pass a path in "
                                  "a writable directory.")
-        profile = load_profile(args.profile)  # refuse a bad profile before creating anything
-        del profile
-        files = write_report(args.profile, out, n=args.n, overlap=args.overlap, dtype=args.dtype,
-                             folds=max(2, args.folds))
-        for key, path in files.items():
+        if args.profile is None and args.online is None:
+            raise UsageError("give a PROFILE to draw, --online RUN, or both")
+        files: dict[str, str] = {}
+        if args.online is not None:
+            from colltune.offline.online_report import load_run, write_online_report
+
+            load_run(args.online)  # refuse a bad run before creating anything
+        if args.profile is not None:
+            load_profile(args.profile)  # refuse a bad profile before creating anything
+            files.update(write_report(args.profile, out, n=args.n, overlap=args.overlap, dtype=args.dtype,
+                                      folds=max(2, args.folds)))
+        if args.online is not None:
+            files.update({f"online {k}": v for k, v in write_online_report(args.online, out).items()})
+        for path in files.values():
             print(f"wrote {path}")
         return 0
