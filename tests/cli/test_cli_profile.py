@@ -300,3 +300,24 @@ def test_p2p_measures_into_the_profile_it_wrote(tmp_path, capsys, monkeypatch):
     assert set(figures) == {"intra_node"}  # two local ranks: one node
     assert figures["intra_node"]["latency_us"] > 0 and figures["intra_node"]["bandwidth_GBps"] > 0
     assert nccl.P2P.from_meta(figures).intra_latency_us == figures["intra_node"]["latency_us"]
+
+
+def test_fit_folds_in_the_calls_online_correction_measured(tiny_profile, tmp_path, capsys):
+    state = tmp_path / "online.json"
+    # What a job's selector wrote: two calls of one site at P = 2 (rows 2^12, 40 entries per rank, union 60).
+    state.write_text(json.dumps({
+        "format": "colltune-online", "version": 2, "sites": {"s": {"allgather": [0.1, 2.0]}},
+        "samples": {"s": [[4096, 1, "float32", 2, 80, 40, 60, "allgather", 250.0],
+                          [4096, 1, "float32", 2, 80, 40, 60, "dense", 400.0]]}}))
+    out = tmp_path / "folded.yaml"
+    assert cli.main(["fit", str(tiny_profile), "--out", str(out), "--folds", "2", "--online", str(state)]) == 0
+    assert "folding in 2 measured calls" in capsys.readouterr().out
+    before, after = load_profile(tiny_profile).measurements, load_profile(out).measurements
+    assert after[: len(before)] == before and len(after) == len(before) + 2
+    added = after[-2:]
+    assert [(m.algorithm, m.numel, m.k_sum, m.union, m.time_us) for m in added] == [
+        ("allgather", 4096, 80, 60, 250.0), ("dense", 4096, 80, 60, 400.0)]
+    assert added[0].overlap == pytest.approx(0.5)
+    state.write_text('{"format": "colltune-online", "version": 2, "sites": {}}')
+    assert cli.main(["fit", str(tiny_profile), "--out", str(out), "--online", str(state)]) == 2
+    assert "--online" in capsys.readouterr().err

@@ -179,3 +179,38 @@ def test_a_bad_state_file_is_ignored_with_a_warning(tmp_path: Path, content: str
     assert "ignored" in caplog.text and "online.json" in caplog.text
     assert sel.digest("nccl") == Selector(profile=PROFILE, environ={}).digest("nccl")
     assert _decide(sel, 1e-2)[1].algorithm == "allgather"
+
+
+def test_the_state_keeps_each_sites_last_calls_as_measurements_to_fold_into_a_profile(tmp_path: Path) -> None:
+    path = tmp_path / "online.json"
+    sel = Selector(profile=PROFILE, environ={"COLLTUNE_ONLINE_STATE": str(path)})
+    out = _stream(sel, {"allgather": 3.0}, 40)
+    sel.save_online_state()
+    _, meta = online.load_state(str(path))
+    (samples,) = meta["samples"].values()
+    assert len(samples) == online.SAMPLES_PER_SITE  # the most recent of the 39 measured (the first is set-up)
+    k = int(N * 1e-2)
+    assert samples[-1][:7] == [N, 1, "float32", 8, 8 * k, k, int(k * 8 * 0.5)]
+    assert samples[-1][7] == out[-1][0] and samples[-1][8] == pytest.approx(out[-1][3], abs=0.05)
+    ms = online.measurements_from_state(str(path))
+    assert len(ms) == online.SAMPLES_PER_SITE
+    m = ms[-1]
+    assert (m.algorithm, m.numel, m.world_size, m.k_sum, m.k_max, m.union) == (out[-1][0], N, 8, 8 * k, k, 4 * k)
+    assert m.overlap == pytest.approx(4 / 7) and m.density == pytest.approx(k / N)
+    # A second run keeps the file's samples of sites it did not see, and appends to those it did.
+    again = Selector(profile=PROFILE, environ={}, online_state=path)
+    again.save_online_state()
+    assert online.load_state(str(path))[1]["samples"] == meta["samples"]
+
+
+def test_a_version_1_state_still_loads_and_a_bad_sample_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "online.json"
+    path.write_text('{"format": "colltune-online", "version": 1, "sites": {"s": {"dense": [0.5, 2.0]}}}')
+    own, meta = online.load_state(str(path))
+    assert own["s"]["dense"].n == 2.0 and meta["samples"] == {}
+    with pytest.raises(ValueError, match="no measured calls"):
+        online.measurements_from_state(str(path))
+    path.write_text('{"format": "colltune-online", "version": 2, "sites": {"s": {"dense": [0.5, 2.0]}}, '
+                    '"samples": {"s": [[1024, 1, "float32", 2, 10, 20, 10, "dense", 5.0]]}}')  # k_max > k_sum
+    with pytest.raises(ValueError, match=r"samples.s\[0\]"):
+        online.load_state(str(path))

@@ -62,6 +62,7 @@ from colltune.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from colltune.model.profile import Profile
     from colltune.offline.profiling import Grid, ProfileResult, TimingPlan
 
 #: Names of the built-in grids (:data:`colltune.offline.profiling.GRIDS`), the value dtypes a grid may take
@@ -241,6 +242,9 @@ class FitCommand:
         parser.add_argument("--estimator", choices=("gbr", "rf", "ridge", "none"), default="gbr",
                             help="correction regressor of the learned model (default gbr)")
         parser.add_argument("--json", metavar="FILE", help="also write the cross-validation report as JSON")
+        parser.add_argument("--online", metavar="STATE", nargs="+", default=[],
+                            help="fold in the calls online correction measured: state files a job wrote "
+                            "(COLLTUNE_ONLINE_STATE), each site's last calls added to the profile's measurements")
 
     def run(self, args: argparse.Namespace) -> int:
         from colltune.model.profile import load_profile, save_profile
@@ -254,6 +258,8 @@ class FitCommand:
         if prof.kind != "measured" or not prof.measurements:
             raise ProfilingError(f"{args.profile}: a {prof.kind} profile without measurements has nothing to fit; "
                                  "measure one with colltune profile.")
+        if args.online:
+            prof = _with_online(prof, args.online)
         fitted, report = fit_profile(prof, folds=None if args.folds == 1 else args.folds, estimator=args.estimator)
         print(format_fit_report(report))
         save_profile(fitted, out)
@@ -261,6 +267,23 @@ class FitCommand:
             write_json(args.json, report)
         print(f"\nwrote the fitted model to {out} ({report['fit_s']:.1f} s)")
         return 0
+
+
+def _with_online(prof: "Profile", paths: list[str]) -> "Profile":
+    """``prof`` with the measured calls of online-correction state files added to its measurements."""
+    import dataclasses
+
+    from colltune.offline.profiling import ProfilingError
+    from colltune.select.online import measurements_from_state
+
+    added = []
+    for path in paths:
+        try:
+            added += measurements_from_state(path)
+        except (OSError, ValueError) as exc:
+            raise ProfilingError(f"--online {path}: {exc}") from None
+    print(f"folding in {len(added)} measured calls from {len(paths)} online-correction state file(s)")
+    return dataclasses.replace(prof, measurements=list(prof.measurements) + added)
 
 
 def run_active(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ from typing import Any, Callable, Mapping, Sequence
 __all__ = [
     "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
     "Timer", "Feedback", "Ratios", "explore_pick", "feedback", "start", "hold", "STATE_FORMAT", "STATE_VERSION",
-    "MAX_STATE_BYTES", "MAX_STATE_SITES", "SAVE_EVERY", "stable_key", "copy_mean", "library_version", "dump_state", "load_state",
+    "MAX_STATE_BYTES", "MAX_STATE_SITES", "SAVE_EVERY", "SAMPLES_PER_SITE", "stable_key", "copy_mean", "library_version",
+    "dump_state", "load_state", "sample", "measurements_from_state",
 ]
 
 #: Each measurement weighs the earlier ones at a site down by this factor: a memory of about 30 calls, so
@@ -256,8 +257,13 @@ def hold(comm: Any, timer: Timer | None, selector: Any, site: tuple, choice: Any
 
 # --------------------------------------------------------------------------- the state file
 
-#: What the state file says it is, and the layout this colltune reads.
-STATE_FORMAT, STATE_VERSION = "colltune-online", 1
+#: What the state file says it is, and the layout it is written in (2: per-site samples; 1 is read too).
+STATE_FORMAT, STATE_VERSION = "colltune-online", 2
+#: The measured calls a state file keeps per site, the most recent (what ``colltune fit --online`` folds in).
+SAMPLES_PER_SITE = 16
+#: A sample's fields, in order: the call (its site's rows, row width, dtype and world size, and the ranks'
+#: entries and union), the algorithm that ran and its time (the maximum over ranks).
+SAMPLE_FIELDS = ("numel", "row_numel", "dtype", "world_size", "k_sum", "k_max", "union", "algorithm", "time_us")
 #: The largest state file read (a file larger is refused at once, unread).
 MAX_STATE_BYTES = 4 * 2**20
 #: The most call sites a state file keeps (the most recently measured).
@@ -297,8 +303,24 @@ def _mean(raw: Any, where: str) -> _Mean:
     return m
 
 
-def dump_state(sites: Mapping[str, Mapping[str, _Mean]], meta: Mapping[str, Any]) -> str:
-    """Return the state as JSON text: each site's table (the most recent :data:`MAX_STATE_SITES`) and ``meta``.
+def sample(site_key: tuple, last_call: tuple[int, int, int], algorithm: str, measured_us: float) -> list[Any] | None:
+    """One measured call of a sparse or fused site as a state file keeps it (:data:`SAMPLE_FIELDS`), else ``None``.
+
+    ``site_key`` is ``(kind, name, n, row width, dtype, P, group)``;
+    ``last_call`` the call's ``(k_sum, k_max, union)``.
+    """
+    if site_key[0] not in ("sparse", "fused"):
+        return None
+    k_sum, k_max, union = last_call
+    dtype = str(site_key[4]).replace("torch.", "")
+    return [int(site_key[2]), int(site_key[3]), dtype, int(site_key[5]), int(k_sum), int(k_max), int(union),
+            algorithm, round(float(measured_us), 1)]
+
+
+def dump_state(sites: Mapping[str, Mapping[str, _Mean]], meta: Mapping[str, Any],
+               samples: Mapping[str, Sequence[Sequence[Any]]] | None = None) -> str:
+    """Return the state as JSON text: each site's table (the most recent :data:`MAX_STATE_SITES`), its
+    samples (:data:`SAMPLES_PER_SITE` each), and ``meta``.
 
     The group-wide ratios are not kept: they are learned again within a few
     calls, and a group of the next run has no stable name to find them by.
@@ -306,10 +328,27 @@ def dump_state(sites: Mapping[str, Mapping[str, _Mean]], meta: Mapping[str, Any]
     import json
 
     kept = list(sites.items())[-MAX_STATE_SITES:]
+    samples = samples or {}
     return json.dumps({
         "format": STATE_FORMAT, "version": STATE_VERSION, **meta,
         "sites": {k: {a: [m.s, m.n] for a, m in own.items()} for k, own in kept},
+        "samples": {k: [list(s) for s in samples[k][-SAMPLES_PER_SITE:]] for k, _ in kept if samples.get(k)},
     }, sort_keys=True)
+
+
+def _checked_sample(raw: Any, where: str) -> list[Any]:
+    from colltune.model.features import DTYPE_BYTES
+
+    ok = isinstance(raw, list) and len(raw) == len(SAMPLE_FIELDS)
+    if ok:
+        n, row, dtype, p, k_sum, k_max, union, algorithm, us = raw
+        ints = (n, row, p, k_sum, k_max, union)
+        ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in ints) and n >= 1 and row >= 1 and p >= 2
+              and 0 <= k_max <= k_sum and 0 <= union <= min(k_sum, n) and dtype in DTYPE_BYTES
+              and isinstance(algorithm, str) and isinstance(us, (int, float)) and math.isfinite(us) and us > 0)
+    if not ok:
+        raise ValueError(f"{where}: expected [{', '.join(SAMPLE_FIELDS)}] of a measured call, got {str(raw)[:80]}")
+    return raw
 
 
 def load_state(path: str) -> tuple[dict[str, dict[str, _Mean]], dict[str, Any]]:
@@ -330,8 +369,8 @@ def load_state(path: str) -> tuple[dict[str, dict[str, _Mean]], dict[str, Any]]:
     if not isinstance(raw, dict) or raw.get("format") != STATE_FORMAT:
         said = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         raise ValueError(f"not a colltune online-correction state (format {str(said)!r})")
-    if raw.get("version") != STATE_VERSION:
-        raise ValueError(f"layout version {raw.get('version')!r}, but this colltune reads {STATE_VERSION}")
+    if raw.get("version") not in (1, STATE_VERSION):
+        raise ValueError(f"layout version {raw.get('version')!r}, but this colltune reads 1 to {STATE_VERSION}")
     sites = raw.get("sites")
     if not isinstance(sites, dict):
         raise ValueError("sites must be a mapping")
@@ -340,5 +379,38 @@ def load_state(path: str) -> tuple[dict[str, dict[str, _Mean]], dict[str, Any]]:
         if not isinstance(table, dict):
             raise ValueError(f"sites.{k}: expected a mapping")
         own[str(k)] = {str(a): _mean(v, f"sites.{k}.{a}") for a, v in table.items()}
-    meta = {k: v for k, v in raw.items() if k != "sites"}
+    samples = raw.get("samples", {})
+    if not isinstance(samples, dict):
+        raise ValueError("samples must be a mapping")
+    meta = {k: v for k, v in raw.items() if k not in ("sites", "samples")}
+    meta["samples"] = {str(k): [_checked_sample(s, f"samples.{k}[{i}]") for i, s in enumerate(v[-SAMPLES_PER_SITE:])]
+                       for k, v in samples.items() if str(k) in own and isinstance(v, list)}
     return own, meta
+
+
+def measurements_from_state(path: str) -> list[Any]:
+    """The measured calls a state file keeps, as profile measurements (:class:`colltune.model.profile.Measurement`).
+
+    Each is one call's time of the algorithm that ran (the maximum over
+    ranks, one round), at its rows, row width, dtype, world size, entries
+    and union; its overlap and density follow from them.
+
+    Raises:
+        ValueError: what :func:`load_state` refuses, or a file with no samples.
+    """
+    from colltune.model.features import Features
+    from colltune.model.profile import Measurement
+
+    _, meta = load_state(path)
+    out = []
+    for samples in meta["samples"].values():
+        for n, row, dtype, p, k_sum, k_max, union, algorithm, us in samples:
+            # The ranks' entries as evenly as their sum and maximum allow: what the features read of them.
+            rest, others = k_sum - k_max, p - 1
+            k_per_rank = [k_max] + [rest // others + (1 if j < rest % others else 0) for j in range(others)]
+            f = Features.build(numel=n, row_numel=row, dtype=dtype, k_per_rank=k_per_rank, union=union)
+            out.append(Measurement.from_features(f, algorithm, time_us=float(us)))
+    if not out:
+        raise ValueError("it holds no measured calls (a state written with COLLTUNE_ONLINE_STATE keeps the last "
+                         f"{SAMPLES_PER_SITE} of each sparse call site)")
+    return out

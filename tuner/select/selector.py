@@ -525,7 +525,7 @@ class _Entry:
 
 class _Site:
     __slots__ = ("overlap", "overlap_source", "last", "latest", "entries", "ratios", "pool", "measured", "options",
-                 "calls", "explored_at", "total_us", "explore_us", "seeded", "warm")
+                 "calls", "explored_at", "total_us", "explore_us", "seeded", "warm", "last_call", "samples")
 
     def __init__(self, pool: _online.Ratios | None = None) -> None:
         self.overlap: float | None = None
@@ -548,6 +548,10 @@ class _Site:
         self.explored_at = 0
         self.total_us = 0.0
         self.explore_us = 0.0
+        # The last completed call's (k_sum, k_max, union), and the site's recent measured calls (a state file
+        # keeps them: colltune fit --online folds them into a profile).
+        self.last_call: tuple[int, int, int] | None = None
+        self.samples: list[list[Any]] = []
 
 
 #: Values of ``COLLTUNE_ONLINE`` (lower case) that turn online correction off, and on.
@@ -1006,6 +1010,9 @@ class Selector:
         """Record the exact union size a completed call revealed (the same on every rank)."""
         k_sum = sum(counts)
         k_max = max(counts) if counts else 0
+        site = self._sites.get(site_key) if self.online else None
+        if site is not None:
+            site.last_call = (k_sum, k_max, union)
         if k_sum > k_max:  # two or more ranks held entries: the union says how much they overlap
             site = self._site(site_key)
             site.overlap = (k_sum - union) / (k_sum - k_max)
@@ -1166,6 +1173,7 @@ class Selector:
         given = state if state is not None else env.get("COLLTUNE_ONLINE_STATE") or None
         self._state_path = None if given is None or not self.online else os.fspath(given)
         self._saved: dict[str, dict[str, Any]] = {}  # per stable site key: the tables a state file held
+        self._saved_samples: dict[str, list[list[Any]]] = {}  # ... and its measured calls
         self._state_code = self._load_state() if self._state_path is not None else 0
         self._observed = 0
         if self._state_path is not None:
@@ -1194,7 +1202,7 @@ class Selector:
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             logger.warning("online-correction state %s ignored (%s): decisions start from the profile", path, exc)
             return 0
-        self._saved = sites
+        self._saved, self._saved_samples = sites, meta["samples"]
         return _signed64(int.from_bytes(hashlib.blake2b(
             _online.dump_state(sites, {}).encode(), digest_size=8).digest(), "big"))
 
@@ -1210,14 +1218,15 @@ class Selector:
             return
         from colltune.model.files import write_text_atomic
 
-        tables = dict(self._saved)
+        tables, samples = dict(self._saved), dict(self._saved_samples)
         for sites in self._sites.groups.values():
             for site in sites.values():
                 if site.seeded and site.ratios:
                     tables.pop(site.seeded, None)
                     tables[site.seeded] = site.ratios
+                    samples[site.seeded] = samples.get(site.seeded, []) + site.samples
         try:
-            write_text_atomic(target, _online.dump_state(tables, {"colltune": _online.library_version()}))
+            write_text_atomic(target, _online.dump_state(tables, {"colltune": _online.library_version()}, samples))
         except OSError as exc:
             logger.warning("cannot save the online-correction state to %s (%s)", target, exc)
 
@@ -1235,6 +1244,9 @@ class Selector:
             site.warm = True
             return
         site.pool.observe(site.ratios, algorithm, predicted_us, measured_us)
+        got = None if site.last_call is None else _online.sample(site_key, site.last_call, algorithm, measured_us)
+        if got is not None:
+            site.samples = (site.samples + [got])[-_online.SAMPLES_PER_SITE:]
         self._observed += 1
         if self._state_path is not None and self._observed % _online.SAVE_EVERY == 0:
             self.save_online_state()
