@@ -570,13 +570,14 @@ _DEVICE_BYTES: dict[tuple[str, int | None], int] = {}
 
 
 def _check_dense_fits(n: int, row_numel: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Raise if ``dense``'s buffers (``n`` rows in the accumulation dtype, and a byte per row) exceed the device."""
+    """Raise if ``dense``'s buffers (``n`` rows in the accumulation dtype, and the presence test's byte per row)
+    exceed the device."""
     need = n * (row_numel * torch.empty((), dtype=accum_dtype(dtype)).element_size() + 1)
     have = _device_bytes(device)
     if need > have:
         raise _bad(ColltuneValueError, "size",
                    f"algorithm 'dense' needs {need / 2**30:.3g} GiB for size {n} (rows of {row_numel} "
-                   f"{_dtype_name(accum_dtype(dtype))} and a mask byte each), more than the {have / 2**30:.3g} GiB "
+                   f"{_dtype_name(accum_dtype(dtype))} and a presence byte each), more than the {have / 2**30:.3g} GiB "
                    f"of {device.type}; use algorithm 'allgather', 'oktopk' or 'auto'.")
 
 

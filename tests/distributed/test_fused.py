@@ -256,3 +256,37 @@ def test_dense_parts_summed_together_in_chunks_keep_their_bits():
     # one exchange may carry, so they travel in several chunks; each still has its own call's bits.
     cases = [case(seed=300 + i, size=10_000, counts=[500 + 50 * r for r in range(3)]) for i in range(12)]
     _check(cases, 3, pool(3).run(_run_both, cases, "dense", 25.0))
+
+
+def _run_dense_parts(rank, world_size, cases, knobs, device):
+    items = _inputs(cases, rank, world_size)
+    if rank == 0:  # rank 0 holds every row of table 0: that table's union is all its rows
+        n, shape = cases[0]["size"], cases[0]["row_shape"]
+        items[0] = (torch.arange(n), torch.randn((n, *shape), generator=torch.Generator().manual_seed(3)), (n, *shape))
+    with device_path(device):
+        single = [colltune.sparse_allreduce(*it, algorithm="dense", knobs=knobs) for it in items]
+        fused = colltune.sparse_allreduce_many(items, algorithm="dense", knobs=knobs)
+        every = colltune.sparse_allreduce_many(items[:1] * 3, algorithm="dense", knobs=knobs)  # every row present
+    return [{"single": [_as_dict(r) for r in single], "fused": [_as_dict(r) for r in fused]},
+            {"single": [_as_dict(single[0])] * 3, "fused": [_as_dict(r) for r in every]}]
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("knobs", [None, {"wire": "value"}], ids=["accum", "wire16"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dense_parts_with_16_bit_wire_and_every_row_present_keep_their_bits(world_size, knobs, device):
+    grow = [30 + 5 * r for r in range(world_size)]
+    cases = [
+        case(seed=310, size=200, counts=grow, row_shape=(4,)),
+        case(seed=311, size=120, counts=grow, row_shape=(8,), dtype="bfloat16"),
+        case(seed=312, size=90, counts=[0, *grow[1:]], row_shape=(8,), dtype="float16"),
+        case(seed=313, size=60, counts=grow, row_shape=(8,), dtype="bfloat16", pattern="cancel"),
+    ]
+    out = pool(world_size).run(_run_dense_parts, cases, knobs, device)
+    for r, calls in enumerate(out):
+        for got in calls:
+            for t, (s, f) in enumerate(zip(got["single"], got["fused"])):
+                assert raw(f["indices"]) == raw(s["indices"]) and raw(f["values"]) == raw(s["values"]), (r, t)
+                assert f["values"].dtype == s["values"].dtype, (r, t)
+        assert torch.equal(calls[1]["fused"][0]["indices"], torch.arange(cases[0]["size"]))
+        assert raw(calls[0]["fused"][1]["values"]) == raw(out[0][0]["fused"][1]["values"]), r

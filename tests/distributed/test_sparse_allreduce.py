@@ -582,3 +582,171 @@ def test_auto_calls_that_keep_choosing_oktopk_send_its_counts_in_the_record(worl
         # oktopk, so its counts ride in the record from then on.
         assert ["all_to_all" in prims for _, prims, _ in calls] == [True, False, False, False], calls
         assert all(v == forced for _, _, v in calls)
+
+
+# ------------------------------------------------------------------ dense: presence in the sign of zero, 16-bit
+
+
+def _signed_zero_case(p: int, row_shape: tuple[int, ...], dtype: str, sorted_unique: bool) -> dict:
+    """Rows that test the union's presence test: -0.0 inputs, sums that cancel to zero, an infinity.
+
+    Every value is a small integer (or -0.0, or inf), so every algorithm's sum is exact and the bits of the
+    results can be compared across algorithms whatever order they add in. ``sorted_unique``: each rank's
+    indices sorted and unique, which the coalesce passes through with their bits (its -0.0 included).
+    """
+    width = 1
+    for d in row_shape:
+        width *= d
+    rows: list[list[tuple[int, list[float]]]] = [[] for _ in range(p)]
+
+    def put(rank: int, row: int, first: float, rest: float = 1.0) -> None:
+        rows[rank].append((row, ([first] + [rest * (j + 1) for j in range(width - 1)])[:width]))
+
+    put(0, 0, -0.0, -0.0)  # only -0.0 on one rank: present, sums to +0.0
+    for r in range(p):
+        put(r, 1, -0.0, -0.0)  # -0.0 on every rank: present, +0.0
+        put(r, 4, 1.0)  # every rank: P
+        put(r, 8, float(r + 1), float(-r))
+    put(0, 2, 3.0)
+    put(p - 1, 2, -3.0 if p > 1 else 0.0)  # cancels across ranks (at P = 1: 3 + 0)
+    put(0, 3, 5.0)
+    if not sorted_unique:
+        put(0, 3, -5.0)  # duplicates on one rank that cancel
+    put(p - 1, 6, float("inf"))
+    put(0, 7, -0.0)
+    put(p - 1, 7, 0.0)
+    put(0, 9, -0.0, 2.0)  # first element -0.0, the rest nonzero
+    put(p - 1, 11, -2.0, -0.0)
+    # row 5 and 10 are nowhere: not in the union
+    if sorted_unique:
+        rows = [sorted(rs, key=lambda e: e[0]) for rs in rows]
+    idx = [[row for row, _ in rows[r]] for r in range(p)]
+    vals = [[v for _, vs in rows[r] for v in vs] for r in range(p)]
+    return case(size=12, pattern="explicit", indices=idx, values=vals, row_shape=row_shape, dtype=dtype)
+
+
+_NEG_ZERO_BITS = {2: -(1 << 15), 4: -(1 << 31), 8: -(1 << 63)}
+
+
+def _neg_zeros(t: torch.Tensor) -> int:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return int((t.contiguous().view(ints) == _NEG_ZERO_BITS[t.element_size()]).sum())
+
+
+def _run_signed_zero(rank, world_size, cases):
+    import colltune
+
+    out = []
+    for c in cases:
+        idx, vals = make_input(c, rank, world_size)
+        got = {}
+        for label, algorithm, knobs in (("dense", "dense", None), ("dense16", "dense", {"wire": "value"}),
+                                        ("allgather", "allgather", None)):
+            res = colltune.sparse_allreduce(idx, vals, c["size"], algorithm=algorithm, knobs=knobs)
+            got[label] = (res.indices.clone(), res.values.clone(), res.traffic.as_dict())
+        many = colltune.sparse_allreduce_many([(idx, vals, (c["size"], *c["row_shape"]))] * 2, algorithm="dense")
+        got["fused"] = [(r.indices.clone(), r.values.clone()) for r in many]
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("world_size", FAST_SIZES)
+def test_dense_union_rides_in_the_sign_of_zero(world_size):
+    """-0.0 inputs, sums that cancel to exactly zero and -0.0 in a row's first element keep their rows in the
+    union; no result is -0.0 (every algorithm sums from +0.0); the bits match allgather's exact sums."""
+    cases = [_signed_zero_case(world_size, shape, dtype, sorted_unique)
+             for shape in ((), (3,), (0,)) for dtype in ("float32", "bfloat16", "float16", "float64")
+             for sorted_unique in (False, True)]
+    out = pool(world_size).run(_run_signed_zero, cases)
+    for j, c in enumerate(cases):
+        ref = reference(c, world_size)
+        assert 5 not in ref["union"].tolist() and 0 in ref["union"].tolist()
+        ag_idx, ag_vals, _ = out[0][j]["allgather"]
+        for r in range(world_size):
+            for label in ("dense", "dense16"):
+                idx, vals, traffic = out[r][j][label]
+                where = f"{label} {c['dtype']} rows {c['row_shape']} at P={world_size}, rank {r}"
+                assert torch.equal(idx, ref["union"]), (where, idx.tolist())
+                assert vals.dtype == DTYPES[c["dtype"]], where
+                assert raw(vals) == raw(ag_vals), (where, vals, ag_vals)
+                assert _neg_zeros(vals) == 0, where
+                if world_size > 1:  # one collective for values and union: no mask travels
+                    assert traffic["by_primitive"]["all_reduce"]["calls"] == 1, (where, traffic)
+            for f_idx, f_vals in out[r][j]["fused"]:
+                assert torch.equal(f_idx, ref["union"]) and raw(f_vals) == raw(ag_vals), "fused " + str(c["dtype"])
+
+
+def _run_full_rows(rank, world_size, c, knobs):
+    import colltune
+
+    idx, vals = make_input(c, rank, world_size)
+    if rank == 0:  # rank 0 holds every row, in shuffled order: the record says the union is every row
+        g = torch.Generator().manual_seed(5)
+        idx = torch.randperm(c["size"], generator=g)
+        vals = torch.randn((c["size"], *c["row_shape"]), generator=g).to(DTYPES[c["dtype"]])
+        vals[::7] = -0.0
+    res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm="dense", knobs=knobs)
+    # The same rows without rank 0's last one (n - 1 entries): the presence test finds the union instead.
+    keep = idx != c["size"] - 1
+    part = colltune.sparse_allreduce(idx[keep] if rank == 0 else idx, vals[keep] if rank == 0 else vals, c["size"],
+                                     op=c["op"], algorithm="dense", knobs=knobs)
+    return {"idx": res.indices, "vals": res.values, "part_idx": part.indices, "part_vals": part.values,
+            "traffic": res.traffic.as_dict()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype,knobs", [("float32", None), ("bfloat16", None), ("bfloat16", {"wire": "value"}),
+                                         ("float16", {"wire": "value"})])
+def test_dense_with_every_row_present_returns_every_row(world_size, dtype, knobs):
+    c = case(seed=71, size=300, counts=[0] + [40] * (world_size - 1), row_shape=(4,), dtype=dtype)
+    out = pool(world_size).run(_run_full_rows, c, knobs)
+    n = c["size"]
+    for r, o in enumerate(out):
+        assert torch.equal(o["idx"], torch.arange(n)), r
+        assert _neg_zeros(o["vals"]) == 0 and o["vals"].dtype == DTYPES[dtype]
+        assert raw(o["vals"]) == raw(out[0]["vals"]) and raw(o["part_vals"]) == raw(out[0]["part_vals"]), r
+        # Row n - 1 is in the second call's union only where another rank holds it.
+        others = set().union(*(make_input(c, q, world_size)[0].tolist() for q in range(1, world_size)))
+        want = [i for i in range(n) if i != n - 1 or (n - 1) in others]
+        assert o["part_idx"].tolist() == want, r
+        if world_size > 1:
+            assert o["traffic"]["by_primitive"]["all_reduce"]["calls"] == 1
+
+
+def _run_wire(rank, world_size, c):
+    import colltune
+
+    idx, vals = make_input(c, rank, world_size)
+    out = {}
+    for wire in ("accum", "value"):
+        for op in ("sum", "avg"):
+            res = colltune.sparse_allreduce(idx, vals, c["size"], op=op, algorithm="dense", knobs={"wire": wire})
+            out[wire, op] = (res.indices, res.values, res.traffic.as_dict())
+    return out
+
+
+#: The unit roundoff of each 16-bit dtype: a rounding changes a value by at most this fraction of it.
+_UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dense_16_bit_wire_moves_half_the_bytes_with_the_same_bits_everywhere(world_size, dtype):
+    c = case(seed=72, size=400, counts=_grow(world_size, 300, 20), row_shape=(16,), dtype=dtype)
+    out = pool(world_size).run(_run_wire, c)
+    dt = DTYPES[dtype]
+    ref = reference(c, world_size)
+    for r, o in enumerate(out):
+        for key, (idx, vals, traffic) in o.items():
+            assert torch.equal(idx, ref["union"]) and vals.dtype == dt, (r, key)
+            assert raw(vals) == raw(out[0][key][1]), f"rank {r} {key}: not rank 0's bits"
+        # fp32 on the wire: the suite's tolerance (one rounding); 16-bit: a rounding per rank and per addition.
+        assert_close_to_reference(o["accum", "sum"][1], o["accum", "sum"][0], ref, dt, f"accum, rank {r}")
+        idx, vals, _ = o["value", "sum"]
+        got = torch.zeros_like(ref["dense"])
+        got.index_copy_(0, idx, vals.double())
+        assert bool(((got - ref["dense"]).abs() <= world_size * _UNIT_ROUNDOFF[dt] * ref["magnitude"]).all()), r
+        # avg divides the 16-bit sum in fp32 and rounds once: the same bits as dividing the returned sum.
+        assert raw(o["value", "avg"][1]) == raw((vals.float() / world_size).to(dt)), r
+        sent = {w: o[w, "sum"][2]["by_primitive"]["all_reduce"]["bytes"] for w in ("accum", "value")}
+        assert sent["value"] * 2 == sent["accum"], sent

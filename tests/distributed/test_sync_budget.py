@@ -53,6 +53,36 @@ def test_host_syncs_per_call_stay_within_the_ceiling(algorithm, world_size, row_
         assert syncs <= SYNC_CEILING[algorithm], (algorithm, which)
 
 
+def _dense_calls(rank, world_size, wire):
+    import colltune
+
+    g = torch.Generator().manual_seed(rank)
+    n = 1 << 12
+    full = (torch.arange(n), torch.randn((n, 16), generator=g).to(torch.bfloat16))  # every row: no presence test
+    part = (torch.randint(0, n, (900,), generator=g), torch.randn((900, 16), generator=g).to(torch.bfloat16))
+    out = {}
+    with device_path():
+        for label, (idx, vals) in (("full", full), ("part", part)):
+            for _ in range(3):
+                colltune.sparse_allreduce(idx, vals, size=n, algorithm="dense", knobs={"wire": wire}, name=label)
+            with audit() as a:  # strict: a nondeterministic write on the densify or extract path raises
+                colltune.sparse_allreduce(idx, vals, size=n, algorithm="dense", knobs={"wire": wire}, name=label)
+            out[label] = (a.n_syncs, dict(a.syncs), a.n_ops, dict(a.collectives))
+    return out
+
+
+@pytest.mark.parametrize("wire", ["accum", "value"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dense_reads_the_union_size_only_when_some_row_may_be_missing(world_size, wire):
+    for out in pool(world_size).run(_dense_calls, wire):
+        full, part = out["full"], out["part"]
+        assert full[0] <= SYNC_CEILING["dense"] - 1, full[1]  # the record only: it says every row is present
+        assert part[0] <= SYNC_CEILING["dense"], part[1]
+        assert full[2] < part[2], (full[2], part[2])  # no fill, copy, presence test or gather
+        for syncs, which, ops, collectives in (full, part):  # one all_reduce: values and union together
+            assert sum(v for k, v in collectives.items() if "allreduce" in k) == 1, collectives
+
+
 def _topk_calls(rank, world_size, algorithm):
     import colltune
     from colltune.algorithms.state import TopkState

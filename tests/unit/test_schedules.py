@@ -56,13 +56,32 @@ def test_mode_comes_from_the_features_or_the_argument():
         Pricing(f, mode="approx")
 
 
-def test_dense_topk_sends_no_mask():
+def test_dense_sends_no_mask_in_either_mode():
     p, n = 8, 2**20
     f = _features(p, n, n, union=n)
-    exact, topk = _steps("dense", f, "exact"), _steps("dense", f, "topk")
-    assert exact["mask_all_reduce"].nbytes == pytest.approx(2 * (p - 1) / p * n)
-    assert topk["mask_all_reduce"].nbytes == 0 and topk["mask_all_reduce"].calls == 0
-    assert topk["value_all_reduce"].nbytes == pytest.approx(2 * (p - 1) / p * n * 4)
+    for mode in ("exact", "topk"):
+        steps = _steps("dense", f, mode)
+        assert steps["mask_all_reduce"].nbytes == 0 and steps["mask_all_reduce"].calls == 0, mode
+        assert steps["value_all_reduce"].nbytes == pytest.approx(2 * (p - 1) / p * n * 4), mode
+
+
+@pytest.mark.parametrize("dtype,width", [("bfloat16", 2), ("float16", 2), ("float32", 4), ("float64", 8)])
+def test_dense_prices_the_rows_in_the_dtype_they_travel_in(dtype, width):
+    p, n, row = 8, 2**20, 64
+    f = _features(p, n, n, union=n, row=row, dtype=dtype)
+    ring = 2 * (p - 1) / p * n * row
+    value = _steps("dense", f, "exact", wire="value")["value_all_reduce"].nbytes
+    accum = _steps("dense", f, "exact", wire="accum")["value_all_reduce"].nbytes
+    assert value == pytest.approx(ring * width)
+    assert accum == pytest.approx(ring * max(width, 4))  # 16-bit rows summed in fp32 move fp32's bytes
+
+
+def test_dense_local_work_when_every_row_is_present_is_one_pass_and_the_indices():
+    p, n, row = 4, 2**16, 64
+    full = _steps("dense", _features(p, n, n, union=n, row=row), "exact")["densify_extract"]
+    assert full.nbytes == pytest.approx(n * row * 4 * 2 + 8 * n)  # values read and written once; indices 0..n-1
+    sparse = _steps("dense", _features(p, n, n // 2, union=n, row=row), "exact")["densify_extract"]
+    assert sparse.nbytes > full.nbytes and sparse.steps > full.steps  # fill, copy, presence test and gather
 
 
 def test_topka_gathers_every_ranks_k_without_the_slot():

@@ -26,8 +26,9 @@ steps and bytes. In short (``P`` ranks, ``n`` rows, ``K = k_sum``)::
     every algorithm   the metadata record's all_gather (its eager slot carries
                       allgather's first entries, a first-call sketch and
                       Ok-Topk's counts per region at every P)
-    dense             all_reduce of n rows in the accumulation dtype, plus (exact
-                      mode only) an n-byte mask; local densify and extract
+    dense             all_reduce of n rows in the accumulation dtype (the value
+                      dtype with wire=value; the union rides in the sign of
+                      zero, no mask travels); local densify and extract
     allgather         the entries beyond the slot: a padded all_gather, an
                       all_to_all of exact sizes, or (rows of 32 bytes or more)
                       point-to-point messages; a local merge of K entries
