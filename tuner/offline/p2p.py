@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from colltune.algorithms.sparse import upload
+
 __all__ = ["measure_p2p", "measure_into_profile", "partners", "SMALL_BYTES", "LARGE_BYTES", "PING_REPS", "STREAM_REPS", "WARMUP"]
 
 #: The latency's message: 8 bytes.
@@ -74,7 +76,7 @@ def partners(nodes: list[int], rank: int) -> tuple[int | None, int | None]:
 def _node_ids(group: Any, device: torch.device) -> list[int]:
     """Every rank's node id: a digest of its host name, all-gathered."""
     digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "big", signed=True)], dtype=torch.int64, device=device)
+    mine = upload([int.from_bytes(digest, "big", signed=True)], device)
     out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(out, mine, group=group)
     return [int(x) for x in out.tolist()]
@@ -135,7 +137,7 @@ def _stream(peer: int | None, nbytes: int, device: torch.device, group: Any) -> 
 
 def _median_over_ranks(value: float | None, device: torch.device, group: Any) -> float | None:
     """The median of the ranks' figures (``None`` ones left out), the same on every rank."""
-    mine = torch.tensor([-1.0 if value is None else value], dtype=torch.float64, device=device)
+    mine = upload([-1.0 if value is None else value], device, torch.float64)
     out = torch.empty(dist.get_world_size(group), dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(out, mine, group=group)
     got = [x for x in out.tolist() if x >= 0]
