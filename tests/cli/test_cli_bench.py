@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from colltune import cli
+from colltune.algorithms.errors import ColltuneValueError
 from colltune.cli import common
 from colltune.offline import bench
 
@@ -287,3 +288,29 @@ def test_a_report_without_intervals_still_prints():
         del summary[key]
     report["auto_summary"] = summary
     assert "1.00" in bench.format_auto(report)
+
+
+def test_bench_on_nccl_needs_a_gpu_per_local_rank(fake_gpus, capsys):
+    fake_gpus(2)
+    assert cli.main(["bench", "--backend", "nccl", "-P", "4", "--n", "2^10", "--density", "1e-2"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend nccl needs a GPU per rank" in err and "P = 4" in err and "2 GPU(s)" in err
+
+
+def test_bench_on_nccl_leaves_torch_out_saying_why(fake_gpus, monkeypatch, tmp_path, capsys):
+    fake_gpus(4)
+    real_run, seen = bench.run, {}
+
+    def fake_run(configs, **kw):
+        seen.update(kw)
+        return {"configs": [], "topk": [], "contenders": kw["contenders"]}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr("colltune.cli.bench._print_summary", lambda *a: None)
+    argv = ["bench", "--backend", "nccl", "-P", "4", "--n", "2^10", "--density", "1e-2", "--json",
+            str(tmp_path / "b.json")]
+    assert cli.main(argv) == 0
+    assert seen["backend"] == "nccl" and "torch" not in seen["contenders"] and "auto" in seen["contenders"]
+    assert "skipping torch: PyTorch's sparse all_reduce runs on gloo only" in capsys.readouterr().out
+    with pytest.raises(ColltuneValueError, match="gloo only"):
+        real_run([], contenders=["auto", "torch"], backend="nccl")

@@ -173,6 +173,10 @@ class BenchCommand(Command):
                             f"{', '.join(BUILTIN_NAMES)} and plugins named in {PLUGINS_ENV}), torch")
         t.add_argument("--timeout", type=parse_seconds, default=3600.0,
                        help="kill the ranks of one world size after this many seconds (default 3600)")
+        t.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                       help="gloo (CPU tensors, default) or nccl (each rank's inputs on its GPU, one GPU per rank: "
+                            "under torchrun, or local ranks on a machine with a GPU for each; torch, PyTorch's "
+                            "gloo-only sparse all_reduce, is left out)")
         k = parser.add_argument_group("top-k section")
         k.add_argument("--topk", action="store_true",
                        help="also run topk_allreduce (every registered algorithm) for each P "
@@ -195,6 +199,9 @@ class BenchCommand(Command):
         from colltune.offline import bench, launch
 
         args.contenders = _checked_contenders(args.contenders, bench.all_contenders())
+        if args.backend == "nccl":
+            worlds = args.world_size or ([4] if args.quick else list(FULL_WORLD))
+            args.contenders = _nccl_contenders(args.contenders, worlds, launch.in_torchrun())
         check_writable(args.json)
         if args.profile is not None:
             from colltune.model.profile import load_profile
@@ -211,12 +218,31 @@ class BenchCommand(Command):
             write_json(args.json, report)
 
         report = bench.run(configs, topk_configs=topk_configs, contenders=args.contenders, plan=plan,
-                           progress=not args.no_progress, timeout=args.timeout, on_partial=save, profile=args.profile)
+                           progress=not args.no_progress, timeout=args.timeout, on_partial=save, profile=args.profile,
+                           backend=args.backend)
         if not is_root:
             return 0
         save(report)
         _print_summary(args, report)
         return 0
+
+
+def _nccl_contenders(contenders: list[str], world_sizes: list[int], torchrun: bool) -> list[str]:
+    """The contenders that run on NCCL (``torch`` left out, saying why); refuse local ranks without a GPU each."""
+    import torch
+
+    if not torchrun:
+        need, have = max(world_sizes), torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < need:
+            raise UsageError(f"--backend nccl needs a GPU per rank (NCCL refuses two ranks on one GPU): P = {need} "
+                             f"local ranks but {have} GPU(s) here; run under torchrun across nodes, lower "
+                             "--world-size, or use --backend gloo.")
+    if "torch" in contenders:
+        say("skipping torch: PyTorch's sparse all_reduce runs on gloo only (NCCL has no sparse all_reduce)")
+    kept = [c for c in contenders if c != "torch"]
+    if not kept:
+        raise UsageError("--contenders: nothing left to time on NCCL; name auto or an algorithm.")
+    return kept
 
 
 def _checked_contenders(asked: list[str] | None, known: tuple[str, ...]) -> list[str]:

@@ -342,8 +342,19 @@ def _stats(times_s: Sequence[float]) -> dict[str, Any]:
     }
 
 
+#: Where a rank's inputs live and its bookkeeping collectives run: the CPU on gloo, the rank's GPU on NCCL
+#: (set by :func:`_bench_rank`; a rank process runs one benchmark).
+_DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    """Wait for the device's queued work, so that a wall-clock interval holds what ran in it (CUDA only)."""
+    if _DEVICE.type == "cuda":
+        torch.cuda.synchronize(_DEVICE)
+
+
 def _reduce_max(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64).to(_DEVICE)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -351,7 +362,7 @@ def _reduce_max(values: list[float]) -> list[float]:
 
 def _gather_traffic(rows: list[list[int]]) -> list[list[list[int]]]:
     """All-gather per-contender ``[bytes, meta, messages]``; return ``[rank][contender][field]``."""
-    t = torch.tensor(rows, dtype=torch.int64)
+    t = torch.tensor(rows, dtype=torch.int64).to(_DEVICE)
     p = dist.get_world_size() if dist.is_initialized() else 1
     if p == 1:
         return [t.tolist()]
@@ -385,10 +396,12 @@ def _one_round(
     local: dict[str, float] = {}
     for name in names[shift:] + names[:shift]:
         call = calls[name]
+        _sync()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(burst):
             last[name] = call()
+        _sync()
         local[name] = (time.perf_counter() - t0) / burst
     return local
 
@@ -443,7 +456,7 @@ def _bench_one(
     rank: int, world_size: int, cfg: BenchConfig, contenders: Sequence[str], plan: Plan, guard: _Guard
 ) -> dict[str, Any]:
     w = cfg.workload()
-    idx, vals = w.make(rank)
+    idx, vals = (t.to(_DEVICE) for t in w.make(rank))
     calls = {name: guard.wrap(name, _make_call(name, idx, vals, cfg.n)) for name in contenders}
     gc.collect()
     errors = _warm_up_and_check(calls, contenders, plan, w, vals, cfg)
@@ -506,7 +519,8 @@ def _warm_up_and_check(calls: dict[str, Callable[[], Any]], contenders: Sequence
     if not outputs:
         outputs = {name: calls[name]() for name in contenders}
     ref = _exact_reference(w)
-    errors = _reduce_max([_rel_error(ref, _as_pair(name, outputs[name])) for name in contenders])
+    errors = _reduce_max([_rel_error(ref, tuple(t.cpu() for t in _as_pair(name, outputs[name])))  # type: ignore[arg-type]
+                          for name in contenders])
     if not torch.equal(vals, vals_before):
         raise RuntimeError(f"a contender modified its input values in place (config {cfg}).")
     return errors
@@ -664,7 +678,10 @@ def _bench_rank(
     later task fails; a rank whose contender raises notes the task and the
     contender in ``journal + ".fail<rank>"`` first. Rank 0 returns the records.
     """
+    global _DEVICE
     stream = sys.stdout if (show and rank == 0) else None
+    if "nccl" in str(dist.get_backend()).lower():
+        _DEVICE = torch.device("cuda", torch.cuda.current_device())
     if profile is not None:
         colltune.configure(profile=profile)
     bar = None
@@ -712,12 +729,14 @@ def _topk_one(
     meta: dict[str, list[float]] = {name: [] for name in names}
     counts: dict[str, list[float]] = {name: [] for name in names}
     for step in range(cfg.steps):
-        grad = torch.randn(n, generator=gen)
+        grad = torch.randn(n, generator=gen).to(_DEVICE)
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
+            _sync()
             dist.barrier()
             t0 = time.perf_counter()
             res = calls[name](grad, states[name], op="avg", algorithm=name)
+            _sync()
             times[name].append(time.perf_counter() - t0)
             tr = res.traffic
             words[name].append((tr.bytes_sent - tr.meta_bytes) / 4)
@@ -781,6 +800,7 @@ def run(
     timeout: float = 3600.0,
     on_partial: Callable[[dict[str, Any]], None] | None = None,
     profile: str | None = None,
+    backend: str = "gloo",
 ) -> dict[str, Any]:
     """Run the benchmark; return the report (its format: :mod:`colltune.cli.bench`).
 
@@ -798,13 +818,19 @@ def run(
         timeout: the deadline of each launch, in seconds.
         on_partial: called with the report so far after each world size.
         profile: the profile ``auto`` uses (default: the selector's default).
+        backend: the process group's backend: ``gloo`` (CPU tensors) or
+            ``nccl`` (each rank's inputs on its GPU; one GPU per rank).
 
     Raises:
-        ColltuneValueError: an unknown contender, or (under ``torchrun``) no
+        ColltuneValueError: an unknown contender, ``torch`` on NCCL (which
+            has no sparse ``all_reduce``), or (under ``torchrun``) no
             configuration for the running world size.
         colltune.offline.launch.RankError: a rank failed.
     """
     contenders = _checked_contenders(contenders)
+    if backend == "nccl" and "torch" in contenders:
+        raise ColltuneValueError("the contender 'torch' (PyTorch's sparse all_reduce) runs on gloo only: NCCL has "
+                                 "no sparse all_reduce; leave it out of the contenders on NCCL.")
     report = _new_report(plan, contenders)
     sizes = _world_sizes(configs, topk_configs)
     tasks_all: list[tuple[str, Any, tuple[str, ...]]] = [("exact", c, contenders) for c in configs]
@@ -816,13 +842,13 @@ def run(
             continue
         prog = (0, len(tasks)) if progress else None  # one bar per world size, counting its own tasks
         if launch.in_torchrun():
-            records = launch.run_here(_bench_rank, tasks, contenders, plan, show, prog, None, profile)
+            records = launch.run_here(_bench_rank, tasks, contenders, plan, show, prog, None, profile, backend=backend)
             if records is None:  # not rank 0: only rank 0 reports
                 return report
             _publish(report, records, started, on_partial)
         else:
             _run_tolerant(tasks, p, contenders, plan, show, prog, timeout,
-                          lambda recs: _publish(report, recs, started, on_partial), profile)
+                          lambda recs: _publish(report, recs, started, on_partial), profile, backend)
     if "auto" in contenders:
         report["profile"] = profile
         report["auto_summary"] = auto_summary(report)
@@ -896,6 +922,7 @@ def _run_tolerant(
     timeout: float,
     keep: Callable[[list[dict[str, Any]]], None],
     profile: str | None = None,
+    backend: str = "gloo",
 ) -> list[dict[str, Any]]:
     """Run the tasks of world size ``p`` on local ranks; a contender that raises is dropped from its task.
 
@@ -915,7 +942,7 @@ def _run_tolerant(
             failure: launch.RankError | None = None
             try:
                 launch.run_local(_bench_rank, p, state.next_tasks(), columns, plan, show, prog, journal, profile,
-                                 timeout=timeout)
+                                 backend=backend, timeout=timeout)
             except launch.RankError as exc:
                 failure = exc
             finished = state.collect(journal)
