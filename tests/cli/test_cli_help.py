@@ -117,3 +117,10 @@ def test_the_constants_stated_for_help_agree_with_their_sources() -> None:
     assert profile_cli.GRID_NAMES == tuple(profiling.GRIDS)
     assert profile_cli.DTYPES == profiling.DTYPES
     assert profile_cli.STATISTICS == profiling.STATISTICS
+
+
+def test_profile_help_gives_the_gpu_cluster_command(capsys) -> None:
+    assert cli.main(["profile", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "torchrun --nnodes" in text and "-m colltune.cli -- profile --backend nccl" in text
+    assert "COLLTUNE_PROFILE" in text

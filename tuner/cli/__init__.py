@@ -136,9 +136,12 @@ def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser
     parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS, help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, entry in TABLE.items():
-        p = sub.add_parser(name, help=entry.help, description=entry.help)
+        p = sub.add_parser(name, help=entry.help, description=entry.help,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         if only is None or name in only:
-            COMMANDS[name].add_arguments(p)
+            command = COMMANDS[name]
+            p.epilog = getattr(command, "epilog", None)  # examples, printed as written
+            command.add_arguments(p)
     return parser
 
 

@@ -185,6 +185,18 @@ class ProfileCommand:
         a.add_argument("--noise", type=parse_fraction, default=0.1, metavar="SIGMA",
                        help="--simulate --truth model: log-normal timing noise of a measurement (default 0.1)")
 
+    #: Printed after the options by ``colltune profile --help``.
+    epilog = """examples:
+  colltune profile --grid quick --world-size 2 4 --out profiles/local.yaml
+  colltune profile --grid full --world-size 2 4 --out profiles/grid.yaml --budget 30 --resume
+
+on a GPU cluster (NCCL, one GPU per rank; each rank's group is bound to cuda:LOCAL_RANK), run the same
+command on every node; rank 0 writes the profile (--p2p adds point-to-point figures), and jobs use it
+through COLLTUNE_PROFILE:
+  torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id prof \\
+      -m colltune.cli -- profile --backend nccl --p2p --out profiles/cluster.yaml
+"""
+
     def run(self, args: argparse.Namespace) -> int:
         if args.simulate or args.active:
             return run_active(args)
