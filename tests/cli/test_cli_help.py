@@ -124,3 +124,9 @@ def test_profile_help_gives_the_gpu_cluster_command(capsys) -> None:
     text = capsys.readouterr().out
     assert "torchrun --nnodes" in text and "-m colltune.cli -- profile --backend nccl" in text
     assert "COLLTUNE_PROFILE" in text
+
+
+def test_every_command_of_the_table_is_a_command() -> None:
+    for name in cli.TABLE:
+        command = cli.COMMANDS[name]
+        assert isinstance(command, cli.Command) and command.name == name, name

@@ -30,7 +30,7 @@ import argparse
 import os
 
 from colltune.cli.bench import BenchCommand
-from colltune.cli.common import UsageError, parse_world
+from colltune.cli.common import Command, UsageError, parse_world
 from colltune.cli.profile import profile_summary
 
 #: Where ``colltune demo`` writes without ``--out``.
@@ -40,7 +40,7 @@ PROFILE_NAME = "profile.yaml"
 BENCH_NAME = "bench.json"
 
 
-class DemoCommand:
+class DemoCommand(Command):
     """``colltune demo``: profile this machine quickly, then benchmark auto against every fixed choice."""
 
     name = "demo"

@@ -44,7 +44,7 @@ import math
 from typing import ClassVar
 
 from colltune.algorithms.errors import ColltuneValueError
-from colltune.cli.common import WORLD_BOUND, cluster_profile, parse_n, parse_priced_ranks
+from colltune.cli.common import WORLD_BOUND, Command, cluster_profile, parse_n, parse_priced_ranks
 
 __all__ = ["ExplainCommand"]
 
@@ -68,7 +68,7 @@ def parse_unit(low_open: bool):  # noqa: ANN202
     return parse
 
 
-class ExplainCommand:
+class ExplainCommand(Command):
     """``colltune explain``: each algorithm's predicted time, the choice, and why (a ``colltune.cli`` command)."""
 
     name: ClassVar[str] = "explain"

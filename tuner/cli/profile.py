@@ -50,6 +50,7 @@ import os
 from typing import TYPE_CHECKING
 
 from colltune.cli.common import (
+    Command,
     number_type,
     parse_density,
     parse_n,
@@ -130,7 +131,7 @@ def profile_summary(res: ProfileResult) -> str:
     return "\n".join(lines)
 
 
-class ProfileCommand:
+class ProfileCommand(Command):
     """``colltune profile``: measure this cluster and write a profile (registered in :data:`colltune.cli.COMMANDS`)."""
 
     name = "profile"
@@ -236,7 +237,7 @@ def parse_minutes(text: str) -> float:
                                "parse_minutes", scale=60.0)(text)
 
 
-class FitCommand:
+class FitCommand(Command):
     """``colltune fit``: cross-validate and fit the learned model of a profile.
 
     Registered in :data:`colltune.cli.COMMANDS`.

@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from colltune.cli.common import UsageError, parse_n, parse_overlap, parse_positive_int
+from colltune.cli.common import Command, UsageError, parse_n, parse_overlap, parse_positive_int
 
 
-class ReportCommand:
+class ReportCommand(Command):
     """``colltune report``: draw a profile (registered in :data:`colltune.cli.COMMANDS`)."""
 
     name = "report"

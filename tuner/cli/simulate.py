@@ -35,7 +35,7 @@ import json
 import math
 from typing import ClassVar
 
-from colltune.cli.common import MAX_WORLD_SIZE, WORLD_BOUND, UsageError, cluster_profile, parse_priced_ranks
+from colltune.cli.common import MAX_WORLD_SIZE, WORLD_BOUND, Command, UsageError, cluster_profile, parse_priced_ranks
 from colltune.cli.explain import parse_numel, parse_unit
 
 __all__ = ["SimulateCommand"]
@@ -46,7 +46,7 @@ DEFAULT_WORLD_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-class SimulateCommand:
+class SimulateCommand(Command):
     """``colltune simulate``: each algorithm's predicted time and bytes per world size, and the choice."""
 
     name: ClassVar[str] = "simulate"

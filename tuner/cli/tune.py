@@ -22,7 +22,7 @@ import argparse
 import os
 import time
 
-from colltune.cli.common import parse_density, parse_n, parse_nonneg_int, parse_overlap, parse_positive_int, parse_world
+from colltune.cli.common import Command, parse_density, parse_n, parse_nonneg_int, parse_overlap, parse_positive_int, parse_world
 from colltune.model.files import write_text_atomic
 
 
@@ -30,7 +30,7 @@ def _write_text(path: str, text: str) -> None:
     write_text_atomic(path, text, ".yaml")
 
 
-class TuneCommand:
+class TuneCommand(Command):
     """``colltune tune``: an Optuna study over the knobs (registered in :data:`colltune.cli.COMMANDS`)."""
 
     name = "tune"
