@@ -52,9 +52,8 @@ With ``P = 1`` no primitive is called. Local work is priced by the ``local``
 primitive: ``alpha`` per kernel, ``beta`` per byte of memory traffic.
 
 Example:
-    >>> from colltune.model import nccl
-from colltune.model import nccl
-from colltune.model.features import DTYPE_BYTES, Features
+    >>> from colltune.model.cost_model import DEFAULT_PRIMITIVES, AnalyticModel
+    >>> from colltune.model.features import Features
     >>> f = Features.build(numel=1 << 20, row_numel=1, dtype="float32",
     ...                    k_per_rank=[1000] * 8, union=7000.0)
     >>> model = AnalyticModel(DEFAULT_PRIMITIVES)
