@@ -34,7 +34,7 @@ import torch
 from colltune.algorithms import sizes
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
-from colltune.algorithms.knobs import Knob
+from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
@@ -59,7 +59,6 @@ from colltune.algorithms.sparse import (
 
 __all__ = ["Allgather", "gather_merge", "eager_slot", "slot_need"]
 
-_MODES = ("auto", "p2p", "pad", "alltoall")
 
 
 def gather_merge(
@@ -215,14 +214,7 @@ class Allgather(Algorithm):
     """Gather every rank's packed entries, then merge them in rank order."""
 
     name = "allgather"
-    knob_specs = (
-        Knob("mode", "auto", "`p2p` (indices and rows sent to every peer as separate messages, received in place: no packing), "
-             "`pad` (one `all_gather` of packed entries padded to the largest count), `alltoall` (exact sizes), "
-             "`auto` (`p2p` for rows of 32 bytes or more, such as embedding rows, on the host path or within one "
-             "node; otherwise, as on NCCL across nodes, where a ring all_gather beats P-1 messages per rank, pad "
-             "unless padding adds over 25%)", choices=_MODES,
-             tune=("exact",)),
-    )
+    knob_specs = BUILTIN_KNOBS["allgather"]  # declared in colltune.algorithms.knobs: read without torch
     TERMS = ("metadata", "entries_gather", "merge")
     #: The record (the coalesce's count and the eager slot ride in it, filled on the device), the merged
     #: union's size; top-k: the record, the count above the k-th largest, the merge.

@@ -59,14 +59,12 @@ import torch
 
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
-from colltune.algorithms.knobs import Knob
+from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 
 __all__ = ["Dense"]
 
-#: The dtypes a 16-bit value may travel in: the accumulation dtype (``accum``) or its own (``value``).
-WIRES = ("accum", "value")
 #: The bits of ``-0.0`` per element size, as the signed integer a ``view`` of that size reads.
 _NEG_ZERO = {2: -(1 << 15), 4: -(1 << 31), 8: -(1 << 63)}
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -77,12 +75,7 @@ class Dense(Algorithm):
     """Densify, ``all_reduce``, and extract the rows of the union."""
 
     name = "dense"
-    knob_specs = (
-        Knob("wire", "accum", "the dtype fp16 and bf16 rows travel and are summed in: `accum` (fp32, rounded once "
-             "at the end, as every algorithm sums) or `value` (their own, as DDP reduces them: half the bytes, but "
-             "each of the P-1 additions rounded to 16 bits); 32- and 64-bit rows always travel in their own dtype",
-             choices=WIRES),
-    )
+    knob_specs = BUILTIN_KNOBS["dense"]  # declared in colltune.algorithms.knobs: read without torch
     #: ``mask_all_reduce`` stays a term (priced free) so that learned models keep their feature layout.
     TERMS = ("metadata", "value_all_reduce", "mask_all_reduce", "densify_extract")
     #: The record (the coalesce's count rides in it), the union's size (none when every row is present);

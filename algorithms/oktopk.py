@@ -79,7 +79,7 @@ from colltune.algorithms import sizes
 from colltune.algorithms.balance import balance_and_gather
 from colltune.algorithms.base import Algorithm, Delivered, SparseInput, TopkOutput, TopkPrepared
 from colltune.algorithms.comm import Comm
-from colltune.algorithms.knobs import Knob
+from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
@@ -641,24 +641,7 @@ class OkTopk(Algorithm):
     """Split and reduce over balanced regions, then all-gather the reduced regions."""
 
     name = "oktopk"
-    knob_specs = (
-        Knob("local_refresh", 32, "top-k mode: compute the exact local threshold every N calls (a `TopkState` field)",
-             minimum=1, state=True, tune=("topk",), search=(1, 128, True)),
-        Knob("global_refresh", 32, "top-k mode: compute the exact global threshold every N calls (a `TopkState` field)",
-             minimum=1, state=True, tune=("topk",), search=(1, 128, True)),
-        Knob("boundary_refresh", 64, "recompute region boundaries every N calls (per group and size)", minimum=1,
-             tune=("exact", "topk"), search=(1, 256, True)),
-        Knob("peers_in_flight", 8, "rotated point-to-point steps posted at once (all peers at once up to 9 ranks)", minimum=1,
-             tune=("exact", "topk"), search=(1, None, False)),
-        Knob("dense_fallback_ratio", 1.0, "a region travels dense when its sparse bytes reach this fraction of its dense bytes",
-             minimum=0.0, exclusive=True, tune=("exact",), search=(0.1, 2.0, True)),
-        Knob("gather_mode", "auto", "how the reduced regions are gathered (as `allgather.mode`; `p2p` only when no "
-             "region travels dense). On the host path or within one node `auto` sends them point to point (wide "
-             "rows unpacked, narrow ones each with its size); on NCCL across nodes packed, in one collective gather. "
-             "Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
-             choices=("auto", "p2p", "pad", "alltoall")),
-        Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
-    )
+    knob_specs = BUILTIN_KNOBS["oktopk"]  # declared in colltune.algorithms.knobs: read without torch
     TERMS = (
         "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
         "region_reduce", "threshold_all_reduce", "sizes_all_gather", "balance_p2p", "union_gather", "unpack",

@@ -22,8 +22,9 @@ from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 
 if TYPE_CHECKING:
     from colltune.algorithms.base import Algorithm
+    from colltune.algorithms.knobs import Knob
 
-__all__ = ["BUILTIN_NAMES", "PLUGINS_ENV", "plugin_modules", "register", "unregister", "names", "get"]
+__all__ = ["BUILTIN_NAMES", "PLUGINS_ENV", "plugin_modules", "register", "unregister", "names", "get", "knob_specs"]
 
 #: Modules of the built-in algorithms, in the order :func:`names` lists them.
 BUILTIN_MODULES: tuple[str, ...] = (
@@ -139,9 +140,28 @@ def unregister(name: str) -> None:
 
 
 def names() -> tuple[str, ...]:
-    """Return the names of the registered algorithms, built-ins first, in registration order."""
+    """Return the names of the registered algorithms, built-ins first, in registration order.
+
+    Before anything is registered and with no plugin named, these are the
+    built-ins' names, known without importing them (nor torch).
+    """
+    if not _loaded and not plugin_modules():
+        return BUILTIN_NAMES
     _load_builtins()
     return _names
+
+
+def knob_specs(name: str) -> tuple["Knob", ...]:
+    """Return the knobs of the algorithm registered as ``name`` (a built-in's without importing it, nor torch).
+
+    Raises:
+        ColltuneValueError: ``name`` is not registered; the message lists the known names.
+    """
+    from colltune.algorithms.knobs import BUILTIN_KNOBS
+
+    if not _loaded and name in BUILTIN_KNOBS and not plugin_modules():
+        return BUILTIN_KNOBS[name]
+    return tuple(get(name).knob_specs)
 
 
 def get(name: str) -> "Algorithm":

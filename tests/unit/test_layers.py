@@ -224,12 +224,15 @@ import colltune.algorithms.errors, colltune.algorithms.registry, colltune.algori
 from colltune.algorithms.schedule import Pricing
 from colltune.model.features import Features
 from colltune.model.profile import load_profile
-from colltune.model.policy import parse_policy
+from colltune.model.policy import load_policy, parse_policy
 prof = load_profile({str(ROOT / "profiles" / "cpu-gloo.yaml")!r})
 policy = parse_policy("version: 1\\ndefault: auto\\n", source="inline")
+# The shipped policies name algorithms and set their knobs: checked against the built-ins' knobs, no torch.
+example = load_policy({str(ROOT / "profiles" / "policies" / "example.yaml")!r})
+embeddings = load_policy({str(ROOT / "profiles" / "policies" / "embeddings.yaml")!r})
 f = Features.build(numel=2**20, row_numel=1, dtype="float32", k_per_rank=[1000, 1000], union=1500)
 assert "torch" not in sys.modules
-print("ok", len(prof.measurements), policy.default, f.world_size)
+print("ok", len(prof.measurements), policy.default, f.world_size, len(example.rules), len(embeddings.rules))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

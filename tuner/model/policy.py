@@ -253,7 +253,7 @@ def knob_table() -> dict[str, dict[str, Knob]]:
     An algorithm's call knobs, then its top-k state knobs (``local_refresh``,
     ``global_refresh`` of Ok-Topk), as the algorithm declares them.
     """
-    return {name: {k.name: k for k in sorted(registry.get(name).knob_specs, key=lambda k: k.state)}
+    return {name: {k.name: k for k in sorted(registry.knob_specs(name), key=lambda k: k.state)}
             for name in registry.names()}
 
 
