@@ -32,7 +32,7 @@ identical on every rank.
 Example:
     >>> import torch, colltune
     >>> a = (torch.tensor([3, 1, 3]), torch.ones(3), 8)
-    >>> b = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 4), (5, 4))
+    >>> b = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 4), (5, 4), check_invariants=True)
     >>> ra, rb = colltune.sparse_allreduce_many([a, b])
     >>> ra.indices.tolist(), ra.values.tolist(), rb.indices.tolist()
     ([1, 3], [1.0, 2.0], [0, 2])

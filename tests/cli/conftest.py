@@ -33,3 +33,25 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
 
     return fake
+
+
+@pytest.fixture
+def stop_at_launch(monkeypatch):
+    """Return a function that makes a tool's ``run_local`` record what it would start, then stop the tool.
+
+    ``stop_at_launch(tool)`` returns the dict it fills (``world_size``,
+    ``backend``, ``modes``); the tool's ``main`` then raises
+    ``KeyboardInterrupt`` before any rank starts.
+    """
+
+    def patch(tool):
+        started = {}
+
+        def fake_run_local(fn, world_size, cfg, backend, **kw):
+            started.update(world_size=world_size, backend=backend, modes=cfg["modes"])
+            raise KeyboardInterrupt  # stop before any rank would start
+
+        monkeypatch.setattr(tool, "run_local", fake_run_local)
+        return started
+
+    return patch

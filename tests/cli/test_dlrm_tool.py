@@ -109,18 +109,12 @@ def test_backend_follows_the_gpus_and_nccl_skips_ddp_sparse(monkeypatch, capsys,
     assert tool.parse_args(["--device", "cuda", "--bench"])["backend"] == "nccl"
 
 
-def test_main_prints_the_skipped_mode_and_starts_nccl_ranks(monkeypatch, capsys, load_tool, fake_gpus):
+def test_main_prints_the_skipped_mode_and_starts_nccl_ranks(monkeypatch, capsys, load_tool, fake_gpus, stop_at_launch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     tool = load_tool("dlrm")
     fake_gpus(2)
-    started = {}
-
-    def fake_run_local(fn, world_size, cfg, backend, **kw):
-        started.update(world_size=world_size, backend=backend, modes=cfg["modes"])
-        raise KeyboardInterrupt  # stop before any rank would start
-
-    monkeypatch.setattr(tool, "run_local", fake_run_local)
+    started = stop_at_launch(tool)
     with pytest.raises(KeyboardInterrupt):
         tool.main(["--ranks", "2", "--device", "cuda", "--mode", "ddp-sparse", "colltune-fused"])
     out = capsys.readouterr().out

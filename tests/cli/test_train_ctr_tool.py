@@ -57,15 +57,9 @@ def test_nccl_needs_a_gpu_per_rank(tool, fake_gpus, capsys, monkeypatch):
     assert tool.parse_args(["--backend", "nccl", "--bench"])["skipped"].keys() == {"ddp-sparse"}
 
 
-def test_main_prints_the_skip_once_and_starts_the_rest(tool, fake_gpus, capsys, monkeypatch):
+def test_main_prints_the_skip_once_and_starts_the_rest(tool, fake_gpus, stop_at_launch, capsys):
     fake_gpus(2)
-    started = {}
-
-    def fake_run_local(fn, world_size, cfg, backend, **kw):
-        started.update(world_size=world_size, backend=backend, modes=cfg["modes"])
-        raise KeyboardInterrupt  # stop before any rank would start
-
-    monkeypatch.setattr(tool, "run_local", fake_run_local)
+    started = stop_at_launch(tool)
     with pytest.raises(KeyboardInterrupt):
         tool.main(["--ranks", "2", "--backend", "nccl", "--mode", "ddp-sparse", "colltune"])
     out = capsys.readouterr().out.splitlines()

@@ -87,6 +87,18 @@ def _wait(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(step: Any, reps: int, device: torch.device) -> float:
+    """Seconds that ``reps`` runs of ``step`` take, after :data:`WARMUP` untimed ones (the device drained around)."""
+    for _ in range(WARMUP):
+        step()
+    _wait(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    _wait(device)
+    return time.perf_counter() - t0
+
+
 def _ping(peer: int | None, lead: bool, device: torch.device, group: Any) -> float | None:
     """One message's latency to ``peer`` in microseconds (half a round trip), or ``None`` without a peer."""
     if peer is None:
@@ -102,14 +114,7 @@ def _ping(peer: int | None, lead: bool, device: torch.device, group: Any) -> flo
             dist.recv(buf, gpeer, group=group)
             dist.send(buf, gpeer, group=group)
 
-    for _ in range(WARMUP):
-        round_trip()
-    _wait(device)
-    t0 = time.perf_counter()
-    for _ in range(PING_REPS):
-        round_trip()
-    _wait(device)
-    return (time.perf_counter() - t0) / (2 * PING_REPS) * 1e6
+    return _timed(round_trip, PING_REPS, device) / (2 * PING_REPS) * 1e6
 
 
 def _stream(peer: int | None, nbytes: int, device: torch.device, group: Any) -> float | None:
@@ -125,14 +130,7 @@ def _stream(peer: int | None, nbytes: int, device: torch.device, group: Any) -> 
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
-    for _ in range(WARMUP):
-        transfer()
-    _wait(device)
-    t0 = time.perf_counter()
-    for _ in range(STREAM_REPS):
-        transfer()
-    _wait(device)
-    return nbytes * STREAM_REPS / (time.perf_counter() - t0) / 1e9
+    return nbytes * STREAM_REPS / _timed(transfer, STREAM_REPS, device) / 1e9
 
 
 def _median_over_ranks(value: float | None, device: torch.device, group: Any) -> float | None:
