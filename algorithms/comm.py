@@ -513,9 +513,7 @@ class Comm:
             return self.all_gather(row, direct=self.direct_record).view(p, row.numel())
         table = torch.zeros((p, row.numel()), dtype=row.dtype, device=row.device)
         table[self.rank] = row
-        self._count("all_reduce", 2 * _nbytes(table) * (p - 1) // p, 2 * (p - 1))
-        dist.all_reduce(table, group=self.wire)
-        return table
+        return self.all_reduce(table)
 
     def _gather_direct(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather contiguous ``t`` point to point, every peer at once (not counted)."""

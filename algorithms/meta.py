@@ -328,7 +328,7 @@ def exchange(
         _check_remote_errors(list(records), comm.rank)
     if (head[:, _SHARED_AT] != head[:1, _SHARED_AT]).any():
         _check_shared(list(records), labels or {})
-    if fb is not None:
+    if fb is not None and fb.code is not None:  # a measurement is held: the records carry every rank's figure
         fb.arrived(head[:, _FB_CODE_AT].tolist(), head[:, _FB_US_AT].tolist())
     return records, host_table[:, hbytes:]
 

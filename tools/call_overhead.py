@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import colltune  # noqa: E402
-from colltune.cli.common import write_json  # noqa: E402
+from colltune.cli.common import save_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
 #: Calls per contender before timing (the record's eager slot settles, the caches fill).
@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             report["k"][k][name] = med
             print(f"{k:>6}  {name:<10} {med['thread_cpu_us']:>10.0f} {med['process_cpu_us']:>12.0f} "
                   f"{med['wall_us']:>8.0f}")
-    if args.json:
-        write_json(args.json, report)
-        print(f"wrote {args.json}")
+    save_json(args.json, report)
     return 0
 
 

@@ -38,7 +38,7 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from colltune.cli.common import write_json  # noqa: E402
+from colltune.cli.common import save_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
 CONTENDERS = ("all_reduce", "dense")
@@ -137,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.ranks) < 2 or args.repeats < 1 or min(args.row_numel) < 1 or not 1 <= min(args.log_n) <= max(args.log_n) <= 30:
         ap.error("need --ranks >= 2, --repeats >= 1, --row-numel >= 1 and 1 <= --log-n <= 30")
     report = run(args)
-    if args.json:
-        write_json(args.json, report)
-        print(f"wrote {args.json}")
+    save_json(args.json, report)
     return 0
 
 

@@ -60,7 +60,7 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from colltune.cli.common import write_json  # noqa: E402
+from colltune.cli.common import save_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
 CONTENDERS = ("fused", "per-table", "torch")
@@ -288,9 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --ranks >= 2, --tables >= 1, --max-rows >= 10, --repeats >= 1 and --batch >= 1")
     args.backends, args.notes = resolve_backends(ap, args.device, args.backend, args.ranks[:1] if args.bytes else args.ranks)
     report = run_bytes(args) if args.bytes else run_time(args)
-    if args.json:
-        write_json(args.json, report)
-        print(f"wrote {args.json}")
+    save_json(args.json, report)
     return 0
 
 

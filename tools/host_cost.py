@@ -50,7 +50,7 @@ from colltune.algorithms.allgather import eager_slot, slot_need  # noqa: E402
 from colltune.algorithms.base import SparseInput  # noqa: E402
 from colltune.algorithms.comm import Comm  # noqa: E402
 from colltune.algorithms.state import TopkState  # noqa: E402
-from colltune.cli.common import write_json  # noqa: E402
+from colltune.cli.common import save_json  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -249,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             report["rows"].append({"algorithm": name, "mode": mode, "world_size": p, **r})
             cells.append(f"{r['host_us']:>8.0f} {r['messages']:>5}")
         print(f"{name:<10} {mode:<6} " + " ".join(cells), flush=True)
-    if args.json:
-        write_json(args.json, report)
-        print(f"wrote {args.json}")
+    save_json(args.json, report)
     return 0
 
 

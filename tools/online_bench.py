@@ -34,7 +34,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -49,6 +48,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import colltune  # noqa: E402
+from colltune.cli.common import save_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 from colltune.select.selector import Selector  # noqa: E402
 
@@ -192,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * m['explore_calls']:>13.1f}% {100 * m['explore_time']:>12.1f}%")
     print(f"auto's own time, on / off (geometric mean): {summary['on_over_off']:.3f}; "
           f"the same decisions on every rank: {same}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"summary": summary, "calls": records}, fh, indent=1)
+    save_json(args.json, {"summary": summary, "calls": records})
     return 0 if same else 1
 
 

@@ -1223,7 +1223,7 @@ def _topk_allreduce(
         acc = _accumulate(tensor, state)
         likely = sel.last_choice(site) if sel is not None else algorithm
         prep = _topk_prepare(likely, acc, state, comm)
-        record["payload"] = 0 if prep is None else _payload_bytes(prep.payload)
+        record["payload"] = 0 if prep is None else len(prep.payload)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
         error, prep = _input_error(exc), None
     timer = online.start(comm, sel)
@@ -1235,7 +1235,7 @@ def _topk_allreduce(
         decision, knobs_checked = _decide_topk(sel, site, comm, backend, name, tensor, k, state, knobs_checked)
         algorithm = decision.algorithm
     if prep is not None and algorithm == likely and slots is not None:
-        prep.gathered = slots[:, : _payload_bytes(prep.payload)]
+        prep.gathered = slots[:, : len(prep.payload)]
     else:
         prep = None  # the payload belongs to the algorithm that made it: another one chosen meanwhile runs without
     out = _run_topk(acc, state, comm, algorithm, knobs_checked, prep)
@@ -1322,11 +1322,6 @@ def _run_topk(
         residual[out.sent] = 0
         state.residual = residual
     return out
-
-
-def _payload_bytes(payload: np.ndarray | torch.Tensor) -> int:
-    """Bytes of a record payload, a host array or a device tensor (its length is known without a read)."""
-    return int(payload.numel() if isinstance(payload, torch.Tensor) else payload.size)
 
 
 def _apply_state_knobs(state: TopkState, decision: Any) -> None:

@@ -490,15 +490,18 @@ class _FusedCall:
             algorithm, knobs = decision.algorithm, _decided_knobs(decision, self.knobs)
         parts = Parts(at) if len(members) > 1 else None
         inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts)
-        timer = None if self.timer is None else self.timer.fork()
+        # The call's measurement is its bucket predicted slowest: only that bucket's run is timed.
+        predicted = None if decision is None else (decision.predicted_us or {}).get(decision.algorithm)
+        timed = (self.timer is not None and predicted is not None
+                 and (self.measured is None or predicted > self.measured[0]))
+        timer = self.timer.fork() if timed else None  # type: ignore[union-attr]
         if timer is not None:
             timer.mark()
         out_idx, out_vals = _run_sparse(inp, comm, algorithm, knobs, op, vals, at)
+        if timer is not None:
+            timer.mark()
+            self.measured = (predicted, timer, self.sel, site, decision)
         if self.sel is not None:
-            predicted = (decision.predicted_us or {}).get(decision.algorithm) if decision is not None else None
-            if timer is not None and predicted is not None and (self.measured is None or predicted > self.measured[0]):
-                timer.mark()
-                self.measured = (predicted, timer, self.sel, site, decision)
             self.sel.observe_sparse(site, bucket_counts, out_idx.numel())
         return self.cut(members, at, out_idx, out_vals, algorithm, decision, parts)
 

@@ -100,7 +100,7 @@ def test_exploration_keeps_to_its_budgets_and_its_margin() -> None:
     assert len(explored) <= 0.03 * len(calls)
     assert sum(c[3] for c in explored) <= 0.03 * sum(c[3] for c in calls)
     for algorithm, _, _, _, _, corrected in explored:
-        assert corrected[algorithm] <= 2 * min(corrected.values())
+        assert corrected[algorithm] <= online.EXPLORE_WITHIN * min(corrected.values())
 
 
 def test_an_algorithm_predicted_far_slower_is_never_tried() -> None:

@@ -136,6 +136,13 @@ def write_json(path: str, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
 
 
+def save_json(path: str | None, obj: Any) -> None:
+    """:func:`write_json` ``obj`` to ``path`` and say so on standard output; nothing without a path."""
+    if path:
+        write_json(path, obj)
+        print(f"wrote {path}")
+
+
 def _json_default(o: Any) -> Any:
     if type(o).__module__ != "numpy":
         raise TypeError(f"not JSON serializable: {type(o).__name__}")

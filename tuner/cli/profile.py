@@ -216,7 +216,7 @@ through COLLTUNE_PROFILE:
             from colltune.offline.p2p import measure_into_profile
 
             figures = measure_into_profile(out, max(worlds) if worlds else 0, backend=args.backend,
-                                           timeout=args.timeout)
+                                           timeout=args.timeout, profile=None if res is None else res.profile)
         if res is None:
             return 0
         print(profile_summary(res), flush=True)

@@ -62,16 +62,18 @@ class ReportCommand(Command):
         if args.profile is None and args.online is None:
             raise UsageError("give a PROFILE to draw, --online RUN, or both")
         files: dict[str, str] = {}
+        # Both inputs are read (and a bad one refused) before anything is created.
+        run = None
         if args.online is not None:
             from colltune.offline.online_report import load_run, write_online_report
 
-            load_run(args.online)  # refuse a bad run before creating anything
-        if args.profile is not None:
-            load_profile(args.profile)  # refuse a bad profile before creating anything
+            run = load_run(args.online)
+        profile = None if args.profile is None else load_profile(args.profile)
+        if profile is not None:
             files.update(write_report(args.profile, out, n=args.n, overlap=args.overlap, dtype=args.dtype,
-                                      folds=max(2, args.folds)))
-        if args.online is not None:
-            files.update({f"online {k}": v for k, v in write_online_report(args.online, out).items()})
+                                      folds=max(2, args.folds), profile=profile))
+        if run is not None:
+            files.update({f"online {k}": v for k, v in write_online_report(args.online, out, run).items()})
         for path in files.values():
             print(f"wrote {path}")
         return 0

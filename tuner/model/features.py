@@ -59,6 +59,7 @@ __all__ = [
     "index_bytes_for",
     "overlap_from_union",
     "least_overlap",
+    "least_shared",
     "features_by_algorithm",
     "topk_features",
     "choose_bitmap_bits",
@@ -414,20 +415,24 @@ def overlap_from_union(k_per_rank: Sequence[int] | np.ndarray, union: float) -> 
     return _overlap(float(ks.sum()), float(ks.max()), u)
 
 
-def least_overlap(numel: int, k: int, world_size: int) -> float:
-    """Return the least overlap at which ``world_size`` ranks of ``k`` distinct indices each fit in ``numel`` rows.
+def least_shared(numel: int, k: int, world_size: int) -> int:
+    """Return the fewest indices ``world_size`` ranks of ``k`` distinct indices each must share to fit in ``numel`` rows.
 
     With ``s`` indices common to every rank and the rest private, the union
     is ``s + P (k - s)``, which fits in ``n`` rows when
-    ``s >= (P k - n) / (P - 1)``; the overlap is ``s / k``. 0 when the ranks
-    fit disjoint; above 1 when even identical index sets do not fit
-    (``k > n``).
+    ``s >= (P k - n) / (P - 1)``. 0 when the ranks fit disjoint (and at
+    ``P = 1``); more than ``k`` when even identical index sets do not fit.
     """
     if k > numel:
-        return math.inf
+        return k + 1
     if world_size < 2 or world_size * k <= numel:
-        return 0.0
-    return math.ceil((world_size * k - numel) / (world_size - 1)) / k
+        return 0
+    return math.ceil((world_size * k - numel) / (world_size - 1))
+
+
+def least_overlap(numel: int, k: int, world_size: int) -> float:
+    """Return the least overlap (``s / k``, :func:`least_shared`) at which the ranks fit; ``inf`` when none does."""
+    return math.inf if k > numel else least_shared(numel, k, world_size) / k
 
 
 def _overlap(total: float, largest: float, union: float) -> float:

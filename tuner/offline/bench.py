@@ -589,6 +589,11 @@ def median_interval(n: int, confidence: float = CONFIDENCE) -> tuple[int, float]
     return k, 1 - 2 * sum(pmf[:k])
 
 
+def _verdict(lo: float, hi: float) -> str:
+    """What an interval of auto's time over the oracle's says: ``faster``, ``slower`` or ``within noise``."""
+    return "faster" if hi < 1.0 else "slower" if lo > 1.0 else "within noise"
+
+
 def paired_ratio(auto_ms: Sequence[float], oracle_ms: Sequence[float]) -> dict[str, Any]:
     """Return auto's time over the oracle's, round by round, with its confidence interval and what it says.
 
@@ -614,7 +619,7 @@ def paired_ratio(auto_ms: Sequence[float], oracle_ms: Sequence[float]) -> dict[s
     if len(ratios) < MIN_PAIRED_ROUNDS:
         verdict = "few rounds"
     else:
-        verdict = "faster" if hi < 1.0 else "slower" if lo > 1.0 else "within noise"
+        verdict = _verdict(lo, hi)
     return {"regret_paired": statistics.median(ratios), "regret_lo": lo, "regret_hi": hi,
             "regret_confidence": coverage, "paired_rounds": len(ratios), "verdict": verdict}
 
@@ -1248,8 +1253,7 @@ def _summary_line(s: dict[str, Any]) -> str:
     counts = ", ".join(f"{k} in {v[k]}" for k in ("slower", "within noise", "faster", "few rounds") if v.get(k))
     geo = s["regret_geomean"]
     lo, hi = s.get("regret_lo_geomean"), s.get("regret_hi_geomean")
-    verdict = "few rounds" if lo is None or hi is None else (
-        "faster" if hi < 1.0 else "slower" if lo > 1.0 else "within noise")
+    verdict = "few rounds" if lo is None or hi is None else _verdict(lo, hi)
     worst = (f"; worst regret {s['slower_max']:.2f}" if s.get("slower_max") is not None
              else "; never slower than the oracle beyond noise")
     return (head + counts + "; geomean " + describe_regret(geo, lo, hi, verdict) + worst

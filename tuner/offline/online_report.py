@@ -179,9 +179,10 @@ def _summary_md(run: Mapping[str, Any], algorithms: Sequence[str], files: Mappin
     return "\n".join(lines)
 
 
-def write_online_report(path: str, out_dir: str) -> dict[str, str]:
-    """Draw the run in ``path`` into ``out_dir`` (created if missing); return the files written by name."""
-    run = load_run(path)
+def write_online_report(path: str, out_dir: str, run: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Draw the run in ``path`` (``run``: the one it holds, loaded already) into ``out_dir`` (created if missing);
+    return the files written by name."""
+    run = run if run is not None else load_run(path)
     calls = run["calls"]
     algorithms = list(dict.fromkeys(a for c in calls for a in c["forced"]))
     os.makedirs(out_dir, exist_ok=True)

@@ -179,12 +179,13 @@ def _p2p_rank(rank: int, world_size: int, large_bytes: int | None) -> dict[str, 
 
 
 def measure_into_profile(path: str, world_size: int, backend: str = "gloo", large_bytes: int | None = None,
-                         timeout: float = 600.0) -> dict[str, dict[str, float]] | None:
+                         timeout: float = 600.0, profile: Any = None) -> dict[str, dict[str, float]] | None:
     """Measure the point-to-point figures and write them into the profile at ``path`` as ``meta.p2p``.
 
     Locally on ``world_size`` fresh ranks of ``backend``; under ``torchrun``
-    on the running ranks (every rank calls this; rank 0 writes). Returns the
-    figures on the rank that wrote them, else ``None``.
+    on the running ranks (every rank calls this; rank 0 writes). ``profile``
+    is the one ``path`` holds when the caller has it in memory (else it is
+    read). Returns the figures on the rank that wrote them, else ``None``.
     """
     from colltune.model.profile import load_profile, save_profile
     from colltune.offline import launch
@@ -195,7 +196,7 @@ def measure_into_profile(path: str, world_size: int, backend: str = "gloo", larg
             return None
     else:
         figures = launch.run_local(_p2p_rank, world_size, large_bytes, backend=backend, timeout=timeout)[0]
-    profile = load_profile(path)
+    profile = profile if profile is not None else load_profile(path)
     profile.meta["p2p"] = figures
     save_profile(profile, path)
     return figures

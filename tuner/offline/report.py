@@ -337,11 +337,12 @@ def write_report(
     overlap: float = 0.5,
     dtype: str = "float32",
     folds: int = 5,
+    profile: Profile | None = None,
 ) -> dict[str, str]:
     """Write the decision maps, the predicted-versus-measured plot and ``summary.md`` to ``out_dir``.
 
     Args:
-        profile_path: the profile.
+        profile_path: the profile (read unless ``profile`` is given: the one it holds, loaded already).
         out_dir: the directory (created if missing).
         n: rows of the maps (default: the largest measured ``n`` up to 2^20).
         overlap: overlap of the density x world-size map.
@@ -354,7 +355,7 @@ def write_report(
     Raises:
         colltune.model.profile.ProfileError: the profile is unreadable.
     """
-    profile = load_profile(profile_path)
+    profile = profile if profile is not None else load_profile(profile_path)
     os.makedirs(out_dir, exist_ok=True)
     model, label = model_of(profile)
     n = n or _pick_n(profile)

@@ -24,11 +24,10 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from colltune.algorithms.errors import ColltuneValueError
+from colltune.model.features import least_shared
 
 __all__ = ["Workload", "shared_count", "k_for_density"]
 
@@ -48,12 +47,7 @@ def shared_count(n: int, k: int, world_size: int, overlap: float) -> int:
         raise ColltuneValueError(f"overlap must be in [0, 1], but got {overlap}.")
     if k > n:
         raise ColltuneValueError(f"k must be <= n, but got k={k} entries per rank for n={n} rows; lower the density.")
-    s = int(round(overlap * k))
-    p = world_size
-    if p > 1 and s + p * (k - s) > n:
-        # s + P (k - s) <= n  <=>  s >= (P k - n) / (P - 1)
-        s = max(s, math.ceil((p * k - n) / (p - 1)))
-    return min(s, k)
+    return min(max(int(round(overlap * k)), least_shared(n, k, world_size)), k)
 
 
 class Workload:

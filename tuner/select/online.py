@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 __all__ = [
     "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
@@ -189,8 +189,12 @@ class Ratios:
 
     def factor(self, own: Mapping[str, _Mean], algorithm: str) -> float:
         """The site's correction of ``algorithm``'s prediction (1 with no measurement anywhere)."""
-        prior = _shrunk(self.every.get(algorithm), self.machine_log())
-        return math.exp(_shrunk(own.get(algorithm), prior))
+        return self.factors(own, (algorithm,))[algorithm]
+
+    def factors(self, own: Mapping[str, _Mean], algorithms: Iterable[str]) -> dict[str, float]:
+        """:meth:`factor` of each of ``algorithms`` (the machine's ratio computed once)."""
+        machine = self.machine_log()
+        return {a: math.exp(_shrunk(own.get(a), _shrunk(self.every.get(a), machine))) for a in algorithms}
 
     def machine_log(self) -> float:
         """The machine's log ratio: the mean of the measured algorithms' own, once two or more are measured.

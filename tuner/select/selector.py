@@ -1161,11 +1161,20 @@ class Selector:
                       dict(site.measured) or None)
 
     # -- online correction (colltune.select.online) ----------------------------
-    def _corrected(self, site: _Site, predicted: Mapping[str, float]) -> dict[str, float]:
-        """``predicted`` times the site's corrections (rounded, so ranks agree), or as it is when online is off."""
+    def _corrected(self, site: _Site, predicted: Mapping[str, float],
+                   memo: dict[str, float] | None = None) -> dict[str, float]:
+        """``predicted`` times the site's corrections (rounded, so ranks agree), or as it is when online is off.
+
+        ``memo`` keeps the site's factors between calls that price several
+        predictions against the same measurements.
+        """
         if not self.online or not (site.ratios or site.pool.every):
             return dict(predicted)
-        return {a: _q(t * site.pool.factor(site.ratios, a)) for a, t in predicted.items()}
+        memo = {} if memo is None else memo
+        missing = [a for a in predicted if a not in memo]
+        if missing:
+            memo.update(site.pool.factors(site.ratios, missing))
+        return {a: _q(t * memo[a]) for a, t in predicted.items()}
 
     def _init_online(self, online: Any, state: Any, env: Mapping[str, str]) -> None:
         """Set online correction up: on or off, and its state file (loaded now, saved at exit)."""
@@ -1254,10 +1263,11 @@ class Selector:
         site.total_us += measured_us
         if explored:
             site.explore_us += measured_us
+        factors: dict[str, float] = {}  # the same measurements price every cached decision of the site
         for e in site.entries.values():
             pred = e.choice.predicted_us
             if e.choice.source in ("model", "hysteresis") and pred:
-                corr = self._corrected(site, pred)
+                corr = self._corrected(site, pred, factors)
                 if corr[e.choice.algorithm] > min(corr.values()) * (1.0 + self.margin):
                     e.age = self.reevaluate_every
         if logger.isEnabledFor(logging.DEBUG):
@@ -1266,7 +1276,7 @@ class Selector:
 
     def _explored(self, kind: str, name: str | None, site_key: tuple, choice: Choice, rank: int) -> Choice:
         """:meth:`_explore` at ``site_key``, logging an exploring call."""
-        site = self._sites.get(site_key)
+        site = self._sites.get(site_key) if self.online else None
         got = choice if site is None else self._explore(site, choice)
         if got is not choice:
             self._log(kind, name, site_key, got, rank)
