@@ -165,6 +165,7 @@ def split_reduce(
     acc: torch.dtype,
     peers_in_flight: int,
     counts: tuple[list[int], list[int]] | None = None,
+    padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send each entry to the owner of its region; return this rank's reduced region.
 
@@ -179,6 +180,10 @@ def split_reduce(
             rank's entry count per region, and every rank's count for this
             rank's region (else this rank cuts its indices and an
             ``all_to_all`` exchanges the counts).
+        padded: on the device path, read nothing: the region may come
+            padded with zero rows past its ``u`` entries
+            (:func:`~colltune.algorithms.sparse.sum_sorted_runs_padded`),
+            for a caller that selects among them by magnitude.
 
     Returns:
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
@@ -196,7 +201,9 @@ def split_reduce(
     index_dtype = wire_index_dtype(size)
     off, recv_counts = _split_counts(comm, idx, cuts, counts)
     if split_layout(r, wire_dtype):
-        return _split_reduce_soa(comm, idx, vals, off, recv_counts, cuts, index_dtype, wire_dtype, acc, peers_in_flight)
+        return _split_reduce_soa(
+            comm, idx, vals, off, recv_counts, cuts, index_dtype, wire_dtype, acc, peers_in_flight, padded
+        )
     buf = pack(idx, vals, index_dtype, wire_dtype)
     at = offsets(recv_counts)  # source j's entries land at rows [at[j], at[j+1]), in rank order
     recv = torch.empty((at[-1], entry_bytes(r, index_dtype, wire_dtype)), dtype=torch.uint8, device=comm.device)
@@ -208,7 +215,7 @@ def split_reduce(
     # region is dense enough for one) is sized to the region, not the tensor.
     base = cuts[me]
     ridx, rvals = unpack(recv, r, index_dtype, wire_dtype)
-    uidx, uvals = merge_runs(ridx - base, rvals, at, cuts[me + 1] - base, acc)
+    uidx, uvals = merge_runs(ridx - base, rvals, at, cuts[me + 1] - base, acc, padded=padded)
     return uidx + base, uvals
 
 
@@ -241,6 +248,7 @@ def _split_reduce_soa(
     wire_dtype: torch.dtype,
     acc: torch.dtype,
     peers_in_flight: int,
+    padded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     me = comm.rank
     r = vals.shape[1]
@@ -258,7 +266,7 @@ def _split_reduce_soa(
     )
     # Merge in region-relative coordinates (a dense scratch is sized to the region).
     base = cuts[me]
-    uidx, uvals = merge_runs(ridx.to(torch.int64) - base, rvals, at, cuts[me + 1] - base, acc)
+    uidx, uvals = merge_runs(ridx.to(torch.int64) - base, rvals, at, cuts[me + 1] - base, acc, padded=padded)
     return uidx + base, uvals
 
 
@@ -649,8 +657,9 @@ class OkTopk(Algorithm):
     #: Exact: the record (the coalesce's count and the region counts ride in it; the slots are read with
     #: it), the split's merge, the reduced regions' sizes. Top-k: the local selection's counts (every
     #: nudged threshold at once; a second read when none fits and the exact one is computed), the record,
-    #: the split's merge, the global selection's counts.
-    HOST_SYNCS = {"exact": 3, "topk": 5}
+    #: the global selection's counts; the split's merge reads nothing (the owner's region stays padded,
+    #: and the selection by magnitude never keeps a pad). 3 when a nudged threshold fits, 4 when none does.
+    HOST_SYNCS = {"exact": 3, "topk": 4}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
@@ -776,7 +785,10 @@ class OkTopk(Algorithm):
         # 2. Split and reduce the selected entries.
         with comm.meta():
             cuts = state.boundaries.get(lidx, n, comm)
-        ridx, rvals = split_reduce(comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight, counts)
+        # The owner's region may come padded with zero rows: selection by magnitude never keeps them.
+        ridx, rvals = split_reduce(
+            comm, lidx, lvals, cuts, n, acc.dtype, acc.dtype, state.peers_in_flight, counts, padded=True
+        )
         _meta.note_payload(comm)  # the counts ride in the next records (the slot makes room for them)
         # 3. Global selection.
         kept, sizes = self._global_selection(comm, Magnitudes(rvals), state, k, band, n)

@@ -56,6 +56,7 @@ __all__ = [
     "merge_host",
     "sum_by_index",
     "sum_sorted_runs",
+    "sum_sorted_runs_padded",
     "Parts",
     "Batch",
     "upload",
@@ -205,6 +206,29 @@ def sum_sorted_runs(idx: torch.Tensor, vals: torch.Tensor, parts: Parts | None =
     return uniq, _segment_sums(vals, counts)
 
 
+def sum_sorted_runs_padded(idx: torch.Tensor, vals: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sum_sorted_runs` with no host read: the result padded to ``K`` rows.
+
+    The first ``u`` rows (``u`` the run count, never read) are the sums
+    :func:`sum_sorted_runs` gives, bit for bit; the rest have index ``fill``
+    and zero rows. For a caller that only selects among the sums by
+    magnitude (zeros are never selected) and so never needs ``u``.
+    """
+    starts = torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)
+    torch.ne(idx[1:], idx[:-1], out=starts[1:])
+    return _padded_runs(idx, vals, starts, fill)
+
+
+def _padded_runs(
+    idx: torch.Tensor, vals: torch.Tensor, starts: torch.Tensor, fill: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the runs of sorted ``idx`` that begin where ``starts`` is set, padded to ``K`` rows (index ``fill``, zeros)."""
+    k = idx.numel()
+    pos = mask_positions(starts, k)  # past the run count, position k: empty runs, zero sums
+    sums = _segment_sums(vals, _run_lengths(pos, k))
+    return torch.where(pos < k, idx.index_select(0, pos.clamp(max=k - 1)), fill), sums
+
+
 def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sum_sorted_runs`, reading the run count and every part's with it in one read."""
     k = idx.numel()
@@ -322,11 +346,8 @@ class Batch:
         k, bad, count = self.k, self.stats[0], self.stats[1]
         if k == 0:
             return self.sorted, self.vals, count, bad
-        pos = mask_positions(self.starts, k)  # past the count, positions k: empty runs
-        sums = _segment_sums(self.vals, _run_lengths(pos, k))
+        idx, sums = _padded_runs(self.sorted, self.vals, self.starts, self.n)
         sums = torch.where(self.sorted_in & (count == k), self.vals, sums)  # sorted unique input: its rows as they came
-        real = torch.arange(k, device=pos.device) < count
-        idx = torch.where(real, self.sorted.index_select(0, pos.clamp_(max=k - 1)), self.n)
         return idx, sums, count, bad
 
     def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -600,16 +621,26 @@ def _merge_host(
 
 def merge_runs(
     idx: torch.Tensor, vals: torch.Tensor, at: list[int], size: int, acc: torch.dtype, parts: Parts | None = None,
+    padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_sources` of the runs ``[at[j], at[j+1])`` of one buffer (int64 ``idx``, ``[K, r]`` ``vals``).
 
     On the host path the buffer is merged in one pass, with no copy into
-    sources; on the device path each run is a source.
+    sources; on the device path the buffer, already the sources laid end
+    to end in list order, is sorted as it is. With ``padded`` the device
+    path reads nothing: the result may be padded as
+    :func:`sum_sorted_runs_padded`'s, its pad rows indexed ``size``.
     """
     if on_host(idx):
         return merge_host_pieces([(idx.numpy(), vals.to(acc).numpy())], size)
-    sources = [(idx[at[j] : at[j + 1]], vals[at[j] : at[j + 1]]) for j in range(len(at) - 1)]
-    return merge_sources(sources, size, vals.shape[1], acc, idx.device, parts)
+    if len(at) < 3 or idx.numel() == 0:  # one source or none: nothing to sort
+        sources = [(idx[at[j] : at[j + 1]], vals[at[j] : at[j + 1]]) for j in range(len(at) - 1)]
+        return merge_sources(sources, size, vals.shape[1], acc, idx.device, parts)
+    cat, order = torch.sort(idx, stable=True)
+    rows = vals.to(acc).index_select(0, order)
+    if padded:
+        return sum_sorted_runs_padded(cat, rows, size)
+    return sum_sorted_runs(cat, rows, parts)
 
 
 # --------------------------------------------------------------------------- host (NumPy) forms

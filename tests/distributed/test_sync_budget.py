@@ -26,6 +26,8 @@ from harness import pool
 SYNC_CEILING = {name: get(name).HOST_SYNCS["exact"] for name in names()} | {"auto": get("allgather").HOST_SYNCS["exact"]}
 #: A top-k call; Ok-Topk's includes a second read of its local selection when no nudged threshold fits.
 TOPK_SYNC_CEILING = {name: get(name).HOST_SYNCS["topk"] for name in names()}
+#: The team's budget for a steady top-k call: one whose reused thresholds still fit (the call audited below).
+TOPK_SYNC_BUDGET = 3
 #: A fused call, whatever the number of tensors.
 FUSED_SYNC_CEILING = 2
 
@@ -102,7 +104,7 @@ def _topk_calls(rank, world_size, algorithm):
 @pytest.mark.parametrize("algorithm", names())
 def test_topk_host_syncs_stay_within_the_ceiling(algorithm):
     for syncs, which in pool(2).run(_topk_calls, algorithm):
-        assert syncs <= TOPK_SYNC_CEILING[algorithm], (algorithm, which)
+        assert syncs <= min(TOPK_SYNC_CEILING[algorithm], TOPK_SYNC_BUDGET), (algorithm, which)
 
 
 def _fused_calls(rank, world_size, tables):

@@ -133,3 +133,30 @@ def test_a_boundary_state_with_cuts_past_its_size_is_refused():
     for cuts in ([0, 40, 101], [5, 40, 100], [0, 60, 40, 100], []):
         with pytest.raises(ColltuneValueError, match="rise from 0 to its size 100"):
             BoundaryState().load_state_dict(dict(good, cuts=cuts))
+
+
+@pytest.mark.parametrize("width", [1, 5])
+@pytest.mark.parametrize("high", [3, 50, 10_000])
+def test_padded_run_sums_are_the_exact_sums_then_zero_pads(width, high):
+    from colltune.algorithms.sparse import device_path, merge_runs, sum_sorted_runs, sum_sorted_runs_padded
+
+    g = torch.Generator().manual_seed(high)
+    idx, _ = torch.sort(torch.randint(0, high, (300,), generator=g))
+    vals = torch.randn(300, width, generator=g)
+    vals[::7] = -0.0
+    uniq, sums = sum_sorted_runs(idx, vals)
+    pidx, psums = sum_sorted_runs_padded(idx, vals, high)
+    u = uniq.numel()
+    assert pidx.shape == (300,) and psums.shape == (300, width)
+    assert torch.equal(pidx[:u], uniq) and torch.equal(psums[:u].view(torch.int32), sums.view(torch.int32))
+    assert bool((pidx[u:] == high).all()) and torch.equal(psums[u:], torch.zeros(300 - u, width))
+    # Three sources end to end: the padded merge and the exact one give the same bits, on the device path too.
+    a, b, c = (torch.unique(torch.randint(0, high, (60,), generator=g)) for _ in range(3))
+    at = [0, a.numel(), a.numel() + b.numel(), a.numel() + b.numel() + c.numel()]
+    buf, rows = torch.cat([a, b, c]), torch.randn(at[-1], width, generator=g)
+    with device_path():
+        ei, ev = merge_runs(buf, rows, at, high, torch.float32)
+        pi, pv = merge_runs(buf, rows, at, high, torch.float32, padded=True)
+    u = ei.numel()
+    assert torch.equal(pi[:u], ei) and torch.equal(pv[:u].view(torch.int32), ev.view(torch.int32))
+    assert bool((pi[u:] == high).all()) and not pv[u:].any()
