@@ -62,6 +62,7 @@ from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
+from colltune.algorithms.sparse import read_part_counts, upload
 
 __all__ = ["Dense"]
 
@@ -191,11 +192,17 @@ class Dense(Algorithm):
         """Return the union (rows whose first element is not ``-0.0``) and its rows of the reduced ``buf``."""
         n, r = inp.size, inp.row_numel
         if max(inp.counts) == n:  # the record says every row is present
+            if inp.parts is not None:
+                inp.parts.sizes = [b - a for a, b in zip(inp.parts.bounds, inp.parts.bounds[1:])]
             union = torch.arange(n, device=comm.device)
             return union, buf if r else buf[:, :0]
         size = buf.element_size()
         present = buf[:, 0].view(_INT_OF_SIZE[size]) != _NEG_ZERO[size]
-        union = present.nonzero().view(-1)
+        if inp.parts is None:
+            union = present.nonzero().view(-1)
+        else:  # a fused bucket: the union's size and every tensor's in one read, so the cut reads nothing
+            runs, u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
+            union = torch.searchsorted(runs[1:], torch.arange(1, u + 1, device=comm.device))
         return union, buf.index_select(0, union) if r else buf[: union.numel(), :0]
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:

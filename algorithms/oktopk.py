@@ -85,6 +85,7 @@ from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
     SPLIT_MIN_ROW_BYTES,
     Magnitudes,
+    Parts,
     entry_bytes,
     gather_mode,
     merge_runs,
@@ -230,11 +231,12 @@ def _split_counts(
     p = comm.world_size
     if counts is not None:
         return offsets(counts[0]), counts[1]
-    off = _slices(idx, cuts)
-    send_counts = [off[j + 1] - off[j] for j in range(p)]
+    # Cut and exchanged on the device; the cut and the counts received come back in one read.
+    off = torch.searchsorted(idx, upload(cuts, idx.device))
     with comm.meta():
-        recv = comm.all_to_all(upload(send_counts, comm.device), [1] * p, [1] * p)
-    return off, recv.tolist()
+        recv = comm.all_to_all(torch.diff(off), [1] * p, [1] * p)
+    both = torch.cat((off, recv)).tolist()
+    return both[: p + 1], both[p + 1 :]
 
 
 def _split_reduce_soa(
@@ -292,8 +294,13 @@ def _gather_regions(
     mode: str,
     peers_in_flight: int = 8,
     last: list[int] | None = None,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """All-gather every owner's reduced region, each sparse or dense by SparCML's rule; return it and the sizes.
+
+    With ``parts`` (a fused bucket) each owner's count per part travels
+    with its size, so ``parts.sizes`` (each tensor's share of the union) is
+    known in the read of the sizes and the bucket's cut reads nothing.
 
     ``mode``: ``p2p`` sends each region to every peer point to point, its
     indices and rows received straight into their place in the result (no
@@ -320,9 +327,9 @@ def _gather_regions(
         mode == "auto" and p > 1 and point_to_point and last is not None and len(last) == p
         and not split_layout(r, wire_dtype) and not any(_dense_regions(last, lengths, ebytes, rowbytes, dense_ratio))
     ):
-        return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight)
+        return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight, parts)
     with comm.meta():
-        sizes = comm.all_gather(upload([ridx.numel()], comm.device)).tolist()
+        sizes = _read_sizes(comm.all_gather(_size_head(ridx, parts)).view(p, -1), parts)
     dense = _dense_regions(sizes, lengths, ebytes, rowbytes, dense_ratio)
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
@@ -414,12 +421,13 @@ def _gather_regions_eager(
     index_dtype: torch.dtype,
     wire_dtype: torch.dtype,
     peers_in_flight: int,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Gather packed regions without a separate exchange of their sizes.
 
     Owner ``j`` sends every peer one message of a size all ranks know: its
-    count (an int64 in the first of ``h = ceil(8 / entry bytes)`` rows),
-    then room for :func:`eager_region_capacity` ``(last[j])`` packed entries
+    count (an int64, followed with ``parts`` by its count per part, in the
+    first ``h`` rows), then room for :func:`eager_region_capacity` ``(last[j])`` packed entries
     (its first entries, zero-padded). An owner whose region outgrew its
     room sends the rest in a second exchange, which every rank knows of from
     the counts. So a call whose sizes are near the last call's makes one
@@ -430,7 +438,8 @@ def _gather_regions_eager(
     p, me = comm.world_size, comm.rank
     r = rvals.shape[1]
     e = entry_bytes(r, index_dtype, wire_dtype)
-    h = -(-8 // e)
+    head = _size_head(ridx, parts)
+    h = -(-8 * head.numel() // e)
     caps = [eager_region_capacity(c) for c in last]
     at = offsets([h + c for c in caps])  # owner j's message: rows [at[j], at[j+1])
     blob = pack(ridx, rvals, index_dtype, wire_dtype)
@@ -439,11 +448,11 @@ def _gather_regions_eager(
     msgs = torch.empty((at[-1], e), dtype=torch.uint8, device=comm.device)
     mine = msgs[at[me] : at[me + 1]]
     mine.zero_()
-    mine.view(-1)[:8] = upload([u], comm.device).view(torch.uint8)
+    mine.view(-1)[: 8 * head.numel()] = head.view(torch.uint8)
     mine[h : h + first] = blob[:first]
     comm.rotated_exchange(peers_in_flight, lambda dst: [(mine, 0)], lambda src: [(msgs[at[src] : at[src + 1]], 0)])
-    heads = upload(at[:-1], comm.device).view(p, 1) * e + torch.arange(8, device=comm.device)
-    sizes = msgs.view(-1)[heads].view(torch.int64).view(-1).tolist()
+    heads = upload(at[:-1], comm.device).view(p, 1) * e + torch.arange(8 * head.numel(), device=comm.device)
+    sizes = _read_sizes(msgs.view(-1)[heads].view(torch.int64).view(p, -1), parts)
     rest = [max(0, sizes[j] - caps[j]) for j in range(p)]
     if not any(rest):
         gidx, gvals = unpack(msgs.index_select(0, _entry_rows(at, h, sizes, comm.device)), r, index_dtype, wire_dtype)
@@ -459,6 +468,22 @@ def _gather_regions_eager(
         pieces.append(torch.cat((head, tails[j])) if rest[j] else head)
     gidx, gvals = unpack(torch.cat(pieces), r, index_dtype, wire_dtype)
     return gidx, gvals, sizes
+
+
+def _size_head(ridx: torch.Tensor, parts: Parts | None) -> torch.Tensor:
+    """An owner's size as it travels (int64 on the device): its count, then with ``parts`` its count per part."""
+    u = upload([ridx.numel()], ridx.device)
+    if parts is None:
+        return u
+    return torch.cat((u, torch.diff(torch.searchsorted(ridx, upload(parts.bounds, ridx.device)))))
+
+
+def _read_sizes(heads: torch.Tensor, parts: Parts | None) -> list[int]:
+    """Read every owner's :func:`_size_head` (``[P, 1 + T]``) in one read: the sizes, and ``parts.sizes`` summed over owners."""
+    table = heads.tolist()
+    if parts is not None:
+        parts.sizes = [sum(col) for col in zip(*(row[1:] for row in table))]
+    return [row[0] for row in table]
 
 
 def _entry_rows(at: list[int], h: int, sizes: list[int], device: torch.device) -> torch.Tensor:
@@ -737,7 +762,7 @@ class OkTopk(Algorithm):
             rvals.div_(p)  # the owner's rows only: the same bits as dividing the gathered sum
         gidx, gvals, st.last = _gather_regions(
             comm, ridx, rvals, cuts, inp.size, inp.dtype, knobs["dense_fallback_ratio"], knobs["gather_mode"],
-            knobs["peers_in_flight"], st.last,
+            knobs["peers_in_flight"], st.last, inp.parts,
         )
         gvals = gvals.to(inp.acc_dtype)
         if inp.op == "avg" and p > 1 and not early:

@@ -49,6 +49,7 @@ __all__ = [
     "split_layout",
     "gather_mode",
     "merge_runs",
+    "read_part_counts",
     "merge_host_pieces",
     "offsets",
     "pack_host",
@@ -234,16 +235,26 @@ def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) 
     k = idx.numel()
     first = torch.ones(k, dtype=torch.bool, device=idx.device)  # where a run starts
     torch.ne(idx[1:], idx[:-1], out=first[1:])
-    runs = torch.zeros(k + 1, dtype=torch.int64, device=idx.device)
-    torch.cumsum(first, 0, out=runs[1:])  # runs[x]: the runs starting before position x (integers: exact)
-    at = torch.searchsorted(idx, upload(parts.bounds, idx.device))  # each part's first position
-    seen = runs.index_select(0, at).tolist()  # the one host read: runs before each part's start
-    u = seen[-1]
-    parts.sizes = [b - a for a, b in zip(seen, seen[1:])]
+    # The runs starting before each part's first position, in the one host read.
+    runs, u = read_part_counts(first, torch.searchsorted(idx, upload(parts.bounds, idx.device)), parts)
     if u == k:
         return idx, vals + 0.0  # as above
     starts = torch.searchsorted(runs[1:], torch.arange(1, u + 1, device=idx.device))  # where run j + 1 begins
     return idx.index_select(0, starts), _segment_sums(vals, _run_lengths(starts, k))
+
+
+def read_part_counts(flags: torch.Tensor, at: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, int]:
+    """Count the set ``flags`` before each part's first position ``at`` (``T + 1``, int64), in one host read.
+
+    Sets ``parts.sizes`` (each part's count of set flags) and returns the
+    running count ``runs`` (``runs[x]``: flags set before position ``x``,
+    ``[K + 1]`` int64, exact) and the total.
+    """
+    runs = torch.zeros(flags.numel() + 1, dtype=torch.int64, device=flags.device)
+    torch.cumsum(flags, 0, out=runs[1:])
+    seen = runs.index_select(0, at).tolist()
+    parts.sizes = [b - a for a, b in zip(seen, seen[1:])]
+    return runs, seen[-1]
 
 
 def _segment_sums(vals: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
