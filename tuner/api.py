@@ -12,6 +12,17 @@ with the same size, dtype, op and algorithm. Each call
 4. runs the algorithm and returns a result that is bitwise identical on
    every rank.
 
+Helpers for :mod:`colltune.fused`, which runs these steps for a list of
+tensors: :func:`submit_call` (the call queue), :func:`open_comm`,
+:func:`outside_compile`, :func:`canonical_op`; the checks
+:func:`check_op_and_algorithm`, :func:`group_backend`, :func:`is_sparse_coo`,
+:func:`unpack_coo`, :func:`validate_sparse`, :func:`check_dense_fits`,
+:func:`first_range_error`, :func:`deferred_fields`, and the errors they
+raise, :func:`argument_error` and :func:`input_error`; the decision and the
+run, :func:`resolve_request`, :func:`decided_knobs`, :func:`group_key`,
+:func:`run_sparse`. They are public inside the front-door layer, not
+colltune's user API: ``__all__`` and the package ``colltune`` leave them out.
+
 Example:
     >>> import torch, colltune
     >>> res = colltune.sparse_allreduce(torch.tensor([3, 1, 3]), torch.ones(3), size=8)
@@ -197,7 +208,7 @@ def _abandoned(cause: BaseException) -> AbandonedCallError:
     return err
 
 
-def _submit(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
+def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
     """Run ``fn(wire)`` now, or queue it behind the pending calls; return its result, or a handle with ``async_op``.
 
     ``wire`` is ``group``'s :func:`~colltune.algorithms.comm.private_group`,
@@ -243,7 +254,7 @@ def _submit(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _outside_compile(fn: F) -> F:
+def outside_compile(fn: F) -> F:
     """Have ``torch.compile`` run ``fn``, and everything it calls, as plain Python: one graph break at the call.
 
     What ``torch.compiler.disable`` does, without importing Dynamo (seconds)
@@ -266,7 +277,7 @@ def _outside_compile(fn: F) -> F:
 # --------------------------------------------------------------------------- validation
 
 
-def _bad(cls: type[ColltuneError], argument: str, message: str) -> ColltuneError:
+def argument_error(cls: type[ColltuneError], argument: str, message: str) -> ColltuneError:
     """Return an error about ``argument``; the metadata record carries its name to the other ranks."""
     return cls(message, argument=argument)
 
@@ -275,7 +286,7 @@ def _bad(cls: type[ColltuneError], argument: str, message: str) -> ColltuneError
 _REDUCE_OPS = {"SUM": "sum", "AVG": "avg"}
 
 
-def _op_name(op: Any) -> Any:
+def canonical_op(op: Any) -> Any:
     """Return ``op`` as one of :data:`OPS` when it is ``dist.ReduceOp.SUM`` or ``AVG``; anything else unchanged."""
     if isinstance(op, str):
         return op
@@ -285,13 +296,13 @@ def _op_name(op: Any) -> Any:
     return _REDUCE_OPS.get(name, op) if isinstance(name, str) else op
 
 
-def _check_common(op: Any, algorithm: Any) -> None:
+def check_op_and_algorithm(op: Any, algorithm: Any) -> None:
     """Check ``op`` and ``algorithm``, the arguments both front-door functions take."""
     if not (isinstance(op, str) and op in OPS):
         said = f"ReduceOp.{op.name}" if isinstance(getattr(op, "name", None), str) else repr(op)
-        raise _bad(ColltuneValueError, "op",
-                   f"op must be one of {', '.join(repr(o) for o in OPS)} (or dist.ReduceOp.SUM, dist.ReduceOp.AVG), "
-                   f"but got {said}; colltune sums (and averages) only: reduce other ops with torch.distributed.")
+        raise argument_error(ColltuneValueError, "op",
+                             f"op must be one of {', '.join(repr(o) for o in OPS)} (or dist.ReduceOp.SUM, dist.ReduceOp.AVG), "
+                             f"but got {said}; colltune sums (and averages) only: reduce other ops with torch.distributed.")
     if algorithm != "auto":
         try:
             algorithms.get(algorithm)
@@ -304,7 +315,7 @@ def _check_common(op: Any, algorithm: Any) -> None:
 _BACKEND_DEVICES: dict[str, tuple[str, ...]] = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "local": ("cpu", "cuda")}
 
 
-def _backend_of(group: Any) -> str:
+def group_backend(group: Any) -> str:
     """Return the group's backend (``gloo``, ``nccl``...), or ``local`` without a process group.
 
     Raises:
@@ -314,12 +325,12 @@ def _backend_of(group: Any) -> str:
     if not (dist.is_available() and dist.is_initialized()):
         return "local"
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise _bad(ColltuneTypeError, "group",
-                   f"group must be a torch.distributed.ProcessGroup or None, but got {type(group).__name__}.")
+        raise argument_error(ColltuneTypeError, "group",
+                             f"group must be a torch.distributed.ProcessGroup or None, but got {type(group).__name__}.")
     if group is not None and dist.get_rank(group) < 0:
-        raise _bad(ColltuneValueError, "group",
-                   f"this rank ({dist.get_rank()}) is not a member of the group it passed; call "
-                   "collectives only on the ranks of their group, as torch.distributed requires.")
+        raise argument_error(ColltuneValueError, "group",
+                             f"this rank ({dist.get_rank()}) is not a member of the group it passed; call "
+                             "collectives only on the ranks of their group, as torch.distributed requires.")
     return str(dist.get_backend(group)).lower()
 
 
@@ -331,7 +342,7 @@ def _comm_device(group: Any, hint: Any) -> torch.device:
     the metadata exchange and tells the others.
     """
     try:
-        backend = _backend_of(group)
+        backend = group_backend(group)
     except ColltuneError:
         backend = "invalid"
     if isinstance(hint, torch.Tensor) and hint.device.type in _BACKEND_DEVICES.get(backend, ("cpu", "cuda")):
@@ -356,34 +367,34 @@ def _exchange_group(group: Any) -> Any:
 def _check_tensor(t: Any, argument: str, what: str) -> None:
     """Check that ``t`` is a strided torch.Tensor with data on a device the group's backend moves."""
     if not isinstance(t, torch.Tensor):
-        raise _bad(ColltuneTypeError, argument,
-                   f"{argument} must be a torch.Tensor {what}, but got {type(t).__name__}.")
+        raise argument_error(ColltuneTypeError, argument,
+                             f"{argument} must be a torch.Tensor {what}, but got {type(t).__name__}.")
     if t.is_nested:
-        raise _bad(ColltuneTypeError, argument, f"{argument} must be a regular tensor, but got a nested tensor; "
-                   f"concatenate its components with torch.cat(list({argument}.unbind())).")
+        raise argument_error(ColltuneTypeError, argument, f"{argument} must be a regular tensor, but got a nested tensor; "
+                             f"concatenate its components with torch.cat(list({argument}.unbind())).")
     if t.layout != torch.strided:
         hint = (
             "pass a sparse COO tensor t alone, sparse_allreduce(t)" if t.layout == torch.sparse_coo
             else f"convert it with {argument}.to_dense()"
         )
-        raise _bad(ColltuneTypeError, argument, f"{argument} must be a dense (strided) tensor, but got layout "
-                   f"{str(t.layout).replace('torch.', '')}; {hint}.")
+        raise argument_error(ColltuneTypeError, argument, f"{argument} must be a dense (strided) tensor, but got layout "
+                             f"{str(t.layout).replace('torch.', '')}; {hint}.")
 
 
 def _check_device(group: Any, device: torch.device, argument: str) -> None:
     """Raise unless the group's backend moves tensors on ``device`` (and the device holds data)."""
     if device.type == "meta":
-        raise _bad(ColltuneValueError, argument, f"{argument} is on the meta device, which holds no data; "
-                   f"pass a tensor with values (on cpu, or cuda with NCCL).")
-    backend = _backend_of(group)
+        raise argument_error(ColltuneValueError, argument, f"{argument} is on the meta device, which holds no data; "
+                             f"pass a tensor with values (on cpu, or cuda with NCCL).")
+    backend = group_backend(group)
     allowed = _BACKEND_DEVICES.get(backend)
     if allowed is not None and device.type not in allowed:
         where = " or ".join(allowed)
-        raise _bad(ColltuneValueError, argument,
-                   f"{argument} is on {device}, but the group's backend {backend} moves {where} tensors only; "
-                   f"move it with {argument}.to({allowed[0]!r}) or use a group whose backend moves {device.type}.")
+        raise argument_error(ColltuneValueError, argument,
+                             f"{argument} is on {device}, but the group's backend {backend} moves {where} tensors only; "
+                             f"move it with {argument}.to({allowed[0]!r}) or use a group whose backend moves {device.type}.")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise _bad(ColltuneValueError, argument, f"{argument} is on {device}, but CUDA is not available here.")
+        raise argument_error(ColltuneValueError, argument, f"{argument} is on {device}, but CUDA is not available here.")
 
 
 _dtype_name = _meta.dtype_name
@@ -410,54 +421,57 @@ def _check_size(size: Any, row_shape: tuple[int, ...]) -> int:
     if isinstance(size, (tuple, list, torch.Size)):
         shape = tuple(_as_int(s) for s in size)
         if not shape or any(s is None for s in shape):
-            raise _bad(ColltuneTypeError, "size",
-                       f"size must be an int or a shape (n, *row_shape) of ints, but got {size!r}.")
+            raise argument_error(ColltuneTypeError, "size",
+                                 f"size must be an int or a shape (n, *row_shape) of ints, but got {size!r}.")
         if shape[1:] != row_shape:
-            raise _bad(ColltuneValueError, "size",
-                       f"values rows have shape {row_shape}, but size {shape} says rows of shape {shape[1:]}; "
-                       f"pass size=({shape[0]}, *values.shape[1:]) or reshape values.")
+            raise argument_error(ColltuneValueError, "size",
+                                 f"values rows have shape {row_shape}, but size {shape} says rows of shape {shape[1:]}; "
+                                 f"pass size=({shape[0]}, *values.shape[1:]) or reshape values.")
         n = shape[0]
     elif _as_int(size) is not None:
         n = _as_int(size)
     else:
-        raise _bad(ColltuneTypeError, "size", f"size must be an int (the number of dense rows), but got {size!r}.")
+        raise argument_error(ColltuneTypeError, "size", f"size must be an int (the number of dense rows), but got {size!r}.")
     if n < 1:
-        raise _bad(ColltuneValueError, "size", f"size must be >= 1, but got {n}.")
+        raise argument_error(ColltuneValueError, "size", f"size must be >= 1, but got {n}.")
     if n > MAX_SIZE:
-        raise _bad(ColltuneValueError, "size",
-                   f"size must be at most 2^63 - 1 (indices are int64), but got {n}; pass the number of dense rows.")
+        raise argument_error(ColltuneValueError, "size",
+                             f"size must be at most 2^63 - 1 (indices are int64), but got {n}; pass the number of dense rows.")
     return n
 
 
-def _is_coo(t: Any) -> bool:
+def is_sparse_coo(t: Any) -> bool:
+    """Return whether ``t`` is a sparse COO tensor."""
     return isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo
 
 
-def _unpack_coo(indices: Any, values: Any, size: Any) -> tuple[Any, Any, Any]:
+def unpack_coo(indices: Any, values: Any, size: Any) -> tuple[Any, Any, Any]:
     """Return the row indices, values and shape of a sparse COO tensor passed alone; else the arguments as they came."""
     alone = "pass it alone, sparse_allreduce(t) (its size is taken from it)"
-    if not _is_coo(indices):
-        if _is_coo(values):
-            raise _bad(ColltuneTypeError, "values", f"values is a sparse COO tensor; {alone}.")
+    if not is_sparse_coo(indices):
+        if is_sparse_coo(values):
+            raise argument_error(ColltuneTypeError, "values", f"values is a sparse COO tensor; {alone}.")
         if values is None or size is None:
             missing = "values" if values is None else "size"
-            raise _bad(ColltuneTypeError, missing, f"{missing} is required: pass sparse_allreduce(indices, values, size), "
-                       "or a sparse COO tensor alone, sparse_allreduce(t).")
+            raise argument_error(ColltuneTypeError, missing,
+                                 f"{missing} is required: pass sparse_allreduce(indices, values, size), "
+                                 "or a sparse COO tensor alone, sparse_allreduce(t).")
         return indices, values, size
     if values is not None or size is not None:
         extra = "values" if values is not None else "size"
-        raise _bad(ColltuneTypeError, extra,
-                   f"indices is a sparse COO tensor, which carries its values and size, but {extra} was passed too; "
-                   f"{alone}, or pass its parts: sparse_allreduce(t._indices()[0], t._values(), t.shape).")
+        raise argument_error(ColltuneTypeError, extra,
+                             f"indices is a sparse COO tensor, which carries its values and size, but {extra} was passed "
+                             f"too; {alone}, or pass its parts: sparse_allreduce(t._indices()[0], t._values(), t.shape).")
     if indices.sparse_dim() != 1:
-        raise _bad(ColltuneValueError, "indices",
-                   f"a sparse COO tensor must have sparse rows (sparse_dim 1, the layout of nn.Embedding(sparse=True)'s "
-                   f"gradients), but got sparse_dim {indices.sparse_dim()} and shape {tuple(indices.shape)}; convert it "
-                   "with t.to_dense().to_sparse(1), or pass flat indices and values with a flat size.")
+        raise argument_error(ColltuneValueError, "indices",
+                             f"a sparse COO tensor must have sparse rows (sparse_dim 1, the layout of "
+                             f"nn.Embedding(sparse=True)'s gradients), but got sparse_dim {indices.sparse_dim()} and shape "
+                             f"{tuple(indices.shape)}; convert it with t.to_dense().to_sparse(1), or pass flat indices and "
+                             "values with a flat size.")
     return indices._indices()[0], indices._values(), tuple(indices.shape)
 
 
-def _validate_sparse(
+def validate_sparse(
     indices: Any, values: Any, size: Any, op: Any, algorithm: Any, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
     """Check the arguments of ``sparse_allreduce``; return indices, values as ``[k, r]``, n and the row shape.
@@ -465,33 +479,33 @@ def _validate_sparse(
     The indices' range is checked here on the host path only; on the device
     path :func:`coalesce_checked` checks it with the coalesce's one host read.
     """
-    _check_common(op, algorithm)
+    check_op_and_algorithm(op, algorithm)
     _check_tensor(indices, "indices", "of int32 or int64")
     _check_tensor(values, "values", "of floats")
     if indices.dtype not in INDEX_DTYPES:
         hint = " (indices must be whole row numbers)" if indices.is_floating_point() else ""
-        raise _bad(ColltuneTypeError, "indices",
-                   f"indices must have dtype int32 or int64, but got {_dtype_name(indices.dtype)}{hint}; "
-                   "convert them with indices.long().")
+        raise argument_error(ColltuneTypeError, "indices",
+                             f"indices must have dtype int32 or int64, but got {_dtype_name(indices.dtype)}{hint}; "
+                             "convert them with indices.long().")
     if indices.dim() != 1:
-        raise _bad(ColltuneValueError, "indices",
-                   f"indices must be 1-D (one row index per entry), but got shape {tuple(indices.shape)}; "
-                   "for a COO tensor pass its row indices, e.g. t.indices()[0].")
+        raise argument_error(ColltuneValueError, "indices",
+                             f"indices must be 1-D (one row index per entry), but got shape {tuple(indices.shape)}; "
+                             "for a COO tensor pass its row indices, e.g. t.indices()[0].")
     if values.dtype not in VALUE_DTYPES:
-        raise _bad(ColltuneTypeError, "values",
-                   f"values must have one of the dtypes {_VALUE_NAMES}, but got {_dtype_name(values.dtype)}; "
-                   "convert them with values.float().")
+        raise argument_error(ColltuneTypeError, "values",
+                             f"values must have one of the dtypes {_VALUE_NAMES}, but got {_dtype_name(values.dtype)}; "
+                             "convert them with values.float().")
     if values.dim() == 0:
-        raise _bad(ColltuneValueError, "values",
-                   "values must have shape [k] or [k, *row_shape], one row per index, but got a 0-d tensor.")
+        raise argument_error(ColltuneValueError, "values",
+                             "values must have shape [k] or [k, *row_shape], one row per index, but got a 0-d tensor.")
     if values.shape[0] != indices.shape[0]:
-        raise _bad(ColltuneValueError, "values",
-                   f"indices and values must have the same length (one value row per index), but got "
-                   f"{indices.shape[0]} indices and {values.shape[0]} value rows.")
+        raise argument_error(ColltuneValueError, "values",
+                             f"indices and values must have the same length (one value row per index), but got "
+                             f"{indices.shape[0]} indices and {values.shape[0]} value rows.")
     _check_device(group, values.device, "values")
     if indices.device != values.device:
-        raise _bad(ColltuneValueError, "indices",
-                   f"indices and values must be on the same device, but got {indices.device} and {values.device}.")
+        raise argument_error(ColltuneValueError, "indices",
+                             f"indices and values must be on the same device, but got {indices.device} and {values.device}.")
     row_shape = tuple(values.shape[1:])
     n = _check_size(size, row_shape)
     if on_host(indices):
@@ -505,13 +519,13 @@ def _check_range(indices: torch.Tensor, n: int) -> None:
         lo, hi = torch.aminmax(indices)
         lo, hi = int(lo), int(hi)
         if lo < 0:
-            raise _bad(ColltuneValueError, "indices",
-                       f"indices must be in [0, size) = [0, {n}), but got a negative index {lo}; "
-                       "wrap negative indices with indices % size if they count from the end.")
+            raise argument_error(ColltuneValueError, "indices",
+                                 f"indices must be in [0, size) = [0, {n}), but got a negative index {lo}; "
+                                 "wrap negative indices with indices % size if they count from the end.")
         if hi >= n:
-            raise _bad(ColltuneValueError, "indices",
-                       f"indices must be in [0, size) = [0, {n}), but got index {hi}; "
-                       "pass a larger size or fix the indices.")
+            raise argument_error(ColltuneValueError, "indices",
+                                 f"indices must be in [0, size) = [0, {n}), but got index {hi}; "
+                                 "pass a larger size or fix the indices.")
 
 
 def coalesce_checked(indices: torch.Tensor, values: torch.Tensor, n: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -541,7 +555,7 @@ def first_range_error(
             _check_range(indices, n)
         except ColltuneError as exc:
             return exc if named is None else named(exc, j)
-    return _bad(ColltuneValueError, "indices", "an index is outside its tensor's [0, size).")
+    return argument_error(ColltuneValueError, "indices", "an index is outside its tensor's [0, size).")
 
 
 def deferred_fields(count: torch.Tensor, bad: torch.Tensor, argument: str) -> dict[str, torch.Tensor]:
@@ -569,16 +583,16 @@ def _device_bytes(device: torch.device) -> int:
 _DEVICE_BYTES: dict[tuple[str, int | None], int] = {}
 
 
-def _check_dense_fits(n: int, row_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+def check_dense_fits(n: int, row_numel: int, dtype: torch.dtype, device: torch.device) -> None:
     """Raise if ``dense``'s buffers (``n`` rows in the accumulation dtype, and the presence test's byte per row)
     exceed the device."""
     need = n * (row_numel * torch.empty((), dtype=accum_dtype(dtype)).element_size() + 1)
     have = _device_bytes(device)
     if need > have:
-        raise _bad(ColltuneValueError, "size",
-                   f"algorithm 'dense' needs {need / 2**30:.3g} GiB for size {n} (rows of {row_numel} "
-                   f"{_dtype_name(accum_dtype(dtype))} and a presence byte each), more than the {have / 2**30:.3g} GiB "
-                   f"of {device.type}; use algorithm 'allgather', 'oktopk' or 'auto'.")
+        raise argument_error(ColltuneValueError, "size",
+                             f"algorithm 'dense' needs {need / 2**30:.3g} GiB for size {n} (rows of {row_numel} "
+                             f"{_dtype_name(accum_dtype(dtype))} and a presence byte each), more than the {have / 2**30:.3g} GiB "
+                             f"of {device.type}; use algorithm 'allgather', 'oktopk' or 'auto'.")
 
 
 # --------------------------------------------------------------------------- auto
@@ -594,9 +608,9 @@ def _selector_module() -> Any:
 def _check_name(name: Any) -> None:
     """Check that ``name`` is a str or ``None``."""
     if name is not None and not isinstance(name, str):
-        raise _bad(ColltuneTypeError, "name",
-                   f"name must be a str (the tensor's name, for policy rules and decision caching) or None, "
-                   f"but got {type(name).__name__}.")
+        raise argument_error(ColltuneTypeError, "name",
+                             f"name must be a str (the tensor's name, for policy rules and decision caching) or None, "
+                             f"but got {type(name).__name__}.")
 
 
 def _policy_code(sel: Any, backend: str, name: str | None, knobs: dict[str, dict[str, Any]]) -> int:
@@ -612,9 +626,9 @@ def _policy_code(sel: Any, backend: str, name: str | None, knobs: dict[str, dict
 
 def _check_knobs_mapping(knobs: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(knobs, Mapping) or not all(isinstance(k, str) for k in knobs):
-        raise _bad(ColltuneTypeError, "knobs",
-                   f"knobs{what} must be a dict of knob names to values, e.g. {{'mode': 'pad'}}, but got "
-                   f"{type(knobs).__name__} {knobs!r:.80}.")
+        raise argument_error(ColltuneTypeError, "knobs",
+                             f"knobs{what} must be a dict of knob names to values, e.g. {{'mode': 'pad'}}, but got "
+                             f"{type(knobs).__name__} {knobs!r:.80}.")
     return knobs
 
 
@@ -645,9 +659,9 @@ def _auto_knobs(knobs: Any) -> dict[str, dict[str, Any]]:
             continue
         owners = [a for a in names if key in algorithms.get(a).knobs]
         if not owners:
-            raise _bad(ColltuneValueError, "knobs",
-                       f"knob {key!r} is not a knob of any algorithm ({', '.join(names)}); give knobs per algorithm, "
-                       f"e.g. knobs={{'allgather': {{'mode': 'pad'}}}}, or remove it.")
+            raise argument_error(ColltuneValueError, "knobs",
+                                 f"knob {key!r} is not a knob of any algorithm ({', '.join(names)}); give knobs per algorithm, "
+                                 f"e.g. knobs={{'allgather': {{'mode': 'pad'}}}}, or remove it.")
         for a in owners:
             per.setdefault(a, {})[key] = value
     for a, kn in per.items():
@@ -659,7 +673,7 @@ def _auto_knobs(knobs: Any) -> dict[str, dict[str, Any]]:
 _DEFAULT_KNOBS: dict[Any, tuple[dict[str, Any], int]] = {}
 
 
-def _resolve(
+def resolve_request(
     algorithm: str, knobs: Any, policy: Any, group: dist.ProcessGroup | None, name: Any
 ) -> tuple[dict[str, Any] | None, Any, str | None, int]:
     """Check ``name`` and ``knobs`` and resolve the request before the metadata exchange.
@@ -690,32 +704,32 @@ def _resolve(
     except ColltuneError as exc:
         exc.argument = exc.argument or "policy"
         raise
-    backend = _backend_of(group)
+    backend = group_backend(group)
     return per_algorithm, sel, backend, _policy_code(sel, backend, name, per_algorithm)
 
 
-def _decided_knobs(decision: Any, knobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def decided_knobs(decision: Any, knobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Return the knobs of the selector's choice: the policy's, overridden by the caller's for that algorithm."""
     own = knobs.get(decision.algorithm)
     return algorithms.get(decision.algorithm).check_knobs({**decision.knobs, **own} if own else decision.knobs)
 
 
-def _group_key(group: dist.ProcessGroup | None) -> int:
+def group_key(group: dist.ProcessGroup | None) -> int:
     """Return the part of a call site's key that tells groups apart (never a destroyed group's)."""
     return group_serial(group) if isinstance(group, dist.ProcessGroup) else 0
 
 
-def _open(group: Any, hint: Any, wire: Any) -> Comm:
+def open_comm(group: Any, hint: Any, wire: Any) -> Comm:
     """Return the call's view of its group, on the device its collectives run on.
 
     Raises only for a rank outside ``group``, which no other rank waits for.
     """
     if isinstance(group, dist.ProcessGroup) and dist.is_initialized() and dist.get_rank(group) < 0:
-        _backend_of(group)  # raises the error that names the group
+        group_backend(group)  # raises the error that names the group
     return Comm(_exchange_group(group), _comm_device(group, hint), wire=wire)
 
 
-def _input_error(exc: Exception) -> ColltuneError:
+def input_error(exc: Exception) -> ColltuneError:
     """Return ``exc`` as this rank's input error: colltune's own as they are, anything else wrapped.
 
     An exception nobody anticipated (an ``AttributeError`` deep in a check,
@@ -787,20 +801,20 @@ def check_with_peers(group: dist.ProcessGroup | None, hint: torch.Tensor | None,
         when another rank's check carried one; :class:`~colltune.RankMismatchError`
         when ranks are at different steps or route them differently.
     """
-    _submit(lambda wire: _check_alone(group, hint, check, wire), False, group)
+    submit_call(lambda wire: _check_alone(group, hint, check, wire), False, group)
 
 
 def _check_alone(group: Any, hint: Any, check: CallerCheck, wire: Any) -> None:
-    comm = _open(group, hint, wire)
+    comm = open_comm(group, hint, wire)
     record = {"kind": _meta.name_code(_KIND_CHECK), **check.fields()}
-    error = None if check.error is None else _input_error(check.error)
+    error = None if check.error is None else input_error(check.error)
     _meta.exchange(comm, record, error)
 
 
 # --------------------------------------------------------------------------- sparse_allreduce
 
 
-@_outside_compile
+@outside_compile
 def sparse_allreduce(
     indices: torch.Tensor, values: torch.Tensor | None = None, size: int | Sequence[int] | None = None,
     op: str | dist.ReduceOp = "sum",
@@ -855,8 +869,8 @@ def sparse_allreduce(
         >>> res = colltune.sparse_allreduce(idx, vals, size=1_000_000, op="avg")  # doctest: +SKIP
         >>> grad = res.to_dense()  # doctest: +SKIP
     """
-    op = _op_name(op)
-    return _submit(
+    op = canonical_op(op)
+    return submit_call(
         lambda wire: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs, name, policy, wire),
         async_op, group,
     )
@@ -879,14 +893,14 @@ def _sparse_allreduce(
     A failure while preparing rides in this rank's record, so every rank
     raises at the exchange and none is left waiting.
     """
-    comm = _open(group, values if values is not None else indices, wire)
+    comm = open_comm(group, values if values is not None else indices, wire)
     call = _SparseCall(comm, {"kind": _meta.name_code(_KIND_SPARSE)})
     error: BaseException | None = None
     try:
         call.prepare(indices, values, size, op, group, algorithm, knobs, name, policy)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
         error, call.slot, call.eager, call.sketch_bytes, call.payload_bytes = (
-            _input_error(exc), None, _meta.EAGER_NONE, 0, 0)
+            input_error(exc), None, _meta.EAGER_NONE, 0, 0)
     timer = online.start(comm, call.sel)
     records, slots = _meta.exchange(comm, call.record, error, call.slot, device_fields=call.device_fields,
                                     deferred_error=call.deferred_error)
@@ -902,7 +916,7 @@ def _sparse_allreduce(
         slot_need(counts, inp.row_numel, inp.size, inp.dtype) + call.payload_bytes
         if has_entries and algorithms.get(algorithm).eager_entries else 0,
     )
-    out_idx, out_vals = _run_sparse(inp, comm, algorithm, call.knobs_checked, op, call.values)
+    out_idx, out_vals = run_sparse(inp, comm, algorithm, call.knobs_checked, op, call.values)
     online.hold(comm, timer, call.sel, call.site, decision)
     if call.sel is not None:
         call.sel.observe_sparse(call.site, counts, out_idx.numel())
@@ -930,12 +944,12 @@ class _SparseCall:
                 knobs: dict[str, Any] | None, name: Any, policy: Any) -> None:
         """Validate and coalesce the input, resolve the algorithm's knobs, fill the record and its eager slot."""
         comm = self.comm
-        indices, values, size = _unpack_coo(indices, values, size)
-        idx, vals, n, row_shape = _validate_sparse(indices, values, size, op, algorithm, group)
-        self.knobs_checked, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
+        indices, values, size = unpack_coo(indices, values, size)
+        idx, vals, n, row_shape = validate_sparse(indices, values, size, op, algorithm, group)
+        self.knobs_checked, self.sel, self.backend, code = resolve_request(algorithm, knobs, policy, group, name)
         if algorithm == "dense":
-            _check_dense_fits(n, vals.shape[1], values.dtype, comm.device)
-        self.site = (_KIND_SPARSE, name, n, vals.shape[1], values.dtype, comm.world_size, _group_key(group))
+            check_dense_fits(n, vals.shape[1], values.dtype, comm.device)
+        self.site = (_KIND_SPARSE, name, n, vals.shape[1], values.dtype, comm.world_size, group_key(group))
         if self.can_defer(algorithm):
             idx, vals = self.defer(idx, vals, n, accum_dtype(values.dtype))
         else:
@@ -1035,7 +1049,7 @@ class _SparseCall:
             dtype=self.dtype, counts=counts, indices=self.idx, sketches=sketches,
             ranks_per_node=ranks_per_node(self.comm.group),
         )
-        self.knobs_checked = _decided_knobs(decision, self.knobs_checked)
+        self.knobs_checked = decided_knobs(decision, self.knobs_checked)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse_allreduce: n=%d k_max=%d k_sum=%d P=%d -> %s", self.n, max(counts), sum(counts),
                          self.comm.world_size, decision.algorithm)
@@ -1052,7 +1066,7 @@ class _SparseCall:
                            payload)
 
 
-def _run_sparse(
+def run_sparse(
     inp: SparseInput, comm: Comm, algorithm: str, knobs: dict[str, Any], op: str, values: torch.Tensor,
     bounds: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1129,7 +1143,7 @@ class TopkResult:
         return out.view(self.shape)
 
 
-@_outside_compile
+@outside_compile
 def topk_allreduce(
     tensor: torch.Tensor, state: TopkState, op: str | dist.ReduceOp = "avg", group: dist.ProcessGroup | None = None,
     algorithm: str = "auto", async_op: bool = False, *,
@@ -1163,30 +1177,30 @@ def topk_allreduce(
         >>> state = colltune.TopkState(density=0.01)  # doctest: +SKIP
         >>> grad.copy_(colltune.topk_allreduce(grad, state).to_dense())  # doctest: +SKIP
     """
-    op = _op_name(op)
-    return _submit(
+    op = canonical_op(op)
+    return submit_call(
         lambda wire: _topk_allreduce(tensor, state, op, group, algorithm, knobs, name, policy, wire), async_op, group
     )
 
 
 def _validate_topk(tensor: Any, state: Any, op: Any, algorithm: Any, group: Any) -> None:
     """Check the arguments of ``topk_allreduce``."""
-    _check_common(op, algorithm)
+    check_op_and_algorithm(op, algorithm)
     _check_tensor(tensor, "tensor", "of floats")
     if tensor.dtype not in VALUE_DTYPES:
-        raise _bad(ColltuneTypeError, "tensor",
-                   f"tensor must have one of the dtypes {_VALUE_NAMES}, but got {_dtype_name(tensor.dtype)}.")
+        raise argument_error(ColltuneTypeError, "tensor",
+                             f"tensor must have one of the dtypes {_VALUE_NAMES}, but got {_dtype_name(tensor.dtype)}.")
     if tensor.numel() == 0:
-        raise _bad(ColltuneValueError, "tensor", "tensor must have at least one element, but got an empty tensor.")
+        raise argument_error(ColltuneValueError, "tensor", "tensor must have at least one element, but got an empty tensor.")
     _check_device(group, tensor.device, "tensor")
     if not isinstance(state, TopkState):
-        raise _bad(ColltuneTypeError, "state",
-                   f"state must be a colltune.TopkState, but got {type(state).__name__}; create one with "
-                   "colltune.TopkState(density=0.01) and keep it for this tensor.")
+        raise argument_error(ColltuneTypeError, "state",
+                             f"state must be a colltune.TopkState, but got {type(state).__name__}; create one with "
+                             "colltune.TopkState(density=0.01) and keep it for this tensor.")
     if state.residual is not None and state.residual.numel() != tensor.numel():
-        raise _bad(ColltuneValueError, "state",
-                   f"state holds a residual of {state.residual.numel()} elements, but tensor has "
-                   f"{tensor.numel()}; use one TopkState per tensor.")
+        raise argument_error(ColltuneValueError, "state",
+                             f"state holds a residual of {state.residual.numel()} elements, but tensor has "
+                             f"{tensor.numel()}; use one TopkState per tensor.")
 
 
 def _topk_allreduce(
@@ -1208,24 +1222,24 @@ def _topk_allreduce(
     to run can do its local work first and send what the others need of it
     in the record (Ok-Topk: its local selection's counts per region).
     """
-    comm = _open(group, tensor, wire)
+    comm = open_comm(group, tensor, wire)
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_TOPK)}
     sel: Any = None
     prep: TopkPrepared | None = None
     try:
         _validate_topk(tensor, state, op, algorithm, group)
-        knobs_checked, sel, backend, code = _resolve(algorithm, knobs, policy, group, name)
+        knobs_checked, sel, backend, code = resolve_request(algorithm, knobs, policy, group, name)
         numel = tensor.numel()
         k = state.k_for(numel)
         record.update(_topk_fields(tensor, k, op, algorithm, code))
-        site = (_KIND_TOPK, name, numel, k, tensor.dtype, comm.world_size, _group_key(group))
+        site = (_KIND_TOPK, name, numel, k, tensor.dtype, comm.world_size, group_key(group))
         acc = _accumulate(tensor, state)
         likely = sel.last_choice(site) if sel is not None else algorithm
         prep = _topk_prepare(likely, acc, state, comm)
         record["payload"] = 0 if prep is None else len(prep.payload)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
-        error, prep = _input_error(exc), None
+        error, prep = input_error(exc), None
     timer = online.start(comm, sel)
     _, slots = _meta.exchange(comm, record, error, None if prep is None else prep.payload)
     _meta.note_slot_use(comm, 0)  # top-k leaves the rest of the eager slot empty
@@ -1285,7 +1299,7 @@ def _decide_topk(
         site, world_size=comm.world_size, rank=comm.rank, backend=backend, name=name, numel=tensor.numel(), k=k,
         dtype=tensor.dtype, ranks_per_node=ranks_per_node(comm.group),
     )
-    checked = _decided_knobs(decision, knobs)
+    checked = decided_knobs(decision, knobs)
     _apply_state_knobs(state, decision)
     return decision, checked
 

@@ -58,25 +58,24 @@ from colltune.api import (
     MAX_SIZE,
     AsyncHandle,
     CallerCheck,
-    _backend_of,
-    _bad,
-    _check_common,
-    _check_dense_fits,
-    _decided_knobs,
-    _dtype_name,
-    _group_key,
-    _input_error,
-    _is_coo,
-    _op_name,
-    _open,
-    _outside_compile,
-    _resolve,
-    _run_sparse,
-    _submit,
-    _unpack_coo,
-    _validate_sparse,
+    argument_error,
+    canonical_op,
+    check_dense_fits,
+    check_op_and_algorithm,
+    decided_knobs,
     deferred_fields,
     first_range_error,
+    group_backend,
+    group_key,
+    input_error,
+    is_sparse_coo,
+    open_comm,
+    outside_compile,
+    resolve_request,
+    run_sparse,
+    submit_call,
+    unpack_coo,
+    validate_sparse,
 )
 from colltune.select import online
 
@@ -98,7 +97,7 @@ _LABELS = {
 }
 
 
-@_outside_compile
+@outside_compile
 def sparse_allreduce_many(
     tensors: Sequence[Any],
     op: str | dist.ReduceOp = "sum",
@@ -170,8 +169,8 @@ def submit_many(
     With ``check.error`` set, this rank's tensors are not looked at: the
     call carries the error to the other ranks and raises it.
     """
-    op = _op_name(op)
-    return _submit(
+    op = canonical_op(op)
+    return submit_call(
         lambda wire: _fused(tensors, op, group, algorithm, knobs, name, policy, bucket_cap_mb, wire, check),
         async_op, group,
     )
@@ -180,7 +179,7 @@ def submit_many(
 def _fused(tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: Any, policy: Any,
            cap_mb: Any, wire: Any, check: CallerCheck | None = None) -> list[SparseResult]:
     """Run one fused call on this rank: prepare, exchange, plan the buckets, reduce each, cut the results."""
-    comm = _open(group, _first_tensor(tensors), wire)
+    comm = open_comm(group, _first_tensor(tensors), wire)
     call = _FusedCall(comm)
     error: Exception | None = None
     if check is not None:
@@ -192,7 +191,7 @@ def _fused(tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: 
         except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
             error = exc
     if error is not None:
-        error, call.slot = _input_error(error), None
+        error, call.slot = input_error(error), None
     call.timer = online.start(comm, call.sel)
     counts = call.exchange(error)
     if call.timer is not None:
@@ -270,22 +269,22 @@ def _check_cap(cap_mb: Any) -> int:
     """Return ``bucket_cap_mb`` in bytes, or raise naming it."""
     ok = isinstance(cap_mb, (int, float)) and not isinstance(cap_mb, bool)
     if not ok or not math.isfinite(cap_mb) or cap_mb <= 0:
-        raise _bad(ColltuneValueError if ok else ColltuneTypeError, "bucket_cap_mb",
-                   f"bucket_cap_mb must be a positive number of MiB (the default is {DEFAULT_BUCKET_CAP_MB:g}), "
-                   f"but got {cap_mb!r:.60}.")
+        raise argument_error(ColltuneValueError if ok else ColltuneTypeError, "bucket_cap_mb",
+                             f"bucket_cap_mb must be a positive number of MiB (the default is {DEFAULT_BUCKET_CAP_MB:g}), "
+                             f"but got {cap_mb!r:.60}.")
     return max(1, int(cap_mb * 2**20))
 
 
 def _item(tensors: Sequence[Any], i: int) -> tuple[Any, Any, Any]:
     """Return item ``i`` of the list as ``(indices, values, size)``, checked as ``sparse_allreduce`` checks them."""
     item = tensors[i]
-    if _is_coo(item):
-        return _unpack_coo(item, None, None)
+    if is_sparse_coo(item):
+        return unpack_coo(item, None, None)
     if isinstance(item, (list, tuple)) and len(item) == 3:
-        return _unpack_coo(*item)
-    raise _bad(ColltuneTypeError, "tensors",
-               f"each item must be a sparse COO tensor or a tuple (indices, values, size), but got "
-               f"{type(item).__name__}{f' of length {len(item)}' if isinstance(item, (list, tuple)) else ''}.")
+        return unpack_coo(*item)
+    raise argument_error(ColltuneTypeError, "tensors",
+                         f"each item must be a sparse COO tensor or a tuple (indices, values, size), but got "
+                         f"{type(item).__name__}{f' of length {len(item)}' if isinstance(item, (list, tuple)) else ''}.")
 
 
 def _named(exc: Exception, i: int) -> Exception:
@@ -332,35 +331,35 @@ class _FusedCall:
                 cap_mb: Any) -> None:
         """Validate and coalesce every tensor, resolve the algorithm, fill the record and the counts."""
         if not isinstance(tensors, (list, tuple)):
-            raise _bad(ColltuneTypeError, "tensors",
-                       f"tensors must be a list of sparse COO tensors or (indices, values, size) tuples, but got "
-                       f"{type(tensors).__name__}; for one tensor call colltune.sparse_allreduce.")
-        _check_common(op, algorithm)  # also for an empty list
-        _backend_of(group)  # a bad group is the group's error, not the first tensor's
+            raise argument_error(ColltuneTypeError, "tensors",
+                                 f"tensors must be a list of sparse COO tensors or (indices, values, size) tuples, but got "
+                                 f"{type(tensors).__name__}; for one tensor call colltune.sparse_allreduce.")
+        check_op_and_algorithm(op, algorithm)  # also for an empty list
+        group_backend(group)  # a bad group is the group's error, not the first tensor's
         cap, self.group = _check_cap(cap_mb), group
         checked: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i in range(len(tensors)):
             try:
-                idx, vals, n, row_shape = _validate_sparse(*_item(tensors, i), op, algorithm, group)
+                idx, vals, n, row_shape = validate_sparse(*_item(tensors, i), op, algorithm, group)
             except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
                 raise _named(exc, i)
             if vals.device != self.comm.device:
-                raise _bad(ColltuneValueError, "tensors",
-                           f"tensors[{i}] is on {vals.device}, but the call runs on {self.comm.device} (where "
-                           "tensors[0] is); a fused call's tensors share one device: move them there, or reduce "
-                           "the tensors of each device in a call of their own.")
+                raise argument_error(ColltuneValueError, "tensors",
+                                     f"tensors[{i}] is on {vals.device}, but the call runs on {self.comm.device} (where "
+                                     "tensors[0] is); a fused call's tensors share one device: move them there, or reduce "
+                                     "the tensors of each device in a call of their own.")
             self.desc.append((n, row_shape, vals.dtype))
             self.keys.append((vals.shape[1], vals.dtype))
             checked.append((idx, vals, n))
         self.spaces = index_spaces(self.keys, [n for n, _, _ in self.desc])
         self.coalesce(checked)
-        self.knobs, self.sel, self.backend, code = _resolve(algorithm, knobs, policy, group, name)
+        self.knobs, self.sel, self.backend, code = resolve_request(algorithm, knobs, policy, group, name)
         if algorithm == "dense":  # the largest bucket it may build: every tensor of one row width and dtype
             rows: dict[tuple[int, torch.dtype, int], int] = {}
             for (n, _, _), space in zip(self.desc, self.spaces):
                 rows[space] = rows.get(space, 0) + n
             for (r, dtype, _), n in rows.items():
-                _check_dense_fits(n, r, dtype, self.comm.device)
+                check_dense_fits(n, r, dtype, self.comm.device)
         self.cap, self.entry_bytes = cap, np.array(
             [8 + r * dtype.itemsize for r, dtype in self.keys], dtype=np.float64)
         self.fill_record(op, algorithm, code)
@@ -428,7 +427,7 @@ class _FusedCall:
         in_slot = 8 * t <= _meta.slot_bytes(self.comm)
         self.record.update(
             size=t,
-            row_shape=_meta.digest([(n, shape, _dtype_name(d)) for n, shape, d in self.desc]),
+            row_shape=_meta.digest([(n, shape, _meta.dtype_name(d)) for n, shape, d in self.desc]),
             row_numel=self.cap,
             op=_meta.name_code(op),
             algorithm=_meta.name_code(algorithm),
@@ -483,11 +482,11 @@ class _FusedCall:
         if self.sel is not None:
             # A site per bucket, as (kind, name, n, row, dtype, P, group): the bucket's tensors name it.
             label = f"{name or 'fused'}[{members[0]}..{members[-1]}]" if len(members) > 1 else f"{name or 'fused'}[{members[0]}]"
-            site = (_KIND_FUSED, (label, tuple(members)), at[-1], r, dtype, comm.world_size, _group_key(self.group))
+            site = (_KIND_FUSED, (label, tuple(members)), at[-1], r, dtype, comm.world_size, group_key(self.group))
             decision = self.sel.decide_sparse(
                 site, comm=comm, backend=self.backend, name=name, size=at[-1], row_numel=r, dtype=dtype,
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
-            algorithm, knobs = decision.algorithm, _decided_knobs(decision, self.knobs)
+            algorithm, knobs = decision.algorithm, decided_knobs(decision, self.knobs)
         parts = Parts(at) if len(members) > 1 else None
         inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts)
         # The call's measurement is its bucket predicted slowest: only that bucket's run is timed.
@@ -497,7 +496,7 @@ class _FusedCall:
         timer = self.timer.fork() if timed else None  # type: ignore[union-attr]
         if timer is not None:
             timer.mark()
-        out_idx, out_vals = _run_sparse(inp, comm, algorithm, knobs, op, vals, at)
+        out_idx, out_vals = run_sparse(inp, comm, algorithm, knobs, op, vals, at)
         if timer is not None:
             timer.mark()
             self.measured = (predicted, timer, self.sel, site, decision)
@@ -546,7 +545,7 @@ def _name_the_difference(comm: Comm, desc: list[tuple[int, tuple[int, ...], torc
     mine = np.full((len(desc), 2 + len(columns)), -1, dtype=np.int64)
     for t, (n, shape, dtype) in enumerate(desc):
         fields = _meta.shape_fields(shape)
-        mine[t] = (n, _meta.name_code(_dtype_name(dtype)), *(fields.get(c, -1) for c in columns))
+        mine[t] = (n, _meta.name_code(_meta.dtype_name(dtype)), *(fields.get(c, -1) for c in columns))
     with comm.meta():
         row = upload(mine.reshape(-1), comm.device)
         table = comm.all_gather(row).view(comm.world_size, len(desc), mine.shape[1]).cpu().numpy()

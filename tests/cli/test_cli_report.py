@@ -140,13 +140,13 @@ def test_report_figures_clip_nothing_and_overprint_no_label(world_sizes, ns, den
 
     path = synthetic_profile(tmp_path / "p.yaml", world_sizes=world_sizes, ns=ns, densities=densities)
     seen = {}
-    save = report._save
+    save = report.save_figure
 
     def checked(fig, out):
         seen[os.path.basename(out)] = layout_problems(fig)
         save(fig, out)
 
-    monkeypatch.setattr(report, "_save", checked)
+    monkeypatch.setattr(report, "save_figure", checked)
     report.write_report(str(path), str(tmp_path / "r"), folds=3)
     assert seen == {name: [] for name in NAMES}
 

@@ -147,7 +147,7 @@ def _hook_overlap(rank: int, world_size: int) -> dict:
 
     ddp.register_comm_hook(state, hook)
     release = threading.Event()
-    api._submit(lambda wire: release.wait(30), True, None)  # holds the worker until released
+    api.submit_call(lambda wire: release.wait(30), True, None)  # holds the worker until released
     threading.Timer(0.5, release.set).start()
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
     ddp(x).sum().backward()

@@ -261,12 +261,12 @@ def test_calls_queued_behind_a_failed_call_are_dropped():
         ran.append("fails")
         raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
 
-    first = api._submit(fails, True, None)
-    queued = api._submit(lambda wire: ran.append("queued"), True, None)
+    first = api.submit_call(fails, True, None)
+    queued = api.submit_call(lambda wire: ran.append("queued"), True, None)
     threading.Timer(0.1, release.set).start()
     gist = r"queued before it failed \(CollectiveError: a collective of this call failed .*\) out of step"
     with pytest.raises(api.AbandonedCallError, match=gist):
-        api._submit(lambda wire: ran.append("sync"), False, None)  # a synchronous call waits its turn behind them
+        api.submit_call(lambda wire: ran.append("sync"), False, None)  # a synchronous call waits its turn behind them
     with pytest.raises(colltune.CollectiveError, match="The backend said: Connection closed by peer") as info:
         first.wait(10)
     assert isinstance(info.value.__cause__, RuntimeError) and "restart the job" in str(info.value)
@@ -275,8 +275,8 @@ def test_calls_queued_behind_a_failed_call_are_dropped():
     assert dropped.value.__cause__ is info.value
     assert isinstance(dropped.value, RuntimeError) and isinstance(dropped.value, colltune.ColltuneError)
     assert ran == ["fails"]
-    assert api._submit(lambda wire: 7, True, None).wait(10) == 7
-    assert api._submit(lambda wire: 8, False, None) == 8
+    assert api.submit_call(lambda wire: 7, True, None).wait(10) == 7
+    assert api.submit_call(lambda wire: 8, False, None) == 8
 
 
 def test_an_error_every_rank_raises_keeps_the_queue():
@@ -285,8 +285,8 @@ def test_an_error_every_rank_raises_keeps_the_queue():
     def refuses(wire: object) -> None:
         raise ColltuneValueError("size must be >= 1, but got 0.")
 
-    first = api._submit(refuses, True, None)
-    queued = api._submit(lambda wire: 5, True, None)
+    first = api.submit_call(refuses, True, None)
+    queued = api.submit_call(lambda wire: 5, True, None)
     with pytest.raises(ColltuneValueError):
         first.wait(10)
     assert queued.wait(10) == 5

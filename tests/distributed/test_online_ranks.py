@@ -87,7 +87,7 @@ def _rank_subgroups(rank: int, world_size: int) -> list:
     10x slower there than the others find it), then all four decide on the world group."""
     import torch.distributed as dist
 
-    from colltune.api import _group_key
+    from colltune.api import group_key
 
     sel = Selector(environ={})
     colltune.configure(selector=sel)
@@ -98,7 +98,7 @@ def _rank_subgroups(rank: int, world_size: int) -> list:
 
     def slanted(site_key: tuple, algorithm: str, predicted: float, measured: float, explored: bool = False) -> None:
         first[:] = first or [algorithm]
-        if rank < 2 and site_key[-1] == _group_key(mine) and algorithm == first[0]:
+        if rank < 2 and site_key[-1] == group_key(mine) and algorithm == first[0]:
             measured *= 10.0
         observe(site_key, algorithm, predicted, measured, explored)
 

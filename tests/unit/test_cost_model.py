@@ -18,6 +18,7 @@ from colltune.model.cost_model import (
     FEATURE_NAMES,
     PARAM_NAMES,
     AnalyticModel,
+    CostModel,
     LearnedCostModel,
     _eval_regressor,
     _export_trees,
@@ -52,6 +53,8 @@ def _truth(f: Features, alg: str) -> float:
     if alg == "allgather":
         k = f.k_sum
         return 30 + 1.3 * (p - 1) * alpha + (p - 1) * f.k_max * e * beta + k * math.log2(max(k, 2)) * 6 * mem
+    if alg == "hashpart":
+        return 70 + 3 * (p - 1) * alpha + (f.k_avg + f.union) * (p - 1) / p * e * beta + 3 * f.k_avg * e * mem
     return 90 + 4 * (p - 1) * alpha + (f.k_avg + 1.2 * f.union) * (p - 1) / p * e * beta + 4 * f.k_avg * e * mem
 
 
@@ -348,10 +351,11 @@ def test_to_dict_round_trip_predicts_identically(
 
 @pytest.mark.parametrize("estimator", ["ridge", "rf", "none"])
 def test_other_estimators_fit_and_round_trip(data: list[Measurement], estimator: str) -> None:
-    model = LearnedCostModel(estimator=estimator, n_estimators=20, max_depth=6).fit(data[::2])
+    every_other = [m for i, m in enumerate(data) if (i // len(ALGORITHMS)) % 2 == 0]  # configurations
+    model = LearnedCostModel(estimator=estimator, n_estimators=20, max_depth=6).fit(every_other)
     X = [m.features() for m in data[1::9]]
     pred = model.predict(X)
-    assert pred.shape == (len(X), 3) and np.all(pred > 0)
+    assert pred.shape == (len(X), len(ALGORITHMS)) and np.all(pred > 0)
     np.testing.assert_array_equal(LearnedCostModel.from_dict(model.to_dict()).predict(X), pred)
 
 
@@ -426,6 +430,50 @@ def test_from_dict_rejects_foreign_or_damaged_data(fitted: LearnedCostModel) -> 
         LearnedCostModel.from_dict(missing)
 
 
+# -- one contract -----------------------------------------------------------------
+
+_CALLS = [_f(), _f(p=2, density=0.05, overlap=1.0), _f(n=1 << 16, p=4, density=0.3, row=16), _f(p=64, density=1e-4)]
+
+
+def test_every_model_prices_one_call_and_many_alike(data: list[Measurement], fitted: LearnedCostModel) -> None:
+    from colltune.select.selector import model_for_profile
+
+    profile = profile_from_measurements(data, dict(fitted.primitives_), {"backend": "gloo"}, model=fitted.to_dict())
+    selector_model = model_for_profile(profile, "measured")  # the learned model, fading out beyond P=8
+    for model in (AnalyticModel(DEFAULT_PRIMITIVES), fitted, selector_model):
+        assert isinstance(model, CostModel)
+        many = model.predict_times_many(_CALLS)
+        assert len(many) == len(_CALLS) and model.predict_times_many([]) == []
+        for f, got in zip(_CALLS, many):
+            assert got == pytest.approx(model.predict_times(f), rel=1e-12)
+            assert all(t > 0 for t in got.values())
+    # The learned model's batch is its scikit-learn prediction, column by column.
+    assert fitted.predict_times_many(_CALLS) == [dict(zip(fitted.algorithms_, r)) for r in fitted.predict(_CALLS).tolist()]
+    assert not isinstance(object(), CostModel)
+
+
+def test_offline_tools_take_either_model(data: list[Measurement], fitted: LearnedCostModel) -> None:
+    from colltune.algorithms import registry
+    from colltune.offline.active import Candidate, selection_regret
+    from colltune.offline.report import decision_grid
+
+    analytic = AnalyticModel(DEFAULT_PRIMITIVES)
+    partial = LearnedCostModel(estimator="none").fit([m for m in data if m.algorithm != "oktopk"])  # prices two
+    three = ("dense", "allgather", "oktopk")
+    cands = [Candidate(str(i), f, (f.world_size, 0.0, 0.0, f.overlap, f.dtype), truth=analytic.predict(f))
+             for i, f in enumerate(_CALLS)]
+    densities, worlds = [1e-4, 1e-2, 0.3], [2, 8]
+    for model in (analytic, fitted, partial):
+        choice, speed = decision_grid(model, densities, worlds, lambda d, p: _f(p=p, density=d))
+        assert choice.shape == speed.shape == (2, 3) and np.all(speed > 0)
+        # An algorithm the model does not price is never chosen: the matrix holds inf for it.
+        assert [registry.names()[j] for j in choice.ravel()] == [model.select(_f(p=p, density=d))
+                                                                for p in worlds for d in densities]
+        regret = selection_regret(model, cands, three)
+        assert 1.0 <= regret["geomean"] < math.inf and 0.0 <= regret["optimal_fraction"] <= 1.0
+    assert selection_regret(analytic, cands, three)["optimal_fraction"] == 1.0
+
+
 # -- cross-validation ---------------------------------------------------------------
 
 
@@ -446,7 +494,7 @@ def test_cross_validate_leave_one_group_out(data: list[Measurement]) -> None:
     small = [m for m in data if m.world_size == 4 and m.numel == 1 << 18 and m.row_numel == 1]
     report = cross_validate(small, groups=lambda m: m.density, model=LearnedCostModel(estimator="ridge"))
     assert report["n_groups"] == report["n_folds"] == 5
-    assert report["regret"]["n_configs"] == len(small) // 3
+    assert report["regret"]["n_configs"] == len(small) // len(ALGORITHMS)
     with pytest.raises(ColltuneValueError, match="one label per measurement"):
         cross_validate(small, groups=[0, 1])
     with pytest.raises(ColltuneValueError, match="at least 2 groups"):

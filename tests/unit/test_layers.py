@@ -1,4 +1,4 @@
-"""The package's layers, read from its imports: no upward import, no cycle, no private name across layers.
+"""The package's layers, read from its imports: no upward import, no cycle, no private name across modules.
 
 Every ``import`` in the package counts, function-local ones included: a
 circle hidden inside functions is still a circle. The layers, lowest first:
@@ -14,9 +14,13 @@ circle hidden inside functions is still a circle. The layers, lowest first:
 ==================  ============================================================
 
 A module may import its own layer and the layers below it. A name that
-starts with an underscore is private to its layer: another layer may not
-import it, nor a private module. The pure layer is imported with torch
-blocked in a fresh interpreter.
+starts with an underscore is private to its module: no other module of the
+package imports it, nor reads it as an attribute of the module, in any
+layer; a private module is imported by its own package only. What a layer's
+modules share has a public name (``colltune.api`` for ``colltune.fused``,
+``colltune.train.common`` for the hook and the synchronizer). Tests and
+tools are not part of the package and may reach inside it. The pure layer
+is imported with torch blocked in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -151,42 +155,95 @@ def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_private_name_across_layers() -> None:
+def is_private(name: str) -> bool:
+    """Return whether a name is private: a leading underscore, dunders (``__version__``, ``__main__``) aside."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_module_outside(target: str, importer: str) -> bool:
+    """Return whether ``target`` is a private module (or inside one) that ``importer`` is not a part of.
+
+    ``colltune.x._impl`` is private to the package ``colltune.x``: its
+    ``__init__`` and its other modules may import it, no one else.
+    """
+    parts = target.split(".")
+    for i in range(1, len(parts)):
+        if is_private(parts[i]):
+            owner = ".".join(parts[:i])
+            if importer != owner and not importer.startswith(owner + "."):
+                return True
+    return False
+
+
+def test_the_private_name_rules_read_names_right() -> None:
+    assert is_private("_helper") and is_private("_CONSTANT") and is_private("_Class")
+    assert not is_private("__version__") and not is_private("__main__") and not is_private("open_comm")
+    assert private_module_outside("colltune.x._impl", "colltune.y")
+    assert private_module_outside("colltune.x._impl.a", "colltune.xy")
+    assert not private_module_outside("colltune.x._impl", "colltune.x")
+    assert not private_module_outside("colltune.x._impl", "colltune.x.other")
+    assert not private_module_outside("colltune.cli.__main__", "colltune.select.selector")
+
+
+def test_no_private_name_across_modules() -> None:
+    """``from colltune.x import _name`` in any other module of the package, whatever the layers."""
     bad = []
     for module, path in MODULES.items():
         for target, name, line in imports_of(module, path):
-            if layer_of(target) == layer_of(module):
+            if target == module:
                 continue
-            private_module = any(p.startswith("_") for p in target.split(".")[1:])
-            if private_module or name.startswith("_"):
+            if private_module_outside(target, module) or is_private(name):
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {target}{'.' + name if name else ''}")
-    assert not bad, "private names used from another layer:\n" + "\n".join(bad)
+    assert not bad, "private names imported from another module:\n" + "\n".join(bad)
 
 
-def test_no_private_attribute_across_layers() -> None:
-    """``from colltune.x import mod`` then ``mod._name`` is a private name too."""
+def _dotted(node: ast.expr) -> str | None:
+    """Return ``a.b.c`` for a chain of names and attributes, else ``None``."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _module_names(module: str, path: Path, tree: ast.Module) -> dict[str, str]:
+    """Map each name a module binds to a colltune module (``import ... as``, ``from ... import mod``) to it."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _resolve(module, path, node)
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                if sub in MODULES:
+                    names[a.asname or a.name] = sub
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES and a.asname:
+                    names[a.asname] = a.name
+                elif not a.asname and a.name.split(".")[0] == "colltune":
+                    names["colltune"] = "colltune"  # ``import colltune.x`` binds the package
+    return names
+
+
+def test_no_private_attribute_across_modules() -> None:
+    """``from colltune.x import mod`` then ``mod._name`` (or ``colltune.x._name``) is a private name too."""
     bad = []
     for module, path in MODULES.items():
         tree = ast.parse(path.read_text())
-        aliases: dict[str, str] = {}
+        names = _module_names(module, path, tree)
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                target = _resolve(module, path, node)
-                for a in node.names:
-                    sub = f"{target}.{a.name}"
-                    if sub in MODULES:
-                        aliases[a.asname or a.name] = sub
-            elif isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name in MODULES and a.asname:
-                        aliases[a.asname] = a.name
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__")):
-                target = aliases[node.value.id]
-                if layer_of(target) != layer_of(module):
-                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {target}.{node.attr}")
-    assert not bad, "private attributes used from another layer:\n" + "\n".join(bad)
+            if not (isinstance(node, ast.Attribute) and is_private(node.attr)):
+                continue
+            base = _dotted(node.value)
+            head, _, rest = (base or "").partition(".")
+            if head not in names:
+                continue
+            target = names[head] + ("." + rest if rest else "")
+            if target in MODULES and target != module:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {target}.{node.attr}")
+    assert not bad, "private attributes read from another module:\n" + "\n".join(bad)
 
 
 PURE = ("colltune.model.features", "colltune.model.profile", "colltune.model.cost_model",

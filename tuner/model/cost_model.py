@@ -2,6 +2,9 @@
 
 Two models, both pure (no process group). Predicting, and loading a stored
 model, take NumPy only; fitting a learned model imports scikit-learn and SciPy.
+Both follow one contract, :class:`CostModel`: :meth:`~CostModel.predict_times`
+prices one call, :meth:`~CostModel.predict_times_many` many, each as
+``{algorithm: microseconds}``.
 
 * :class:`AnalyticModel` counts the messages and bytes of each algorithm's
   schedule and prices every primitive call with the alpha-beta constants of a
@@ -68,7 +71,7 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -85,6 +88,7 @@ __all__ = [
     "feature_names",
     "PARAM_NAMES",
     "Step",
+    "CostModel",
     "AnalyticModel",
     "LearnedCostModel",
     "feature_vector",
@@ -146,6 +150,29 @@ def _check_algorithm(name: str) -> str:
             "the cost model has no schedule for it."
         )
     return name
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """What every cost model offers: each algorithm's predicted time, for one call or for many.
+
+    :class:`AnalyticModel`, :class:`LearnedCostModel` and the selector's model
+    of a profile implement it. An algorithm the model cannot price (one
+    without a schedule, or never measured) is absent from its mapping; a
+    caller that wants a matrix fills the gap with ``inf``.
+
+    Example:
+        >>> isinstance(AnalyticModel(DEFAULT_PRIMITIVES), CostModel)
+        True
+    """
+
+    def predict_times(self, features: Features) -> dict[str, float]:
+        """Return ``{algorithm: predicted microseconds}`` for one call."""
+        ...
+
+    def predict_times_many(self, feats: Sequence[Features]) -> list[dict[str, float]]:
+        """Return :meth:`predict_times` of each call, in order (one pass where the model batches)."""
+        ...
 
 
 class AnalyticModel:
@@ -318,6 +345,10 @@ class AnalyticModel:
         return {alg: math.fsum(t.values()) for alg, t in self.terms(features).items()}
 
     predict_times = predict
+
+    def predict_times_many(self, feats: Sequence[Features]) -> list[dict[str, float]]:
+        """Return :meth:`predict` of each call, in order."""
+        return [self.predict(f) for f in feats]
 
     def select(self, features: Features) -> str:
         """Return the algorithm with the smallest predicted time (ties go to the earlier registered)."""
@@ -876,8 +907,11 @@ class LearnedCostModel:
 
     def predict_times(self, features: Features) -> dict[str, float]:
         """Return the predicted time of every fitted algorithm for one call, in microseconds."""
-        row = self.predict([features])[0]
-        return {a: float(t) for a, t in zip(self.algorithms_, row)}
+        return self.predict_times_many([features])[0]
+
+    def predict_times_many(self, feats: Sequence[Features]) -> list[dict[str, float]]:
+        """Return :meth:`predict_times` of each call, from one :meth:`predict` (one pass through the trees)."""
+        return [{a: float(t) for a, t in zip(self.algorithms_, row)} for row in self.predict(feats)]
 
     def select(self, features: Features) -> str:
         """Return the algorithm predicted fastest (ties go to the earlier in :data:`ALGORITHMS`)."""

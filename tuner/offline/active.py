@@ -68,12 +68,15 @@ import random
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model.profile import Measurement, Primitive, Profile, load_profile
+
+if TYPE_CHECKING:  # the cost models are imported when a model is fitted
+    from colltune.model.cost_model import CostModel, LearnedCostModel
 
 __all__ = [
     "Candidate",
@@ -148,25 +151,19 @@ def candidates_from_configs(configs: Sequence[Any]) -> list[Candidate]:
 # --------------------------------------------------------------------------- models
 
 
-def _model(primitives: Mapping[str, Primitive], **kw: Any) -> Any:
+def _model(primitives: Mapping[str, Primitive], **kw: Any) -> LearnedCostModel:
     from colltune.model.cost_model import LearnedCostModel
 
     return LearnedCostModel(primitives={k: p.to_dict() for k, p in primitives.items()}, **kw)
 
 
-def _log_predictions(model: Any, feats: Sequence[Any], algorithms: Sequence[str]) -> np.ndarray:
-    """Return ``log(predicted time)``, shape ``(len(feats), len(algorithms))``."""
-    from colltune.model.cost_model import AnalyticModel
-
-    if isinstance(model, AnalyticModel):
-        rows = [model.predict(f) for f in feats]
-        return np.log(np.maximum(np.array([[r[a] for a in algorithms] for r in rows]), 1e-3))
-    pred = model.predict(list(feats))
-    cols = [model.algorithms_.index(a) for a in algorithms]
-    return np.log(np.maximum(pred[:, cols], 1e-3))
+def _log_predictions(model: CostModel, feats: Sequence[Any], algorithms: Sequence[str]) -> np.ndarray:
+    """Return ``log(predicted time)``, shape ``(len(feats), len(algorithms))`` (``inf`` where the model has no price)."""
+    rows = [[r.get(a, np.inf) for a in algorithms] for r in model.predict_times_many(feats)]
+    return np.log(np.maximum(np.array(rows, dtype=np.float64).reshape(len(feats), len(algorithms)), 1e-3))
 
 
-def selection_regret(model: Any, cands: Sequence[Candidate], algorithms: Sequence[str] = _ALGS) -> dict[str, float]:
+def selection_regret(model: CostModel, cands: Sequence[Candidate], algorithms: Sequence[str] = _ALGS) -> dict[str, float]:
     """Return the selection regret of ``model`` on candidates with stored measurements.
 
     Returns:
@@ -184,7 +181,7 @@ def selection_regret(model: Any, cands: Sequence[Candidate], algorithms: Sequenc
             "p95": float(np.percentile(r, 95)), "max": float(r.max()), "optimal_fraction": float(np.mean(r <= 1.0))}
 
 
-def _fit(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive], **kw: Any) -> Any:
+def _fit(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive], **kw: Any) -> CostModel:
     from colltune.model.cost_model import AnalyticModel
 
     if not measurements:
@@ -290,7 +287,7 @@ class ActiveChooser:
         dist[~free] = np.inf
         return int(np.argmin(dist))
 
-    def _models(self, measured: Sequence[Measurement], model: Any) -> tuple[Any, list[Any]]:
+    def _models(self, measured: Sequence[Measurement], model: CostModel | None) -> tuple[CostModel, list[CostModel]]:
         """Return the model (fitted on everything measured) and the bootstrap members (resampled configurations)."""
         if not measured:
             from colltune.model.cost_model import AnalyticModel
@@ -316,7 +313,7 @@ class ActiveChooser:
               for m in measured if m.time_us > 0]
         return max(NOISE_SIGMA, float(np.median(se))) if se else NOISE_SIGMA
 
-    def _acquisition(self, main: Any, members: Sequence[Any], idx: Sequence[int], n_configs: int,
+    def _acquisition(self, main: CostModel, members: Sequence[CostModel], idx: Sequence[int], n_configs: int,
                      noise: float = NOISE_SIGMA) -> np.ndarray:
         feats = [self.candidates[i].features for i in idx]
         lp = _log_predictions(main, feats, self.algorithms)
@@ -356,7 +353,7 @@ class ActiveChooser:
         self.last_acquisition = float("nan")
         return self.candidates[i]
 
-    def choose(self, measured: Sequence[Measurement], done: set[str], model: Any = None) -> Candidate | None:
+    def choose(self, measured: Sequence[Measurement], done: set[str], model: CostModel | None = None) -> Candidate | None:
         """Return the unmeasured candidate Optuna finds with the largest expected regret (``None``: all measured).
 
         Args:
@@ -740,7 +737,7 @@ def _active_rank(rank: int, world_size: int, candidates: Sequence[Candidate], co
 
     from colltune.offline import profiling
 
-    device = profiling._setup_device(backend)
+    device = profiling.setup_device(backend)
     jr = profiling.Journal(journal, header) if rank == 0 else None
     chooser = ActiveChooser(candidates, primitives, seed=seed, trials=trials) if rank == 0 else None
     measured, done = list(measured0), set(done0)
@@ -832,7 +829,7 @@ def run_live(out: str, world_sizes: Sequence[int], grid: Any, *, count: int | No
                          jpath, header, seed, trials, backend, show, backend=backend, timeout=timeout)
         measured = _merge(previous, profiling.Journal(jpath, header))
         done = {profiling.measurement_key(m) for m in measured}
-    meta = profiling._meta(backend, world_sizes, grid,
+    meta = profiling.profile_meta(backend, world_sizes, grid,
                            f"active profiling: {len(done)} of the grid's {total} configurations, chosen by "
                            "expected regret of the decision")
     model = profiling.fit_model(measured, prims).to_dict() if len(measured) >= 2 else None

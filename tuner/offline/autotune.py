@@ -186,7 +186,7 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
 
     import colltune
     from colltune.offline import bench
-    from colltune.offline.profiling import _sync
+    from colltune.offline.profiling import sync_device
 
     alg = setting["algorithm"]
     tuned, base = dict(setting["knobs"]), _defaults(w.mode, alg, world_size)
@@ -201,7 +201,7 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
         def call_of(knobs: dict[str, Any]) -> Any:
             def call() -> Any:
                 out = colltune.sparse_allreduce(idx, vals, w.n, algorithm=alg, knobs=knobs)
-                _sync(device)
+                sync_device(device)
                 return out
 
             return call
@@ -220,7 +220,7 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
             def call() -> Any:
                 for s in range(w.steps):
                     out = colltune.topk_allreduce(grads[s % len(grads)], state, op="avg", algorithm="oktopk")
-                _sync(device)
+                sync_device(device)
                 return out
 
             return call
@@ -230,8 +230,8 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
         dist.barrier()
         fn()
     plan = bench.Plan(warmup=0, min_repeats=w.rounds, max_repeats=w.rounds, budget_s=1e9)
-    times, _ = bench._timed_rounds(calls, plan)
-    flat = bench._reduce_max(times["tuned"] + times["default"])
+    times, _ = bench.budget_rounds(calls, plan)
+    flat = bench.reduce_max(times["tuned"] + times["default"])
     r = w.rounds
     return statistics.median(flat[:r]) * 1e3, statistics.median(flat[r:]) * 1e3
 
@@ -239,9 +239,9 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
 def _tune_rank(rank: int, world_size: int, w: TuneTarget, algorithms: Sequence[str], trials: int, storage: str,
                seed: int, show: bool, backend: str) -> dict[str, Any] | None:
     """The rank function: rank 0 runs the study (``Study.optimize``); every rank measures each trial."""
-    from colltune.offline.profiling import _setup_device
+    from colltune.offline.profiling import setup_device
 
-    device = _setup_device(backend)
+    device = setup_device(backend)
     if rank != 0:
         while (setting := _shared(None, world_size)) is not None:
             _measure(rank, world_size, w, setting, device)

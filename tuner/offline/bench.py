@@ -79,6 +79,9 @@ __all__ = [
     "format_header",
     "format_row",
     "format_topk",
+    "reduce_max",
+    "run_rounds",
+    "budget_rounds",
 ]
 
 
@@ -353,7 +356,7 @@ def _sync() -> None:
         torch.cuda.synchronize(_DEVICE)
 
 
-def _reduce_max(values: list[float]) -> list[float]:
+def reduce_max(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64).to(_DEVICE)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -406,7 +409,7 @@ def _one_round(
     return local
 
 
-def _run_rounds(
+def run_rounds(
     calls: Mapping[str, Callable[[], Any]],
     plan: Any,
     record: Callable[[dict[str, float], float], None],
@@ -434,7 +437,7 @@ def _run_rounds(
     return last
 
 
-def _timed_rounds(
+def budget_rounds(
     calls: dict[str, Callable[[], Any]], plan: Plan
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Run the interleaved timed rounds; return per-rank times and the last output of each contender."""
@@ -446,9 +449,9 @@ def _timed_rounds(
 
     def done(start: float) -> bool:
         # The same reduced number on every rank, so every rank stops after the same round.
-        return _reduce_max([time.perf_counter() - start])[0] >= plan.budget_s
+        return reduce_max([time.perf_counter() - start])[0] >= plan.budget_s
 
-    last = _run_rounds(calls, plan, record, done, plan.burst)
+    last = run_rounds(calls, plan, record, done, plan.burst)
     return times, last
 
 
@@ -461,9 +464,9 @@ def _bench_one(
     gc.collect()
     errors = _warm_up_and_check(calls, contenders, plan, w, vals, cfg)
     tol = tolerance(cfg.dtype, world_size)
-    times, last = _timed_rounds(calls, plan)
+    times, last = budget_rounds(calls, plan)
     rounds = len(times[contenders[0]])
-    flat = _reduce_max([t for name in contenders for t in times[name]])
+    flat = reduce_max([t for name in contenders for t in times[name]])
     traffic = _contender_traffic(last, contenders, cfg, w, world_size)
     auto_ran = {name: last[name].algorithm for name in contenders if name == "auto"}
     auto_why = {name: str(getattr(last[name].decision, "reason", "") or "") for name in auto_ran}
@@ -519,7 +522,7 @@ def _warm_up_and_check(calls: dict[str, Callable[[], Any]], contenders: Sequence
     if not outputs:
         outputs = {name: calls[name]() for name in contenders}
     ref = _exact_reference(w)
-    errors = _reduce_max([_rel_error(ref, tuple(t.cpu() for t in _as_pair(name, outputs[name])))  # type: ignore[arg-type]
+    errors = reduce_max([_rel_error(ref, tuple(t.cpu() for t in _as_pair(name, outputs[name])))  # type: ignore[arg-type]
                           for name in contenders])
     if not torch.equal(vals, vals_before):
         raise RuntimeError(f"a contender modified its input values in place (config {cfg}).")
@@ -747,9 +750,9 @@ def _topk_one(
             words[name].append((tr.bytes_sent - tr.meta_bytes) / 4)
             meta[name].append(tr.meta_bytes / 4)
             counts[name].append(res.global_count)
-    flat_t = _reduce_max([t for name in names for t in times[name]])
-    flat_w = _reduce_max([x for name in names for x in words[name]])
-    flat_m = _reduce_max([x for name in names for x in meta[name]])
+    flat_t = reduce_max([t for name in names for t in times[name]])
+    flat_w = reduce_max([x for name in names for x in words[name]])
+    flat_m = reduce_max([x for name in names for x in meta[name]])
     s = cfg.steps
     bound = 6 * k * (p - 1) / p
     out: dict[str, Any] = {

@@ -93,9 +93,9 @@ def regret_series(calls: Sequence[Mapping[str, Any]], mode: str, window: int = W
 
 
 def _draw_regret(calls: Sequence[Mapping[str, Any]], path: str, title: str) -> None:
-    from colltune.offline.report import _plt, _save
+    from colltune.offline.report import pyplot, save_figure
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
     for mode, color in (("off", "#8C8C8C"), ("on", "#4C72B0")):
         ax.scatter([c["call"] for c in calls], [_regret(c, mode) for c in calls], s=4, alpha=0.15, color=color)
@@ -107,7 +107,7 @@ def _draw_regret(calls: Sequence[Mapping[str, Any]], path: str, title: str) -> N
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -125,9 +125,9 @@ def _points(calls: Sequence[Mapping[str, Any]], algorithm: str) -> tuple[list[fl
 
 
 def _draw_accuracy(calls: Sequence[Mapping[str, Any]], algorithms: Sequence[str], path: str, title: str) -> None:
-    from colltune.offline.report import COLORS, _log_axes, _plt, _save
+    from colltune.offline.report import COLORS, log_axes, pyplot, save_figure
 
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(algorithms), figsize=(4.2 * len(algorithms), 4.2), layout="constrained",
                              squeeze=False)
     for ax, a in zip(axes[0], algorithms):
@@ -140,13 +140,13 @@ def _draw_accuracy(calls: Sequence[Mapping[str, Any]], algorithms: Sequence[str]
         lo, hi = min(measured + predicted + corrected), max(measured + predicted + corrected)
         lo, hi = (lo / 2, hi * 2) if hi < lo * 1.01 else (lo, hi)  # one point: a decade around it
         ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
-        _log_axes(ax, lo, hi)
+        log_axes(ax, lo, hi)
         ax.set_xlabel("predicted (us)")
         ax.set_ylabel("measured (us)")
         ax.set_title(a, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -93,6 +93,9 @@ __all__ = [
     "format_fit_report",
     "journal_path",
     "check_output_path",
+    "setup_device",
+    "sync_device",
+    "profile_meta",
 ]
 
 logger = logging.getLogger(__name__)
@@ -326,7 +329,7 @@ def timed_rounds(calls: Mapping[str, Callable[[], Any]],
     elapsed = [0.0]
 
     def record(local: dict[str, float], start: float) -> None:
-        red = bench._reduce_max([local[n] for n in names] + [time.perf_counter() - start])
+        red = bench.reduce_max([local[n] for n in names] + [time.perf_counter() - start])
         for n, t in zip(names, red):
             times[n].append(t)
         elapsed[0] = red[-1]
@@ -334,7 +337,7 @@ def timed_rounds(calls: Mapping[str, Callable[[], Any]],
     def done(start: float) -> bool:
         return elapsed[0] >= plan.budget_s or all(_median_rel_se(times[n]) <= plan.precision for n in names)
 
-    last = bench._run_rounds(calls, plan, record, done)
+    last = bench.run_rounds(calls, plan, record, done)
     return times, last
 
 
@@ -463,7 +466,7 @@ class Journal:
 # --------------------------------------------------------------------------- rank side
 
 
-def _setup_device(backend: str) -> Any:
+def setup_device(backend: str) -> Any:
     import torch
 
     if backend == "nccl":
@@ -477,7 +480,7 @@ def _setup_device(backend: str) -> Any:
     return torch.device("cpu")
 
 
-def _sync(device: Any) -> None:
+def sync_device(device: Any) -> None:
     if device.type == "cuda":
         import torch
 
@@ -522,7 +525,7 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
 
         def call() -> Any:
             out = colltune.sparse_allreduce(idx, vals, cfg.n, algorithm=name, group=group)
-            _sync(device)
+            sync_device(device)
             return out
 
         return call
@@ -530,7 +533,7 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
     calls = {a: call_of(a) for a in algorithms}
     _warm_up(calls, cfg, plan)
     times, last = timed_rounds(calls, plan)
-    sent = bench._reduce_max([float(last[a].traffic.bytes_sent) for a in algorithms])
+    sent = bench.reduce_max([float(last[a].traffic.bytes_sent) for a in algorithms])
     if rank != 0:
         return None
     feats = cfg.features()
@@ -632,7 +635,7 @@ def measure_primitives(rank: int, world_size: int, sizes: Sequence[int], plan: T
         def timed(fn: Callable[[], Any]) -> Callable[[], Any]:
             def call() -> Any:
                 r = fn()
-                _sync(device)
+                sync_device(device)
                 return r
 
             return call
@@ -645,10 +648,10 @@ def measure_primitives(rank: int, world_size: int, sizes: Sequence[int], plan: T
 
         bplan = Plan(warmup=0, min_repeats=max(5, bplan.min_repeats), max_repeats=max(11, bplan.max_repeats),
                      budget_s=bplan.budget_s)
-        times, _ = bench._timed_rounds(calls, bplan)
+        times, _ = bench.budget_rounds(calls, bplan)
         names = list(calls)
         rounds = len(times[names[0]])
-        flat = bench._reduce_max([t for name in names for t in times[name]])
+        flat = bench.reduce_max([t for name in names for t in times[name]])
         for j, name in enumerate(names):
             ts = np.asarray(flat[j * rounds:(j + 1) * rounds]) * 1e6
             q1, med, q3 = np.percentile(ts, [25, 50, 75])
@@ -738,7 +741,7 @@ def _profile_rank(rank: int, world_size: int, todo: Sequence[ProfileConfig], alg
     """
     import torch.distributed as dist
 
-    device = _setup_device(backend)
+    device = setup_device(backend)
     jr = Journal(journal, header) if rank == 0 else None
     if world_size > 1:
         # Rank 0 knows what the journal holds (under torchrun the others do not): its plan is everyone's.
@@ -839,7 +842,7 @@ def gpu_generation() -> str | None:
     return next((gen for word, gen in _GPU_NAMES.items() if word in name), None)
 
 
-def _meta(backend: str, world_sizes: Sequence[int], grid: Grid | None, notes: str) -> dict[str, Any]:
+def profile_meta(backend: str, world_sizes: Sequence[int], grid: Grid | None, notes: str) -> dict[str, Any]:
     import torch
 
     from colltune.offline import launch
@@ -1195,7 +1198,7 @@ def _profile_of_run(journal: Journal, run: _RunState, world_sizes: list[int], gr
     primitives = fit_primitives(samples) if samples or run.previous_prims is None else run.previous_prims
     timed_at = sorted(set(journal.primitives) if samples else set(run.previous_ps if run.previous_prims else []))
     all_ps = sorted({m.world_size for m in measurements} | set(world_sizes))
-    meta = _meta(backend, all_ps, grid, note)
+    meta = profile_meta(backend, all_ps, grid, note)
     meta["primitives_timed_at"] = timed_at
     meta["statistic"] = statistic
     model = None

@@ -38,7 +38,7 @@ import math
 import os
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -46,7 +46,10 @@ from colltune.algorithms import registry
 from colltune.model.files import atomic_path, write_text_atomic
 from colltune.model.profile import Profile, load_profile
 
-__all__ = ["COLORS", "model_of", "decision_grid", "write_report"]
+if TYPE_CHECKING:  # the cost models are imported when a report is drawn
+    from colltune.model.cost_model import CostModel
+
+__all__ = ["COLORS", "model_of", "decision_grid", "write_report", "pyplot", "save_figure", "log_axes"]
 
 #: The colours of the algorithms, in registry order: the built-ins keep theirs in every picture.
 PALETTE: tuple[str, ...] = (
@@ -79,7 +82,7 @@ class _Colors(Mapping[str, str]):
 COLORS: Mapping[str, str] = _Colors()
 
 
-def model_of(profile: Profile) -> tuple[Any, str]:
+def model_of(profile: Profile) -> tuple[CostModel, str]:
     """Return the profile's cost model (:func:`colltune.model.cost_model.model_for_profile`) and a label."""
     from colltune.model.cost_model import model_for_profile
 
@@ -88,22 +91,14 @@ def model_of(profile: Profile) -> tuple[Any, str]:
                    "analytic": "alpha-beta (primitives only)"}[source]
 
 
-def _predict(model: Any, feats: Sequence[Any]) -> np.ndarray:
+def _predict(model: CostModel, feats: Sequence[Any]) -> np.ndarray:
     """Return predicted times (us), shape ``(len(feats), len(_algs()))`` in :func:`_algs` order.
 
-    An algorithm never fitted is predicted ``inf``.
+    An algorithm the model does not price (never fitted, no schedule) is predicted ``inf``.
     """
-    from colltune.model.cost_model import AnalyticModel
-
-    if isinstance(model, AnalyticModel):
-        preds = [model.predict(f) for f in feats]
-        return np.array([[p.get(a, np.inf) for a in _algs()] for p in preds])
-    pred = model.predict(list(feats))
-    out = np.full((len(feats), len(_algs())), np.inf)
-    for j, a in enumerate(_algs()):
-        if a in model.algorithms_:
-            out[:, j] = pred[:, model.algorithms_.index(a)]
-    return out
+    algs = _algs()
+    rows = [[p.get(a, np.inf) for a in algs] for p in model.predict_times_many(feats)]
+    return np.array(rows, dtype=np.float64).reshape(len(feats), len(algs))
 
 
 def _features(n: int, density: float, p: int, overlap: float, dtype: str) -> Any:
@@ -116,7 +111,7 @@ def _features(n: int, density: float, p: int, overlap: float, dtype: str) -> Any
     return Features.build(numel=n, row_numel=1, dtype=dtype, k_per_rank=[k] * p, union=float(u))
 
 
-def decision_grid(model: Any, xs: Sequence[float], ys: Sequence[Any], make: Any) -> tuple[np.ndarray, np.ndarray]:
+def decision_grid(model: CostModel, xs: Sequence[float], ys: Sequence[Any], make: Any) -> tuple[np.ndarray, np.ndarray]:
     """Return the chosen algorithm index and its predicted speedup over dense for each ``make(x, y)`` call.
 
     Returns:
@@ -129,7 +124,7 @@ def decision_grid(model: Any, xs: Sequence[float], ys: Sequence[Any], make: Any)
     return choice.reshape(len(ys), len(xs)), speed.reshape(len(ys), len(xs))
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -169,7 +164,7 @@ def _panels(count: int, width: float, height: float) -> tuple[Any, list[Any]]:
     Constrained layout makes room for titles, tick labels, the suptitle and
     an outside legend, whatever the number of panels.
     """
-    plt = _plt()
+    plt = pyplot()
     cols = min(3, max(1, count))
     rows = math.ceil(max(1, count) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.6), squeeze=False,
@@ -217,7 +212,7 @@ def _log_ticks(lo: float, hi: float, most: int = 6) -> list[float]:
     return best
 
 
-def _log_axes(ax: Any, lo: float, hi: float) -> None:
+def log_axes(ax: Any, lo: float, hi: float) -> None:
     """Make both axes of ``ax`` logarithmic over ``[lo, hi]``, labelled with :func:`_log_ticks` as plain numbers."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
@@ -234,7 +229,7 @@ def _log_axes(ax: Any, lo: float, hi: float) -> None:
         axis.set_minor_formatter(NullFormatter())
 
 
-def _save(fig: Any, path: str) -> None:
+def save_figure(fig: Any, path: str) -> None:
     """Write a figure atomically (temporary file, then rename)."""
     with atomic_path(path, ".png") as tmp:
         fig.savefig(tmp, dpi=110, format="png")
@@ -244,8 +239,8 @@ def _finish_map(fig: Any, out_dir: str, name: str) -> str:
     """Add the legend to a decision-map figure, write ``out_dir/name.png``, close it; return the path."""
     _legend(fig)
     path = os.path.join(out_dir, f"{name}.png")
-    _save(fig, path)
-    _plt().close(fig)
+    save_figure(fig, path)
+    pyplot().close(fig)
     return path
 
 
@@ -377,7 +372,7 @@ def write_report(
 class _Maps:
     """The decision maps of one model: the algorithm chosen and its predicted speedup over dense."""
 
-    model: Any
+    model: CostModel
     label: str
     n: int
     overlap: float
@@ -442,8 +437,8 @@ def _predicted_vs_measured(profile: Profile, ms: list[Any], pred: np.ndarray, n_
                          "dotted: +-25%)", fontsize=10)
     _fit_width(fig, title)
     path = os.path.join(out_dir, "predicted-vs-measured.png")
-    _save(fig, path)
-    _plt().close(fig)
+    save_figure(fig, path)
+    pyplot().close(fig)
     return path
 
 
@@ -462,7 +457,7 @@ def _scatter_algorithm(ax: Any, a: str, ms: list[Any], pred: np.ndarray) -> floa
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
     ax.plot([lo, hi], [lo * 1.25, hi * 1.25], "k:", lw=0.6)
     ax.plot([lo, hi], [lo / 1.25, hi / 1.25], "k:", lw=0.6)
-    _log_axes(ax, lo, hi)
+    log_axes(ax, lo, hi)
     ax.legend(fontsize=7, loc="upper left", ncol=1 + (len(ax.collections) - 1) // 4)
     return float(np.median(np.abs(pr - meas) / meas))
 
@@ -471,7 +466,7 @@ def _write_text(path: str, text: str) -> None:
     write_text_atomic(path, text, ".md")
 
 
-def _summary_md(source: str, profile: Profile, model: Any, label: str, cv: Mapping[str, Any] | None, n: int,
+def _summary_md(source: str, profile: Profile, model: CostModel, label: str, cv: Mapping[str, Any] | None, n: int,
                 overlap: float, dtype: str, files: Mapping[str, str], cells: Mapping[str, int]) -> str:
     from colltune.offline.active import candidates_from_profile
 

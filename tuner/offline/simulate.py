@@ -22,14 +22,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from colltune.algorithms.errors import ColltuneValueError
-from colltune.model.cost_model import even_layout
+from colltune.model.cost_model import AnalyticModel, CostModel, even_layout
 from colltune.model.features import Features, features_by_algorithm, least_overlap, topk_features
 from colltune.model.files import atomic_path
 
-__all__ = ["Workload", "Point", "misfit", "check_layout", "simulate", "decision_map", "format_points", "plot", "MAP_DENSITIES"]
+__all__ = ["SelectorModel", "Workload", "Point", "misfit", "check_layout", "simulate", "decision_map", "format_points",
+           "plot", "MAP_DENSITIES"]
+
+
+class SelectorModel(CostModel, Protocol):
+    """A profile's cost model as the selector sees it (:func:`colltune.select.selector.model_for_profile`).
+
+    Attributes:
+        analytic: the analytic model whose schedules count the bytes each algorithm sends.
+    """
+
+    analytic: AnalyticModel
+
+    def extrapolation(self, f: Features) -> str | None:
+        """Return why the learned model is not (fully) trusted for ``f``, or ``None``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -139,7 +154,7 @@ def check_layout(world_sizes: Sequence[int], ranks_per_node: int | None) -> None
             "--gpus-per-node to a divisor of it.")
 
 
-def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
+def simulate(model: SelectorModel, workload: Workload, world_sizes: Sequence[int], *,
              ranks_per_node: int | None = None) -> list[Point]:
     """Price ``workload`` at each world size with ``model`` (the selector's view of a profile).
 
@@ -172,7 +187,7 @@ def simulate(model: Any, workload: Workload, world_sizes: Sequence[int], *,
             continue
         feats, entries = _features(workload, p, rpn)
         distinct = {id(f): f for f in feats.values()}  # exact calls price every algorithm on one set of features
-        preds = {i: model.predict(f) for i, f in distinct.items()}
+        preds = {i: model.predict_times(f) for i, f in distinct.items()}
         steps = {i: model.analytic.schedule(f) for i, f in distinct.items()}
         priced = {a: f for a, f in feats.items() if a in preds[id(f)]}  # an algorithm without a schedule: unpriced
         pred = {a: preds[id(f)][a] for a, f in priced.items()}
@@ -226,7 +241,7 @@ def format_points(points: Sequence[Point], workload: Workload, label: str) -> st
 MAP_DENSITIES: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 
 
-def decision_map(model: Any, workload: Workload, world_sizes: Sequence[int], densities: Sequence[float], *,
+def decision_map(model: SelectorModel, workload: Workload, world_sizes: Sequence[int], densities: Sequence[float], *,
                  ranks_per_node: int | None = None) -> list[list[str]]:
     """Return the choice at each density (rows) and world size (columns), the rest of ``workload`` fixed.
 

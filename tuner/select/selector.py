@@ -443,7 +443,11 @@ def requested(algorithm: str) -> Choice:
 
 
 class _Model:
-    """A profile's cost model behind one interface: predicted times and (calibrated) analytic terms."""
+    """A profile's cost model behind one interface: predicted times and (calibrated) analytic terms.
+
+    It is a :class:`~colltune.model.cost_model.CostModel`: ``predict_times`` and
+    ``predict_times_many`` are :meth:`predict` and :meth:`predict_many`.
+    """
 
     __slots__ = ("kind", "label", "analytic", "learned", "domain")
 
@@ -462,19 +466,19 @@ class _Model:
     def predict_many(self, feats: Sequence[Features]) -> list[dict[str, float]]:
         """Predict several calls at once (one pass through the learned model's trees)."""
         if self.learned is None:
-            return [self.analytic.predict(f) for f in feats]
-        rows = self.learned.predict(feats)
-        algs = list(self.learned.algorithms_)
+            return self.analytic.predict_times_many(feats)
         want = candidates()
         out = []
-        for f, row in zip(feats, rows):
-            got = dict(zip(algs, (float(t) for t in row)))
+        for f, got in zip(feats, self.learned.predict_times_many(feats)):
             w = 1.0 if self.domain is None else self.domain.weight(f)
             if w < 1.0 or any(a not in got for a in want):  # outside the measurements: the analytic model
                 base = self.analytic.predict(f)
                 got = {a: _blend(got[a], base[a], w) if a in got else base[a] for a in want}
             out.append(got)
         return out
+
+    predict_times = predict
+    predict_times_many = predict_many
 
     def terms(self, f: Features) -> dict[str, dict[str, float]]:
         return self.analytic.terms(f)

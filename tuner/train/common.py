@@ -14,6 +14,10 @@ collective; ranks that disagree raise :class:`~colltune.algorithms.errors.RankMi
 Both products keep their state (residuals, thresholds, the routing
 decisions) apart from the process group, in PowerSGD's style, and
 round-trip it through ``state_dict()`` / ``load_state_dict()``.
+
+The names in ``__all__`` are public inside the training layer, for
+:mod:`colltune.train.hook` and :mod:`colltune.train.sync`; the package
+``colltune.train`` exports only :class:`TensorStats` of them.
 """
 
 from __future__ import annotations
@@ -34,27 +38,49 @@ from colltune.algorithms.sparse import upload
 from colltune.algorithms.state import TopkState
 from colltune.model.policy import AUTO, Decision, Overrides, Policy, policy_from_env
 
-__all__ = ["TensorStats"]
+__all__ = [
+    "STATE_VERSION",
+    "Route",
+    "TensorStats",
+    "TopkAlgorithm",
+    "backend_name",
+    "check_choice",
+    "check_density",
+    "check_int",
+    "check_same_plan",
+    "check_state_dict",
+    "group_size",
+    "new_topk_state",
+    "resolve_policy",
+    "restore_topk_state",
+    "ring_bytes",
+    "route_for",
+    "sparse_algorithms",
+    "topk_algorithms",
+    "topk_bytes_sent",
+]
 
 logger = logging.getLogger(__name__)
 
 TopkAlgorithm = Literal["auto", "allgather", "oktopk"]
 
-_STATE_VERSION = 1
+#: The version of the ``state_dict()`` the hook and the synchronizer write and read.
+STATE_VERSION = 1
 
 
-def _topk_algorithms() -> tuple[str, ...]:
+def topk_algorithms() -> tuple[str, ...]:
     """The algorithms that compress a dense gradient: ``auto`` and every registered one that moves the
     selection (not the whole tensor, as ``dense`` does)."""
     return (AUTO, *(n for n in _algorithms.names() if _algorithms.get(n).topk_priced_on != "tensor"))
 
 
-def _sparse_algorithms() -> tuple[str, ...]:
+def sparse_algorithms() -> tuple[str, ...]:
     """The algorithms a sparse gradient may take: ``auto`` and every registered one."""
     return (AUTO, *_algorithms.names())
 
 
-def _check_int(label: str, value: Any, minimum: int) -> int:
+def check_int(label: str, value: Any, minimum: int) -> int:
+    """Return ``value`` if it is an int of at least ``minimum``; raise naming ``label`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ColltuneTypeError(f"{label} must be an int >= {minimum}, but got {value!r}.")
     if value < minimum:
@@ -62,7 +88,8 @@ def _check_int(label: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _check_density(density: Any) -> float:
+def check_density(density: Any) -> float:
+    """Return ``density`` as a float if it is in (0, 1]; raise naming it otherwise."""
     if isinstance(density, bool) or not isinstance(density, (int, float)):
         raise ColltuneTypeError(f"density must be a float in (0, 1], but got {density!r}.")
     if not 0.0 < float(density) <= 1.0:
@@ -70,13 +97,14 @@ def _check_density(density: Any) -> float:
     return float(density)
 
 
-def _check_choice(label: str, value: Any, allowed: tuple[str, ...]) -> str:
+def check_choice(label: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``allowed``; raise naming ``label`` otherwise."""
     if value not in allowed:
         raise ColltuneValueError(f"{label} must be one of {', '.join(allowed)}, but got {value!r}.")
     return value
 
 
-def _resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
+def resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
     """Return ``(policy, overrides, what to pass as policy= to the front door)``.
 
     The process-wide selector resolves the policy, as it does for ``auto``
@@ -106,13 +134,14 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _world_size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Return the group's world size, or 1 without a process group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
     return 1
 
 
-def _backend(group: dist.ProcessGroup | None) -> str:
+def backend_name(group: dist.ProcessGroup | None) -> str:
     """Return the group's backend in lower case (what policy rules match), or ``local`` without a process group."""
     if dist.is_available() and dist.is_initialized():
         return str(dist.get_backend(group)).lower()
@@ -124,14 +153,14 @@ def _digest(data: Any) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)
 
 
-def _check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str, error: Exception | None = None) -> None:
+def check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str, error: Exception | None = None) -> None:
     """Raise on every rank when ranks routed their tensors differently (they would deadlock otherwise).
 
     A rank that could not route them (``error``: a policy that does not
     load) joins the check and raises ``error``; the others raise
     :class:`~colltune.algorithms.errors.RemoteInputError` naming it.
     """
-    if _world_size(group) == 1:
+    if group_size(group) == 1:
         if error is not None:
             raise error
         return
@@ -154,7 +183,7 @@ def _check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str, erro
         )
 
 
-def _ring_bytes(numel: int, itemsize: int, world_size: int) -> int:
+def ring_bytes(numel: int, itemsize: int, world_size: int) -> int:
     """Bytes one rank sends in a ring allreduce of ``numel`` elements (textbook schedule)."""
     return 0 if world_size <= 1 else (2 * numel * itemsize * (world_size - 1)) // world_size
 
@@ -188,7 +217,9 @@ class TensorStats:
 
 
 @dataclass(frozen=True)
-class _Route:
+class Route:
+    """How one parameter's gradient travels, and why (:func:`route_for` decides it)."""
+
     route: str  # "sparse" | "topk" | "dense"
     algorithm: str  # the algorithm passed to the front door (or "dense")
     knobs: Mapping[str, Any] = field(default_factory=dict)
@@ -196,6 +227,7 @@ class _Route:
     reason: str = ""
 
     def plan(self) -> list[Any]:
+        """Return the route as plain data: the wrappers check that every rank routed alike by comparing digests of it."""
         return [self.route, self.algorithm, sorted(self.knobs.items()), sorted(self.state_knobs.items())]
 
 
@@ -212,7 +244,7 @@ def _split_knobs(decision: Decision, algorithm: str) -> tuple[dict[str, Any], di
     return algo, state
 
 
-def _route_for(
+def route_for(
     decision: Decision,
     overrides: Overrides,
     *,
@@ -222,7 +254,7 @@ def _route_for(
     dense_mode: str,
     topk_algorithm: str,
     min_compress_numel: int,
-) -> _Route:
+) -> Route:
     """Decide how one parameter's gradient travels (see the module docstring for the precedence)."""
     forced = overrides.apply(decision) if overrides.algorithm is not None else None
     # COLLTUNE_ALGO=auto lets the selector decide even where a rule pins an algorithm.
@@ -236,12 +268,12 @@ def _route_for(
         else:
             algo, why = default_sparse, ("the algorithm argument" if default_sparse != AUTO else "auto: the selector")
         knobs, state_knobs = _split_knobs(decision, algo)
-        return _Route("sparse", algo, knobs, state_knobs, why)
+        return Route("sparse", algo, knobs, state_knobs, why)
     # Dense gradient: dense allreduce or top-k compression.
     if dense_mode == "skip":
-        return _Route("skip", "none", reason="dense='skip': left to DDP or the caller")
+        return Route("skip", "none", reason="dense='skip': left to DDP or the caller")
     if pinned == "dense" or (forced is not None and forced.algorithm == "dense"):
-        return _Route("dense", "dense", reason=(forced or decision).reason)
+        return Route("dense", "dense", reason=(forced or decision).reason)
     if pinned is not None:
         compress, algo, why = True, pinned, decision.reason
     elif dense_mode == "topk" and numel >= min_compress_numel:
@@ -251,35 +283,39 @@ def _route_for(
     else:
         compress, algo, why = False, "dense", "dense='allreduce'"
     if not compress:
-        return _Route("dense", "dense", reason=why)
+        return Route("dense", "dense", reason=why)
     if forced is not None and forced.algorithm != AUTO:
         algo, why = forced.algorithm, forced.reason
     knobs, state_knobs = _split_knobs(decision, algo)
-    return _Route("topk", algo, knobs, state_knobs, why)
+    return Route("topk", algo, knobs, state_knobs, why)
 
 
-def _new_topk_state(density: float, state_knobs: Mapping[str, Any]) -> TopkState:
+def new_topk_state(density: float, state_knobs: Mapping[str, Any]) -> TopkState:
+    """Return a fresh top-k state at ``density`` with the route's state knobs."""
     return TopkState(density=density, **dict(state_knobs))
 
 
-def _restore_topk(d: Mapping[str, Any]) -> TopkState:
+def restore_topk_state(d: Mapping[str, Any]) -> TopkState:
+    """Return the top-k state ``d`` holds (one entry of a saved state's ``topk``)."""
     st = TopkState(d["k"], d["density"])
     st.load_state_dict(dict(d))
     return st
 
 
-def _topk_traffic(res: Any) -> int:
+def topk_bytes_sent(res: Any) -> int:
+    """Return the bytes this rank sent in the call that returned ``res`` (0 when it does not say)."""
     traffic = getattr(res, "traffic", None)
     return int(getattr(traffic, "bytes_sent", 0) or 0)
 
 
-def _check_state_dict(d: Any, kind: str) -> None:
+def check_state_dict(d: Any, kind: str) -> None:
+    """Raise unless ``d`` is a ``state_dict()`` of the ``kind`` state (``hook`` or ``sync``) of this version."""
     if not isinstance(d, Mapping) or d.get("kind") != kind:
         got = d.get("kind") if isinstance(d, Mapping) else type(d).__name__
         raise ColltuneValueError(
             f"state_dict must be a dict made by the {kind} state's state_dict(), but got {got!r}."
         )
-    if d.get("version") != _STATE_VERSION:
+    if d.get("version") != STATE_VERSION:
         raise ColltuneValueError(
-            f"state_dict has version {d.get('version')!r}, but this colltune reads version {_STATE_VERSION}."
+            f"state_dict has version {d.get('version')!r}, but this colltune reads version {STATE_VERSION}."
         )

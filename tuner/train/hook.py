@@ -33,24 +33,24 @@ from colltune.algorithms.meta import dtype_name
 from colltune.algorithms.state import TopkState
 from colltune.model.policy import AUTO, Overrides, Policy
 from colltune.train.common import (
-    _STATE_VERSION,
+    STATE_VERSION,
+    Route,
     TensorStats,
     TopkAlgorithm,
-    _backend,
-    _check_choice,
-    _check_density,
-    _check_int,
-    _check_same_plan,
-    _check_state_dict,
-    _new_topk_state,
-    _resolve_policy,
-    _restore_topk,
-    _ring_bytes,
-    _Route,
-    _route_for,
-    _topk_algorithms,
-    _topk_traffic,
-    _world_size,
+    backend_name,
+    check_choice,
+    check_density,
+    check_int,
+    check_same_plan,
+    check_state_dict,
+    group_size,
+    new_topk_state,
+    resolve_policy,
+    restore_topk_state,
+    ring_bytes,
+    route_for,
+    topk_algorithms,
+    topk_bytes_sent,
 )
 
 __all__ = ["ColltuneHookState", "colltune_hook"]
@@ -153,10 +153,10 @@ class ColltuneHookState:
         topk_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.process_group = process_group
-        self.density = _check_density(density)
-        self.start_compression_iter = _check_int("start_compression_iter", start_compression_iter, 0)
-        self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 1)
-        self.algorithm = _check_choice("algorithm", algorithm, _topk_algorithms())
+        self.density = check_density(density)
+        self.start_compression_iter = check_int("start_compression_iter", start_compression_iter, 0)
+        self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
+        self.algorithm = check_choice("algorithm", algorithm, topk_algorithms())
         if model is not None and not isinstance(model, nn.Module):
             raise ColltuneTypeError(
                 f"model must be a torch.nn.Module (or DDP model) or None, but got {type(model).__name__}."
@@ -195,7 +195,7 @@ class ColltuneHookState:
     def _routing(self) -> tuple[Policy, Overrides, Any]:
         """Return the policy, the overrides and the front door's ``policy=`` argument, resolved on first use."""
         if self._policy is None:
-            self._policy, self._overrides, self._policy_arg = _resolve_policy(self.policy)
+            self._policy, self._overrides, self._policy_arg = resolve_policy(self.policy)
         return self._policy, self._overrides, self._policy_arg  # type: ignore[return-value]
 
     def _name(self, p: torch.Tensor, bucket_index: int, position: int) -> str:
@@ -224,7 +224,7 @@ class ColltuneHookState:
         """Return options, step, residuals, thresholds and decisions as plain data and tensors (no process group)."""
         policy, _, _ = self._routing()
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "kind": "hook",
             "density": self.density,
             "start_compression_iter": self.start_compression_iter,
@@ -243,14 +243,14 @@ class ColltuneHookState:
         Raises:
             ColltuneValueError: ``d`` is not a hook state of a known version.
         """
-        _check_state_dict(d, "hook")
-        self.density = _check_density(d["density"])
-        self.start_compression_iter = _check_int("start_compression_iter", d["start_compression_iter"], 0)
-        self.min_compress_numel = _check_int("min_compress_numel", d["min_compress_numel"], 1)
-        self.algorithm = _check_choice("algorithm", d["algorithm"], _topk_algorithms())
+        check_state_dict(d, "hook")
+        self.density = check_density(d["density"])
+        self.start_compression_iter = check_int("start_compression_iter", d["start_compression_iter"], 0)
+        self.min_compress_numel = check_int("min_compress_numel", d["min_compress_numel"], 1)
+        self.algorithm = check_choice("algorithm", d["algorithm"], topk_algorithms())
         self.topk_options = dict(d["topk_options"])
         self.iter = int(d["iter"])
-        self.topk_states = {k: _restore_topk(v) for k, v in d["topk"].items()}
+        self.topk_states = {k: restore_topk_state(v) for k, v in d["topk"].items()}
         policy, _, _ = self._routing()
         # Decisions follow the policy: a checkpoint taken under another policy is decided again.
         self.decisions = {k: dict(v) for k, v in d["decisions"].items()} if d["policy_digest"] == policy.digest else {}
@@ -273,15 +273,15 @@ class ColltuneHookState:
         )
 
 
-def _bucket_routes(state: ColltuneHookState, params: list[torch.Tensor], idx: int) -> list[tuple[str, _Route]]:
+def _bucket_routes(state: ColltuneHookState, params: list[torch.Tensor], idx: int) -> list[tuple[str, Route]]:
     """Return the name and route of every parameter of bucket ``idx``, in the bucket's order."""
     policy, overrides, _ = state._routing()
-    p, backend = _world_size(state.process_group), _backend(state.process_group)
+    p, backend = group_size(state.process_group), backend_name(state.process_group)
     out = []
     for position, param in enumerate(params):
         name = state._name(param, idx, position)
         decision = policy.match(name, param.numel(), state.density, p, None, dtype_name(param.dtype), backend)
-        route = _route_for(
+        route = route_for(
             decision,
             overrides,
             sparse=False,
@@ -295,12 +295,12 @@ def _bucket_routes(state: ColltuneHookState, params: list[torch.Tensor], idx: in
     return out
 
 
-def _hook_topk_state(state: ColltuneHookState, key: str, names: list[str], numel: int, route: _Route) -> TopkState:
+def _hook_topk_state(state: ColltuneHookState, key: str, names: list[str], numel: int, route: Route) -> TopkState:
     """Return the TopkState of one compressed part, made (and its residual migrated) when new."""
     ts = state.topk_states.get(key)
     if ts is not None and (ts.residual is None or ts.residual.numel() == numel):
         return ts
-    ts = state.topk_states[key] = _new_topk_state(state.density, {**state.topk_options, **dict(route.state_knobs)})
+    ts = state.topk_states[key] = new_topk_state(state.density, {**state.topk_options, **dict(route.state_knobs)})
     # The bucket layout changed (DDP rebuilt its buckets): take each parameter's residual from the state that held it.
     wanted = set(names)
     pieces: dict[str, torch.Tensor] = {}
@@ -346,7 +346,7 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
         A ``torch.futures.Future`` holding a tensor of ``bucket.buffer()``'s
         shape and dtype: the averaged (or top-k averaged) gradients.
     """
-    p = _world_size(state.process_group)
+    p = group_size(state.process_group)
     if not state.compressing or p == 1:
         return _dense_bucket(state, bucket, p)
     parts = _BucketParts(state, bucket)
@@ -375,7 +375,7 @@ def _dense_bucket(state: ColltuneHookState, bucket: dist.GradBucket, p: int) -> 
     buffer = bucket.buffer()
     stats = state.stats.setdefault(f"bucket{bucket.index()}", TensorStats("dense", "dense"))
     stats.reason = "warm-up" if not state.compressing else "single rank"
-    nbytes = _ring_bytes(buffer.numel(), buffer.element_size(), p)
+    nbytes = ring_bytes(buffer.numel(), buffer.element_size(), p)
     stats.record("dense", nbytes)
     state.bytes_sent += nbytes
     state.maybe_increase_iter(bucket)
@@ -402,7 +402,7 @@ class _BucketParts:
         try:
             self.routes = _bucket_routes(state, params, idx)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the plan's check: they must hear of it
-            _check_same_plan(None, state.process_group, f"colltune_hook (bucket {idx})", error=exc)
+            check_same_plan(None, state.process_group, f"colltune_hook (bucket {idx})", error=exc)
             raise
         self.slices: list[tuple[int, int]] = []
         offset = 0
@@ -420,7 +420,7 @@ class _BucketParts:
         plan_key = "|".join(self.routes[i][0] for i in order)
         if plan_key not in state._checked:
             plan = [plan_key, [self.routes[i][1].plan() for i in order]]
-            _check_same_plan(plan, state.process_group, f"colltune_hook (bucket {idx})")
+            check_same_plan(plan, state.process_group, f"colltune_hook (bucket {idx})")
             state._checked.add(plan_key)
         for name, r in self.routes:
             state.decisions[name] = {"route": r.route, "algorithm": r.algorithm, "reason": r.reason}
@@ -447,7 +447,7 @@ def _reduce_dense(
     """Average the parts kept dense with one asynchronous allreduce; return its Future."""
     flat = parts.gather(parts.dense).clone()
     work = dist.all_reduce(flat, group=state.process_group, async_op=True)
-    nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
+    nbytes = ring_bytes(flat.numel(), flat.element_size(), p)
     stats = state.stats.setdefault(f"bucket{parts.buffer_index}/dense", TensorStats("dense", "dense"))
     stats.reason = "kept dense: " + "; ".join(sorted({parts.routes[i][1].reason for i in parts.dense}))
     with _STATS_LOCK:
@@ -489,7 +489,7 @@ def _reduce_topk(
     def done(fut: torch.futures.Future[Any]) -> None:
         res = fut.value()
         parts.scatter(members, res.to_dense().view(-1), out)
-        nbytes = _topk_traffic(res)
+        nbytes = topk_bytes_sent(res)
         with _STATS_LOCK:
             state.stats.setdefault(key, TensorStats("topk", res.algorithm, reason)).record(res.algorithm, nbytes)
             state.bytes_sent += nbytes

@@ -45,25 +45,25 @@ from colltune.algorithms.state import TopkState
 from colltune.api import CallerCheck
 from colltune.model.policy import AUTO
 from colltune.train.common import (
-    _STATE_VERSION,
+    STATE_VERSION,
+    Route,
     TensorStats,
     TopkAlgorithm,
-    _backend,
-    _check_choice,
-    _check_density,
-    _check_int,
-    _check_same_plan,
-    _check_state_dict,
-    _new_topk_state,
-    _resolve_policy,
-    _restore_topk,
-    _ring_bytes,
-    _Route,
-    _route_for,
-    _sparse_algorithms,
-    _topk_algorithms,
-    _topk_traffic,
-    _world_size,
+    backend_name,
+    check_choice,
+    check_density,
+    check_int,
+    check_same_plan,
+    check_state_dict,
+    group_size,
+    new_topk_state,
+    resolve_policy,
+    restore_topk_state,
+    ring_bytes,
+    route_for,
+    sparse_algorithms,
+    topk_algorithms,
+    topk_bytes_sent,
 )
 
 __all__ = ["SparseGradSync", "sparse_parameters"]
@@ -128,7 +128,7 @@ def _check_buckets(bucket_cap_mb: Any, fuse: Any) -> tuple[float, bool]:
 
 
 #: A sparse gradient of a step: its parameter's name, the parameter, its route, and its rows.
-_SparseItem = tuple[str, nn.Parameter, _Route, tuple[torch.Tensor, torch.Tensor]]
+_SparseItem = tuple[str, nn.Parameter, Route, tuple[torch.Tensor, torch.Tensor]]
 
 
 class _Step:
@@ -138,7 +138,7 @@ class _Step:
 
     def __init__(self) -> None:
         self.sparse: list[_SparseItem] = []
-        self.topk: list[tuple[str, nn.Parameter, _Route]] = []
+        self.topk: list[tuple[str, nn.Parameter, Route]] = []
         self.dense: list[tuple[str, nn.Parameter]] = []
 
 
@@ -264,12 +264,12 @@ class SparseGradSync:
             )
         self.model = model
         self.group = group
-        self.algorithm = _check_choice("algorithm", algorithm, _sparse_algorithms())
-        self.dense = _check_choice("dense", dense, _DENSE_MODES)
-        self.density = _check_density(density)
-        self.start_compression_iter = _check_int("start_compression_iter", start_compression_iter, 0)
-        self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 1)
-        self.topk_algorithm = _check_choice("topk_algorithm", topk_algorithm, _topk_algorithms())
+        self.algorithm = check_choice("algorithm", algorithm, sparse_algorithms())
+        self.dense = check_choice("dense", dense, _DENSE_MODES)
+        self.density = check_density(density)
+        self.start_compression_iter = check_int("start_compression_iter", start_compression_iter, 0)
+        self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
+        self.topk_algorithm = check_choice("topk_algorithm", topk_algorithm, topk_algorithms())
         self.bucket_cap_mb, self.fuse = _check_buckets(bucket_cap_mb, fuse)
         self.topk_options = dict(topk_options or {})
         TopkState(density=self.density, **self.topk_options)  # validate now
@@ -281,7 +281,7 @@ class SparseGradSync:
         self.bytes_sent = 0
         self.last_bytes = 0
         self._params = _tracked_parameters(model)
-        self._routes: dict[str, _Route] | None = None
+        self._routes: dict[str, Route] | None = None
         self._routes_compressing: bool | None = None
         self._routes_code = 0  # a code of the routes, for the step's check
         self._policy_arg: Any = None
@@ -304,18 +304,18 @@ class SparseGradSync:
         """Whether top-k compression is on (the warm-up is over)."""
         return self.step >= self.start_compression_iter
 
-    def _compute_routes(self) -> dict[str, _Route]:
+    def _compute_routes(self) -> dict[str, Route]:
         """Route every tracked parameter for the current step (local: no communication)."""
         compressing = self.compressing
         if self._routes is not None and self._routes_compressing == compressing:
             return self._routes
-        policy, overrides, self._policy_arg = _resolve_policy(self.policy)
-        p, backend = _world_size(self.group), _backend(self.group)
-        routes: dict[str, _Route] = {}
+        policy, overrides, self._policy_arg = resolve_policy(self.policy)
+        p, backend = group_size(self.group), backend_name(self.group)
+        routes: dict[str, Route] = {}
         for name, param, sparse in self._params:
             density = None if sparse else self.density
             decision = policy.match(name, param.numel(), density, p, None, dtype_name(param.dtype), backend)
-            route = _route_for(
+            route = route_for(
                 decision,
                 overrides,
                 sparse=sparse,
@@ -327,7 +327,7 @@ class SparseGradSync:
             )
             if route.route == "topk" and not compressing:
                 warm_up = f"warm-up ({self.step} of {self.start_compression_iter} dense steps)"
-                route = _Route("dense", "dense", reason=warm_up)
+                route = Route("dense", "dense", reason=warm_up)
             routes[name] = route
         self.decisions = {
             n: {"route": r.route, "algorithm": r.algorithm, "reason": r.reason, "policy_digest": policy.digest}
@@ -402,7 +402,7 @@ class SparseGradSync:
         """
         self.wait()
         step, check = self._prepare(async_op)
-        p = _world_size(self.group)
+        p = group_size(self.group)
         # The check rides in the step's first fused call when nothing runs before that call completes;
         # otherwise (and always on a rank that failed to prepare) it is an exchange of its own.
         carried = (step is not None and self.fuse and bool(step.sparse)
@@ -467,7 +467,7 @@ class SparseGradSync:
             )))
         return launched
 
-    def _call_one(self, name: str, param: nn.Parameter, route: _Route, rows: tuple[torch.Tensor, torch.Tensor],
+    def _call_one(self, name: str, param: nn.Parameter, route: Route, rows: tuple[torch.Tensor, torch.Tensor],
                   async_op: bool) -> Any:
         """Start one :func:`colltune.sparse_allreduce` of one sparse gradient."""
         idx, vals = rows
@@ -487,7 +487,7 @@ class SparseGradSync:
         for members, got in launched:
             got = got.wait() if isinstance(got, _api.AsyncHandle) else got
             results = got if isinstance(got, list) else [got]
-            nbytes = _topk_traffic(results[0]) if results else 0
+            nbytes = topk_bytes_sent(results[0]) if results else 0
             entries = [int(res.indices.numel()) for res in results]
             whole = max(1, sum(entries))
             for (name, param, route), res, k in zip(members, results, entries):
@@ -495,7 +495,7 @@ class SparseGradSync:
             total += nbytes
         return total
 
-    def _put_sparse(self, name: str, param: nn.Parameter, route: _Route, res: Any, nbytes: int) -> int:
+    def _put_sparse(self, name: str, param: nn.Parameter, route: Route, res: Any, nbytes: int) -> int:
         """Put a reduced sparse gradient back on ``param`` and count it; return ``nbytes``."""
         grad = param.grad
         if grad is not None and not grad.is_sparse:
@@ -507,7 +507,7 @@ class SparseGradSync:
         self.stats.setdefault(name, TensorStats("sparse", res.algorithm, route.reason)).record(res.algorithm, nbytes)
         return nbytes
 
-    def _sync_topk(self, name: str, param: nn.Parameter, route: _Route) -> int:
+    def _sync_topk(self, name: str, param: nn.Parameter, route: Route) -> int:
         """Average one dense gradient through :func:`colltune.topk_allreduce`; return the bytes this rank sent."""
         grad = param.grad
         if grad is None:
@@ -517,7 +517,7 @@ class SparseGradSync:
         st = self.topk_states.get(name)
         if st is None or (st.residual is not None and st.residual.numel() != grad.numel()):
             knobs = {**self.topk_options, **dict(route.state_knobs)}
-            st = self.topk_states[name] = _new_topk_state(self.density, knobs)
+            st = self.topk_states[name] = new_topk_state(self.density, knobs)
         res: Any = _api.topk_allreduce(
             grad,
             st,
@@ -529,7 +529,7 @@ class SparseGradSync:
             policy=self._policy_arg if route.algorithm == AUTO else None,
         )
         grad.copy_(res.to_dense())
-        nbytes = _topk_traffic(res)
+        nbytes = topk_bytes_sent(res)
         self.stats.setdefault(name, TensorStats("topk", res.algorithm, route.reason)).record(res.algorithm, nbytes)
         return nbytes
 
@@ -577,7 +577,7 @@ class SparseGradSync:
             pos += param.numel()
         dist.all_reduce(flat, group=self.group)
         flat[:numel].div_(p)
-        nbytes = _ring_bytes(flat.numel(), flat.element_size(), p)
+        nbytes = ring_bytes(flat.numel(), flat.element_size(), p)
         pos = 0
         for i, (name, param) in enumerate(bucket):
             n = param.numel()
@@ -719,7 +719,7 @@ class SparseGradSync:
         """Return options, step, residuals, thresholds and decisions as plain data and tensors (no process group)."""
         self.wait()
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "kind": "sync",
             "step": self.step,
             "algorithm": self.algorithm,
@@ -740,7 +740,7 @@ class SparseGradSync:
             ColltuneValueError: ``d`` is not a synchronizer state of a known
                 version, or names a compressed parameter this model lacks.
         """
-        _check_state_dict(d, "sync")
+        check_state_dict(d, "sync")
         names = {n for n, _, _ in self._params}
         unknown = sorted(set(d["topk"]) - names)
         if unknown:
@@ -749,14 +749,14 @@ class SparseGradSync:
                 "track; load it into a synchronizer built on the same model."
             )
         self.step = int(d["step"])
-        self.algorithm = _check_choice("algorithm", d["algorithm"], _sparse_algorithms())
-        self.dense = _check_choice("dense", d["dense"], _DENSE_MODES)
-        self.density = _check_density(d["density"])
-        self.start_compression_iter = _check_int("start_compression_iter", d["start_compression_iter"], 0)
-        self.min_compress_numel = _check_int("min_compress_numel", d["min_compress_numel"], 1)
-        self.topk_algorithm = _check_choice("topk_algorithm", d["topk_algorithm"], _topk_algorithms())
+        self.algorithm = check_choice("algorithm", d["algorithm"], sparse_algorithms())
+        self.dense = check_choice("dense", d["dense"], _DENSE_MODES)
+        self.density = check_density(d["density"])
+        self.start_compression_iter = check_int("start_compression_iter", d["start_compression_iter"], 0)
+        self.min_compress_numel = check_int("min_compress_numel", d["min_compress_numel"], 1)
+        self.topk_algorithm = check_choice("topk_algorithm", d["topk_algorithm"], topk_algorithms())
         self.topk_options = dict(d["topk_options"])
-        self.topk_states = {k: _restore_topk(v) for k, v in d["topk"].items()}
+        self.topk_states = {k: restore_topk_state(v) for k, v in d["topk"].items()}
         self.decisions = {k: dict(v) for k, v in d["decisions"].items()}
         self._routes = None
         self._synced = False
@@ -846,7 +846,7 @@ def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_
     Raises:
         RankMismatchError: on every rank, when ranks hold models of different names, shapes or dtypes.
     """
-    if _world_size(group) == 1:
+    if group_size(group) == 1:
         return
     seen: set[int] = set()
     tensors: list[tuple[str, torch.Tensor]] = []
@@ -855,7 +855,7 @@ def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_
             seen.add(id(t))
             tensors.append((name, t))
     plan = [[n, list(t.shape), dtype_name(t.dtype) if t.is_floating_point() else str(t.dtype)] for n, t in tensors]
-    _check_same_plan(["init_sync", plan], group, "SparseGradSync(init_sync=True)")
+    check_same_plan(["init_sync", plan], group, "SparseGradSync(init_sync=True)")
     src = 0 if group is None else dist.get_global_rank(group, 0)
     buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
     filled: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes in each kind's last bucket
