@@ -75,6 +75,31 @@ def test_fit_reports_errors_and_stores_the_model(tiny_profile, tmp_path, capsys)
     assert cv["cv"]["n_groups"] == 4 and set(cv["cv"]["per_algorithm"]) == set(BUILTIN_NAMES)
 
 
+def test_fit_adds_the_measurements_of_other_profiles_of_the_backend(tiny_profile, tmp_path, capsys):
+    import dataclasses
+
+    from colltune.model.profile import save_profile
+
+    rows = tmp_path / "rows.yaml"
+    argv = ["profile", "--world-size", "2", "--n", "2^10", "--density", "1e-2", "--overlap", "1",
+            "--row-shape", "4", "--repeats", "2", "--no-progress", "--out", str(rows)]
+    assert cli.main(argv) == 0
+    out = tmp_path / "pooled.yaml"
+    assert cli.main(["fit", str(tiny_profile), "--add", str(rows), "--out", str(out), "--folds", "2",
+                     "--notes", "scalars and rows of 4"]) == 0
+    pooled, base, more = load_profile(out), load_profile(tiny_profile), load_profile(rows)
+    assert pooled.measurements == base.measurements + more.measurements
+    assert {m.row_numel for m in pooled.measurements} == {1, 4}
+    assert pooled.primitives == base.primitives and pooled.meta["added"][0]["measurements"] == len(more.measurements)
+    assert pooled.meta["added"][0]["grid"]["row_numel"] == 4 and pooled.meta["notes"] == "scalars and rows of 4"
+    # Another backend's measurements are refused, naming both backends.
+    nccl = tmp_path / "nccl.yaml"
+    save_profile(dataclasses.replace(more, meta={**more.meta, "backend": "nccl"}), nccl)
+    capsys.readouterr()
+    assert cli.main(["fit", str(tiny_profile), "--add", str(nccl), "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "measured on backend 'nccl'" in capsys.readouterr().err and not (tmp_path / "x.yaml").exists()
+
+
 def _journal_configs(path):
     with open(path) as fh:
         return [json.loads(line) for line in fh if '"kind":"config"' in line]
@@ -107,7 +132,7 @@ def test_a_killed_run_resumes_without_measuring_again(tmp_path):
 
     assert cli.main(["profile", *argv[argv.index("--world-size"):], "--resume"]) == 0
     prof = load_profile(out)
-    assert len(prof.measurements) == 16 * 3
+    assert len(prof.measurements) == 16 * len(BUILTIN_NAMES)
     by_key = {}
     for m in prof.measurements:
         by_key.setdefault(profiling.measurement_key(m), {})[m.algorithm] = m.to_dict()
@@ -130,7 +155,7 @@ def test_budget_stops_early_and_resume_finishes(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
     assert cli.main(argv[:-2] + ["--resume"]) == 0
     assert "resuming:" in capsys.readouterr().out
-    assert len(load_profile(out).measurements) == 12
+    assert len(load_profile(out).measurements) == 4 * len(BUILTIN_NAMES)
     assert not os.path.exists(profiling.journal_path(out))
 
 

@@ -258,8 +258,15 @@ class FitCommand(Command):
         parser.add_argument("--online", metavar="STATE", nargs="+", default=[],
                             help="fold in the calls online correction measured: state files a job wrote "
                             "(COLLTUNE_ONLINE_STATE), each site's last calls added to the profile's measurements")
+        parser.add_argument("--add", metavar="OTHER", nargs="+", default=[],
+                            help="fold in the measurements of other measured profiles of the same backend "
+                            "(colltune profile runs of another row shape, dtype or grid); PROFILE's primitives "
+                            "and meta are kept, the others' grids are listed in meta.added")
+        parser.add_argument("--notes", metavar="TEXT", help="replace the profile's meta.notes (how it was made)")
 
     def run(self, args: argparse.Namespace) -> int:
+        import dataclasses
+
         from colltune.model.profile import load_profile, save_profile
         from colltune.offline.profiling import ProfilingError, check_output_path, fit_profile, format_fit_report
 
@@ -271,8 +278,12 @@ class FitCommand(Command):
         if prof.kind != "measured" or not prof.measurements:
             raise ProfilingError(f"{args.profile}: a {prof.kind} profile without measurements has nothing to fit; "
                                  "measure one with colltune profile.")
+        if args.add:
+            prof = _with_profiles(prof, args.profile, args.add)
         if args.online:
             prof = _with_online(prof, args.online)
+        if args.notes is not None:
+            prof = dataclasses.replace(prof, meta={**prof.meta, "notes": args.notes})
         fitted, report = fit_profile(prof, folds=None if args.folds == 1 else args.folds, estimator=args.estimator)
         print(format_fit_report(report))
         save_profile(fitted, out)
@@ -280,6 +291,33 @@ class FitCommand(Command):
             write_json(args.json, report)
         print(f"\nwrote the fitted model to {out} ({report['fit_s']:.1f} s)")
         return 0
+
+
+def _with_profiles(prof: "Profile", source: str, paths: list[str]) -> "Profile":
+    """``prof`` with the measurements of the measured profiles at ``paths`` added (the same backend only)."""
+    import dataclasses
+
+    from colltune.model.profile import load_profile
+    from colltune.offline.profiling import ProfilingError
+
+    measurements, meta = list(prof.measurements), dict(prof.meta)
+    added = list(meta.get("added") or [])
+    for path in paths:
+        other = load_profile(path)
+        if other.kind != "measured" or not other.measurements:
+            raise ProfilingError(f"--add {path}: a {other.kind} profile without measurements has nothing to add.")
+        if other.meta.get("backend") != prof.meta.get("backend"):
+            raise ProfilingError(
+                f"--add {path}: measured on backend {other.meta.get('backend')!r}, but {source} on "
+                f"{prof.meta.get('backend')!r}; a cost model is fitted on one backend's measurements."
+            )
+        measurements += other.measurements
+        added.append({"measurements": len(other.measurements), "world_sizes": other.meta.get("world_sizes"),
+                      "grid": other.meta.get("grid"), "date": other.meta.get("date")})
+        print(f"adding {len(other.measurements)} measurements from {path}")
+    sizes = sorted({*(meta.get("world_sizes") or []), *(w for a in added for w in (a["world_sizes"] or []))})
+    meta.update(added=added, world_sizes=sizes)
+    return dataclasses.replace(prof, meta=meta, measurements=measurements)
 
 
 def _with_online(prof: "Profile", paths: list[str]) -> "Profile":
