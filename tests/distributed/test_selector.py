@@ -26,7 +26,7 @@ from colltune.model.features import (
 )
 from colltune.model.policy import parse_policy
 from colltune.model.profile import Primitive, Profile
-from colltune.select.selector import SAFE_DEFAULT, Selector, candidates, profiles_dir, shipped_profile
+from colltune.select.selector import SAFE_DEFAULT, Selector, _bucket, candidates, profiles_dir, shipped_profile
 
 from harness import expect_error, pool
 
@@ -116,6 +116,21 @@ def test_decide_uses_the_cost_model_and_caches_per_site():
     assert not _decide(sel, 2**20, [20972] * 8, 0.0).cached
     moved = _decide(sel, 2**20, [20972 * 2] * 8, 0.0)
     assert not moved.cached
+
+
+def test_calls_that_wander_inside_a_bucket_stop_being_decided_again_once_both_ends_agree():
+    sel = Selector(profile=SYNTHETIC, environ={}, overlap_band=0.05, count_band=0.1)
+    n = 2**20
+    # Two calls alternating in one bucket of K, each outside the other's band: counts 18% apart, overlaps 0.2 apart.
+    a, b = ([17000] * 8, 1.0), ([20000] * 8, 0.8)
+    first, second, third = _decide(sel, n, *a), _decide(sel, n, *b), _decide(sel, n, *a)
+    assert first.algorithm == second.algorithm == third.algorithm == "oktopk"
+    assert _bucket(8 * 17000) == _bucket(8 * 20000)
+    assert not first.cached and not second.cached  # b was outside a's band: decided, the same algorithm
+    assert third.cached  # the entry now covers both
+    assert all(_decide(sel, n, *c).cached for c in (b, a, b, a))
+    # Outside the range both ends confirmed, or another algorithm's region, the call is decided again.
+    assert not _decide(sel, n, [17000] * 8, 0.5).cached
 
 
 def test_hysteresis_holds_a_choice_near_a_boundary():

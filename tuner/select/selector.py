@@ -518,13 +518,41 @@ def model_for_profile(profile: Profile, label: str = "<profile>") -> _Model:
 
 
 class _Entry:
+    """A cached decision and where it holds: the ``[lo, hi]`` of ``k_max``, ``K`` and the overlap it was taken at.
+
+    A decision taken again in its bucket that comes out the same widens the
+    ranges to both points (:meth:`widened`): counts and overlaps that wander
+    within one bucket (a few lookups more or less per call, each call's own
+    overlap) stop being decided again once both ends are confirmed.
+    """
+
     __slots__ = ("choice", "cached", "k_max", "k_sum", "overlap", "age")
 
     def __init__(self, choice: Choice, k_max: int, k_sum: int, overlap: float | None) -> None:
         self.choice = choice
         self.cached = choice._as_cached()
-        self.k_max, self.k_sum, self.overlap = k_max, k_sum, overlap
+        self.k_max, self.k_sum = (k_max, k_max), (k_sum, k_sum)
+        self.overlap = None if overlap is None else (overlap, overlap)
         self.age = 1
+
+    def widened(self, old: "_Entry | None") -> "_Entry":
+        """This entry, its ranges covering ``old``'s too when ``old`` decided the same algorithm."""
+        if old is not None and old.choice.algorithm == self.choice.algorithm:
+            self.k_max = _cover(self.k_max, old.k_max)
+            self.k_sum = _cover(self.k_sum, old.k_sum)
+            if self.overlap is not None and old.overlap is not None:
+                self.overlap = _cover(self.overlap, old.overlap)
+        return self
+
+    def overlap_holds(self, overlap: float | None, band: float) -> bool:
+        """Whether ``overlap`` is within ``band`` of the overlaps this decision was taken at (unknown: when both are)."""
+        if self.overlap is None or overlap is None:
+            return self.overlap is None
+        return self.overlap[0] - band <= overlap <= self.overlap[1] + band
+
+
+def _cover(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
+    return min(a[0], b[0]), max(a[1], b[1])
 
 
 class _Site:
@@ -843,11 +871,10 @@ class Selector:
 
     def _in_band(self, e: _Entry, k_max: int, k_sum: int, overlap: float | None) -> bool:
         hi = 1.0 + self.count_band
-        if not (k_sum * hi >= e.k_sum and k_sum <= e.k_sum * hi and k_max * hi >= e.k_max and k_max <= e.k_max * hi):
+        if not (k_sum * hi >= e.k_sum[0] and k_sum <= e.k_sum[1] * hi
+                and k_max * hi >= e.k_max[0] and k_max <= e.k_max[1] * hi):
             return False
-        if e.overlap is None or overlap is None:
-            return e.overlap is None
-        return abs(overlap - e.overlap) <= self.overlap_band
+        return e.overlap_holds(overlap, self.overlap_band)
 
     def decide_sparse(
         self,
@@ -906,7 +933,8 @@ class Selector:
         call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p, backend, ranks_per_node)
         choice = self._choose_sparse(site, call, comm, backend, indices, sketches)
         site.last = site.latest = choice.algorithm
-        site.entries[_bucket(k_sum)] = _Entry(choice, k_max, k_sum, choice.overlap)
+        bucket = _bucket(k_sum)
+        site.entries[bucket] = _Entry(choice, k_max, k_sum, choice.overlap).widened(site.entries.get(bucket))
         self._log("sparse", name, site_key, choice, comm.rank)
         return self._explored("sparse", name, site_key, choice, comm.rank)
 
@@ -1049,7 +1077,7 @@ class Selector:
         if site is not None:
             e = site.entries.get(0)
             if e is not None and e.age < self.reevaluate_every and (
-                e.overlap is None or site.overlap is None or abs(site.overlap - e.overlap) <= self.overlap_band
+                site.overlap is None or e.overlap is None or e.overlap_holds(site.overlap, self.overlap_band)
             ):
                 e.age += 1
                 site.latest = e.choice.algorithm
