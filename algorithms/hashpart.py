@@ -57,8 +57,10 @@ the record (the coalesce's count and the counts per owner ride in it), the
 read of the counts per owner from the gathered slots (already in host
 memory on a GPU: the audit counts it as a read), and the owners' reduced
 sizes. The owner's merge reads nothing (its unique count travels, still on
-the device, in the sizes' gather). Top-k mode: the local selection's count,
-the counts' ``all_to_all`` and the sizes, plus the record.
+the device, in the sizes' gather). Top-k mode: the local selection's count
+(made before the record, which carries its counts per owner:
+:meth:`HashPart.topk_prepare`), the record and the sizes; an ``all_to_all``
+of the counts (a fourth read) only where ``8 P`` bytes do not fit the slot.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ from colltune.algorithms import meta as _meta
 from colltune.algorithms import sizes
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput, TopkPrepared
 from colltune.algorithms.comm import Comm
-from colltune.algorithms.knobs import Knob
+from colltune.algorithms.knobs import BUILTIN_KNOBS
+from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
     Batch,
@@ -278,45 +281,40 @@ def _share_schedule(c: Pricing, mode: str, entry: float) -> tuple[Step, float]:
     return c.all_to_all("union_gather", largest * entry), largest * entry
 
 
+@register
 class HashPart(Algorithm):
     """Reduce-scatter by hash owner in one ``all_to_all``, then all-gather the owners' sums."""
 
     name = "hashpart"
-    knob_specs = (
-        Knob("gather_mode", "auto", "how the owners' sums are gathered: `pad` (one `all_gather` padded to the largest "
-             "share), `alltoall` (exact sizes), `auto` (pad unless padding adds over 25%)",
-             choices=("auto", "pad", "alltoall"), tune=("exact", "topk")),
-    )
+    knob_specs = BUILTIN_KNOBS["hashpart"]  # declared in colltune.algorithms.knobs: read without torch
     TERMS = (
         "metadata", "counts_all_to_all", "split_all_to_all", "owner_reduce", "sizes_all_gather", "union_gather",
         "unpack_sort",
     )
     #: Exact: the record (the coalesce's count and the counts per owner ride in it), the counts' read from the
-    #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the record,
-    #: the local selection's count, the counts' all_to_all, the sizes.
-    HOST_SYNCS = {"exact": 3, "topk": 4}
+    #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the local
+    #: selection's count (before the record, which carries its counts per owner), the record, the sizes.
+    HOST_SYNCS = {"exact": 3, "topk": 3}
     applies_avg = True  # each owner divides its own sums, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
         """The record (with the counts per owner), the split, the owners' merge, the sizes, the shares' gather, the sort.
 
-        In top-k mode every rank sends its ``k`` selected entries by owner
-        (their counts in an ``all_to_all``: the selection comes after the
-        record), after a local top-k selection; the shares travel in the
-        accumulation dtype.
+        In top-k mode every rank sends its ``k`` selected entries by owner,
+        after a local top-k selection made before the record (which carries
+        their counts); the shares travel in the accumulation dtype.
         """
         c = pricing
         mode = {**self.knobs, **knobs}["gather_mode"]
+        # The counts per owner ride in the record (top-k mode selects before it).
+        meta = c.metadata(c.record_bytes + (0 if c.record_known else sizes.payload_reserve(c.p)))
+        counts = c.free("counts_all_to_all", "all_to_all")
         if c.topk:
             k_local = k_owner = c.kavg
-            meta = c.metadata()
-            counts = c.all_to_all("counts_all_to_all", 8.0)
             select = 4 * c.n * c.rba + k_local * math.log2(max(k_local, 2.0)) * 8.0
             share_entry = c.e - c.rb + c.rba
         else:
             k_local, k_owner = c.k_max, c.kavg  # the largest rank bounds the split; the hash evens the owners
-            meta = c.metadata(c.record_bytes + (0 if c.record_known else sizes.payload_reserve(c.p)))
-            counts = c.free("counts_all_to_all", "all_to_all")  # in the record
             select, share_entry = 0.0, c.e
         split = c.all_to_all("split_all_to_all", k_local / c.p * c.e)
         # Hash and order by owner, pack; unpack what arrived, stable sort, sum the runs.
@@ -368,15 +366,34 @@ class HashPart(Algorithm):
         _meta.note_payload(comm)  # the counts ride in the next records (from P = 64 the slot makes room for them)
         return out
 
+    def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> TopkPrepared | None:
+        """Select the local top-k now, and put its count per owner (``P`` int64) in the record.
+
+        The owners depend on the indices and ``P`` alone, so every rank then
+        knows what every rank sends to every owner, and the split needs no
+        ``all_to_all`` of counts. ``None`` when ``8 P`` bytes do not fit.
+        """
+        idx = Magnitudes(acc).top_k_indices(state.k_for(acc.numel()))
+        payload = self.eager_payload(idx, acc.numel(), comm, None, capacity)
+        return None if payload is None else TopkPrepared(payload, idx)
+
     def topk_allreduce(
         self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: TopkPrepared | None = None
     ) -> TopkOutput:
         n = acc.numel()
         k = state.k_for(n)
-        idx = Magnitudes(acc).top_k_indices(k)
+        p, me = comm.world_size, comm.rank
+        counts = None
+        if prepared is not None and prepared.gathered is not None and prepared.gathered.shape[1] == 8 * p:
+            idx = prepared.work
+            table = np.ascontiguousarray(prepared.gathered).view(np.int64)  # row j: rank j's count per owner
+            counts = table[me].tolist(), table[:, me].tolist()
+        else:
+            idx = Magnitudes(acc).top_k_indices(k)
         vals = acc.index_select(0, idx).view(k, 1)
         gidx, gvals = hash_reduce(
-            comm, idx, vals, n, acc.dtype, share_dtype=accum_dtype(acc.dtype), mode=knobs["gather_mode"]
+            comm, idx, vals, n, acc.dtype, counts=counts, share_dtype=accum_dtype(acc.dtype),
+            mode=knobs["gather_mode"],
         )
         state.last_local_count, state.last_global_count = k, gidx.numel()
         return TopkOutput(indices=gidx, values=gvals.view(-1), sent=idx, local_count=k, global_count=gidx.numel())

@@ -169,4 +169,9 @@ BUILTIN_KNOBS: dict[str, tuple[Knob, ...]] = {
              choices=GATHER_MODES),
         Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
     ),
+    "hashpart": (
+        Knob("gather_mode", "auto", "how the owners' sums are gathered: `pad` (one `all_gather` padded to the largest "
+             "share), `alltoall` (exact sizes), `auto` (pad unless padding adds over 25%)",
+             choices=("auto", "pad", "alltoall"), tune=("exact", "topk")),
+    ),
 }

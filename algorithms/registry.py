@@ -31,6 +31,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "colltune.algorithms.dense",
     "colltune.algorithms.allgather",
     "colltune.algorithms.oktopk",
+    "colltune.algorithms.hashpart",
 )
 #: The built-in algorithms' names (each module is named after its algorithm), in registry order:
 #: the algorithms a profile measures and the learned cost model's feature layout.

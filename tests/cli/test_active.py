@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from test_cli_report import synthetic_profile
 
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model.profile import load_profile
 from colltune.offline import active
 
@@ -46,7 +47,7 @@ def test_simulation_replays_grid_active_and_random(tmp_path):
                           member_kw={"n_estimators": 10})
     (run,) = res["runs"]
     assert run["pool"] + run["test"] == res["setup"]["configs"] >= 60
-    assert run["grid"]["configs"] == run["pool"] and run["grid"]["measurements"] == 3 * run["pool"]
+    assert run["grid"]["configs"] == run["pool"] and run["grid"]["measurements"] == len(BUILTIN_NAMES) * run["pool"]
     assert [m for m, _ in run["active"]] == [m for m, _ in run["random"]] == [1, 2, 3, 4, 5]
     assert all(r >= 1.0 for _, r in run["active"] + run["random"])
     assert len({p["key"] for p in run["active_picks"]}) == 5  # never the same configuration twice
@@ -77,5 +78,5 @@ def test_live_active_profiling_measures_what_it_chooses(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"wrote {out}" in text and "2 measured now" in text
     prof = load_profile(out)
-    assert len(prof.measurements) == 2 * 3 and "active profiling" in prof.meta["notes"]
+    assert len(prof.measurements) == 2 * len(BUILTIN_NAMES) and "active profiling" in prof.meta["notes"]
     assert prof.model is not None

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from colltune import cli
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model.features import MAX_WORLD_SIZE
 
 #: Identical index sets: the overlap fits at every world size up to the bound.
@@ -19,7 +20,7 @@ def test_simulate_prints_every_world_size_and_a_choice(capsys) -> None:
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["8", "64", "1024"]
     assert [r[1] for r in rows] == ["1", "8", "128"] and all(r[2] == "8" for r in rows)
-    assert all(r[-1] in ("dense", "allgather", "oktopk") for r in rows)
+    assert all(r[-1] in BUILTIN_NAMES for r in rows)
     assert "it receives as much" in out
 
 
@@ -29,7 +30,7 @@ def test_simulate_json_holds_times_bytes_and_choices(capsys) -> None:
     first, last = doc["points"]
     assert first["world_size"] == 8 and last["nodes"] == 128
     for pt in doc["points"]:
-        assert set(pt["predicted_us"]) == {"dense", "allgather", "oktopk"}
+        assert set(pt["predicted_us"]) == set(BUILTIN_NAMES)
         assert pt["choice"] == min(pt["predicted_us"], key=pt["predicted_us"].get)
         assert pt["bytes_received"] == pt["bytes_sent"]
     # at 1024 ranks allgather receives 40x dense's bytes: the NCCL model no longer picks it

@@ -1,8 +1,6 @@
-"""The hash-partitioned algorithm (``hashpart``), registered as a plugin, against the reference and allgather.
+"""The hash-partitioned algorithm (``hashpart``) against the reference and allgather.
 
-``hashpart`` is not a built-in: every rank function registers it, runs its
-calls, and unregisters it (pool ranks keep the registry between tests). The
-parent checks, per case and world size:
+The parent checks, per case and world size:
 
 * the result against the float64 dense reference (the union, values within
   the dtype's tolerance);
@@ -24,7 +22,6 @@ import pytest
 import torch
 
 import colltune
-from colltune.algorithms import register, unregister
 from colltune.algorithms.hashpart import HashPart, hash_owner, hash_owner_host
 from colltune.algorithms.sparse import device_path
 
@@ -32,18 +29,6 @@ from harness import pool
 from sparse_cases import DTYPES, assert_close_to_reference, case, make_input, raw, reference
 
 SIZES = [1, 2, 3, 4]
-
-
-class _Registered:
-    """Register :class:`HashPart` for the ``with`` block (in a rank or in the parent), then remove it."""
-
-    def __enter__(self) -> None:
-        register(HashPart)
-        colltune.configure()
-
-    def __exit__(self, *exc: object) -> None:
-        unregister("hashpart")
-        colltune.configure()
 
 
 # ------------------------------------------------------------------ cases
@@ -125,7 +110,7 @@ def _record(res) -> dict:
 
 def _both_algorithms(rank, world_size, cases, device, repeat=2, knobs=None):
     """Per case: ``repeat`` hashpart calls and one allgather call on this rank's input."""
-    with _Registered(), device_path(device):
+    with device_path(device):
         out = []
         for c in cases:
             idx, vals = make_input(c, rank, world_size)
@@ -208,7 +193,7 @@ def _audited(rank, world_size, row_shape, k):
     n = 1 << 14
     idx = torch.randint(0, n, (k,), generator=g)
     vals = torch.randn((k, *row_shape), generator=g)
-    with _Registered(), device_path():
+    with device_path():
         earlier = [raw(colltune.sparse_allreduce(idx, vals, size=n, algorithm="hashpart", name="hashpart-budget").values)
                    for _ in range(3)]
         with audit() as a:  # raises on atomics and on places written twice
@@ -231,7 +216,7 @@ def _topk(rank, world_size, dtype, device):
     g = torch.Generator().manual_seed(rank)
     grads = [torch.randn(3000, generator=g).round(decimals=1).to(DTYPES[dtype]) for _ in range(4)]  # ties included
     out = {}
-    with _Registered(), device_path(device):
+    with device_path(device):
         for algorithm in ("hashpart", "allgather"):
             state = TopkState(density=0.02)
             steps = []
@@ -256,8 +241,7 @@ def test_topk_mode_is_topka_bit_for_bit(world_size, dtype, device):
 def _fused(rank, world_size):
     from test_fused import _both, _mixed
 
-    with _Registered():
-        return _both(rank, world_size, _mixed(world_size, "avg"), "hashpart", 0.001, 1)
+    return _both(rank, world_size, _mixed(world_size, "avg"), "hashpart", 0.001, 1)
 
 
 def test_a_fused_call_gives_the_per_tensor_bits():
@@ -279,8 +263,7 @@ def test_the_schedule_prices_every_term(mode, world_size):
 
     ks = [500 + 10 * r for r in range(world_size)]
     f = Features.build(numel=2**20, row_numel=16, dtype="float16", k_per_rank=ks, union=1.5 * max(ks), mode=mode)
-    with _Registered():
-        terms = AnalyticModel(DEFAULT_PRIMITIVES).terms(f)
+    terms = AnalyticModel(DEFAULT_PRIMITIVES).terms(f)
     assert list(terms["hashpart"]) == list(HashPart.TERMS)
     assert all(t >= 0 for t in terms["hashpart"].values()), terms["hashpart"]
     if world_size == 1:
@@ -310,17 +293,16 @@ def test_the_hash_is_the_same_in_numpy_and_torch_and_mixes_strided_sets():
 def _traffic(rank, world_size, c):
     import torch.distributed as dist
 
-    with _Registered():
-        idx, vals = make_input(c, rank, world_size)
-        out = {}
-        for algorithm in ("hashpart", "oktopk", "allgather"):
-            group = dist.new_group()  # its own eager slot, sized by its own calls only
-            for _ in range(3):  # steady state: Ok-Topk's boundaries and the eager slot settled
-                res = colltune.sparse_allreduce(idx, vals, c["size"], algorithm=algorithm, group=group)
-            out[algorithm] = {"bytes": res.traffic.bytes_sent, "meta": res.traffic.meta_bytes,
-                              "by_primitive": res.traffic.by_primitive}
-            dist.destroy_process_group(group)
-        return out
+    idx, vals = make_input(c, rank, world_size)
+    out = {}
+    for algorithm in ("hashpart", "oktopk", "allgather"):
+        group = dist.new_group()  # its own eager slot, sized by its own calls only
+        for _ in range(3):  # steady state: Ok-Topk's boundaries and the eager slot settled
+            res = colltune.sparse_allreduce(idx, vals, c["size"], algorithm=algorithm, group=group)
+        out[algorithm] = {"bytes": res.traffic.bytes_sent, "meta": res.traffic.meta_bytes,
+                          "by_primitive": res.traffic.by_primitive}
+        dist.destroy_process_group(group)
+    return out
 
 
 def test_zipf_skew_is_balanced_over_owners_and_moves_fewer_bytes_than_allgather():

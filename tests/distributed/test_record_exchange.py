@@ -13,10 +13,11 @@ import torch
 
 import colltune
 from colltune.algorithms.errors import RemoteInputError
+from colltune.algorithms.registry import BUILTIN_NAMES
 
 from harness import expect_error, run_ranks
 
-ALGORITHMS = ("dense", "allgather", "oktopk", "auto")
+ALGORITHMS = (*BUILTIN_NAMES, "auto")
 
 
 def _calls(rank: int, world_size: int, summed: bool) -> dict:
