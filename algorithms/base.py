@@ -325,6 +325,17 @@ class Algorithm(abc.ABC):
         The result must be bitwise identical on every rank.
         """
 
+    def one_off(self, comm: Comm, size: int, knobs: dict[str, Any]) -> bool:
+        """Whether the coming exact call pays one-off set-up that its schedule prices only amortized.
+
+        Ok-Topk's boundary refresh (its first call at a size, then every
+        ``boundary_refresh`` calls) is one: online correction does not learn
+        from such a call's time, which says little of the calls between.
+        Asked before the call runs; must depend only on what every rank
+        shares (so every rank learns from the same calls). Default: never.
+        """
+        return False
+
     def sparse_allreduce_parts(
         self, inp: SparseInput, comm: Comm, knobs: dict[str, Any], bounds: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -717,6 +717,11 @@ class OkTopk(Algorithm):
         sizes.move_to_end(size)
         return st
 
+    def one_off(self, comm: Comm, size: int, knobs: dict[str, Any]) -> bool:
+        """A call that computes the region boundaries (the group's first at this size, then every refresh)."""
+        st = _exact_entry(comm, size, knobs["boundary_refresh"])
+        return st is None or st.bounds.due(size, comm.world_size)
+
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
     ) -> np.ndarray | torch.Tensor | None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -137,21 +138,48 @@ def _predicted(sel: Selector, n: int, idx: torch.Tensor, union: int, world_size:
     return dict(sel.model("gloo").predict(f))  # type: ignore[union-attr]
 
 
-def _summary(records: list[dict], settle: int) -> dict[str, Any]:
+def _smoothed(records: list[dict], window: int) -> list[dict[str, float]]:
+    """Each call's forced times, each the median over the site's calls within ``window`` of it (the call's truth).
+
+    One forced call is one noisy sample: where two algorithms lie within the
+    noise, the faster of two samples is the lucky one as often as the
+    better one, and a perfect choice still shows regret. The site's
+    densities drift over about a hundred calls, so a few neighbours share
+    the call's truth.
+    """
+    by_site: dict[int, list[dict]] = {}
+    for r in records:
+        by_site.setdefault(r["site"], []).append(r)
+    truth: dict[int, dict[str, float]] = {}
+    for calls in by_site.values():
+        calls.sort(key=lambda r: r["call"])
+        for j, r in enumerate(calls):
+            near = calls[max(0, j - window) : j + window + 1]
+            truth[id(r)] = {a: statistics.median(c["forced"][a] for c in near) for a in r["forced"]}
+    return [truth[id(r)] for r in records]
+
+
+def _regrets(records: list[dict], truths: list[dict[str, float]], mode: str) -> list[float]:
+    return sorted(t[r[mode]["algorithm"]] / min(t.values()) for r, t in zip(records, truths))
+
+
+def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    after = [r for r in records if r["call"] >= settle]
+    smooth = [t for r, t in zip(records, _smoothed(records, window)) if r["call"] >= settle]
     for mode in ("on", "off"):
-        after = [r for r in records if r["call"] >= settle]
-        regret = sorted(r["forced"][r[mode]["algorithm"]] / min(r["forced"].values()) for r in after)
         explored = [r for r in records if r[mode]["source"] == "explore"]
         total = sum(r[mode]["us"] for r in records)
-        out[mode] = {
-            "regret_geomean": math.exp(sum(math.log(x) for x in regret) / len(regret)),
-            "regret_p95": regret[min(len(regret) - 1, int(0.95 * len(regret)))],
-            "regret_max": regret[-1],
-            "explore_calls": len(explored) / len(records),
-            "explore_time": sum(r[mode]["us"] for r in explored) / total,
-            "auto_us_geomean": math.exp(sum(math.log(r[mode]["us"]) for r in after) / len(after)),
-        }
+        out[mode] = {"explore_calls": len(explored) / len(records),
+                     "explore_time": sum(r[mode]["us"] for r in explored) / total,
+                     "auto_us_geomean": math.exp(sum(math.log(r[mode]["us"]) for r in after) / len(after))}
+        for label, truths in (("", [r["forced"] for r in after]), ("smoothed_", smooth)):
+            regret = _regrets(after, truths, mode)
+            out[mode].update({
+                f"{label}regret_geomean": math.exp(sum(math.log(x) for x in regret) / len(regret)),
+                f"{label}regret_p95": regret[min(len(regret) - 1, int(0.95 * len(regret)))],
+                f"{label}regret_max": regret[-1],
+            })
     out["on_over_off"] = out["on"]["auto_us_geomean"] / out["off"]["auto_us_geomean"]
     return out
 
@@ -162,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="calls per site (default 200)")
     ap.add_argument("--sites", type=int, default=4, help="call sites (default 4)")
     ap.add_argument("--settle", type=int, default=50, help="calls of a site before regret counts (default 50)")
+    ap.add_argument("--window", type=int, default=2,
+                    help="the smoothed truth: each forced time the median over the site's calls within this many "
+                    "calls (default 2: five calls)")
     ap.add_argument("--profile", default=None, help="the profile (default: the one shipped for gloo)")
     ap.add_argument("--wrong", default=None, metavar="ALG:X", help="multiply the profile's predictions of ALG by X")
     ap.add_argument("--json", default=None, metavar="FILE")
@@ -180,16 +211,20 @@ def main(argv: list[str] | None = None) -> int:
         for r in per_rank
     )
     records = per_rank[0]["calls"]
-    summary = _summary(records, args.settle)
+    summary = _summary(records, args.settle, args.window)
     summary.update(ranks=args.ranks, calls=args.calls, sites=args.sites, wrong=wrong, same_on_every_rank=same,
                    profile=args.profile or "shipped (gloo)")
     print(f"P={args.ranks}, {args.sites} sites x {args.calls} calls, profile {summary['profile']}"
           f"{f', wrong: {wrong[0]} x{wrong[1]:g}' if wrong else ''}; regret after each site's first {args.settle}")
-    print(f"{'mode':>4} {'regret gm':>10} {'p95':>6} {'max':>6} {'explore calls':>14} {'explore time':>13}")
+    print(f"{'mode':>4} {'regret gm':>10} {'p95':>6} {'max':>6} {'smoothed gm':>12} {'p95':>6} {'max':>6} "
+          f"{'explore calls':>14} {'explore time':>13}")
     for mode in ("on", "off"):
         m = summary[mode]
         print(f"{mode:>4} {m['regret_geomean']:>10.3f} {m['regret_p95']:>6.2f} {m['regret_max']:>6.2f} "
+              f"{m['smoothed_regret_geomean']:>12.3f} {m['smoothed_regret_p95']:>6.2f} {m['smoothed_regret_max']:>6.2f} "
               f"{100 * m['explore_calls']:>13.1f}% {100 * m['explore_time']:>12.1f}%")
+    print(f"(regret: the chosen algorithm's forced time in that call over the fastest's; smoothed: each forced time "
+          f"the median over the site's calls within {args.window})")
     print(f"auto's own time, on / off (geometric mean): {summary['on_over_off']:.3f}; "
           f"the same decisions on every rank: {same}")
     save_json(args.json, {"summary": summary, "calls": records})

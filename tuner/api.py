@@ -916,8 +916,10 @@ def _sparse_allreduce(
         slot_need(counts, inp.row_numel, inp.size, inp.dtype) + call.payload_bytes
         if has_entries and algorithms.get(algorithm).eager_entries else 0,
     )
+    # A call that pays one-off set-up (Ok-Topk's boundaries) teaches online correction nothing of the others.
+    one_off = timer is not None and algorithms.get(algorithm).one_off(comm, inp.size, call.knobs_checked)
     out_idx, out_vals = run_sparse(inp, comm, algorithm, call.knobs_checked, op, call.values)
-    online.hold(comm, timer, call.sel, call.site, decision)
+    online.hold(comm, timer, call.sel, call.site, None if one_off else decision)
     if call.sel is not None:
         call.sel.observe_sparse(call.site, counts, out_idx.numel())
     out_vals = out_vals.to(call.dtype).reshape((out_idx.numel(),) + inp.row_shape)

@@ -122,3 +122,22 @@ def _rank_subgroups(rank: int, world_size: int) -> list:
 def test_ranks_that_learned_apart_on_subgroups_still_decide_alike_on_a_shared_group() -> None:
     out = pool(4).run(_rank_subgroups)
     assert all(o == out[0] for o in out[1:])
+
+
+def _one_off_calls(rank: int, world_size: int) -> list[bool]:
+    from colltune.algorithms import get
+    from colltune.api import open_comm
+
+    idx, vals = _inputs(rank, 1)
+    algo, knobs = get("oktopk"), {**get("oktopk").knobs, "boundary_refresh": 3}
+    out = []
+    for _ in range(7):
+        out.append(algo.one_off(open_comm(None, vals, None), N, knobs))  # the call's view of the group
+        colltune.sparse_allreduce(idx, vals, N, algorithm="oktopk", knobs={"boundary_refresh": 3})
+    return out
+
+
+def test_the_calls_that_refresh_ok_topks_boundaries_are_one_off():
+    # Online correction does not learn from them: the first at a size, then every boundary_refresh calls.
+    for seen in pool(2).run(_one_off_calls):
+        assert seen == [True, False, False, True, False, False, True], seen

@@ -214,3 +214,20 @@ def test_a_version_1_state_still_loads_and_a_bad_sample_is_refused(tmp_path: Pat
                     '"samples": {"s": [[1024, 1, "float32", 2, 10, 20, 10, "dense", 5.0]]}}')  # k_max > k_sum
     with pytest.raises(ValueError, match=r"samples.s\[0\]"):
         online.load_state(str(path))
+
+
+def test_an_algorithm_priced_too_low_does_not_make_the_unmeasured_ones_look_slow() -> None:
+    # allgather measured at 3x its prediction, oktopk at its own: dense, never measured, keeps its price
+    # (the smaller ratio is the prior), where the mean of the two (1.7x) would leave it untried.
+    ratios, own = online.Ratios(), {}
+    for _ in range(5):
+        ratios.observe(own, "allgather", 100.0, 300.0)
+        ratios.observe(own, "oktopk", 100.0, 100.0)
+    assert ratios.factor({}, "dense") == pytest.approx(1.0)
+    assert ratios.factor(own, "allgather") > 2.0
+    # A machine uniformly slower: every ratio alike, so the prior is that ratio.
+    slow, own = online.Ratios(), {}
+    for _ in range(5):
+        slow.observe(own, "allgather", 100.0, 200.0)
+        slow.observe(own, "oktopk", 100.0, 200.0)
+    assert slow.factor({}, "dense") == pytest.approx(2.0)

@@ -14,7 +14,8 @@ the same call and keeps deciding alike, whatever its own clock said.
 The selector keeps, per call site and algorithm, the ratio measured /
 predicted as a geometric mean that forgets old calls (:data:`DECAY`) and
 is shrunk toward the algorithm's ratio over every site (itself shrunk
-toward 1) while it has few samples (:data:`PRIOR_CALLS`):
+toward the machine's, :meth:`Ratios.machine_log`) while it has few
+samples (:data:`PRIOR_CALLS`):
 :class:`Ratios`. Predictions are multiplied by it before the argmin. An
 algorithm the corrected model does not pick is tried now and then
 (:func:`explore_pick`): at most once in :data:`EXPLORE_EVERY` calls of a
@@ -197,14 +198,19 @@ class Ratios:
         return {a: math.exp(_shrunk(own.get(a), _shrunk(self.every.get(a), machine))) for a in algorithms}
 
     def machine_log(self) -> float:
-        """The machine's log ratio: the mean of the measured algorithms' own, once two or more are measured.
+        """The machine's log ratio: the smallest of the measured algorithms' own, once two or more are measured.
 
         With one algorithm measured, nothing tells a machine slower than its
         profile from that algorithm priced wrong: the others keep the
-        profile's prices (0) until one of them is measured too.
+        profile's prices (0) until one of them is measured too. With two or
+        more, the smallest is the prior of an algorithm not measured yet:
+        on a machine slower than its profile every ratio is about the
+        same, while one algorithm priced too low (a large ratio) must not
+        make the others, which nothing has measured, look slow too and go
+        untried (optimism where nothing is known, as a bandit's).
         """
         logs = [m.s / m.n for m in self.every.values() if m.n >= 0.5]
-        return sum(logs) / len(logs) if len(logs) >= 2 else 0.0
+        return min(logs) if len(logs) >= 2 else 0.0
 
     def samples(self, own: Mapping[str, _Mean], algorithm: str) -> float:
         """The site's (decayed) count of measurements of ``algorithm``."""
