@@ -12,12 +12,13 @@ name            what it does
 ``dense``       densify, ``all_reduce``, extract the union
 ``allgather``   gather every rank's packed entries, merge in rank order
 ``oktopk``      Ok-Topk: split-reduce over balanced regions, then allgatherv
+``hashpart``    reduce-scatter to each index's hash owner, then allgather
 ==============  =============================================================
 
 Example:
     >>> from colltune import algorithms
     >>> algorithms.names()
-    ('dense', 'allgather', 'oktopk')
+    ('dense', 'allgather', 'oktopk', 'hashpart')
     >>> algorithms.get("oktopk").name
     'oktopk'
 """

@@ -9,9 +9,14 @@ import pkgutil
 import pytest
 
 import colltune
+import colltune.algorithms  # its own folder (pyproject's package-dir): walked on its own
 
-MODULES = ["colltune"] + sorted(m.name for m in pkgutil.walk_packages(colltune.__path__, "colltune.")
-                                if not m.name.endswith("__main__"))  # running the CLI's __main__ would start it
+MODULES = ["colltune", "colltune.algorithms"] + sorted(
+    m.name
+    for path, prefix in ((colltune.__path__, "colltune."), (colltune.algorithms.__path__, "colltune.algorithms."))
+    for m in pkgutil.walk_packages(path, prefix)
+    if not m.name.endswith("__main__")  # running the CLI's __main__ would start it
+)
 
 
 @pytest.mark.parametrize("name", MODULES)

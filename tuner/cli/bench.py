@@ -40,7 +40,7 @@ each world size, so a partial run keeps its results)::
       "created": "2025-01-01T12:00:00+0000",
       "environment": {"colltune": "0.1.0", "torch": "2.5.0", "cpus": 2, ...},
       "plan": {"warmup": 1, "min_repeats": 3, "max_repeats": 15, "budget_s": 4.0, "burst": 1},
-      "contenders": ["dense", "allgather", "oktopk", "torch"],
+      "contenders": ["auto", "dense", "allgather", "oktopk", "hashpart", "torch"],
       "configs": [
         {"n": 1048576, "density": 0.01, "world_size": 4,
          "overlap_requested": 0.5, "overlap": 0.5, "k": 10486, "union": 36701,
