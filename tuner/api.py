@@ -561,7 +561,8 @@ def first_range_error(
 def deferred_fields(count: torch.Tensor, bad: torch.Tensor, argument: str) -> dict[str, torch.Tensor]:
     """The record's fields a deferred coalesce leaves on the device: the entry count, and ``bad`` (0-d int64, 1
     when an index is out of range) as this rank's error naming ``argument``."""
-    return {"count": count, "error": bad, "error_arg": torch.where(bad != 0, _meta.name_code(argument), -1)}
+    # ``bad`` is 0 or 1: the argument's code (a CRC-32) when bad, else -1, in two ops and no host read.
+    return {"count": count, "error": bad, "error_arg": bad * (_meta.name_code(argument) + 1) - 1}
 
 
 def _device_bytes(device: torch.device) -> int:
