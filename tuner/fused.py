@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from colltune.algorithms import get as get_algorithm
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.base import SparseInput, SparseResult
 from colltune.algorithms.comm import Comm, ranks_per_node
@@ -492,7 +493,8 @@ class _FusedCall:
         # The call's measurement is its bucket predicted slowest: only that bucket's run is timed.
         predicted = None if decision is None else (decision.predicted_us or {}).get(decision.algorithm)
         timed = (self.timer is not None and predicted is not None
-                 and (self.measured is None or predicted > self.measured[0]))
+                 and (self.measured is None or predicted > self.measured[0])
+                 and not get_algorithm(algorithm).one_off(comm, at[-1], knobs))  # one-off set-up teaches nothing
         timer = self.timer.fork() if timed else None  # type: ignore[union-attr]
         if timer is not None:
             timer.mark()
