@@ -395,6 +395,7 @@ class HashPart(Algorithm):
             comm, idx, vals, n, acc.dtype, counts=counts, share_dtype=accum_dtype(acc.dtype),
             mode=knobs["gather_mode"],
         )
+        _meta.note_payload(comm)  # the counts ride in the next records (from P = 64 the slot makes room for them)
         state.last_local_count, state.last_global_count = k, gidx.numel()
         return TopkOutput(indices=gidx, values=gvals.view(-1), sent=idx, local_count=k, global_count=gidx.numel())
 

@@ -907,7 +907,9 @@ class OkTopk(Algorithm):
             else:
                 exact = True
         if exact:
-            gth = radix_kth_largest(rmag.tensor(), k, comm, n)  # owners' regions are disjoint: at most n values
+            # Each owner's region may be padded to the entries it received (zeros, never selected): the
+            # values over every owner are at most every rank's selection, at most P n (the same on every rank).
+            gth = radix_kth_largest(rmag.tensor(), k, comm, comm.world_size * n)
             sizes = self._counts(comm, rmag.counts([gth]))[:, 0].tolist()
         state.global_exact_due = False
         state.global_threshold = gth
