@@ -62,7 +62,7 @@ from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
-from colltune.algorithms.sparse import read_part_counts, upload
+from colltune.algorithms.sparse import nth_positions, read_part_counts, upload
 
 __all__ = ["Dense"]
 
@@ -202,7 +202,7 @@ class Dense(Algorithm):
             union = present.nonzero().view(-1)
         else:  # a fused bucket: the union's size and every tensor's in one read, so the cut reads nothing
             runs, u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
-            union = torch.searchsorted(runs[1:], torch.arange(1, u + 1, device=comm.device))
+            union = nth_positions(runs[1:], u)
         return union, buf.index_select(0, union) if r else buf[: union.numel(), :0]
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:

@@ -357,8 +357,7 @@ class HashPart(Algorithm):
         p, me = comm.world_size, comm.rank
         counts = None
         if inp.payload is not None and p > 1 and inp.payload.shape[1] == 8 * p:
-            table = np.ascontiguousarray(inp.payload).view(np.int64)  # row j: rank j's count per owner
-            counts = table[me].tolist(), table[:, me].tolist()
+            counts = _meta.send_recv_counts(inp.payload, me)
         out = hash_reduce(
             comm, inp.indices, inp.values, inp.size, inp.dtype, counts=counts, divide=inp.op == "avg",
             mode=knobs["gather_mode"],
@@ -386,8 +385,7 @@ class HashPart(Algorithm):
         counts = None
         if prepared is not None and prepared.gathered is not None and prepared.gathered.shape[1] == 8 * p:
             idx = prepared.work
-            table = np.ascontiguousarray(prepared.gathered).view(np.int64)  # row j: rank j's count per owner
-            counts = table[me].tolist(), table[:, me].tolist()
+            counts = _meta.send_recv_counts(prepared.gathered, me)
         else:
             idx = Magnitudes(acc).top_k_indices(k)
         vals = acc.index_select(0, idx).view(k, 1)

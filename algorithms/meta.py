@@ -70,6 +70,7 @@ __all__ = [
     "slot_bytes",
     "note_slot_use",
     "note_payload",
+    "send_recv_counts",
     "SHRINK_AFTER",
     "PAYLOAD_IDLE",
     "FEEDBACK_KEY",
@@ -231,6 +232,13 @@ def note_slot_use(comm: Comm, need: int) -> None:
             st.low = 0
     else:
         st.low = 0
+
+
+def send_recv_counts(gathered: np.ndarray, rank: int) -> tuple[list[int], list[int]]:
+    """Every rank's payload of ``P`` int64 counts (``[P, 8 P]`` bytes: row ``r``, rank ``r``'s count per owner)
+    as this rank's ``(send, recv)``: its own count per owner, and every rank's count for this rank."""
+    table = np.ascontiguousarray(gathered).view(np.int64)
+    return table[rank].tolist(), table[:, rank].tolist()
 
 
 def note_payload(comm: Comm) -> None:

@@ -156,6 +156,22 @@ def _slices(idx: torch.Tensor, cuts: list[int]) -> list[int]:
     return torch.searchsorted(idx, bounds).tolist()
 
 
+def _count_between(idx: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """How many of sorted ``idx`` lie in each ``[bounds[j], bounds[j+1])``: int64, where ``idx`` is, not read."""
+    return torch.diff(torch.searchsorted(idx, upload(bounds, idx.device)))
+
+
+def _region_payload(idx: torch.Tensor, cuts: list[int]) -> np.ndarray | torch.Tensor:
+    """This rank's entry count per region as the record's payload bytes (``P`` int64).
+
+    On the host path a NumPy array; on the device path counted there and
+    written into the record there, read with it in its one read.
+    """
+    if on_host(idx):
+        return np.diff(np.asarray(_slices(idx, cuts), dtype=np.int64)).view(np.uint8)
+    return _count_between(idx, cuts).view(torch.uint8)
+
+
 def split_reduce(
     comm: Comm,
     idx: torch.Tensor,
@@ -475,7 +491,7 @@ def _size_head(ridx: torch.Tensor, parts: Parts | None) -> torch.Tensor:
     u = upload([ridx.numel()], ridx.device)
     if parts is None:
         return u
-    return torch.cat((u, torch.diff(torch.searchsorted(ridx, upload(parts.bounds, ridx.device)))))
+    return torch.cat((u, _count_between(ridx, parts.bounds)))
 
 
 def _read_sizes(heads: torch.Tensor, parts: Parts | None) -> list[int]:
@@ -741,9 +757,7 @@ class OkTopk(Algorithm):
         cuts = None if st is None or 8 * p > capacity else st.bounds.cached(size, p)
         if cuts is None:
             return None
-        if not on_host(indices):
-            return torch.diff(torch.searchsorted(indices, upload(cuts, indices.device))).view(torch.uint8)
-        return np.diff(np.asarray(_slices(indices, cuts), dtype=np.int64)).view(np.uint8)
+        return _region_payload(indices, cuts)
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         st = self._state(comm, inp.size, knobs)
@@ -753,8 +767,7 @@ class OkTopk(Algorithm):
         # refresh due); a state made afresh for other knobs refreshes, and the counts travel again.
         counts = None
         if inp.payload is not None and inp.payload.shape[1] == 8 * p and not st.bounds.due(inp.size, p):
-            table = np.ascontiguousarray(inp.payload).view(np.int64)  # row r: rank r's count per region
-            counts = table[comm.rank].tolist(), table[:, comm.rank].tolist()
+            counts = _meta.send_recv_counts(inp.payload, comm.rank)
         with comm.meta():
             cuts = st.bounds.get(idx, inp.size, comm)
         ridx, rvals = split_reduce(
@@ -794,11 +807,7 @@ class OkTopk(Algorithm):
             return None
         k = state.k_for(n)
         lidx, th = self._local_selection(Magnitudes(acc), state, k, state.band_for(k))
-        if on_host(lidx):
-            payload: np.ndarray | torch.Tensor = np.diff(np.asarray(_slices(lidx, cuts), dtype=np.int64)).view(np.uint8)
-        else:  # counted on the device, written into the record there: read with it, in its one read
-            payload = torch.diff(torch.searchsorted(lidx, upload(cuts, lidx.device))).view(torch.uint8)
-        return TopkPrepared(payload, _Selection(lidx, th, state.step, state.local_refresh))
+        return TopkPrepared(_region_payload(lidx, cuts), _Selection(lidx, th, state.step, state.local_refresh))
 
     def topk_allreduce(
         self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: TopkPrepared | None = None
@@ -853,8 +862,7 @@ class OkTopk(Algorithm):
         if (prepared.gathered.shape[1] != 8 * p or state.boundaries.due(n, p)
                 or (sel.step, sel.local_refresh) != (state.step, state.local_refresh)):
             return None, None, None
-        table = np.ascontiguousarray(prepared.gathered).view(np.int64)  # row r: rank r's count per region
-        return sel.lidx, sel.threshold, (table[comm.rank].tolist(), table[:, comm.rank].tolist())
+        return sel.lidx, sel.threshold, _meta.send_recv_counts(prepared.gathered, comm.rank)
 
     @staticmethod
     def _local_selection(mag: Magnitudes, state: Any, k: int, band: tuple[int, int]) -> tuple[torch.Tensor, float]:

@@ -50,6 +50,8 @@ __all__ = [
     "gather_mode",
     "merge_runs",
     "read_part_counts",
+    "run_starts",
+    "nth_positions",
     "merge_host_pieces",
     "offsets",
     "pack_host",
@@ -215,9 +217,14 @@ def sum_sorted_runs_padded(idx: torch.Tensor, vals: torch.Tensor, fill: int) -> 
     and zero rows. For a caller that only selects among the sums by
     magnitude (zeros are never selected) and so never needs ``u``.
     """
+    return _padded_runs(idx, vals, run_starts(idx), fill)
+
+
+def run_starts(idx: torch.Tensor) -> torch.Tensor:
+    """Where a run of equal values begins in sorted ``idx``: a bool tensor, the first element set."""
     starts = torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)
     torch.ne(idx[1:], idx[:-1], out=starts[1:])
-    return _padded_runs(idx, vals, starts, fill)
+    return starts
 
 
 def _padded_runs(
@@ -233,13 +240,11 @@ def _padded_runs(
 def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sum_sorted_runs`, reading the run count and every part's with it in one read."""
     k = idx.numel()
-    first = torch.ones(k, dtype=torch.bool, device=idx.device)  # where a run starts
-    torch.ne(idx[1:], idx[:-1], out=first[1:])
     # The runs starting before each part's first position, in the one host read.
-    runs, u = read_part_counts(first, torch.searchsorted(idx, upload(parts.bounds, idx.device)), parts)
+    runs, u = read_part_counts(run_starts(idx), torch.searchsorted(idx, upload(parts.bounds, idx.device)), parts)
     if u == k:
         return idx, vals + 0.0  # as above
-    starts = torch.searchsorted(runs[1:], torch.arange(1, u + 1, device=idx.device))  # where run j + 1 begins
+    starts = nth_positions(runs[1:], u)  # where run j + 1 begins
     return idx.index_select(0, starts), _segment_sums(vals, _run_lengths(starts, k))
 
 
@@ -333,8 +338,7 @@ class Batch:
             self.sorted_in = (late[ends[1:]] - late[torch.minimum(ends[:-1] + 1, ends[1:])]) == 0
         self.sorted, order = torch.sort(raw, stable=True)
         self.vals = vals.index_select(0, order)
-        self.starts = torch.ones(k, dtype=torch.bool, device=device)
-        torch.ne(self.sorted[1:], self.sorted[:-1], out=self.starts[1:])
+        self.starts = run_starts(self.sorted)
         if t == 1:
             bad = (self.sorted[0] < 0) | (self.sorted[-1] >= self.n) if k else torch.zeros((), dtype=torch.bool, device=device)
             self.stats = torch.stack((bad.to(torch.int64), self.starts.sum()))
@@ -862,5 +866,9 @@ def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """
     if count == 0:
         return torch.empty(0, dtype=torch.int64, device=mask.device)
-    running = torch.cumsum(mask, 0)
-    return torch.searchsorted(running, torch.arange(1, count + 1, device=mask.device))
+    return nth_positions(torch.cumsum(mask, 0), count)
+
+
+def nth_positions(running: torch.Tensor, count: int) -> torch.Tensor:
+    """Where the running count of set flags ``running`` (non-decreasing) first reaches ``1, 2, ..., count``."""
+    return torch.searchsorted(running, torch.arange(1, count + 1, device=running.device))
