@@ -13,7 +13,8 @@ Life of one exact sparse allreduce (``sparse_allreduce``):
    (or, when it sets :attr:`Algorithm.applies_avg`, the result of
    ``SparseInput.op``); the front door applies ``avg`` where the algorithm
    did not, and casts back to the input dtype. The returned tensors must
-   share no memory with the input (the front door divides in place).
+   share no memory with the input unless :attr:`SparseInput.owned` says its
+   values are the call's own (the front door divides in place).
 
 Life of one top-k allreduce (``topk_allreduce``): the front door forms
 ``acc = residual + tensor`` before the metadata exchange, asks the algorithm
@@ -69,6 +70,11 @@ class SparseInput:
         parts: a fused call's tensors laid end to end in this input; an
             algorithm whose last step reads its result's size from the
             device may read each part's with it (:class:`~colltune.algorithms.sparse.Parts`).
+        owned: ``values`` is memory this call may overwrite: the coalesce,
+            a cast or a concatenation made it, or the caller donated its
+            values (``sparse_allreduce(..., donate=True)``). An algorithm
+            may then reduce into it and return it; otherwise ``values``
+            may be the caller's own tensor and must keep its bits.
     """
 
     indices: torch.Tensor
@@ -81,6 +87,7 @@ class SparseInput:
     op: str = "sum"
     payload: np.ndarray | None = None
     parts: Parts | None = None
+    owned: bool = False
 
     @property
     def row_numel(self) -> int:

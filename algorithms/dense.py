@@ -26,8 +26,15 @@ their presence in a one-element buffer.
 **Every row present.** When the metadata record says some rank holds every
 row (its coalesced count is ``n``), the union is all rows: no presence
 test, no extraction, and the reduced buffer is the result. A rank that holds
-every row writes its values straight into the buffer (its coalesced input
-is already in row order), one pass; the others densify as usual.
+every row sends its values as the buffer (its coalesced input is already in
+row order), and the ranks that do split the sign fix among them, a slice
+each (it only has to keep every sum from being ``-0.0``; see
+``_densify``). Where the values are the call's own (the coalesce summed
+repeated rows, a fused bucket concatenated tensors, or the caller passed
+``donate=True``) that is done in place: at density 1 on every rank each
+rank touches ``1/P`` of its values before the ``all_reduce`` and nothing
+after it, as close to a plain in-place ``all_reduce`` as a call that checks
+its inputs gets. Values the caller keeps are copied first.
 
 **16-bit values** (fp16, bf16) are summed in fp32 by default (knob
 ``wire="accum"``): each rank's duplicates are summed in fp32 (the coalesce),
@@ -87,19 +94,30 @@ class Dense(Algorithm):
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
         """The record, the values' all_reduce in the wire dtype, then densify and extract the union.
 
-        Local work, per rank with ``k`` entries, ``w`` wire bytes per row:
-        the values normalized into the wire dtype (read ``k * rba``, write
-        ``k * w``); unless the rank holds every row, the buffer filled with
-        ``-0.0`` (``n * w``) and the rows copied in (``k * (w + 8)`` read,
-        ``k * w`` written); unless some rank holds every row, the presence
-        test reads each row's first element (a cache line of it at most)
-        and writes a byte per row, the union's positions are found, and the
-        union's rows gathered (``u * (8 + 2 w)``); else the indices
-        ``0..n-1`` are written (``8 n``). 16-bit rows summed in fp32 are
-        rounded to their dtype at the end (``u * (w + rb)``). In top-k
-        mode the accumulated tensor is already dense: its all_reduce is the
-        whole call (no presence test, nothing is densified; the local work
-        is the copy reduced in place and the zeroed residual).
+        Local work of the slowest rank, ``k`` entries per rank, ``w`` wire
+        bytes per row, values the call owns (see the module docstring; a
+        caller's coalesced values it keeps add one copy, ``n w`` read and
+        written, on a rank that holds every row):
+
+        - no rank holds every row: each rank's values normalized into the
+          wire dtype, their signs fixed (read ``k * rba``, write ``k * w``),
+          the buffer filled with ``-0.0`` (``n * w``) and the rows copied in
+          (``k * (w + 8)`` read, ``k * w`` written); the presence test reads
+          each row's first element (a cache line of it at most) and writes
+          a byte per row, the union's positions are found and its rows
+          gathered (``u * (8 + 2 w)``);
+        - some rank holds every row: the ``h`` holders fix the signs of
+          ``1/h`` of the rows each, in place (``2 n w / h``; ``h = P`` when
+          every rank holds every row, else counted as 1), after 16-bit rows
+          are rounded to a narrower wire (``n * (rba + w)``); a rank without
+          every row fills and copies as above; the indices ``0..n-1`` are
+          written (``8 n``).
+
+        16-bit rows summed in fp32 are rounded to their dtype at the end
+        (``u * (w + rb)``). In top-k mode the accumulated tensor is already
+        dense: its all_reduce is the whole call (no presence test, nothing is
+        densified; the local work is the copy reduced in place and the
+        zeroed residual).
         """
         c = pricing
         if c.topk:
@@ -111,17 +129,15 @@ class Dense(Algorithm):
             ]
         w = c.rb if knobs.get("wire", "accum") == "value" else c.rba
         narrowed = w < c.rba  # the cast and the sign fix are two kernels
-        nbytes = c.kavg * (c.rba + w)
-        kernels = 2.0 if narrowed else 1.0
-        if c.kavg < c.n:
-            nbytes += c.n * w + c.kavg * (2 * w + 8)
-            kernels += 2
-        if c.k_max >= c.n:
-            nbytes += 8 * c.n
-            kernels += 1
+        densify = c.n * w + c.kavg * (2 * w + 8) + (c.kavg * (c.rba + w) if narrowed else 0.0)
+        if c.k_max < c.n:
+            nbytes = c.kavg * (c.rba + w) + densify + c.n * (min(w, 64.0) + 2) + c.u * (8 + 2 * w)
+            kernels = (2.0 if narrowed else 1.0) + 2 + 3
         else:
-            nbytes += c.n * (min(w, 64.0) + 2) + c.u * (8 + 2 * w)
-            kernels += 3
+            holders = c.p if c.kavg >= c.n else 1
+            holder = 2 * c.n * w / holders + (c.n * (c.rba + w) if narrowed else 0.0)
+            nbytes = (holder if c.kavg >= c.n else max(holder, densify)) + 8 * c.n
+            kernels = (2.0 if narrowed else 1.0) + 1
         if w != c.rb:  # the front door rounds the fp32 sums of 16-bit rows to their dtype
             nbytes += c.u * (w + c.rb)
             kernels += 1
@@ -169,19 +185,43 @@ class Dense(Algorithm):
 
         Rows of no elements get one element, ``+0.0`` where present. A rank
         that holds every row (its sorted unique indices are ``0..n-1``)
-        writes its values as the buffer, in one pass.
+        writes its values as the buffer, in place when they are the call's
+        own (:attr:`SparseInput.owned`), else in one copy.
+
+        When the record shows ranks holding every row, no presence test
+        follows, and those ranks share the sign fix: the ``j``-th of ``h``
+        fixes the ``j``-th of ``h`` equal slices of the rows, the others
+        fix nothing. One ``+0.0``-or-nonzero addend per element keeps every
+        sum from being ``-0.0``, and a ``±0.0`` addend changes no other bit
+        of a sum, so the result has the bits it has when every rank fixes
+        every row (a fused bucket's part gets its own call's bits either
+        way). When every rank holds every row of values it owns, each
+        touches ``1/P`` of them before the ``all_reduce``.
         """
         wire = cls._wire_dtype(inp, knobs)
         n, r = inp.size, inp.row_numel
-        vals = inp.values.to(comm.device)
+        src = inp.values.detach()  # a donated leaf that requires grad is still written in place
+        vals = src.to(comm.device)
+        owned = inp.owned or vals is not src  # a copy to another device is the call's own
+        holders = [q for q, c in enumerate(inp.counts) if c == n]
+        if not holders:
+            lo, hi = 0, vals.shape[0]
+        elif comm.rank in holders:
+            j = holders.index(comm.rank)
+            lo, hi = j * n // len(holders), (j + 1) * n // len(holders)
+        else:
+            lo = hi = 0
         if r == 0:
             vals = torch.zeros((vals.shape[0], 1), dtype=wire, device=comm.device)
         elif vals.dtype != wire:
-            vals = vals.to(wire).add_(0.0)  # the sign fix after the rounding: a tiny negative rounds to -0.0
-        else:
-            vals = vals + 0.0  # never in place: the input keeps its bits
+            vals = vals.to(wire)
+            vals[lo:hi].add_(0.0)  # the sign fix after the rounding: a tiny negative rounds to -0.0
+        elif hi > lo and not owned:
+            vals = vals + 0.0  # a copy, so the input keeps its bits: fixing every row costs it nothing more
+        elif hi > lo:
+            vals[lo:hi].add_(0.0)
         if vals.shape[0] == n:
-            return vals
+            return vals if owned or vals is not src else vals.clone()
         buf = torch.full((n, vals.shape[1]), -0.0, dtype=wire, device=comm.device)
         if vals.shape[0]:
             buf.index_copy_(0, inp.indices.to(comm.device), vals)

@@ -104,7 +104,7 @@ _ERROR_KINDS = {1: "invalid", 2: "wrong type of"}
 #: Argument names a record's ``error_arg`` may carry, known to every rank so it can name them.
 ARGUMENTS: tuple[str, ...] = (
     "indices", "values", "size", "op", "group", "algorithm", "knobs", "name", "policy", "tensor", "state",
-    "async_op", "tensors", "bucket_cap_mb", "gradients", "environment", "unknown",
+    "async_op", "tensors", "bucket_cap_mb", "gradients", "environment", "donate", "unknown",
 )
 _HISTORY_HINT = (
     "the ranks hold different histories for this call site (make the same calls, in the same order, "

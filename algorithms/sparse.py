@@ -33,6 +33,7 @@ import torch
 
 __all__ = [
     "on_host",
+    "shares_storage",
     "device_path",
     "set_device_path",
     "VALUE_DTYPES",
@@ -125,6 +126,12 @@ def device_path(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         set_device_path(before)
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same storage (so writing one may change the other); empty ones share none."""
+    pa, pb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+    return pa != 0 and pa == pb and a.device == b.device
 
 
 def dtype_code(dtype: torch.dtype) -> int:

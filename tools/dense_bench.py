@@ -1,19 +1,28 @@
 """Dense at density 1 against a plain ``dist.all_reduce`` of the same tensor, on local gloo ranks.
 
 Every rank holds every one of ``n`` rows (indices ``0..n-1``, rows of
-``r`` values). Two contenders reduce the same ``[n, r]`` tensor, one after
-the other in every round after a barrier (their order alternates from round
-to round), so that a busy moment slows both alike:
+``r`` values). Three contenders reduce the same ``[n, r]`` tensor, one after
+the other in every round after a barrier (their order rotates from round
+to round), so that a busy moment slows all alike:
 
-``dense``       ``colltune.sparse_allreduce(indices, values, n, algorithm="dense")``
 ``all_reduce``  ``dist.all_reduce`` of the tensor (a copy refilled before the timer starts)
+``donated``     ``colltune.sparse_allreduce(indices, values, n, algorithm="dense", donate=True)`` on such a
+                copy: like ``all_reduce`` it may reduce into the tensor it is given
+``dense``       the same call without ``donate``: the caller's tensor keeps its bits, so the result is
+                written to new memory
 
 A round's time is the slowest rank's; the tool prints the medians over
-``--repeats`` rounds and their ratio (``dense / all_reduce``; the target is
-at most 1.1), and whether dense's values have the bits of the plain
+``--repeats`` rounds and their ratios to ``all_reduce`` (the target is at
+most 1.1), and whether dense's values have the bits of the plain
 ``all_reduce``'s result (``same_bits``: at fp32, and for 16-bit rows with
 ``--wire value``, they do, since dense hands the backend a tensor of the same
 size and dtype; with ``--wire accum`` 16-bit rows are summed in fp32).
+
+On the CPU, new memory costs more than the copy into it: a tensor of more
+than 32 MiB comes from the kernel on every call, page by page (glibc's
+largest mmap threshold), so ``dense`` pays that where ``donated`` does not;
+PyTorch's ``THP_MEM_ALLOC_ENABLE=1`` (huge pages for large CPU tensors)
+shrinks it.
 
 Usage::
 
@@ -41,7 +50,7 @@ import torch.distributed as dist  # noqa: E402
 from colltune.cli.common import save_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
-CONTENDERS = ("all_reduce", "dense")
+CONTENDERS = ("all_reduce", "donated", "dense")
 WARMUP = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,33 +67,41 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             g = torch.Generator().manual_seed(1000 * rank + log_n + r)
             src = torch.randn((n, r), generator=g).to(dtype)
             idx = torch.arange(n)
-            buf = torch.empty_like(src)
+            buf, given = torch.empty_like(src), torch.empty_like(src)
             results: dict[str, Any] = {}
 
             def plain() -> None:
                 dist.all_reduce(buf)
 
+            def donated() -> None:
+                results["donated"] = colltune.sparse_allreduce(idx, given, n, algorithm="dense",
+                                                               knobs={"wire": cfg["wire"]}, donate=True)
+
             def dense() -> None:
                 results["dense"] = colltune.sparse_allreduce(idx, src, n, algorithm="dense",
                                                              knobs={"wire": cfg["wire"]})
 
-            calls = {"all_reduce": plain, "dense": dense}
+            calls = {"all_reduce": plain, "donated": donated, "dense": dense}
             times: dict[str, list[float]] = {c: [] for c in CONTENDERS}
             for i in range(WARMUP + cfg["repeats"]):
-                order = CONTENDERS if i % 2 == 0 else CONTENDERS[::-1]
-                for name in order:
+                shift = i % len(CONTENDERS)
+                for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
                     buf.copy_(src)
+                    given.copy_(src)
                     dist.barrier()
                     t0 = time.perf_counter()
                     calls[name]()
                     if i >= WARMUP:
                         times[name].append(time.perf_counter() - t0)
+            given.copy_(src)  # the timed rounds refill the donated tensor: check one call of its own
+            donated()
             buf.copy_(src)
             dist.all_reduce(buf)
-            res = results["dense"]
             bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
-            same = (torch.equal(res.indices, idx) and res.values.dtype == dtype
-                    and torch.equal(res.values.reshape(n, r).view(bits), buf.view(bits)))
+            same = all(torch.equal(res.indices, idx) and res.values.dtype == dtype
+                       and torch.equal(res.values.reshape(n, r).view(bits), buf.view(bits))
+                       for res in (results["dense"], results["donated"]))
+            res = results["dense"]
             reduced = res.traffic.by_primitive.get("all_reduce", {}).get("bytes", 0)
             out[f"{log_n}:{r}"] = {"times": times, "same_bits": bool(same), "bytes_sent": res.traffic.bytes_sent,
                                    "all_reduce_bytes": reduced}
@@ -98,8 +115,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wire = f" (dense's wire: {args.wire})" if args.dtype in ("bfloat16", "float16") else ""
     print(f"density 1, {args.dtype} rows{wire}, local gloo ranks; ms per call, median of {args.repeats} rounds "
           "(slowest rank)")
-    print(f"{'P':>3} {'n':>8} {'r':>4} {'MiB':>7} {'all_reduce':>11} {'dense':>9} {'dense/all_reduce':>17} "
-          f"{'bits':>5} {'KiB sent':>9}")
+    print(f"{'P':>3} {'n':>8} {'r':>4} {'MiB':>7} {'all_reduce':>11} {'donated':>9} {'dense':>9} {'donated/ar':>11} "
+          f"{'dense/ar':>9} {'bits':>5} {'KiB sent':>9}")
     esize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     for p in args.ranks:
         per_rank = launch.run_local(_rank, p, cfg, backend="gloo", timeout=3600)
@@ -111,13 +128,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             for i in range(args.repeats)) * 1e3 for c in CONTENDERS}
                 row = {"n": 1 << log_n, "row_numel": r, "median_ms": med,
                        "ratio": med["dense"] / med["all_reduce"],
+                       "donated_ratio": med["donated"] / med["all_reduce"],
                        "same_bits": all(pr[key]["same_bits"] for pr in per_rank),
                        "bytes_sent": per_rank[0][key]["bytes_sent"],
                        "all_reduce_bytes": per_rank[0][key]["all_reduce_bytes"]}
                 rows[key] = row
                 mib = (1 << log_n) * r * esize / 2**20
-                print(f"{p:>3} {1 << log_n:>8} {r:>4} {mib:>7.2f} {med['all_reduce']:>11.2f} {med['dense']:>9.2f} "
-                      f"{row['ratio']:>17.3f} {'same' if row['same_bits'] else 'DIFF':>5} "
+                print(f"{p:>3} {1 << log_n:>8} {r:>4} {mib:>7.2f} {med['all_reduce']:>11.2f} {med['donated']:>9.2f} "
+                      f"{med['dense']:>9.2f} {row['donated_ratio']:>11.3f} {row['ratio']:>9.3f} "
+                      f"{'same' if row['same_bits'] else 'DIFF':>5} "
                       f"{row['bytes_sent'] / 1024:>9.0f}", flush=True)
         report["runs"][p] = rows
     return report

@@ -57,7 +57,16 @@ from colltune.algorithms.errors import (
     ColltuneTypeError,
     ColltuneValueError,
 )
-from colltune.algorithms.sparse import INDEX_DTYPES, VALUE_DTYPES, Batch, accum_dtype, coalesce, on_host, upload
+from colltune.algorithms.sparse import (
+    INDEX_DTYPES,
+    VALUE_DTYPES,
+    Batch,
+    accum_dtype,
+    coalesce,
+    on_host,
+    shares_storage,
+    upload,
+)
 from colltune.algorithms.state import TopkState
 from colltune.model.features import sketch_hashes
 from colltune.select import online  # light: the selector itself is imported on the first auto call
@@ -820,7 +829,7 @@ def sparse_allreduce(
     indices: torch.Tensor, values: torch.Tensor | None = None, size: int | Sequence[int] | None = None,
     op: str | dist.ReduceOp = "sum",
     group: dist.ProcessGroup | None = None, algorithm: str = "auto", async_op: bool = False, *,
-    knobs: dict[str, Any] | None = None, name: str | None = None, policy: Any = None,
+    knobs: dict[str, Any] | None = None, name: str | None = None, policy: Any = None, donate: bool = False,
 ) -> SparseResult | AsyncHandle:
     """Sum a sparse tensor over the ranks of ``group``; every rank gets the same result.
 
@@ -836,7 +845,8 @@ def sparse_allreduce(
             ``dist.ReduceOp.SUM`` / ``dist.ReduceOp.AVG``.
         group: the process group; ``None`` for the default group. Without an
             initialized process group the call is local (world size 1).
-        algorithm: ``auto``, ``dense``, ``allgather`` or ``oktopk``.
+        algorithm: ``auto`` or a registered algorithm's name (``dense``,
+            ``allgather``, ``oktopk``, ``hashpart``; :func:`colltune.algorithms.names`).
         async_op: return an :class:`AsyncHandle` instead of waiting.
         knobs: options of the algorithm, e.g. ``{"mode": "alltoall"}`` for
             ``allgather``; unknown names are rejected. With ``auto``, per
@@ -850,6 +860,11 @@ def sparse_allreduce(
             path or a :class:`colltune.Selector`; ``None`` uses the process-wide
             selector (:func:`colltune.configure`, else the environment and the
             profile shipped for the backend).
+        donate: give ``values`` to the call, as ``dist.all_reduce`` takes its
+            tensor: the result may be reduced into its memory, so its
+            contents afterwards are unspecified. It saves a copy where the
+            result has every row (dense at density 1 reduces in place, as a
+            plain ``all_reduce`` would); the result is the same either way.
 
     Returns:
         A :class:`SparseResult`: int64 indices (sorted, unique: the union of
@@ -872,7 +887,8 @@ def sparse_allreduce(
     """
     op = canonical_op(op)
     return submit_call(
-        lambda wire: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs, name, policy, wire),
+        lambda wire: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs, name, policy, wire,
+                                       donate),
         async_op, group,
     )
 
@@ -888,6 +904,7 @@ def _sparse_allreduce(
     name: Any = None,
     policy: Any = None,
     wire: Any = None,
+    donate: Any = False,
 ) -> SparseResult:
     """Run one ``sparse_allreduce`` on this rank: prepare, exchange the records, decide, run, return the result.
 
@@ -898,7 +915,7 @@ def _sparse_allreduce(
     call = _SparseCall(comm, {"kind": _meta.name_code(_KIND_SPARSE)})
     error: BaseException | None = None
     try:
-        call.prepare(indices, values, size, op, group, algorithm, knobs, name, policy)
+        call.prepare(indices, values, size, op, group, algorithm, knobs, name, policy, donate)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of any failure before the exchange
         error, call.slot, call.eager, call.sketch_bytes, call.payload_bytes = (
             input_error(exc), None, _meta.EAGER_NONE, 0, 0)
@@ -939,14 +956,19 @@ class _SparseCall:
         self.knobs_checked: Any = None
         self.site: tuple = ()
         self.values: Any = None  # the caller's values (a COO tensor's, when one came)
+        self.owned = False  # whether the coalesced values are the call's to overwrite (SparseInput.owned)
         #: Deferred coalesce (device path): the record's fields still on the device, and the range error.
         self.device_fields: dict[str, torch.Tensor] | None = None
         self.deferred_error: Callable[[], BaseException] | None = None
 
     def prepare(self, indices: Any, values: Any, size: Any, op: Any, group: Any, algorithm: Any,
-                knobs: dict[str, Any] | None, name: Any, policy: Any) -> None:
+                knobs: dict[str, Any] | None, name: Any, policy: Any, donate: Any = False) -> None:
         """Validate and coalesce the input, resolve the algorithm's knobs, fill the record and its eager slot."""
         comm = self.comm
+        if not isinstance(donate, bool):
+            raise argument_error(ColltuneTypeError, "donate",
+                                 f"donate must be True or False, but got {donate!r}; pass donate=True to let the "
+                                 "call reduce into the values' memory.")
         indices, values, size = unpack_coo(indices, values, size)
         idx, vals, n, row_shape = validate_sparse(indices, values, size, op, algorithm, group)
         self.knobs_checked, self.sel, self.backend, code = resolve_request(algorithm, knobs, policy, group, name)
@@ -959,6 +981,7 @@ class _SparseCall:
             idx, vals = coalesce_checked(idx, vals, n, accum_dtype(values.dtype))
         self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
         self.values = values
+        self.owned = donate or not shares_storage(vals, values)
         self.record.update(
             size=n,
             row_numel=vals.shape[1],
@@ -1066,7 +1089,7 @@ class _SparseCall:
         # The payload belongs to the algorithm that made it: another one chosen meanwhile does not get it.
         payload = slots[:, : self.payload_bytes] if self.payload_bytes and algorithm == self.likely else None
         return SparseInput(self.idx, self.vals, self.n, self.row_shape, self.dtype, counts, eager_entries, op,
-                           payload)
+                           payload, owned=self.owned)
 
 
 def run_sparse(
@@ -1086,10 +1109,8 @@ def run_sparse(
     else:
         out_idx, out_vals = algo.sparse_allreduce_parts(inp, comm, knobs, bounds)
     if op == "avg" and not algo.applies_avg and comm.world_size > 1:
-        # In place: an algorithm's result shares no memory with its input (checked, for registered ones).
-        shared = out_vals.untyped_storage().data_ptr() in (
-            inp.values.untyped_storage().data_ptr(), values.untyped_storage().data_ptr()
-        )
+        # In place, unless the result is memory the call may not write (checked, for registered algorithms).
+        shared = not inp.owned and (shares_storage(out_vals, inp.values) or shares_storage(out_vals, values))
         out_vals = out_vals / comm.world_size if shared else out_vals.div_(comm.world_size)
     return out_idx, out_vals
 

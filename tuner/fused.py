@@ -54,7 +54,7 @@ from colltune.algorithms.base import SparseInput, SparseResult
 from colltune.algorithms.comm import Comm, ranks_per_node
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError, RankMismatchError
 from colltune.algorithms.sizes import slot_limit
-from colltune.algorithms.sparse import Batch, Parts, accum_dtype, coalesce, offsets, on_host, upload
+from colltune.algorithms.sparse import Batch, Parts, accum_dtype, coalesce, offsets, on_host, shares_storage, upload
 from colltune.api import (
     MAX_SIZE,
     AsyncHandle,
@@ -304,6 +304,8 @@ class _FusedCall:
         self.comm = comm
         self.idx: list[torch.Tensor] = []
         self.vals: list[torch.Tensor] = []
+        #: The caller's values, per tensor: a bucket whose values share none of their memory may be overwritten.
+        self.given: list[torch.Tensor] = []
         self.desc: list[tuple[int, tuple[int, ...], torch.dtype]] = []
         self.keys: list[tuple[int, torch.dtype]] = []
         #: Per tensor, its key and the number of its index space: tensors of one space may share a batch and a
@@ -353,6 +355,7 @@ class _FusedCall:
             self.keys.append((vals.shape[1], vals.dtype))
             checked.append((idx, vals, n))
         self.spaces = index_spaces(self.keys, [n for n, _, _ in self.desc])
+        self.given = [v for _, v, _ in checked]
         self.coalesce(checked)
         self.knobs, self.sel, self.backend, code = resolve_request(algorithm, knobs, policy, group, name)
         if algorithm == "dense":  # the largest bucket it may build: every tensor of one row width and dtype
@@ -489,7 +492,8 @@ class _FusedCall:
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
             algorithm, knobs = decision.algorithm, decided_knobs(decision, self.knobs)
         parts = Parts(at) if len(members) > 1 else None
-        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts)
+        owned = not any(shares_storage(vals, self.given[t]) for t in members)
+        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts, owned)
         # The call's measurement is its bucket predicted slowest: only that bucket's run is timed.
         predicted = None if decision is None else (decision.predicted_us or {}).get(decision.algorithm)
         timed = (self.timer is not None and predicted is not None

@@ -21,16 +21,18 @@ def test_dense_against_all_reduce_reports_every_cell(tmp_path, dtype, wire):
            "--repeats", "2", "--dtype", dtype, "--wire", wire, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "dense/all_reduce" in proc.stdout
+    assert "donated/ar" in proc.stdout and "dense/ar" in proc.stdout
     report = json.loads(out.read_text())
     assert report["config"]["dtype"] == dtype and report["config"]["wire"] == wire
     rows = report["runs"]["2"]
     assert set(rows) == {"8:1", "8:4", "10:1", "10:4"}
     width = 4 if dtype == "float32" else 2
     for key, row in rows.items():
-        assert set(row["median_ms"]) == {"all_reduce", "dense"} and all(t > 0 for t in row["median_ms"].values())
+        assert set(row["median_ms"]) == {"all_reduce", "donated", "dense"}
+        assert all(t > 0 for t in row["median_ms"].values())
         assert row["ratio"] == row["median_ms"]["dense"] / row["median_ms"]["all_reduce"]
-        # Dense hands the backend the same tensor a plain all_reduce gets: the same bits, and its bytes
+        assert row["donated_ratio"] == row["median_ms"]["donated"] / row["median_ms"]["all_reduce"]
+        # Dense, donated or not, hands the backend the same tensor a plain all_reduce gets: the same bits, and its bytes
         # (P = 2: the ring sends n * r * width; 16-bit rows with wire=value half fp32's), plus the record.
         assert row["same_bits"], key
         assert row["all_reduce_bytes"] == row["n"] * row["row_numel"] * width, key

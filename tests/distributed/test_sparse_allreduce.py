@@ -713,6 +713,80 @@ def test_dense_with_every_row_present_returns_every_row(world_size, dtype, knobs
             assert o["traffic"]["by_primitive"]["all_reduce"]["calls"] == 1
 
 
+def _run_every_rank_every_row(rank, world_size, n, dtype):
+    """Every rank holds every row of small integers (exact sums in any order), -0.0 among them, some rows -0.0 on
+    every rank; reduced as the caller's sorted values (kept), donated, shuffled (the coalesce's own copy) and in
+    a fused bucket where the ranks do not hold every row of the bucket (every rank fixes its signs there)."""
+    import colltune
+
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(90 + rank)
+    vals = torch.randint(-3, 4, (n, 4), generator=g).to(dt)
+    vals[torch.rand(n, 4, generator=g) < 0.3] = -0.0
+    vals[::5] = -0.0  # -0.0 on every rank: the sum is +0.0
+    idx = torch.arange(n)
+    kept = vals.clone()
+    out = {"kept": colltune.sparse_allreduce(idx, vals, n, algorithm="dense")}
+    out["caller_bits"] = raw(vals) == raw(kept)
+    given = vals.clone()
+    out["donated"] = colltune.sparse_allreduce(idx, given, n, algorithm="dense", donate=True)
+    out["in_place"] = out["donated"].values.data_ptr() == given.data_ptr()
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(7 + rank))
+    shuffled = vals[perm]
+    out["owned"] = colltune.sparse_allreduce(idx[perm], shuffled, n, algorithm="dense")
+    out["shuffled_bits"] = raw(shuffled) == raw(kept[perm])
+    out["allgather"] = colltune.sparse_allreduce(idx, vals, n, algorithm="allgather")
+    out["avg"] = colltune.sparse_allreduce(idx, vals, n, op="avg", algorithm="dense")
+    out["avg_donated"] = colltune.sparse_allreduce(idx, vals.clone(), n, op="avg", algorithm="dense", donate=True)
+    few = (torch.arange(3) + rank) % n
+    single_few = colltune.sparse_allreduce(few, vals[few], n, algorithm="dense")
+    out["fused"] = colltune.sparse_allreduce_many([(idx, vals, (n, 4)), (few, vals[few], (n, 4))], algorithm="dense")
+    out["few"] = single_few
+    return {k: (v if isinstance(v, bool) else [(r.indices, r.values) for r in v] if isinstance(v, list)
+                else (v.indices, v.values)) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("world_size", FAST_SIZES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_when_every_rank_holds_every_row_kept_donated_or_owned(world_size, dtype):
+    """The holders split the sign fix: the same bits as allgather's exact sums, no -0.0, kept values untouched,
+    donated ones reduced in place (fp32: no cast between), and a fused bucket whose ranks fix every row they
+    hold gives each tensor its own call's bits."""
+    n = 37
+    out = pool(world_size).run(_run_every_rank_every_row, n, dtype)
+    ref_idx, ref_vals = out[0]["allgather"]
+    for r, o in enumerate(out):
+        assert o["caller_bits"] and o["shuffled_bits"], r
+        assert o["in_place"] == (dtype == "float32"), r
+        for label in ("kept", "donated", "owned", "allgather"):
+            idx, vals = o[label]
+            assert torch.equal(idx, torch.arange(n)) and raw(vals) == raw(ref_vals), (label, r)
+            assert _neg_zeros(vals) == 0, (label, r)
+        assert raw(o["avg"][1]) == raw(o["avg_donated"][1]) and raw(o["avg"][1]) == raw(out[0]["avg"][1]), r
+        (f_idx, f_vals), (g_idx, g_vals) = o["fused"]
+        assert torch.equal(f_idx, ref_idx) and raw(f_vals) == raw(ref_vals), r
+        assert torch.equal(g_idx, o["few"][0]) and raw(g_vals) == raw(o["few"][1]), r
+
+
+def _run_donate_argument(rank, world_size):
+    import colltune
+    from colltune.algorithms.errors import ColltuneTypeError, RemoteInputError
+
+    try:
+        colltune.sparse_allreduce(torch.arange(4), torch.ones(4), 4, donate="yes" if rank == 0 else False)
+    except (ColltuneTypeError, RemoteInputError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_donate_must_be_a_bool_on_every_rank(world_size):
+    out = pool(world_size).run(_run_donate_argument)
+    assert out[0][0] == "ColltuneTypeError" and "donate must be True or False" in out[0][1]
+    for name, msg in out[1:]:
+        assert name == "RemoteInputError" and "donate" in msg
+
+
 def _run_wire(rank, world_size, c):
     import colltune
 

@@ -40,9 +40,11 @@ def _choices(model, w: Workload, rpn: int = 8, sizes=SIZES):
     return [pt for pt in simulate(model, w, sizes, ranks_per_node=rpn) if not pt.refused]
 
 
-@pytest.mark.parametrize("n", [2**20, 2**24])
-def test_a_dense_tensor_goes_to_dense_at_every_world_size(model, n: int) -> None:
-    for pt in _choices(model, Workload(n, 1.0, 1.0)):
+@pytest.mark.parametrize("n", [2**16, 2**20, 2**24])
+@pytest.mark.parametrize("row, dtype", [(1, "float32"), (64, "float32"), (64, "bfloat16"), (64, "float16")])
+def test_a_dense_tensor_goes_to_dense_at_every_world_size(model, n: int, row: int, dtype: str) -> None:
+    """16-bit rows too: their fp32 sums travel in fp32, but the ranks holding every row reduce them in place."""
+    for pt in _choices(model, Workload(n, 1.0, 1.0, row, dtype=dtype)):
         assert pt.choice == "dense", (pt.world_size, pt.predicted_us)
 
 

@@ -76,12 +76,18 @@ def test_dense_prices_the_rows_in_the_dtype_they_travel_in(dtype, width):
     assert accum == pytest.approx(ring * max(width, 4))  # 16-bit rows summed in fp32 move fp32's bytes
 
 
-def test_dense_local_work_when_every_row_is_present_is_one_pass_and_the_indices():
+def test_dense_local_work_when_every_row_is_present_is_a_share_of_a_pass_and_the_indices():
     p, n, row = 4, 2**16, 64
     full = _steps("dense", _features(p, n, n, union=n, row=row), "exact")["densify_extract"]
-    assert full.nbytes == pytest.approx(n * row * 4 * 2 + 8 * n)  # values read and written once; indices 0..n-1
+    # Every rank holds every row: each fixes the signs of 1/P of its values in place; indices 0..n-1.
+    assert full.nbytes == pytest.approx(n * row * 4 * 2 / p + 8 * n) and full.steps == 2
+    one = _steps("dense", Features.build(numel=n, row_numel=row, dtype="float32", k_per_rank=[n, n // 2, n // 2, 1],
+                                         union=n), "exact")["densify_extract"]
+    # One rank holds every row: it fixes all of them; the others fill a buffer and copy theirs in.
+    assert one.nbytes == pytest.approx(max(n * row * 4 * 2, n * row * 4 + (2 * n + 1) / 4 * (2 * row * 4 + 8))
+                                       + 8 * n)
     sparse = _steps("dense", _features(p, n, n // 2, union=n, row=row), "exact")["densify_extract"]
-    assert sparse.nbytes > full.nbytes and sparse.steps > full.steps  # fill, copy, presence test and gather
+    assert sparse.nbytes > one.nbytes > full.nbytes and sparse.steps > full.steps  # fill, copy, presence, gather
 
 
 def test_topka_gathers_every_ranks_k_without_the_slot():
