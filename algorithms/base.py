@@ -75,6 +75,9 @@ class SparseInput:
             values (``sparse_allreduce(..., donate=True)``). An algorithm
             may then reduce into it and return it; otherwise ``values``
             may be the caller's own tensor and must keep its bits.
+        owned_indices: ``indices`` may be handed back as the result's
+            (the coalesce made them, or the caller donated them); otherwise
+            they may be the caller's own tensor, which a result never shares.
     """
 
     indices: torch.Tensor
@@ -88,6 +91,7 @@ class SparseInput:
     payload: np.ndarray | None = None
     parts: Parts | None = None
     owned: bool = False
+    owned_indices: bool = False
 
     @property
     def row_numel(self) -> int:

@@ -69,7 +69,7 @@ from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
-from colltune.algorithms.sparse import nth_positions, read_part_counts, upload
+from colltune.algorithms.sparse import fresh, nth_positions, read_part_counts, row_numbers, upload
 
 __all__ = ["Dense"]
 
@@ -214,15 +214,16 @@ class Dense(Algorithm):
         if r == 0:
             vals = torch.zeros((vals.shape[0], 1), dtype=wire, device=comm.device)
         elif vals.dtype != wire:
-            vals = vals.to(wire)
+            vals = fresh(vals.shape, wire, comm.device).copy_(vals)
             vals[lo:hi].add_(0.0)  # the sign fix after the rounding: a tiny negative rounds to -0.0
         elif hi > lo and not owned:
-            vals = vals + 0.0  # a copy, so the input keeps its bits: fixing every row costs it nothing more
+            # A copy, so the input keeps its bits: fixing every row costs it nothing more.
+            vals = torch.add(vals, 0.0, out=fresh(vals.shape, wire, comm.device))
         elif hi > lo:
             vals[lo:hi].add_(0.0)
         if vals.shape[0] == n:
-            return vals if owned or vals is not src else vals.clone()
-        buf = torch.full((n, vals.shape[1]), -0.0, dtype=wire, device=comm.device)
+            return vals if owned or vals is not src else fresh(vals.shape, wire, comm.device).copy_(vals)
+        buf = fresh((n, vals.shape[1]), wire, comm.device).fill_(-0.0)
         if vals.shape[0]:
             buf.index_copy_(0, inp.indices.to(comm.device), vals)
         return buf
@@ -234,7 +235,9 @@ class Dense(Algorithm):
         if max(inp.counts) == n:  # the record says every row is present
             if inp.parts is not None:
                 inp.parts.sizes = [b - a for a, b in zip(inp.parts.bounds, inp.parts.bounds[1:])]
-            union = torch.arange(n, device=comm.device)
+            # A rank holding every row holds the indices 0..n-1: its own, where the call may hand them back.
+            mine = inp.indices.shape[0] == n and inp.owned_indices and inp.indices.device == comm.device
+            union = inp.indices if mine else row_numbers(n, comm.device)
             return union, buf if r else buf[:, :0]
         size = buf.element_size()
         present = buf[:, 0].view(_INT_OF_SIZE[size]) != _NEG_ZERO[size]
@@ -243,7 +246,9 @@ class Dense(Algorithm):
         else:  # a fused bucket: the union's size and every tensor's in one read, so the cut reads nothing
             runs, u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
             union = nth_positions(runs[1:], u)
-        return union, buf.index_select(0, union) if r else buf[: union.numel(), :0]
+        if not r:
+            return union, buf[: union.numel(), :0]
+        return union, torch.index_select(buf, 0, union, out=fresh((union.numel(), r), buf.dtype, buf.device))
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         total = comm.all_reduce(acc.clone())

@@ -485,8 +485,9 @@ def validate_sparse(
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
     """Check the arguments of ``sparse_allreduce``; return indices, values as ``[k, r]``, n and the row shape.
 
-    The indices' range is checked here on the host path only; on the device
-    path :func:`coalesce_checked` checks it with the coalesce's one host read.
+    The indices' range is checked by the coalesce (:func:`coalesce_checked`):
+    on the host path from the coalesced indices' ends, on the device path
+    with its one host read. No pass over the indices is made here.
     """
     check_op_and_algorithm(op, algorithm)
     _check_tensor(indices, "indices", "of int32 or int64")
@@ -517,8 +518,6 @@ def validate_sparse(
                              f"indices and values must be on the same device, but got {indices.device} and {values.device}.")
     row_shape = tuple(values.shape[1:])
     n = _check_size(size, row_shape)
-    if on_host(indices):
-        _check_range(indices, n)
     return indices, values.reshape(values.shape[0], int(torch.Size(row_shape).numel())), n, row_shape
 
 
@@ -526,25 +525,34 @@ def _check_range(indices: torch.Tensor, n: int) -> None:
     """Raise naming ``indices`` unless every index is in ``[0, n)``."""
     if indices.numel():
         lo, hi = torch.aminmax(indices)
-        lo, hi = int(lo), int(hi)
-        if lo < 0:
-            raise argument_error(ColltuneValueError, "indices",
-                                 f"indices must be in [0, size) = [0, {n}), but got a negative index {lo}; "
-                                 "wrap negative indices with indices % size if they count from the end.")
-        if hi >= n:
-            raise argument_error(ColltuneValueError, "indices",
-                                 f"indices must be in [0, size) = [0, {n}), but got index {hi}; "
-                                 "pass a larger size or fix the indices.")
+        check_bounds(int(lo), int(hi), n)
+
+
+def check_bounds(lo: int, hi: int, n: int) -> None:
+    """Raise naming ``indices`` unless ``lo`` and ``hi``, the least and the greatest index, are in ``[0, n)``."""
+    if lo < 0:
+        raise argument_error(ColltuneValueError, "indices",
+                             f"indices must be in [0, size) = [0, {n}), but got a negative index {lo}; "
+                             "wrap negative indices with indices % size if they count from the end.")
+    if hi >= n:
+        raise argument_error(ColltuneValueError, "indices",
+                             f"indices must be in [0, size) = [0, {n}), but got index {hi}; "
+                             "pass a larger size or fix the indices.")
 
 
 def coalesce_checked(indices: torch.Tensor, values: torch.Tensor, n: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Coalesce a call's validated tensor (see :func:`coalesce`), checking its indices' range on the device path.
+    """Coalesce a call's validated tensor (see :func:`coalesce`) and check its indices' range.
 
-    There it goes as a :class:`~colltune.algorithms.sparse.Batch` of one,
-    whose one host read also tells whether an index is out of range.
+    On the host path the coalesced indices are sorted, so their ends are
+    their least and greatest: the check costs no pass of its own. On the
+    device path the tensor goes as a :class:`~colltune.algorithms.sparse.Batch`
+    of one, whose one host read also tells whether an index is out of range.
     """
     if on_host(values):
-        return coalesce(indices, values, acc)
+        idx, vals = coalesce(indices, values, acc)
+        if idx.numel():
+            check_bounds(int(idx[0]), int(idx[-1]), n)
+        return idx, vals
     batch = Batch([(indices, values, n)], acc)
     stats = batch.stats.tolist()
     if stats[0]:
@@ -860,11 +868,13 @@ def sparse_allreduce(
             path or a :class:`colltune.Selector`; ``None`` uses the process-wide
             selector (:func:`colltune.configure`, else the environment and the
             profile shipped for the backend).
-        donate: give ``values`` to the call, as ``dist.all_reduce`` takes its
-            tensor: the result may be reduced into its memory, so its
-            contents afterwards are unspecified. It saves a copy where the
-            result has every row (dense at density 1 reduces in place, as a
-            plain ``all_reduce`` would); the result is the same either way.
+        donate: give ``indices`` and ``values`` to the call, as
+            ``dist.all_reduce`` takes its tensor: the result may be reduced
+            into their memory or be them, so their contents afterwards are
+            unspecified. It saves copies where the result has every row
+            (dense at density 1 reduces the values in place and hands the
+            indices back, as a plain ``all_reduce`` would); the result is the
+            same either way.
 
     Returns:
         A :class:`SparseResult`: int64 indices (sorted, unique: the union of
@@ -957,6 +967,7 @@ class _SparseCall:
         self.site: tuple = ()
         self.values: Any = None  # the caller's values (a COO tensor's, when one came)
         self.owned = False  # whether the coalesced values are the call's to overwrite (SparseInput.owned)
+        self.owned_indices = False  # and whether its indices may be handed back (SparseInput.owned_indices)
         #: Deferred coalesce (device path): the record's fields still on the device, and the range error.
         self.device_fields: dict[str, torch.Tensor] | None = None
         self.deferred_error: Callable[[], BaseException] | None = None
@@ -982,6 +993,7 @@ class _SparseCall:
         self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
         self.values = values
         self.owned = donate or not shares_storage(vals, values)
+        self.owned_indices = donate or not shares_storage(idx, indices)
         self.record.update(
             size=n,
             row_numel=vals.shape[1],
@@ -1089,7 +1101,7 @@ class _SparseCall:
         # The payload belongs to the algorithm that made it: another one chosen meanwhile does not get it.
         payload = slots[:, : self.payload_bytes] if self.payload_bytes and algorithm == self.likely else None
         return SparseInput(self.idx, self.vals, self.n, self.row_shape, self.dtype, counts, eager_entries, op,
-                           payload, owned=self.owned)
+                           payload, owned=self.owned, owned_indices=self.owned_indices)
 
 
 def run_sparse(

@@ -61,6 +61,7 @@ from colltune.api import (
     CallerCheck,
     argument_error,
     canonical_op,
+    check_bounds,
     check_dense_fits,
     check_op_and_algorithm,
     decided_knobs,
@@ -304,8 +305,8 @@ class _FusedCall:
         self.comm = comm
         self.idx: list[torch.Tensor] = []
         self.vals: list[torch.Tensor] = []
-        #: The caller's values, per tensor: a bucket whose values share none of their memory may be overwritten.
-        self.given: list[torch.Tensor] = []
+        #: The caller's indices and values, per tensor: a bucket's that share no memory with them are its own.
+        self.given: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.desc: list[tuple[int, tuple[int, ...], torch.dtype]] = []
         self.keys: list[tuple[int, torch.dtype]] = []
         #: Per tensor, its key and the number of its index space: tensors of one space may share a batch and a
@@ -355,7 +356,7 @@ class _FusedCall:
             self.keys.append((vals.shape[1], vals.dtype))
             checked.append((idx, vals, n))
         self.spaces = index_spaces(self.keys, [n for n, _, _ in self.desc])
-        self.given = [v for _, v, _ in checked]
+        self.given = [(i, v) for i, v, _ in checked]
         self.coalesce(checked)
         self.knobs, self.sel, self.backend, code = resolve_request(algorithm, knobs, policy, group, name)
         if algorithm == "dense":  # the largest bucket it may build: every tensor of one row width and dtype
@@ -379,6 +380,12 @@ class _FusedCall:
         """
         if not checked or on_host(checked[0][1]):
             done = [coalesce(i, v, accum_dtype(v.dtype)) for i, v, _ in checked]
+            for t, ((idx, _), (_, _, n)) in enumerate(zip(done, checked)):
+                if idx.numel():  # sorted: the ends are the least and greatest index
+                    try:
+                        check_bounds(int(idx[0]), int(idx[-1]), n)
+                    except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
+                        raise _named(exc, t)
             self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
             return
         groups: dict[tuple[int, torch.dtype, int], list[int]] = {}
@@ -492,8 +499,9 @@ class _FusedCall:
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
             algorithm, knobs = decision.algorithm, decided_knobs(decision, self.knobs)
         parts = Parts(at) if len(members) > 1 else None
-        owned = not any(shares_storage(vals, self.given[t]) for t in members)
-        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts, owned)
+        owned = not any(shares_storage(vals, self.given[t][1]) for t in members)
+        owned_indices = not any(shares_storage(idx, self.given[t][0]) for t in members)
+        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts, owned, owned_indices)
         # The call's measurement is its bucket predicted slowest: only that bucket's run is timed.
         predicted = None if decision is None else (decision.predicted_us or {}).get(decision.algorithm)
         timed = (self.timer is not None and predicted is not None

@@ -728,9 +728,11 @@ def _run_every_rank_every_row(rank, world_size, n, dtype):
     kept = vals.clone()
     out = {"kept": colltune.sparse_allreduce(idx, vals, n, algorithm="dense")}
     out["caller_bits"] = raw(vals) == raw(kept)
-    given = vals.clone()
-    out["donated"] = colltune.sparse_allreduce(idx, given, n, algorithm="dense", donate=True)
-    out["in_place"] = out["donated"].values.data_ptr() == given.data_ptr()
+    given, given_idx = vals.clone(), idx.clone()
+    out["donated"] = colltune.sparse_allreduce(given_idx, given, n, algorithm="dense", donate=True)
+    out["in_place"] = (out["donated"].values.data_ptr() == given.data_ptr(),
+                       out["donated"].indices.data_ptr() == given_idx.data_ptr(),
+                       out["kept"].indices.data_ptr() == idx.data_ptr())
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(7 + rank))
     shuffled = vals[perm]
     out["owned"] = colltune.sparse_allreduce(idx[perm], shuffled, n, algorithm="dense")
@@ -742,7 +744,7 @@ def _run_every_rank_every_row(rank, world_size, n, dtype):
     single_few = colltune.sparse_allreduce(few, vals[few], n, algorithm="dense")
     out["fused"] = colltune.sparse_allreduce_many([(idx, vals, (n, 4)), (few, vals[few], (n, 4))], algorithm="dense")
     out["few"] = single_few
-    return {k: (v if isinstance(v, bool) else [(r.indices, r.values) for r in v] if isinstance(v, list)
+    return {k: (v if isinstance(v, (bool, tuple)) else [(r.indices, r.values) for r in v] if isinstance(v, list)
                 else (v.indices, v.values)) for k, v in out.items()}
 
 
@@ -750,14 +752,16 @@ def _run_every_rank_every_row(rank, world_size, n, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_when_every_rank_holds_every_row_kept_donated_or_owned(world_size, dtype):
     """The holders split the sign fix: the same bits as allgather's exact sums, no -0.0, kept values untouched,
-    donated ones reduced in place (fp32: no cast between), and a fused bucket whose ranks fix every row they
-    hold gives each tensor its own call's bits."""
+    donated ones reduced in place (fp32: no cast between) and donated indices handed back, and a fused bucket
+    whose ranks fix every row they hold gives each tensor its own call's bits."""
     n = 37
     out = pool(world_size).run(_run_every_rank_every_row, n, dtype)
     ref_idx, ref_vals = out[0]["allgather"]
     for r, o in enumerate(out):
         assert o["caller_bits"] and o["shuffled_bits"], r
-        assert o["in_place"] == (dtype == "float32"), r
+        # Donated fp32 values are reduced in place (bf16 ones are summed in an fp32 copy); donated indices are
+        # handed back as the result's, and kept ones never are.
+        assert o["in_place"] == (dtype == "float32", True, False), r
         for label in ("kept", "donated", "owned", "allgather"):
             idx, vals = o[label]
             assert torch.equal(idx, torch.arange(n)) and raw(vals) == raw(ref_vals), (label, r)

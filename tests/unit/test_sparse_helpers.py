@@ -6,7 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from colltune.algorithms.sparse import Magnitudes, _sorted_order, merge_host, split_layout, sum_by_index
+from colltune.algorithms.sparse import (
+    HUGE_PAGES_FROM,
+    Magnitudes,
+    _increasing,
+    _sorted_order,
+    coalesce,
+    fresh,
+    merge_host,
+    row_numbers,
+    shares_storage,
+    split_layout,
+    sum_by_index,
+)
 
 
 def _reference(idx: np.ndarray, vals: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -160,3 +172,42 @@ def test_padded_run_sums_are_the_exact_sums_then_zero_pads(width, high):
     u = ei.numel()
     assert torch.equal(pi[:u], ei) and torch.equal(pv[:u].view(torch.int32), ev.view(torch.int32))
     assert bool((pi[u:] == high).all()) and not pv[u:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool])
+@pytest.mark.parametrize("rows", [3, HUGE_PAGES_FROM // 64 + 1])
+def test_fresh_gives_a_writable_tensor_of_the_shape_and_dtype(dtype, rows):
+    t = fresh((rows, 16), dtype, "cpu")
+    assert t.shape == (rows, 16) and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+    t.fill_(1)
+    assert bool((t == 1).all())
+    assert not shares_storage(t, fresh((rows, 16), dtype, "cpu"))
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, HUGE_PAGES_FROM // 8 + 3])
+def test_row_numbers_are_arange(n):
+    got = row_numbers(n, "cpu")
+    assert got.dtype == torch.int64 and torch.equal(got, torch.arange(n))
+
+
+def test_increasing_finds_a_step_down_anywhere_even_on_a_chunk_edge():
+    from colltune.algorithms.sparse import _CHUNK
+
+    k = 3 * _CHUNK + 17
+    a = np.arange(k, dtype=np.int64) * 2
+    assert _increasing(a) and _increasing(a[:1]) and _increasing(a[:0])
+    for at in (1, _CHUNK - 1, _CHUNK, _CHUNK + 1, 2 * _CHUNK, k - 1):
+        b = a.copy()
+        b[at] = b[at - 1]  # a duplicate: not strictly increasing
+        assert not _increasing(b), at
+        b[at] = b[at - 1] - 1
+        assert not _increasing(b), at
+
+
+def test_sorted_unique_input_passes_through_the_host_coalesce_without_a_copy():
+    idx, vals = torch.arange(0, 3 * (1 << 17), 3), torch.randn(1 << 17, 2)
+    got_idx, got_vals = coalesce(idx, vals, torch.float32)
+    assert got_idx is idx and got_vals is vals
+    idx[7] = idx[6]
+    got_idx, got_vals = coalesce(idx, vals, torch.float32)
+    assert got_idx.numel() == idx.numel() - 1 and not shares_storage(got_vals, vals)
