@@ -515,6 +515,23 @@ class Comm:
         table[self.rank] = row
         return self.all_reduce(table)
 
+    def gather_small(self, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`all_gather` of a few bytes of control data (sizes, counts), gathered as the record is.
+
+        Where the record is summed as a table (:attr:`reduce_record`: NCCL
+        from :data:`~colltune.algorithms.schedule.RECORD_ALL_REDUCE_FROM`
+        ranks on), so is ``t``: its bytes in this rank's row of a zeroed
+        ``[P, bytes]`` table, all-reduced (exact: every byte has one nonzero
+        addend), which NCCL runs as a tree instead of a ring's ``P - 1``
+        steps. Elsewhere the backend's ``all_gather``. The rule depends on
+        backend and world size only, so every rank takes the same one.
+        """
+        if not self.reduce_record:
+            return self.all_gather(t)
+        p, t = self.world_size, t.contiguous()
+        rows = self.gather_record(t.view(-1).view(torch.uint8))
+        return rows.view(t.dtype).view((p * t.shape[0],) + tuple(t.shape[1:]))
+
     def _gather_direct(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather contiguous ``t`` point to point, every peer at once (not counted)."""
         p, me = self.world_size, self.rank

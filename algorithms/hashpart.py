@@ -218,7 +218,7 @@ def _hash_reduce_host(
     if divide and p > 1:
         uvals.div_(p)
     with comm.meta():
-        shares = comm.all_gather(torch.tensor([uidx.numel()], dtype=torch.int64)).tolist()
+        shares = comm.gather_small(torch.tensor([uidx.numel()], dtype=torch.int64)).tolist()
     flat = comm.all_gather_flat(torch.from_numpy(pack_host(uidx, uvals, index_dtype, share_dtype)), shares, mode)
     gidx, gvals = unpack_host(flat.numpy(), r, index_dtype, share_dtype)
     order = np.argsort(gidx, kind="stable")  # P sorted runs of disjoint indices: timsort merges them
@@ -259,7 +259,7 @@ def _hash_reduce_device(
     if divide and p > 1:
         psums.div_(p)
     with comm.meta():
-        shares = comm.all_gather(unique.reshape(1)).tolist()
+        shares = comm.gather_small(unique.reshape(1)).tolist()
     u = shares[me]
     flat = comm.all_gather_flat(pack(pidx[:u], psums[:u], index_dtype, share_dtype), shares, mode)
     gidx, gvals = unpack(flat, r, index_dtype, share_dtype)
@@ -329,7 +329,7 @@ class HashPart(Algorithm):
             counts,
             split,
             c.local("owner_reduce", local, 8.0 if c.topk else 7.0),
-            c.all_gather("sizes_all_gather", 8.0),
+            c.small_gather("sizes_all_gather", 8.0),
             gather,
             c.local("unpack_sort", unpack_sort, 3.0),
         ]

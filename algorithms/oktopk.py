@@ -345,7 +345,7 @@ def _gather_regions(
     ):
         return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight, parts)
     with comm.meta():
-        sizes = _read_sizes(comm.all_gather(_size_head(ridx, parts)).view(p, -1), parts)
+        sizes = _read_sizes(comm.gather_small(_size_head(ridx, parts)).view(p, -1), parts)
     dense = _dense_regions(sizes, lengths, ebytes, rowbytes, dense_ratio)
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
@@ -587,7 +587,7 @@ def _region_gathers(c: Pricing, knobs: dict[str, Any], region_dense_bytes: float
     """
     mode, flight = knobs.get("gather_mode", "auto"), knobs["peers_in_flight"]
     per_owner = c.u / c.p
-    sizes_step = c.all_gather("sizes_all_gather", 8.0)
+    sizes_step = c.small_gather("sizes_all_gather", 8.0)
     if math.ceil(per_owner) * c.e >= knobs["dense_fallback_ratio"] * region_dense_bytes:
         # Sizes first, then the regions packed, dense ones with their bitmap.
         return sizes_step, c.all_gather("union_gather", region_dense_bytes), region_dense_bytes
@@ -666,7 +666,7 @@ def _topk_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
         _split_step(c, per, 1.0, knobs["peers_in_flight"]),
         c.local("region_reduce", select + _region_reduce(c, k), 6.0),
         radix,
-        c.all_gather("sizes_all_gather", 8.0 * ((1 - g) * (2 * GLOBAL_NUDGES + 1) + g)),
+        c.small_gather("sizes_all_gather", 8.0 * ((1 - g) * (2 * GLOBAL_NUDGES + 1) + g)),
         c.p2p("balance_p2p", 1.0, 1.0, moved * c.e) if moved else c.free("balance_p2p", "p2p"),
         gather,
         c.local("unpack", p * block * c.e + k * c.out_entry + (k * c.e if moved else 0.0), 2.0),
@@ -931,7 +931,7 @@ class OkTopk(Algorithm):
         """
         with comm.meta():
             t = upload(counts, comm.device)
-            return comm.all_gather(t).view(comm.world_size, len(counts)).cpu().numpy()
+            return comm.gather_small(t).view(comm.world_size, len(counts)).cpu().numpy()
 
     @staticmethod
     def _balanced_gather(

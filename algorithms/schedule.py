@@ -177,6 +177,13 @@ class Pricing:
             return self.all_reduce("metadata", self.p * nbytes)
         return self.all_gather("metadata", nbytes)
 
+    def small_gather(self, term: str, nbytes: float) -> Step:
+        """An all_gather of a few bytes of control data per rank, summed as a table where the record is
+        (:meth:`~colltune.algorithms.comm.Comm.gather_small`)."""
+        if record_by_all_reduce(self.p, not self.host):
+            return self.all_reduce(term, self.p * nbytes)
+        return self.all_gather(term, nbytes)
+
     def all_reduce(self, term: str, nbytes: float, share: float = 1.0) -> Step:
         """A ring all_reduce of ``nbytes``, paid on a ``share`` of the calls."""
         p = self.p

@@ -468,7 +468,7 @@ class _FusedCall:
         else:
             with comm.meta():
                 row = upload(self.counts, comm.device) if self.pending is None else self.device_counts
-                counts = comm.all_gather(row).view(comm.world_size, t).cpu().numpy()
+                counts = comm.gather_small(row).view(comm.world_size, t).cpu().numpy()
         self.settle(counts[comm.rank])
         # Room for the counts in the next records, where the slot may grow to hold them (else no use).
         _meta.note_slot_use(comm, 8 * t if 8 * t <= slot_limit(comm.world_size) else 0)
@@ -562,7 +562,7 @@ def _name_the_difference(comm: Comm, desc: list[tuple[int, tuple[int, ...], torc
         mine[t] = (n, _meta.name_code(_meta.dtype_name(dtype)), *(fields.get(c, -1) for c in columns))
     with comm.meta():
         row = upload(mine.reshape(-1), comm.device)
-        table = comm.all_gather(row).view(comm.world_size, len(desc), mine.shape[1]).cpu().numpy()
+        table = comm.gather_small(row).view(comm.world_size, len(desc), mine.shape[1]).cpu().numpy()
     t = int(np.argmax((table != table[:1]).any(axis=(0, 2))))
 
     def say(row: np.ndarray) -> str:

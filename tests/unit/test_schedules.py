@@ -327,3 +327,25 @@ def test_the_record_is_summed_as_a_table_on_the_device_path_from_32_ranks():
                              ranks_per_node=8)
     terms = model.analytic.terms(small)
     assert max(t["metadata"] for t in terms.values()) <= 300.0, {a: t["metadata"] for a, t in terms.items()}
+
+
+def test_small_gathers_of_control_data_are_summed_as_the_record_is():
+    """Owners' sizes (Ok-Topk, hashpart) and top-k's kept counts: gathered where the record is gathered, a table
+    all-reduced where it is summed; at 1024 ranks on NCCL's model Ok-Topk's sizes cost 0.1 ms, not 1.2."""
+    from colltune.model.profile import load_profile
+    from colltune.select.selector import model_for_profile, shipped_profile
+
+    for p in (16, 32, 1024):
+        f = _features(p, 2**24, 10_000)
+        for algorithm, mode in (("oktopk", "exact"), ("hashpart", "exact"), ("oktopk", "topk")):
+            device = _priced(algorithm, Pricing(f, host=False, mode=mode, ranks_per_node=8))["sizes_all_gather"]
+            host = _priced(algorithm, Pricing(f, host=True, mode=mode))["sizes_all_gather"]
+            assert host.primitive == "all_gather", (p, algorithm, mode)
+            if p < 32:
+                assert device.primitive == "all_gather", (p, algorithm, mode)
+            elif device.calls:
+                assert device.primitive == "all_reduce", (p, algorithm, mode)
+    model = model_for_profile(load_profile(shipped_profile("nccl")), "analytic-nccl.yaml")
+    f = Features.uniform(numel=2**24, row_numel=64, dtype="float32", k=167_772, world_size=1024, union=2**23,
+                         ranks_per_node=8)
+    assert model.analytic.terms(f)["oktopk"]["sizes_all_gather"] <= 100.0
