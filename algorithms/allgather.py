@@ -43,6 +43,7 @@ from colltune.algorithms.sparse import (
     Parts,
     accum_dtype,
     entry_bytes,
+    fresh,
     gather_mode,
     merge_host_pieces,
     merge_runs,
@@ -112,8 +113,8 @@ def gather_merge_p2p(
     index_dtype = wire_index_dtype(size)
     head = head or [0] * p
     at = offsets(counts)  # rank j's entries land at rows [at[j], at[j+1]): its head, then the rest
-    all_idx = torch.empty(at[-1], dtype=index_dtype, device=comm.device)
-    all_vals = torch.empty((at[-1], r), dtype=wire_dtype, device=comm.device)
+    all_idx = fresh((at[-1],), index_dtype, comm.device)
+    all_vals = fresh((at[-1], r), wire_dtype, comm.device)
     all_idx[at[me] : at[me + 1]] = idx
     all_vals[at[me] : at[me + 1]] = vals
     mu = max(head)

@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from colltune.algorithms.errors import CollectiveError
 from colltune.algorithms.schedule import p2p_gathers, record_by_all_reduce
-from colltune.algorithms.sparse import offsets, on_host, upload
+from colltune.algorithms.sparse import fresh, offsets, on_host, upload
 
 __all__ = [
     "Traffic",
@@ -496,7 +496,7 @@ class Comm:
         self._count("all_gather", (p - 1) * _nbytes(t), p - 1)
         if self.direct if direct is None else direct:
             return self._gather_direct(t)
-        out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        out = fresh((p * t.shape[0],) + tuple(t.shape[1:]), t.dtype, t.device)
         self._collective("all_gather", lambda o, i: _all_gather_single(o, i, group=self.wire), out, t)
         return out
 
@@ -535,7 +535,7 @@ class Comm:
     def _gather_direct(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather contiguous ``t`` point to point, every peer at once (not counted)."""
         p, me = self.world_size, self.rank
-        out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        out = fresh((p * t.shape[0],) + tuple(t.shape[1:]), t.dtype, t.device)
         parts = out.view((p,) + tuple(t.shape))
         parts[me] = t
         if t.numel():
@@ -551,7 +551,7 @@ class Comm:
     def all_to_all(self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
         """Send ``send_counts[j]`` rows of ``t`` to rank ``j``; return the rows received, in rank order."""
         p = self.world_size
-        out = torch.empty((int(sum(recv_counts)),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        out = fresh((int(sum(recv_counts)),) + tuple(t.shape[1:]), t.dtype, t.device)
         if p == 1:
             out.copy_(t)
             return out

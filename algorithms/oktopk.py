@@ -87,6 +87,7 @@ from colltune.algorithms.sparse import (
     Magnitudes,
     Parts,
     entry_bytes,
+    fresh,
     gather_mode,
     merge_runs,
     offsets,
@@ -223,7 +224,7 @@ def split_reduce(
         )
     buf = pack(idx, vals, index_dtype, wire_dtype)
     at = offsets(recv_counts)  # source j's entries land at rows [at[j], at[j+1]), in rank order
-    recv = torch.empty((at[-1], entry_bytes(r, index_dtype, wire_dtype)), dtype=torch.uint8, device=comm.device)
+    recv = fresh((at[-1], entry_bytes(r, index_dtype, wire_dtype)), torch.uint8, comm.device)
     recv[at[me] : at[me + 1]] = buf[off[me] : off[me + 1]]
     comm.rotated_exchange(
         peers_in_flight, lambda dst: [(buf[off[dst] : off[dst + 1]], 0)], lambda src: [(recv[at[src] : at[src + 1]], 0)]
@@ -273,8 +274,8 @@ def _split_reduce_soa(
     widx = idx.to(index_dtype)
     wvals = vals.to(wire_dtype).contiguous()
     at = offsets(recv_counts)  # source j's entries land at rows [at[j], at[j+1]), in rank order
-    ridx = torch.empty(at[-1], dtype=index_dtype, device=comm.device)
-    rvals = torch.empty((at[-1], r), dtype=wire_dtype, device=comm.device)
+    ridx = fresh((at[-1],), index_dtype, comm.device)
+    rvals = fresh((at[-1], r), wire_dtype, comm.device)
     ridx[at[me] : at[me + 1]] = widx[off[me] : off[me + 1]]
     rvals[at[me] : at[me + 1]] = wvals[off[me] : off[me + 1]]
     comm.rotated_exchange(
@@ -461,7 +462,7 @@ def _gather_regions_eager(
     blob = pack(ridx, rvals, index_dtype, wire_dtype)
     u = blob.shape[0]
     first = min(u, caps[me])
-    msgs = torch.empty((at[-1], e), dtype=torch.uint8, device=comm.device)
+    msgs = fresh((at[-1], e), torch.uint8, comm.device)
     mine = msgs[at[me] : at[me + 1]]
     mine.zero_()
     mine.view(-1)[: 8 * head.numel()] = head.view(torch.uint8)
@@ -526,8 +527,8 @@ def _gather_regions_p2p(
     """Every owner sends its sparse region to every peer; regions land in place, in rank (= index) order."""
     me = comm.rank
     at = offsets(sizes)
-    out_idx = torch.empty(at[-1], dtype=index_dtype, device=comm.device)
-    out_vals = torch.empty((at[-1], rvals.shape[1]), dtype=wire_dtype, device=comm.device)
+    out_idx = fresh((at[-1],), index_dtype, comm.device)
+    out_vals = fresh((at[-1], rvals.shape[1]), wire_dtype, comm.device)
     out_idx[at[me] : at[me + 1]] = ridx
     out_vals[at[me] : at[me + 1]] = rvals
     comm.all_gather_rows((out_idx, out_vals), at, peers_in_flight)

@@ -806,7 +806,7 @@ def merge_host(idx: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray
         # Dense scratch: O(size) work beats sorting when the entries are this many.
         t_idx = torch.from_numpy(idx)
         present = torch.zeros(size, dtype=torch.bool)
-        scratch = torch.zeros((size, t_vals.shape[1]), dtype=t_vals.dtype)
+        scratch = fresh((size, t_vals.shape[1]), t_vals.dtype, "cpu").zero_()
         present[t_idx] = True
         scratch.index_add_(0, t_idx, t_vals)
         union = present.nonzero().view(-1)
