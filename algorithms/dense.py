@@ -69,7 +69,7 @@ from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
-from colltune.algorithms.sparse import fresh, nth_positions, read_part_counts, row_numbers, upload
+from colltune.algorithms.sparse import cast, fresh, nth_positions, out_buffer, read_part_counts, row_numbers, upload
 
 __all__ = ["Dense"]
 
@@ -200,7 +200,7 @@ class Dense(Algorithm):
         """
         wire = cls._wire_dtype(inp, knobs)
         n, r = inp.size, inp.row_numel
-        src = inp.values.detach()  # a donated leaf that requires grad is still written in place
+        src = inp.values.detach() if inp.values.requires_grad else inp.values  # a donated leaf is still written
         vals = src.to(comm.device)
         owned = inp.owned or vals is not src  # a copy to another device is the call's own
         holders = [q for q, c in enumerate(inp.counts) if c == n]
@@ -214,16 +214,17 @@ class Dense(Algorithm):
         if r == 0:
             vals = torch.zeros((vals.shape[0], 1), dtype=wire, device=comm.device)
         elif vals.dtype != wire:
-            vals = fresh(vals.shape, wire, comm.device).copy_(vals)
+            vals = cast(vals, wire)
             vals[lo:hi].add_(0.0)  # the sign fix after the rounding: a tiny negative rounds to -0.0
         elif hi > lo and not owned:
             # A copy, so the input keeps its bits: fixing every row costs it nothing more.
-            vals = torch.add(vals, 0.0, out=fresh(vals.shape, wire, comm.device))
+            vals = torch.add(vals, 0.0, out=out_buffer(vals.shape, wire, comm.device))
         elif hi > lo:
             vals[lo:hi].add_(0.0)
         if vals.shape[0] == n:
             return vals if owned or vals is not src else fresh(vals.shape, wire, comm.device).copy_(vals)
-        buf = fresh((n, vals.shape[1]), wire, comm.device).fill_(-0.0)
+        shape = (n, vals.shape[1])
+        buf = torch.full(shape, -0.0, dtype=wire, device=comm.device, out=out_buffer(shape, wire, comm.device))
         if vals.shape[0]:
             buf.index_copy_(0, inp.indices.to(comm.device), vals)
         return buf
@@ -248,7 +249,7 @@ class Dense(Algorithm):
             union = nth_positions(runs[1:], u)
         if not r:
             return union, buf[: union.numel(), :0]
-        return union, torch.index_select(buf, 0, union, out=fresh((union.numel(), r), buf.dtype, buf.device))
+        return union, torch.index_select(buf, 0, union, out=out_buffer((union.numel(), r), buf.dtype, buf.device))
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         total = comm.all_reduce(acc.clone())

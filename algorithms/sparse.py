@@ -35,6 +35,8 @@ __all__ = [
     "on_host",
     "shares_storage",
     "fresh",
+    "out_buffer",
+    "cast",
     "row_numbers",
     "device_path",
     "set_device_path",
@@ -165,6 +167,25 @@ def fresh(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) 
     return t.view(dtype) if t.dtype != dtype else t
 
 
+def out_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+    """Return an ``out=`` tensor from NumPy for a large CPU result, else ``None`` (the op allocates as usual).
+
+    For the ops with an ``out`` argument: on the device path the call stays one op.
+    """
+    device = torch.device(device)
+    if device.type != "cpu" or dtype not in _NP_OF or math.prod(shape) * dtype.itemsize < HUGE_PAGES_FROM:
+        return None
+    return fresh(shape, dtype, device)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return ``t`` in ``dtype``: ``t`` itself when it already is, else a copy (large CPU ones from :func:`fresh`)."""
+    if t.dtype == dtype:
+        return t
+    out = out_buffer(t.shape, dtype, t.device)
+    return t.to(dtype) if out is None else out.copy_(t)
+
+
 def row_numbers(n: int, device: torch.device | str) -> torch.Tensor:
     """Return ``0..n-1`` as int64 on ``device``, in memory from :func:`fresh`."""
     device = torch.device(device)
@@ -205,7 +226,7 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> t
         count of unique indices is the one host read.
     """
     idx = indices.to(torch.int64)
-    vals = values.to(acc)
+    vals = cast(values, acc)
     if idx.numel() <= 1:
         return idx, vals
     if on_host(idx):

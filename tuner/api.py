@@ -62,6 +62,7 @@ from colltune.algorithms.sparse import (
     VALUE_DTYPES,
     Batch,
     accum_dtype,
+    cast,
     coalesce,
     on_host,
     shares_storage,
@@ -950,7 +951,7 @@ def _sparse_allreduce(
     online.hold(comm, timer, call.sel, call.site, None if one_off else decision)
     if call.sel is not None:
         call.sel.observe_sparse(call.site, counts, out_idx.numel())
-    out_vals = out_vals.to(call.dtype).reshape((out_idx.numel(),) + inp.row_shape)
+    out_vals = cast(out_vals, call.dtype).reshape((out_idx.numel(),) + inp.row_shape)
     return SparseResult(out_idx, out_vals, inp.size, algorithm, comm.traffic, decision)
 
 

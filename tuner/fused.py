@@ -54,7 +54,17 @@ from colltune.algorithms.base import SparseInput, SparseResult
 from colltune.algorithms.comm import Comm, ranks_per_node
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError, RankMismatchError
 from colltune.algorithms.sizes import slot_limit
-from colltune.algorithms.sparse import Batch, Parts, accum_dtype, coalesce, offsets, on_host, shares_storage, upload
+from colltune.algorithms.sparse import (
+    Batch,
+    Parts,
+    accum_dtype,
+    cast,
+    coalesce,
+    offsets,
+    on_host,
+    shares_storage,
+    upload,
+)
 from colltune.api import (
     MAX_SIZE,
     AsyncHandle,
@@ -539,7 +549,7 @@ class _FusedCall:
         else:
             sizes, idxs = [out_idx.numel()], (out_idx,)
         dtype = self.desc[members[0]][2]
-        vals = torch.split(out_vals if out_vals.dtype == dtype else out_vals.to(dtype), sizes)
+        vals = torch.split(cast(out_vals, dtype), sizes)
         out: list[SparseResult] = []
         for j, t in enumerate(members):
             n, row_shape, _ = self.desc[t]

@@ -11,9 +11,11 @@ from colltune.algorithms.sparse import (
     Magnitudes,
     _increasing,
     _sorted_order,
+    cast,
     coalesce,
     fresh,
     merge_host,
+    out_buffer,
     row_numbers,
     shares_storage,
     split_layout,
@@ -211,3 +213,15 @@ def test_sorted_unique_input_passes_through_the_host_coalesce_without_a_copy():
     idx[7] = idx[6]
     got_idx, got_vals = coalesce(idx, vals, torch.float32)
     assert got_idx.numel() == idx.numel() - 1 and not shares_storage(got_vals, vals)
+
+
+@pytest.mark.parametrize("rows", [3, HUGE_PAGES_FROM // 64 + 1])
+def test_cast_and_out_buffer(rows):
+    t = torch.randn(rows, 16)
+    assert cast(t, torch.float32) is t
+    half = cast(t, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, t.to(torch.bfloat16))
+    out = out_buffer((rows, 16), torch.float32, "cpu")
+    assert (out is None) == (rows * 64 < HUGE_PAGES_FROM)
+    assert torch.equal(torch.add(t, 0.0, out=out), t + 0.0)
+    assert out_buffer((rows, 16), torch.float32, "meta") is None  # elsewhere the op allocates as usual
