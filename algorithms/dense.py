@@ -129,15 +129,16 @@ class Dense(Algorithm):
             ]
         w = c.rb if knobs.get("wire", "accum") == "value" else c.rba
         narrowed = w < c.rba  # the cast and the sign fix are two kernels
-        densify = c.n * w + c.kavg * (2 * w + 8) + (c.kavg * (c.rba + w) if narrowed else 0.0)
+        fill = c.n * w + c.kavg * (2 * w + 8)  # the -0.0 buffer, and the rows copied in
         if c.k_max < c.n:
-            nbytes = c.kavg * (c.rba + w) + densify + c.n * (min(w, 64.0) + 2) + c.u * (8 + 2 * w)
+            nbytes = c.kavg * (c.rba + w) + fill + c.n * (min(w, 64.0) + 2) + c.u * (8 + 2 * w)
             kernels = (2.0 if narrowed else 1.0) + 2 + 3
         else:
+            cast = c.rba + w if narrowed else 0.0  # per row, before the fix
             holders = c.p if c.kavg >= c.n else 1
-            holder = 2 * c.n * w / holders + (c.n * (c.rba + w) if narrowed else 0.0)
-            nbytes = (holder if c.kavg >= c.n else max(holder, densify)) + 8 * c.n
-            kernels = (2.0 if narrowed else 1.0) + 1
+            holder = 2 * c.n * w / holders + c.n * cast
+            nbytes = (holder if c.kavg >= c.n else max(holder, fill + c.kavg * cast)) + 8 * c.n
+            kernels = (1.0 if narrowed else 0.0) + (1.0 if c.kavg >= c.n else 2.0) + 1
         if w != c.rb:  # the front door rounds the fp32 sums of 16-bit rows to their dtype
             nbytes += c.u * (w + c.rb)
             kernels += 1
@@ -221,8 +222,10 @@ class Dense(Algorithm):
             vals = torch.add(vals, 0.0, out=out_buffer(vals.shape, wire, comm.device))
         elif hi > lo:
             vals[lo:hi].add_(0.0)
-        if vals.shape[0] == n:
-            return vals if owned or vals is not src else fresh(vals.shape, wire, comm.device).copy_(vals)
+        if vals.shape[0] == n:  # the buffer itself; a collective takes it contiguous (a copy keeps a permuted input's strides)
+            if (vals is src and not owned) or not vals.is_contiguous():
+                vals = fresh(vals.shape, wire, comm.device).copy_(vals)
+            return vals
         shape = (n, vals.shape[1])
         buf = torch.full(shape, -0.0, dtype=wire, device=comm.device, out=out_buffer(shape, wire, comm.device))
         if vals.shape[0]:

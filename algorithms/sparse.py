@@ -34,6 +34,7 @@ import torch
 __all__ = [
     "on_host",
     "shares_storage",
+    "writable",
     "fresh",
     "out_buffer",
     "cast",
@@ -192,6 +193,11 @@ def row_numbers(n: int, device: torch.device | str) -> torch.Tensor:
     if device.type != "cpu" or 8 * n < HUGE_PAGES_FROM:
         return torch.arange(n, device=device)
     return torch.from_numpy(np.arange(n, dtype=np.int64))
+
+
+def writable(t: torch.Tensor) -> bool:
+    """Whether a call may reduce into ``t`` and hand it to a collective: contiguous, and not an inference tensor."""
+    return t.is_contiguous() and not t.is_inference()
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -67,6 +67,7 @@ from colltune.algorithms.sparse import (
     on_host,
     shares_storage,
     upload,
+    writable,
 )
 from colltune.algorithms.state import TopkState
 from colltune.model.features import sketch_hashes
@@ -993,7 +994,9 @@ class _SparseCall:
             idx, vals = coalesce_checked(idx, vals, n, accum_dtype(values.dtype))
         self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
         self.values = values
-        self.owned = donate or not shares_storage(vals, values)
+        # Donated memory is written only where a collective may take it as it is: contiguous, each element
+        # its own (not expanded), and not an inference tensor (no in-place update outside inference mode).
+        self.owned = not shares_storage(vals, values) or (donate and writable(vals))
         self.owned_indices = donate or not shares_storage(idx, indices)
         self.record.update(
             size=n,

@@ -772,6 +772,39 @@ def test_dense_when_every_rank_holds_every_row_kept_donated_or_owned(world_size,
         assert torch.equal(g_idx, o["few"][0]) and raw(g_vals) == raw(o["few"][1]), r
 
 
+def _run_donated_layouts(rank, world_size):
+    """Every rank holds every row; its values donated as a strided view, a transposed tensor, an expanded one and an
+    inference tensor, or kept as a transposed tensor: each call reduces them as their contiguous copy, with no error."""
+    import colltune
+
+    n, r = 24, 4
+    g = torch.Generator().manual_seed(rank)
+    base = torch.randint(-3, 4, (n, 2 * r), generator=g).float()
+    with torch.inference_mode():
+        frozen = base[:, :r].clone()
+    layouts = {
+        "strided": base[:, :r],
+        "transposed": base[:, :r].t().contiguous().t(),
+        "expanded": base[:1, :r].expand(n, r),
+        "inference": frozen,
+    }
+    out = {}
+    for label, vals in layouts.items():
+        want = vals.contiguous().clone()
+        for donate in (True, False):
+            res = colltune.sparse_allreduce(torch.arange(n), vals, n, algorithm="dense", donate=donate)
+            ref = want.clone()
+            torch.distributed.all_reduce(ref)
+            out[(label, donate)] = torch.equal(res.indices, torch.arange(n)) and torch.equal(res.values, ref)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_donated_values_of_any_layout_are_reduced_exactly(world_size):
+    for r, o in enumerate(pool(world_size).run(_run_donated_layouts)):
+        assert all(o.values()), (r, o)
+
+
 def _run_donate_argument(rank, world_size):
     import colltune
     from colltune.algorithms.errors import ColltuneTypeError, RemoteInputError
