@@ -8,7 +8,11 @@
    once cold (a fresh call site: the overlap from the sketches in the metadata record) and
    once warm (the exact overlap of the previous call). Regret is
    ``time(chosen) / time(fastest)`` on that input, both from the timed
-   medians; the same for each fixed choice.
+   medians; the same for each fixed choice. Online correction is off in
+   both selectors, so the regret is the profile's own (``--online`` leaves
+   it on: then each selector learns over the grid's calls, and a site's
+   early calls also try algorithms it has not measured yet, see
+   :mod:`colltune.select.online`).
 2. **Cached decision.** CPU time of :meth:`Selector.decide_sparse` plus
    :meth:`Selector.observe_sparse` on a cache hit (no process group), the
    median over many calls.
@@ -81,15 +85,16 @@ GEN_MAX_ELEMENTS = 2**24
 # --------------------------------------------------------------------------- rank functions
 
 
-def _choices_rank(rank: int, world_size: int, configs: list, profile: str | None) -> list[dict] | None:
+def _choices_rank(rank: int, world_size: int, configs: list, profile: str | None, online: bool) -> list[dict] | None:
     import colltune
     from colltune.select.selector import Selector
 
-    if profile:
-        colltune.configure(profile=profile)
+    # The profile's own decisions, unless ``online``: then, as in a job, each selector's corrections learn
+    # from its calls over the whole grid.
+    colltune.configure(selector=Selector(profile=profile, online=online))
     # Decides afresh at every call, with no hysteresis: its second call at a
     # site decides from the exact overlap the first call revealed.
-    again = Selector(profile=profile, reevaluate_every=1, margin=0.0)
+    again = Selector(profile=profile, reevaluate_every=1, margin=0.0, online=online)
     out = []
     for i, cfg in enumerate(configs):
         idx, vals = cfg.workload().make(rank)
@@ -364,7 +369,7 @@ def regret(args: argparse.Namespace) -> dict:
     choices: dict[tuple, dict] = {}
     for p in worlds:
         group = [c for c in configs if c.world_size == p]
-        got = launch.run_local(_choices_rank, p, group, args.profile, timeout=1800)[0]
+        got = launch.run_local(_choices_rank, p, group, args.profile, args.online, timeout=1800)[0]
         for cfg, ch in zip(group, got):
             choices[_key(cfg)] = ch
     rows, summary = _summarize(report, choices, worlds)
@@ -435,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=16, help="--grid generalize: the sampling seed (default 16)")
     parser.add_argument("--regret-only", action="store_true", help="only the regret (skip 2 and 3)")
     parser.add_argument("--profile", help="profile to use (default: the shipped one for gloo)")
+    parser.add_argument("--online", action="store_true",
+                        help="leave online correction on in both selectors, as in a job (default off: the profile's "
+                             "own decisions; tools/online_bench.py measures the correction)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds at most per configuration (default 7)")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of rounds per configuration (default 1)")
     parser.add_argument("--skip-regret", action="store_true", help="only the overhead measurements")
