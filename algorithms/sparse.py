@@ -231,7 +231,7 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> t
         returned without a copy of its indices. On the device path the
         count of unique indices is the one host read.
     """
-    idx = indices.to(torch.int64)
+    idx = cast(indices, torch.int64)
     vals = cast(values, acc)
     if idx.numel() <= 1:
         return idx, vals
