@@ -72,7 +72,6 @@ import numpy as np
 import torch
 
 from colltune.algorithms import meta as _meta
-from colltune.algorithms import sizes
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput, TopkPrepared
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import BUILTIN_KNOBS
@@ -307,7 +306,7 @@ class HashPart(Algorithm):
         c = pricing
         mode = {**self.knobs, **knobs}["gather_mode"]
         # The counts per owner ride in the record (top-k mode selects before it).
-        meta = c.metadata(c.record_bytes + (0 if c.record_known else sizes.payload_reserve(c.p)))
+        meta = c.counts_record()
         counts = c.free("counts_all_to_all", "all_to_all")
         if c.topk:
             k_local = k_owner = c.kavg
@@ -355,9 +354,7 @@ class HashPart(Algorithm):
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         p, me = comm.world_size, comm.rank
-        counts = None
-        if inp.payload is not None and p > 1 and inp.payload.shape[1] == 8 * p:
-            counts = _meta.send_recv_counts(inp.payload, me)
+        counts = _meta.send_recv_counts(inp.payload, me) if p > 1 else None
         out = hash_reduce(
             comm, inp.indices, inp.values, inp.size, inp.dtype, counts=counts, divide=inp.op == "avg",
             mode=knobs["gather_mode"],
@@ -381,13 +378,9 @@ class HashPart(Algorithm):
     ) -> TopkOutput:
         n = acc.numel()
         k = state.k_for(n)
-        p, me = comm.world_size, comm.rank
-        counts = None
-        if prepared is not None and prepared.gathered is not None and prepared.gathered.shape[1] == 8 * p:
-            idx = prepared.work
-            counts = _meta.send_recv_counts(prepared.gathered, me)
-        else:
-            idx = Magnitudes(acc).top_k_indices(k)
+        me = comm.rank
+        counts = None if prepared is None else _meta.send_recv_counts(prepared.gathered, me)
+        idx = Magnitudes(acc).top_k_indices(k) if counts is None else prepared.work
         vals = acc.index_select(0, idx).view(k, 1)
         gidx, gvals = hash_reduce(
             comm, idx, vals, n, acc.dtype, counts=counts, share_dtype=accum_dtype(acc.dtype),

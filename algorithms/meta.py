@@ -234,9 +234,14 @@ def note_slot_use(comm: Comm, need: int) -> None:
         st.low = 0
 
 
-def send_recv_counts(gathered: np.ndarray, rank: int) -> tuple[list[int], list[int]]:
+def send_recv_counts(gathered: np.ndarray | None, rank: int) -> tuple[list[int], list[int]] | None:
     """Every rank's payload of ``P`` int64 counts (``[P, 8 P]`` bytes: row ``r``, rank ``r``'s count per owner)
-    as this rank's ``(send, recv)``: its own count per owner, and every rank's count for this rank."""
+    as this rank's ``(send, recv)``: its own count per owner, and every rank's count for this rank.
+
+    ``None`` when no payload came, or one of another shape (the ranks sent none of counts).
+    """
+    if gathered is None or gathered.shape[1] != 8 * gathered.shape[0]:
+        return None
     table = np.ascontiguousarray(gathered).view(np.int64)
     return table[rank].tolist(), table[:, rank].tolist()
 

@@ -75,7 +75,6 @@ import numpy as np
 import torch
 
 from colltune.algorithms import meta as _meta
-from colltune.algorithms import sizes
 from colltune.algorithms.balance import balance_and_gather
 from colltune.algorithms.base import Algorithm, Delivered, SparseInput, TopkOutput, TopkPrepared
 from colltune.algorithms.comm import Comm
@@ -612,10 +611,9 @@ def _exact_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
     region = math.ceil(c.n / c.p)
     wide = c.rb >= SPLIT_MIN_ROW_BYTES
     sizes_gather, union_gather, block_bytes = _region_gathers(c, knobs, float(region * c.rb + math.ceil(region / 8)))
-    payload = 0 if c.record_known else sizes.payload_reserve(c.p)
     kavg = c.kavg
     return [
-        c.metadata(c.record_bytes + payload),
+        c.counts_record(),
         c.all_reduce("boundaries_all_reduce", c.p * 8.0, share=refresh),
         c.all_to_all("counts_all_to_all", 8.0, share=refresh),  # in the record between refreshes
         _split_step(c, kavg / c.p, 2.0 if wide else 1.0, flight),
@@ -659,9 +657,8 @@ def _topk_schedule(c: Pricing, knobs: dict[str, Any]) -> list[Step]:
     moved = _moved_share(per) * per if knobs["balance"] else 0.0
     select = 3 * c.n * c.rba + 2 * c.n * c.rba / knobs["local_refresh"]
     refresh = 1.0 / knobs["boundary_refresh"]
-    payload = 0 if c.record_known else sizes.payload_reserve(p)
     return [
-        c.metadata(c.record_bytes + payload),
+        c.counts_record(),
         c.all_reduce("boundaries_all_reduce", p * 8.0, share=refresh),
         c.all_to_all("counts_all_to_all", 8.0, share=refresh),  # in the record between refreshes
         _split_step(c, per, 1.0, knobs["peers_in_flight"]),
@@ -766,9 +763,7 @@ class OkTopk(Algorithm):
         p = comm.world_size
         # The payload's counts were cut by these boundaries if they are still cached (the same state, no
         # refresh due); a state made afresh for other knobs refreshes, and the counts travel again.
-        counts = None
-        if inp.payload is not None and inp.payload.shape[1] == 8 * p and not st.bounds.due(inp.size, p):
-            counts = _meta.send_recv_counts(inp.payload, comm.rank)
+        counts = None if st.bounds.due(inp.size, p) else _meta.send_recv_counts(inp.payload, comm.rank)
         with comm.meta():
             cuts = st.bounds.get(idx, inp.size, comm)
         ridx, rvals = split_reduce(
@@ -860,10 +855,10 @@ class OkTopk(Algorithm):
         if prepared is None or prepared.gathered is None or not isinstance(prepared.work, _Selection):
             return None, None, None
         sel = prepared.work
-        if (prepared.gathered.shape[1] != 8 * p or state.boundaries.due(n, p)
-                or (sel.step, sel.local_refresh) != (state.step, state.local_refresh)):
+        counts = _meta.send_recv_counts(prepared.gathered, comm.rank)
+        if counts is None or state.boundaries.due(n, p) or (sel.step, sel.local_refresh) != (state.step, state.local_refresh):
             return None, None, None
-        return sel.lidx, sel.threshold, _meta.send_recv_counts(prepared.gathered, comm.rank)
+        return sel.lidx, sel.threshold, counts
 
     @staticmethod
     def _local_selection(mag: Magnitudes, state: Any, k: int, band: tuple[int, int]) -> tuple[torch.Tensor, float]:

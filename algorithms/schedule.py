@@ -177,6 +177,11 @@ class Pricing:
             return self.all_reduce("metadata", self.p * nbytes)
         return self.all_gather("metadata", nbytes)
 
+    def counts_record(self) -> Step:
+        """:meth:`metadata` carrying every rank's ``P`` counts per owner in its slot (Ok-Topk's and
+        hashpart's payload): the real record grows by :func:`~colltune.algorithms.sizes.payload_reserve`."""
+        return self.metadata(self.record_bytes + (0 if self.record_known else sizes.payload_reserve(self.p)))
+
     def small_gather(self, term: str, nbytes: float) -> Step:
         """An all_gather of a few bytes of control data per rank, summed as a table where the record is
         (:meth:`~colltune.algorithms.comm.Comm.gather_small`)."""

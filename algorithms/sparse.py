@@ -147,8 +147,13 @@ _NP_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: n
           torch.bool: np.bool_}
 
 
+def _from_numpy(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`fresh` takes a tensor of this shape and dtype from NumPy: a large one on the CPU."""
+    return device.type == "cpu" and dtype in _NP_OF and math.prod(shape) * dtype.itemsize >= HUGE_PAGES_FROM
+
+
 def fresh(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Return an uninitialized tensor, for a result the call hands back.
+    """Return an uninitialized tensor, for a result or a buffer a call writes once.
 
     On the CPU, from :data:`HUGE_PAGES_FROM` bytes on, NumPy allocates it:
     NumPy asks the kernel for transparent huge pages (``madvise``), so
@@ -160,11 +165,9 @@ def fresh(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) 
     Elsewhere, and for small tensors, ``torch.empty``.
     """
     device = torch.device(device)
-    numel = math.prod(shape)
-    np_dtype = _NP_OF.get(dtype)
-    if device.type != "cpu" or np_dtype is None or numel * dtype.itemsize < HUGE_PAGES_FROM:
+    if not _from_numpy(shape, dtype, device):
         return torch.empty(tuple(shape), dtype=dtype, device=device)
-    t = torch.from_numpy(np.empty(tuple(shape), dtype=np_dtype))
+    t = torch.from_numpy(np.empty(tuple(shape), dtype=_NP_OF[dtype]))
     return t.view(dtype) if t.dtype != dtype else t
 
 
@@ -174,9 +177,7 @@ def out_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device | 
     For the ops with an ``out`` argument: on the device path the call stays one op.
     """
     device = torch.device(device)
-    if device.type != "cpu" or dtype not in _NP_OF or math.prod(shape) * dtype.itemsize < HUGE_PAGES_FROM:
-        return None
-    return fresh(shape, dtype, device)
+    return fresh(shape, dtype, device) if _from_numpy(shape, dtype, device) else None
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -190,7 +191,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def row_numbers(n: int, device: torch.device | str) -> torch.Tensor:
     """Return ``0..n-1`` as int64 on ``device``, in memory from :func:`fresh`."""
     device = torch.device(device)
-    if device.type != "cpu" or 8 * n < HUGE_PAGES_FROM:
+    if not _from_numpy((n,), torch.int64, device):
         return torch.arange(n, device=device)
     return torch.from_numpy(np.arange(n, dtype=np.int64))
 

@@ -172,11 +172,11 @@ def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
         total = sum(r[mode]["us"] for r in records)
         out[mode] = {"explore_calls": len(explored) / len(records),
                      "explore_time": sum(r[mode]["us"] for r in explored) / total,
-                     "auto_us_geomean": math.exp(sum(math.log(r[mode]["us"]) for r in after) / len(after))}
+                     "auto_us_geomean": statistics.geometric_mean([r[mode]["us"] for r in after])}
         for label, truths in (("", [r["forced"] for r in after]), ("smoothed_", smooth)):
             regret = _regrets(after, truths, mode)
             out[mode].update({
-                f"{label}regret_geomean": math.exp(sum(math.log(x) for x in regret) / len(regret)),
+                f"{label}regret_geomean": statistics.geometric_mean(regret),
                 f"{label}regret_p95": regret[min(len(regret) - 1, int(0.95 * len(regret)))],
                 f"{label}regret_max": regret[-1],
             })

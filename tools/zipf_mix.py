@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import os
 import statistics
 import sys
@@ -177,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                   + f" {ms['auto']:>9.2f} {fastest:>9} {picked:>9} {regret:>6.3f}  "
                   f"{res['sent'].get('hashpart', float('nan')) / 1024:>8.1f} "
                   f"{res['sent'].get('oktopk', float('nan')) / 1024:>6.1f} {bound / 1024:>5.1f}")
-    geo = math.exp(statistics.fmean(math.log(r) for r in regrets))
-    geo_choice = math.exp(statistics.fmean(math.log(r) for r in choices))
+    geo = statistics.geometric_mean(regrets)
+    geo_choice = statistics.geometric_mean(choices)
     wins = [r for r in rows if r["fastest"] == "hashpart"]
     print(f"\nauto's regret over the mix (its own time over the fastest's): geomean {geo:.3f}, max {max(regrets):.3f}; "
           f"choice regret (the time of the algorithm it ran over the fastest's): geomean {geo_choice:.3f}, "

@@ -523,13 +523,6 @@ def validate_sparse(
     return indices, values.reshape(values.shape[0], int(torch.Size(row_shape).numel())), n, row_shape
 
 
-def _check_range(indices: torch.Tensor, n: int) -> None:
-    """Raise naming ``indices`` unless every index is in ``[0, n)``."""
-    if indices.numel():
-        lo, hi = torch.aminmax(indices)
-        check_bounds(int(lo), int(hi), n)
-
-
 def check_bounds(lo: int, hi: int, n: int) -> None:
     """Raise naming ``indices`` unless ``lo`` and ``hi``, the least and the greatest index, are in ``[0, n)``."""
     if lo < 0:
@@ -571,7 +564,9 @@ def first_range_error(
     """
     for j, (indices, _, n) in enumerate(items):
         try:
-            _check_range(indices, n)
+            if indices.numel():
+                lo, hi = torch.aminmax(indices)
+                check_bounds(int(lo), int(hi), n)
         except ColltuneError as exc:
             return exc if named is None else named(exc, j)
     return argument_error(ColltuneValueError, "indices", "an index is outside its tensor's [0, size).")

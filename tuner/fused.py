@@ -59,7 +59,6 @@ from colltune.algorithms.sparse import (
     Parts,
     accum_dtype,
     cast,
-    coalesce,
     offsets,
     on_host,
     shares_storage,
@@ -71,9 +70,9 @@ from colltune.api import (
     CallerCheck,
     argument_error,
     canonical_op,
-    check_bounds,
     check_dense_fits,
     check_op_and_algorithm,
+    coalesce_checked,
     decided_knobs,
     deferred_fields,
     first_range_error,
@@ -389,13 +388,12 @@ class _FusedCall:
         first bad tensor in list order raises, naming itself.
         """
         if not checked or on_host(checked[0][1]):
-            done = [coalesce(i, v, accum_dtype(v.dtype)) for i, v, _ in checked]
-            for t, ((idx, _), (_, _, n)) in enumerate(zip(done, checked)):
-                if idx.numel():  # sorted: the ends are the least and greatest index
-                    try:
-                        check_bounds(int(idx[0]), int(idx[-1]), n)
-                    except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
-                        raise _named(exc, t)
+            done = []
+            for t, (i, v, n) in enumerate(checked):
+                try:
+                    done.append(coalesce_checked(i, v, n, accum_dtype(v.dtype)))
+                except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
+                    raise _named(exc, t)
             self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
             return
         groups: dict[tuple[int, torch.dtype, int], list[int]] = {}
@@ -509,8 +507,11 @@ class _FusedCall:
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
             algorithm, knobs = decision.algorithm, decided_knobs(decision, self.knobs)
         parts = Parts(at) if len(members) > 1 else None
-        owned = not any(shares_storage(vals, self.given[t][1]) for t in members)
-        owned_indices = not any(shares_storage(idx, self.given[t][0]) for t in members)
+        if len(members) > 1:  # laid end to end in new memory
+            owned = owned_indices = True
+        else:
+            given_idx, given_vals = self.given[members[0]]
+            owned, owned_indices = not shares_storage(vals, given_vals), not shares_storage(idx, given_idx)
         inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts, owned, owned_indices)
         # The call's measurement is its bucket predicted slowest: only that bucket's run is timed.
         predicted = None if decision is None else (decision.predicted_us or {}).get(decision.algorithm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from colltune.model.cost_model import (
     cross_validate,
     default_group,
     feature_vector,
+    predict_matrix,
 )
 from colltune.model.features import Features
 from colltune.model.profile import Measurement, Primitive, load_profile, profile_from_measurements, save_profile
@@ -449,7 +451,11 @@ def test_every_model_prices_one_call_and_many_alike(data: list[Measurement], fit
             assert all(t > 0 for t in got.values())
     # The learned model's batch is its scikit-learn prediction, column by column.
     assert fitted.predict_times_many(_CALLS) == [dict(zip(fitted.algorithms_, r)) for r in fitted.predict(_CALLS).tolist()]
-    assert not isinstance(object(), CostModel)
+    class OneCallOnly:  # half the contract: not a cost model
+        def predict_times(self, features: Any) -> dict[str, float]:
+            return {}
+
+    assert not isinstance(OneCallOnly(), CostModel)
 
 
 def test_offline_tools_take_either_model(data: list[Measurement], fitted: LearnedCostModel) -> None:
@@ -472,6 +478,9 @@ def test_offline_tools_take_either_model(data: list[Measurement], fitted: Learne
         regret = selection_regret(model, cands, three)
         assert 1.0 <= regret["geomean"] < math.inf and 0.0 <= regret["optimal_fraction"] <= 1.0
     assert selection_regret(analytic, cands, three)["optimal_fraction"] == 1.0
+    # The matrix the offline tools read: a column of inf for the algorithm the partial model never measured.
+    matrix = predict_matrix(partial, _CALLS, three)
+    assert np.isinf(matrix[:, 2]).all() and np.isfinite(matrix[:, :2]).all() and matrix.shape == (len(_CALLS), 3)
 
 
 # -- cross-validation ---------------------------------------------------------------

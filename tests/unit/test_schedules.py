@@ -349,3 +349,16 @@ def test_small_gathers_of_control_data_are_summed_as_the_record_is():
     f = Features.uniform(numel=2**24, row_numel=64, dtype="float32", k=167_772, world_size=1024, union=2**23,
                          ranks_per_node=8)
     assert model.analytic.terms(f)["oktopk"]["sizes_all_gather"] <= 100.0
+
+
+@pytest.mark.parametrize("p", [8, 16, 64, 1024])
+def test_dense_at_density_1_costs_at_most_1_1x_its_all_reduce_on_large_tensors(p):
+    """The issue's bound on NCCL's model: 4 GiB of fp32 rows of 64 held by every rank (values the call owns)."""
+    from colltune.model.profile import load_profile
+    from colltune.select.selector import model_for_profile, shipped_profile
+
+    model = model_for_profile(load_profile(shipped_profile("nccl")), "analytic-nccl.yaml")
+    n = 2**24
+    f = Features.build(numel=n, row_numel=64, dtype="float32", k_per_rank=[n] * p, union=n, ranks_per_node=8)
+    terms = model.analytic.terms(f)["dense"]
+    assert sum(terms.values()) <= 1.1 * terms["value_all_reduce"], terms

@@ -89,6 +89,7 @@ __all__ = [
     "PARAM_NAMES",
     "Step",
     "CostModel",
+    "predict_matrix",
     "AnalyticModel",
     "LearnedCostModel",
     "feature_vector",
@@ -173,6 +174,12 @@ class CostModel(Protocol):
     def predict_times_many(self, feats: Sequence[Features]) -> list[dict[str, float]]:
         """Return :meth:`predict_times` of each call, in order (one pass where the model batches)."""
         ...
+
+
+def predict_matrix(model: CostModel, feats: Sequence[Features], algorithms: Sequence[str]) -> np.ndarray:
+    """Return ``model``'s predicted times (us) as a ``(len(feats), len(algorithms))`` matrix, ``inf`` where it has none."""
+    rows = [[p.get(a, np.inf) for a in algorithms] for p in model.predict_times_many(feats)]
+    return np.array(rows, dtype=np.float64).reshape(len(feats), len(algorithms))
 
 
 class AnalyticModel:

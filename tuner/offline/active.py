@@ -159,8 +159,9 @@ def _model(primitives: Mapping[str, Primitive], **kw: Any) -> LearnedCostModel:
 
 def _log_predictions(model: CostModel, feats: Sequence[Any], algorithms: Sequence[str]) -> np.ndarray:
     """Return ``log(predicted time)``, shape ``(len(feats), len(algorithms))`` (``inf`` where the model has no price)."""
-    rows = [[r.get(a, np.inf) for a in algorithms] for r in model.predict_times_many(feats)]
-    return np.log(np.maximum(np.array(rows, dtype=np.float64).reshape(len(feats), len(algorithms)), 1e-3))
+    from colltune.model.cost_model import predict_matrix
+
+    return np.log(np.maximum(predict_matrix(model, feats, algorithms), 1e-3))
 
 
 def selection_regret(model: CostModel, cands: Sequence[Candidate], algorithms: Sequence[str] = _ALGS) -> dict[str, float]:

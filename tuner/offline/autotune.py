@@ -186,7 +186,7 @@ def _measure(rank: int, world_size: int, w: TuneTarget, setting: Mapping[str, An
 
     import colltune
     from colltune.offline import bench
-    from colltune.offline.profiling import sync_device
+    from colltune.offline.bench import sync_device
 
     alg = setting["algorithm"]
     tuned, base = dict(setting["knobs"]), _defaults(w.mode, alg, world_size)

@@ -347,17 +347,22 @@ def _stats(times_s: Sequence[float]) -> dict[str, Any]:
 
 #: Where a rank's inputs live and its bookkeeping collectives run: the CPU on gloo, the rank's GPU on NCCL
 #: (set by :func:`_bench_rank`; a rank process runs one benchmark).
-_DEVICE = torch.device("cpu")
+def sync_device(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so that a wall-clock interval holds what ran in it (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _sync() -> None:
-    """Wait for the device's queued work, so that a wall-clock interval holds what ran in it (CUDA only)."""
-    if _DEVICE.type == "cuda":
-        torch.cuda.synchronize(_DEVICE)
+def group_device() -> torch.device:
+    """Where the default group's collectives take tensors: the current CUDA device on NCCL, else the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def reduce_max(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64).to(_DEVICE)
+    """The elementwise maximum of ``values`` over the default group's ranks (collective)."""
+    t = torch.tensor(values, dtype=torch.float64).to(group_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -365,7 +370,7 @@ def reduce_max(values: list[float]) -> list[float]:
 
 def _gather_traffic(rows: list[list[int]]) -> list[list[list[int]]]:
     """All-gather per-contender ``[bytes, meta, messages]``; return ``[rank][contender][field]``."""
-    t = torch.tensor(rows, dtype=torch.int64).to(_DEVICE)
+    t = torch.tensor(rows, dtype=torch.int64).to(group_device())
     p = dist.get_world_size() if dist.is_initialized() else 1
     if p == 1:
         return [t.tolist()]
@@ -397,14 +402,15 @@ def _one_round(
     """
     shift = rounds % len(names)
     local: dict[str, float] = {}
+    device = group_device()
     for name in names[shift:] + names[:shift]:
         call = calls[name]
-        _sync()
+        sync_device(device)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(burst):
             last[name] = call()
-        _sync()
+        sync_device(device)
         local[name] = (time.perf_counter() - t0) / burst
     return local
 
@@ -459,7 +465,7 @@ def _bench_one(
     rank: int, world_size: int, cfg: BenchConfig, contenders: Sequence[str], plan: Plan, guard: _Guard
 ) -> dict[str, Any]:
     w = cfg.workload()
-    idx, vals = (t.to(_DEVICE) for t in w.make(rank))
+    idx, vals = (t.to(group_device()) for t in w.make(rank))
     calls = {name: guard.wrap(name, _make_call(name, idx, vals, cfg.n)) for name in contenders}
     gc.collect()
     errors = _warm_up_and_check(calls, contenders, plan, w, vals, cfg)
@@ -686,10 +692,7 @@ def _bench_rank(
     later task fails; a rank whose contender raises notes the task and the
     contender in ``journal + ".fail<rank>"`` first. Rank 0 returns the records.
     """
-    global _DEVICE
     stream = sys.stdout if (show and rank == 0) else None
-    if "nccl" in str(dist.get_backend()).lower():
-        _DEVICE = torch.device("cuda", torch.cuda.current_device())
     if profile is not None:
         colltune.configure(profile=profile)
     bar = None
@@ -736,15 +739,16 @@ def _topk_one(
     words: dict[str, list[float]] = {name: [] for name in names}
     meta: dict[str, list[float]] = {name: [] for name in names}
     counts: dict[str, list[float]] = {name: [] for name in names}
+    device = group_device()
     for step in range(cfg.steps):
-        grad = torch.randn(n, generator=gen).to(_DEVICE)
+        grad = torch.randn(n, generator=gen).to(device)
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
-            _sync()
+            sync_device(device)
             dist.barrier()
             t0 = time.perf_counter()
             res = calls[name](grad, states[name], op="avg", algorithm=name)
-            _sync()
+            sync_device(device)
             times[name].append(time.perf_counter() - t0)
             tr = res.traffic
             words[name].append((tr.bytes_sent - tr.meta_bytes) / 4)
@@ -753,18 +757,9 @@ def _topk_one(
     flat_t = reduce_max([t for name in names for t in times[name]])
     flat_w = reduce_max([x for name in names for x in words[name]])
     flat_m = reduce_max([x for name in names for x in meta[name]])
-    s = cfg.steps
-    bound = 6 * k * (p - 1) / p
-    out: dict[str, Any] = {
-        "n": n,
-        "density": cfg.density,
-        "world_size": p,
-        "k": k,
-        "steps": s,
-        "bound_words": bound,
-        "lower_bound_words": 2 * k * (p - 1) / p,
-        "contenders": {},
-    }
+    s, bound = cfg.steps, 6 * k * (p - 1) / p
+    out: dict[str, Any] = {"n": n, "density": cfg.density, "world_size": p, "k": k, "steps": s, "bound_words": bound,
+                           "lower_bound_words": 2 * k * (p - 1) / p, "contenders": {}}
     for j, name in enumerate(names):
         w = flat_w[j * s : (j + 1) * s]
         m = flat_m[j * s : (j + 1) * s]

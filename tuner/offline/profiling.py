@@ -94,7 +94,6 @@ __all__ = [
     "journal_path",
     "check_output_path",
     "setup_device",
-    "sync_device",
     "profile_meta",
 ]
 
@@ -480,13 +479,6 @@ def setup_device(backend: str) -> Any:
     return torch.device("cpu")
 
 
-def sync_device(device: Any) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
 def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: Sequence[str],
                    plan: TimingPlan, device: Any = None,
                    raw: dict[str, list[float]] | None = None) -> list[dict[str, Any]] | None:
@@ -525,7 +517,7 @@ def measure_config(rank: int, world_size: int, cfg: ProfileConfig, algorithms: S
 
         def call() -> Any:
             out = colltune.sparse_allreduce(idx, vals, cfg.n, algorithm=name, group=group)
-            sync_device(device)
+            bench.sync_device(device)
             return out
 
         return call
@@ -635,7 +627,7 @@ def measure_primitives(rank: int, world_size: int, sizes: Sequence[int], plan: T
         def timed(fn: Callable[[], Any]) -> Callable[[], Any]:
             def call() -> Any:
                 r = fn()
-                sync_device(device)
+                bench.sync_device(device)
                 return r
 
             return call

@@ -96,9 +96,9 @@ def _predict(model: CostModel, feats: Sequence[Any]) -> np.ndarray:
 
     An algorithm the model does not price (never fitted, no schedule) is predicted ``inf``.
     """
-    algs = _algs()
-    rows = [[p.get(a, np.inf) for a in algs] for p in model.predict_times_many(feats)]
-    return np.array(rows, dtype=np.float64).reshape(len(feats), len(algs))
+    from colltune.model.cost_model import predict_matrix
+
+    return predict_matrix(model, feats, _algs())
 
 
 def _features(n: int, density: float, p: int, overlap: float, dtype: str) -> Any:

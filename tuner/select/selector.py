@@ -1077,7 +1077,7 @@ class Selector:
         if site is not None:
             e = site.entries.get(0)
             if e is not None and e.age < self.reevaluate_every and (
-                site.overlap is None or e.overlap is None or e.overlap_holds(site.overlap, self.overlap_band)
+                site.overlap is None or e.overlap_holds(site.overlap, self.overlap_band)
             ):
                 e.age += 1
                 site.latest = e.choice.algorithm
