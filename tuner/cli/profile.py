@@ -294,7 +294,11 @@ class FitCommand(Command):
 
 
 def _with_profiles(prof: "Profile", source: str, paths: list[str]) -> "Profile":
-    """``prof`` with the measurements of the measured profiles at ``paths`` added (the same backend only)."""
+    """``prof`` with the measurements of the measured profiles at ``paths`` added (the same backend only).
+
+    A configuration measured by more than one run keeps every run's measurement: each is one more sample
+    of it for the fit (runs are pooled, not deduplicated).
+    """
     import dataclasses
 
     from colltune.model.profile import load_profile
