@@ -28,6 +28,7 @@ are then not counted).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -54,18 +55,29 @@ def _sync(device: torch.device) -> None:
 
 
 def count_syncs(fn, device: torch.device) -> int | None:
-    """Host synchronizations of one call of ``fn``, as ``torch.cuda.set_sync_debug_mode`` warns them (``None`` off CUDA)."""
+    """Host synchronizations of one call of ``fn``, as ``torch.cuda.set_sync_debug_mode`` warns them (``None`` off CUDA).
+
+    ``fn``'s result stays alive until the mode is switched back, and a
+    warning raised inside the switch itself is not ``fn``'s: on torch 2.11
+    switching back now and then warns once, attributed to
+    ``set_sync_debug_mode``'s own line, after ``fn`` has returned.
+    """
     if device.type != "cuda":
         return None
     _sync(device)
+    switch = torch.cuda.set_sync_debug_mode
+    lines, first = inspect.getsourcelines(switch)
+    own = (os.path.realpath(inspect.getsourcefile(switch)), range(first, first + len(lines)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        switch("warn")
         try:
-            fn()
+            result = fn()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+            switch("default")
+    del result
+    return sum("synchroniz" in str(w.message) and (os.path.realpath(w.filename), w.lineno in own[1]) != (own[0], True)
+               for w in caught)
 
 
 def _time(contenders: dict, device: torch.device, rounds: int, warmup: int) -> dict:

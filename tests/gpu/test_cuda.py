@@ -109,7 +109,7 @@ def _gloo_on_cuda(rank, world_size, algorithm):
     idx = torch.randint(0, 3000, (2500,), generator=g).cuda()
     vals = torch.randn(2500, 8, generator=g).cuda()
     res = colltune.sparse_allreduce(idx, vals, size=3000, algorithm=algorithm)
-    fused = colltune.sparse_allreduce_many([(idx, vals, 3000), (idx[:7], vals[:7, :3], 50)], algorithm=algorithm)
+    fused = colltune.sparse_allreduce_many([(idx, vals, 3000), (idx[:7] % 50, vals[:7, :3], 50)], algorithm=algorithm)
     return res.values.device.type, res.indices.cpu(), res.values.cpu(), fused[1].values.cpu()
 
 
@@ -121,3 +121,50 @@ def test_ranks_sharing_the_gpu_over_gloo(algorithm, world_size):
     for o in out[1:]:
         assert torch.equal(o[1], out[0][1]) and torch.equal(o[2].view(torch.int32), out[0][2].view(torch.int32))
         assert torch.equal(o[3], out[0][3])
+
+
+def _wrappers_on_cuda(rank, world_size, algorithm):
+    """SparseGradSync and the DDP hook with CUDA tensors, ranks sharing the GPU over gloo."""
+    import torch.nn as nn
+
+    from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    rows, dim = 300, 8
+    gens = [torch.Generator().manual_seed(r) for r in range(world_size)]
+    ids = [(torch.rand(64, 4, generator=g) ** 3 * rows).long() for g in gens]  # skewed: ranks overlap
+    coef = [torch.randn(64, dim, generator=g) for g in gens]
+    torch.manual_seed(0)
+    emb = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True).to(dev)
+    (emb(ids[rank].to(dev)) * coef[rank].to(dev)).sum().backward()
+    sync = SparseGradSync(emb, algorithm=algorithm)
+    sync.synchronize()
+    got = emb.weight.grad.to_dense().cpu()
+    want = torch.zeros(rows, dim, dtype=torch.float64)
+    for r in range(world_size):  # d/dW of sum(bag(ids) * coef): each looked-up row gets its sample's coefficients
+        want.index_add_(0, ids[r].reshape(-1), coef[r].double().repeat_interleave(4, 0))
+    want /= world_size
+
+    tower = nn.Linear(16, 4).to(dev)
+    plain = nn.parallel.DistributedDataParallel(tower, device_ids=[0])
+    hooked = nn.parallel.DistributedDataParallel(nn.Linear(16, 4).to(dev), device_ids=[0])
+    hooked.module.load_state_dict(tower.state_dict())
+    hooked.register_comm_hook(ColltuneHookState(model=hooked, density=1.0, start_compression_iter=0,
+                                                min_compress_numel=1, algorithm=algorithm), colltune_hook)
+    x = torch.randn(32, 16, generator=gens[rank]).to(dev)
+    grads = []
+    for m in (plain, hooked):
+        m(x).square().sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]).cpu())
+    return (emb.weight.grad.device.type, got, want, *grads)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "allgather", "oktopk"])
+def test_training_wrappers_with_cuda_tensors_over_gloo(algorithm):
+    out = pool(2).run(_wrappers_on_cuda, algorithm)
+    for device, got, want, plain, hooked in out:
+        assert device == "cuda"
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(hooked, plain, rtol=1e-5, atol=1e-6)  # density 1: top-k keeps every entry
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][4], out[1][4])
