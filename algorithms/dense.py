@@ -243,13 +243,17 @@ class Dense(Algorithm):
             mine = inp.indices.shape[0] == n and inp.owned_indices and inp.indices.device == comm.device
             union = inp.indices if mine else row_numbers(n, comm.device)
             return union, buf if r else buf[:, :0]
-        size = buf.element_size()
-        present = buf[:, 0].view(_INT_OF_SIZE[size]) != _NEG_ZERO[size]
-        if inp.parts is None:
-            union = present.nonzero().view(-1)
-        else:  # a fused bucket: the union's size and every tensor's in one read, so the cut reads nothing
-            runs, u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
-            union = nth_positions(runs[1:], u)
+        if comm.world_size == 1:  # one rank: the union is its own coalesced indices (sorted, unique), no read
+            union = inp.indices if inp.owned_indices and inp.indices.device == comm.device else inp.indices.to(
+                comm.device, copy=True)
+        else:
+            size = buf.element_size()
+            present = buf[:, 0].view(_INT_OF_SIZE[size]) != _NEG_ZERO[size]
+            if inp.parts is None:
+                union = present.nonzero().view(-1)
+            else:  # a fused bucket: the union's size and every tensor's in one read, so the cut reads nothing
+                runs, u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
+                union = nth_positions(runs[1:], u)
         if not r:
             return union, buf[: union.numel(), :0]
         return union, torch.index_select(buf, 0, union, out=out_buffer((union.numel(), r), buf.dtype, buf.device))

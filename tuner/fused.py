@@ -507,6 +507,8 @@ class _FusedCall:
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
             algorithm, knobs = decision.algorithm, decided_knobs(decision, self.knobs)
         parts = Parts(at) if len(members) > 1 else None
+        if parts is not None and comm.world_size == 1:  # one rank: each tensor's result is its own coalesced rows
+            parts.sizes = [int(c) for c in counts[0, members]]
         if len(members) > 1:  # laid end to end in new memory
             owned = owned_indices = True
         else:

@@ -169,3 +169,36 @@ def test_an_index_out_of_range_is_found_by_the_one_read_and_named():
     assert "tensors[3]" in second[0] and "index 10" in second[0], second
     assert "index 10" in second[1], second
     assert first[2] == second[2] == 16.0  # the group stays usable
+
+
+def _one_rank_calls(rank, world_size):
+    import colltune
+
+    g = torch.Generator().manual_seed(5)
+    n = 1 << 14
+    idx, vals = torch.randint(0, n, (900,), generator=g), torch.randn((900, 16), generator=g)
+    tables = [(torch.randint(0, 500 + t, (300,), generator=g), torch.randn((300, 16), generator=g), 500 + t)
+              for t in range(26)]
+    out = {}
+    with device_path():
+        for algorithm in ("dense", "allgather"):
+            calls = {"single": lambda: colltune.sparse_allreduce(idx, vals, size=n, algorithm=algorithm, name="one"),
+                     "fused": lambda: colltune.sparse_allreduce_many(tables, algorithm=algorithm, name="one")}
+            for label, call in calls.items():
+                for _ in range(3):
+                    want = call()
+                with audit() as a:
+                    got = call()
+                same = all(torch.equal(x.to_dense(), y.to_dense()) for x, y in zip(
+                    got if isinstance(got, list) else [got], want if isinstance(want, list) else [want]))
+                out[f"{algorithm} {label}"] = (a.n_syncs, dict(a.syncs), same)
+    return out
+
+
+def test_one_rank_reads_only_the_coalesce():
+    """At P = 1 each result is the rank's own coalesced rows: their count is known, so dense and a fused
+    call's cut read nothing more than the coalesce's one read (what one GPU measures)."""
+    (out,) = pool(1).run(_one_rank_calls)
+    for what, (syncs, which, same) in out.items():
+        assert syncs == 1, (what, which)
+        assert same, what
