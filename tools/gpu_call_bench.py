@@ -5,8 +5,10 @@ one GPU) no byte crosses a wire, so the figure is the call's own work: its
 kernels, its host synchronizations and its Python. Per input (n rows,
 scalars or rows of 64, a density) the contenders run interleaved, round after
 round, each call between two ``torch.cuda.synchronize()``, and the table
-shows medians in ms, and the host syncs of one steady-state call counted with
-``torch.cuda.set_sync_debug_mode("warn")``:
+shows medians in ms, the host syncs of one steady-state call counted with
+``torch.cuda.set_sync_debug_mode("warn")``, and its kernel launches counted
+by ``torch.profiler`` (what ``tools/fit_host_cost.py`` fits the host's
+per-kernel cost to):
 
 - ``all_reduce``: ``dist.all_reduce`` of the dense ``[n, *row]`` tensor;
 - ``densify+all_reduce``: ``index_put_`` of the entries into zeros, then the
@@ -22,7 +24,7 @@ Usage (one GPU)::
     python tools/gpu_call_bench.py --log-n 16 20 24 --density 1e-4 1e-3 1e-2 --topk
 
 On a machine without CUDA it runs on the CPU over gloo (for tests; syncs
-are then not counted).
+and launches are then not counted).
 """
 
 from __future__ import annotations
@@ -80,8 +82,21 @@ def count_syncs(fn, device: torch.device) -> int | None:
                for w in caught)
 
 
+def count_launches(fn, device: torch.device) -> int | None:
+    """Kernel launches of one call of ``fn``, counted by ``torch.profiler`` (``None`` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    return sum(e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for e in prof.events())
+
+
 def _time(contenders: dict, device: torch.device, rounds: int, warmup: int) -> dict:
-    """Median ms per contender, interleaved round by round, and the syncs of one call."""
+    """Median ms per contender, interleaved round by round, and the syncs and kernel launches of one call."""
     for _ in range(warmup):
         for fn in contenders.values():
             fn()
@@ -93,7 +108,8 @@ def _time(contenders: dict, device: torch.device, rounds: int, warmup: int) -> d
             fn()
             _sync(device)
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: {"ms": statistics.median(ts), "syncs": count_syncs(contenders[name], device)}
+    return {name: {"ms": statistics.median(ts), "syncs": count_syncs(contenders[name], device),
+                   "launches": count_launches(contenders[name], device)}
             for name, ts in times.items()}
 
 
@@ -130,7 +146,8 @@ def _topk_row(n: int, density: float, device: torch.device, args) -> dict:
 def _print(row: dict) -> None:
     head = (f"n=2^{row['n'].bit_length() - 1} row={tuple(row['row'])} d={row['density']:g}" if "n" in row
             else f"top-k n=2^{row['topk_n'].bit_length() - 1} d={row['density']:g}")
-    cells = [f"{name} {got['ms']:.3f} ms" + ("" if got["syncs"] is None else f" ({got['syncs']} syncs)")
+    cells = [f"{name} {got['ms']:.3f} ms"
+             + ("" if got["syncs"] is None else f" ({got['syncs']} syncs, {got['launches']} kernels)")
              for name, got in row.items() if isinstance(got, dict)]
     print(f"{head:30s} " + " | ".join(cells), flush=True)
 
@@ -171,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_topk_row(1 << log_n, 1e-3, device, args))
             _print(rows[-1])
     if args.json:
-        write_json(args.json, {"device": str(device), "torch": torch.__version__, "rows": rows})
+        write_json(args.json, {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
+                               "torch": torch.__version__,
+                               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "rows": rows})
     dist.destroy_process_group()
     return 0
 
