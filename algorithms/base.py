@@ -253,6 +253,10 @@ class Algorithm(abc.ABC):
     #: an NCCL profile's host cost multiplies (its ``host_sync_us``), and the ceiling the sync-budget test
     #: holds the code to, so the model prices the syncs the code makes.
     HOST_SYNCS: ClassVar[dict[str, int]] = {}
+    #: Kernel launches of a steady-state call on the device path, by mode: what an NCCL profile's
+    #: ``host_kernel_us`` multiplies, each launch with the Python that dispatches it. The device-path
+    #: audit's count at P = 2 (``tools/device_path_audit.py``), a ceiling its test holds the code to.
+    HOST_KERNELS: ClassVar[dict[str, int]] = {}
     #: What the cost model prices the algorithm on in top-k mode (``topk_allreduce``): ``"selection"``,
     #: each rank's ``k`` selected entries (what a sparse algorithm moves), or ``"tensor"``, every element of
     #: the accumulated tensor (what an allreduce of it moves). The selector and ``simulate`` read it.

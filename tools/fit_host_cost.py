@@ -1,15 +1,20 @@
-"""Fit an NCCL profile's host cost (``host_call_us``, ``host_sync_us``) to per-call GPU measurements.
+"""Fit an NCCL profile's host cost (``host_call_us``, ``host_kernel_us``, ``host_sync_us``) to per-call GPU measurements.
 
 The input is a per-call file as ``tools/gpu_call_bench.py --json`` writes it
 (``rows``) or the team's ``h100-per-call.json`` (a list of rows): per input,
 each algorithm's median ms (``<algorithm>_ms`` or ``{algorithm: {ms,
-syncs}}``) and its host syncs. At P = 1 no byte crosses a wire, so a call's
-time is its host cost and its kernels; the fit is the least-squares line
-``ms * 1000 = host_call_us + host_sync_us * syncs`` over the exact calls of
-every algorithm, and it prints both constants and its median and largest
-relative error. ``profiles/analytic-nccl.yaml`` holds this fit of the H100 file::
+syncs, launches}}``), its host syncs and, where counted, its kernel
+launches. At P = 1 no byte crosses a wire, so a call's time is its host
+cost and its kernels; the fit is the least-squares plane
+``ms * 1000 = host_call_us + host_kernel_us * launches + host_sync_us * syncs``
+over the exact calls of every algorithm (the line without ``launches``
+where a file has none), and it prints the constants and its median and
+largest relative error. ``profiles/analytic-nccl.yaml`` holds the line
+fitted to the team's H100 file (which counts no launches), and its notes
+the plane fitted to ``profiles/measurements/h200-per-call.json``::
 
     python tools/fit_host_cost.py h100-per-call.json
+    python tools/fit_host_cost.py profiles/measurements/h200-per-call.json
 """
 
 from __future__ import annotations
@@ -26,26 +31,30 @@ from colltune.algorithms import names
 ALGORITHMS = names()
 
 
-def points(rows: list[dict]) -> list[tuple[float, float]]:
-    """``(syncs, us)`` of every exact call with counted syncs, in either file's layout."""
+def points(rows: list[dict]) -> list[tuple[float, float | None, float]]:
+    """``(syncs, launches or None, us)`` of every exact call with counted syncs, in either file's layout."""
     out = []
     for row in rows:
         if "n" not in row or row.get("n") is None:
             continue  # a top-k row
         for a in ALGORITHMS:
             got = row.get(a) if isinstance(row.get(a), dict) else {"ms": row.get(f"{a}_ms"), "syncs": row.get(f"{a}_syncs")}
-            if got.get("ms") is not None and got.get("syncs"):
-                out.append((float(got["syncs"]), float(got["ms"]) * 1e3))
+            if got.get("ms") is not None and got.get("syncs") is not None:
+                launches = got.get("launches")
+                out.append((float(got["syncs"]), None if launches is None else float(launches), float(got["ms"]) * 1e3))
     return out
 
 
-def fit(pts: list[tuple[float, float]]) -> tuple[float, float, float, float]:
-    """Return ``(call_us, sync_us, median relative error, largest relative error)``."""
-    x = np.array([[1.0, s] for s, _ in pts])
-    y = np.array([t for _, t in pts])
-    (call, sync), *_ = np.linalg.lstsq(x, y, rcond=None)
-    err = np.abs(x @ np.array([call, sync]) / y - 1)
-    return float(call), float(sync), float(np.median(err)), float(err.max())
+def fit(pts: list[tuple[float, float | None, float]]) -> tuple[dict[str, float], float, float]:
+    """Return the constants (``host_call_us``, ``host_kernel_us`` where every point has launches,
+    ``host_sync_us``), the median relative error and the largest."""
+    kernels = all(k is not None for _, k, _ in pts)
+    names_ = ["host_call_us", *(["host_kernel_us"] if kernels else []), "host_sync_us"]
+    x = np.array([[1.0, *([k] if kernels else []), s] for s, k, _ in pts])
+    y = np.array([t for _, _, t in pts])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    err = np.abs(x @ coef / y - 1)
+    return dict(zip(names_, (float(c) for c in coef))), float(np.median(err)), float(err.max())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.file) as fh:
         data = json.load(fh)
     pts = points(data["rows"] if isinstance(data, dict) else data)
-    if len({s for s, _ in pts}) < 2:
-        ap.error(f"{args.file}: need exact calls with at least two different sync counts, got {len(pts)} calls")
-    call, sync, med, worst = fit(pts)
-    print(f"{len(pts)} calls: host_call_us {call:.0f}, host_sync_us {sync:.0f} "
-          f"(median error {med:.0%}, largest {worst:.0%})")
+    if len({(s, k) for s, k, _ in pts}) < 3 if all(k is not None for _, k, _ in pts) else len({s for s, _, _ in pts}) < 2:
+        ap.error(f"{args.file}: need exact calls with at least two different sync counts (three different counts "
+                 f"of syncs and launches where launches are given), got {len(pts)} calls")
+    consts, med, worst = fit(pts)
+    print(f"{len(pts)} calls: " + ", ".join(f"{k} {v:.0f}" for k, v in consts.items())
+          + f" (median error {med:.0%}, largest {worst:.0%})")
     return 0
 
 

@@ -26,6 +26,9 @@ def test_the_audit_counts_every_call_within_what_the_algorithms_declare(tmp_path
     for name in names():
         assert calls[f"{name} rows of 64"]["syncs"] <= get(name).HOST_SYNCS["exact"], calls[f"{name} rows of 64"]
         assert calls[f"top-k {name}"]["syncs"] <= get(name).HOST_SYNCS["topk"], calls[f"top-k {name}"]
+        # The kernels the cost model prices per call: a ceiling, and not far above what runs.
+        for call, mode in ((f"{name} rows of 64", "exact"), (f"{name} scalars", "exact"), (f"top-k {name}", "topk")):
+            assert get(name).HOST_KERNELS[mode] // 2 <= calls[call]["kernels"] <= get(name).HOST_KERNELS[mode], call
     assert calls["fused, 26 tables"]["syncs"] == calls["fused, 2 tables"]["syncs"]
     assert 0 < calls["dense scalars"]["kernels"] < calls["dense scalars"]["ops"]
 
@@ -35,6 +38,12 @@ def test_the_host_cost_fit_recovers_a_known_line(tmp_path):
     path = tmp_path / "calls.json"
     path.write_text(json.dumps(rows))
     assert "host_call_us 400, host_sync_us 60 (median error 0%" in _run("fit_host_cost.py", str(path), cwd=tmp_path)
+    # With launches (gpu_call_bench's layout): the plane through known points.
+    plane = {"rows": [{"n": 1 << 16, "dense": {"ms": (300 + 20 * k + 100 * s) / 1e3, "syncs": s, "launches": k}}
+                      for s, k in ((1, 20), (2, 40), (3, 30), (1, 60))]}
+    path.write_text(json.dumps(plane))
+    assert ("host_call_us 300, host_kernel_us 20, host_sync_us 100 (median error 0%"
+            in _run("fit_host_cost.py", str(path), cwd=tmp_path))
     path.write_text(json.dumps(rows[:1]))
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fit_host_cost.py"), str(path)],
                           capture_output=True, text=True, timeout=60)

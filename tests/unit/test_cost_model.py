@@ -519,14 +519,19 @@ def test_an_nccl_profile_prices_the_hosts_cost_of_a_call():
 
     prof = load_profile(shipped_profile("nccl"))
     net = Network.of(prof.meta)
-    assert (net.host_call_us, net.host_sync_us) == (423.0, 63.0)
+    assert (net.host_call_us, net.host_kernel_us, net.host_sync_us) == (423.0, 0.0, 63.0)
     feats = Features.build(numel=1 << 20, row_numel=1, dtype="float32", k_per_rank=[1000] * 8, union=6000)
     terms = AnalyticModel(prof.primitives, network=net).terms(feats)
     for alg, t in terms.items():
         assert t["host"] == 423.0 + 63.0 * get(alg).HOST_SYNCS["exact"], alg
+    # With a per-kernel figure (the H200 file's fit): allgather launches 52 kernels and reads twice, so
+    # 386 + 22 * 52 + 115 * 2 = 1760 us; top-k dense, its all_reduce of the accumulator, 5 kernels and 1 read.
+    fitted = Network.of({**prof.meta, "host_call_us": 386, "host_kernel_us": 22, "host_sync_us": 115})
+    assert AnalyticModel(prof.primitives, network=fitted).terms(feats)["allgather"]["host"] == 1760.0
+    assert fitted.host_us("dense", "topk") == 386.0 + 22.0 * 5 + 115.0
     # Without a network (gloo profiles) or without the figures, no host term.
     assert "host" not in AnalyticModel(prof.primitives).terms(feats)["dense"]
-    bare = Network.of({**prof.meta, "host_call_us": None, "host_sync_us": None})
+    bare = Network.of({**prof.meta, "host_call_us": None, "host_sync_us": None, "host_kernel_us": None})
     assert "host" not in AnalyticModel(prof.primitives, network=bare).terms(feats)["dense"]
 
 
@@ -534,8 +539,10 @@ def test_a_negative_host_cost_is_refused(tmp_path):
     from colltune.model.profile import ProfileError, load_profile
     from colltune.select.selector import shipped_profile
 
-    text = open(shipped_profile("nccl")).read().replace("host_sync_us: 63", "host_sync_us: -1")
-    path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    with pytest.raises(ProfileError, match="host_sync_us"):
-        load_profile(path)
+    shipped = open(shipped_profile("nccl")).read()
+    for key, text in (("host_sync_us", shipped.replace("host_sync_us: 63", "host_sync_us: -1")),
+                      ("host_kernel_us", shipped.replace("host_sync_us: 63", "host_sync_us: 63\n  host_kernel_us: -1"))):
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(ProfileError, match=key):
+            load_profile(path)

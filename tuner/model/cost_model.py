@@ -341,7 +341,7 @@ class AnalyticModel:
             terms of an algorithm sum to its :meth:`predict` value.
         """
         out = {alg: {s.term: self._cost(s, features) for s in steps} for alg, steps in self.schedule(features).items()}
-        if self.network is not None and (self.network.host_call_us or self.network.host_sync_us):
+        if self.network is not None and self.network.prices_host:
             mode = getattr(features, "mode", "exact") or "exact"
             for alg, terms in out.items():
                 terms["host"] = self.network.host_us(alg, mode)
@@ -1049,10 +1049,13 @@ class Network:
 
     A call's local cost on the host joins its priced steps as the term
     ``host``: ``host_call_us`` per call (the front door's Python, the
-    selector, the record) plus ``host_sync_us`` per host synchronization
-    (the host waits for the device's queue to drain and refills it), times
-    the algorithm's :attr:`~colltune.algorithms.base.Algorithm.HOST_SYNCS`.
-    Both come from the profile's ``meta`` (0 when absent).
+    selector, the record), ``host_kernel_us`` per kernel launch (with the
+    Python that dispatches it), times the algorithm's
+    :attr:`~colltune.algorithms.base.Algorithm.HOST_KERNELS`, and
+    ``host_sync_us`` per host synchronization (the host waits for the
+    device's queue to drain and refills it), times its
+    :attr:`~colltune.algorithms.base.Algorithm.HOST_SYNCS`. All three come
+    from the profile's ``meta`` (0 when absent).
 
     Attributes:
         gpu: the GPU generation (a section of ``profiles/nccl-tuning.yaml``).
@@ -1060,6 +1063,7 @@ class Network:
         nic_gbps: inter-node bandwidth per GPU in Gbit/s, or ``None`` for the generation's.
         host_call_us: the host's fixed cost of a call, in microseconds.
         host_sync_us: the cost of one host synchronization, in microseconds.
+        host_kernel_us: the host's cost of one kernel launch, in microseconds.
         p2p: point-to-point figures measured on the cluster (``meta.p2p``), replacing the NCCL model's
             defaults per level, or ``None``.
     """
@@ -1070,6 +1074,7 @@ class Network:
     host_call_us: float = 0.0
     host_sync_us: float = 0.0
     p2p: nccl.P2P | None = None
+    host_kernel_us: float = 0.0
 
     @classmethod
     def of(cls, meta: Mapping[str, Any]) -> "Network | None":
@@ -1078,14 +1083,21 @@ class Network:
             return None
         return cls(str(meta["gpu"]), int(meta.get("ranks_per_node") or 8), meta.get("nic_gbps"),
                    float(meta.get("host_call_us") or 0.0), float(meta.get("host_sync_us") or 0.0),
-                   None if meta.get("p2p") is None else nccl.P2P.from_meta(meta["p2p"]))
+                   None if meta.get("p2p") is None else nccl.P2P.from_meta(meta["p2p"]),
+                   float(meta.get("host_kernel_us") or 0.0))
+
+    @property
+    def prices_host(self) -> bool:
+        """Whether the profile gives the host's cost of a call (any of its three figures)."""
+        return bool(self.host_call_us or self.host_sync_us or self.host_kernel_us)
 
     def host_us(self, algorithm: str, mode: str) -> float:
         """Return the host's cost of one call of ``algorithm`` in ``mode`` (``exact`` or ``topk``), in microseconds."""
-        if not (self.host_call_us or self.host_sync_us):
+        if not self.prices_host:
             return 0.0
-        syncs = registry.get(algorithm).HOST_SYNCS.get(mode, 0)
-        return self.host_call_us + self.host_sync_us * syncs
+        alg = registry.get(algorithm)
+        return (self.host_call_us + self.host_kernel_us * alg.HOST_KERNELS.get(mode, 0)
+                + self.host_sync_us * alg.HOST_SYNCS.get(mode, 0))
 
     def topology(self, features: Features) -> nccl.Topology:
         """Return the :class:`colltune.model.nccl.Topology` of a call with these features."""

@@ -130,6 +130,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "backend": (str,), "world_sizes": (list,), "nodes": (int,), "ranks_per_node": (int,),
     "torch_version": (str,), "host": (str,), "date": (str,), "notes": (str,),
     "gpu": (str,), "nic_gbps": (int, float), "host_call_us": (int, float), "host_sync_us": (int, float),
+    "host_kernel_us": (int, float),
 }
 _TOP_KEYS = ("format", "version", "checksum", "kind", "meta", "primitives", "model", "measurements")
 
@@ -408,7 +409,7 @@ def _parse_meta(value: Any, source: str) -> dict[str, Any]:
             raise _err(source, f"meta.{key}", f"expected int, got bool {meta[key]!r}.")
     for i, w in enumerate(meta.get("world_sizes") or []):
         _integer(w, source, f"meta.world_sizes[{i}]", low=1)
-    for key in ("host_call_us", "host_sync_us"):
+    for key in ("host_call_us", "host_sync_us", "host_kernel_us"):
         if isinstance(meta.get(key), bool) or (meta.get(key) is not None and not 0 <= meta[key] < float("inf")):
             raise _err(source, f"meta.{key}", f"expected a number of microseconds >= 0, got {meta[key]!r}.")
     if meta.get("p2p") is not None:  # the NCCL model reads these figures; it checks them
