@@ -90,7 +90,7 @@ def _syncs(fn) -> int:
     return tool.count_syncs(fn, torch.device("cuda", torch.cuda.current_device()))
 
 
-@pytest.mark.parametrize("algorithm", names())
+@pytest.mark.parametrize("algorithm", [*names(), "auto"])
 def test_host_syncs_per_call_at_p1(nccl, algorithm):
     import colltune
 
@@ -98,7 +98,7 @@ def test_host_syncs_per_call_at_p1(nccl, algorithm):
     for _ in range(3):
         colltune.sparse_allreduce(idx, vals, size=1 << 20, algorithm=algorithm, name="syncs")
     count = _syncs(lambda: colltune.sparse_allreduce(idx, vals, size=1 << 20, algorithm=algorithm, name="syncs"))
-    assert count <= get(algorithm).HOST_SYNCS["exact"], count
+    assert count <= get("allgather" if algorithm == "auto" else algorithm).HOST_SYNCS["exact"], count
 
 
 def _gloo_on_cuda(rank, world_size, algorithm):
@@ -168,3 +168,27 @@ def test_training_wrappers_with_cuda_tensors_over_gloo(algorithm):
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
         assert torch.allclose(hooked, plain, rtol=1e-5, atol=1e-6)  # density 1: top-k keeps every entry
     assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][4], out[1][4])
+
+
+def _online_on_cuda(rank, world_size):
+    """``auto`` at one site, 70 calls: each call's time, from CUDA events, reaches every rank in a later record."""
+    import colltune
+    from colltune.select.selector import Selector
+
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.randint(0, 5000, (800,), generator=g).cuda()
+    vals = torch.randn(800, 8, generator=g).cuda()
+    colltune.configure(selector=Selector(environ={}))  # online correction on (the suite turns it off)
+    try:
+        out = [colltune.sparse_allreduce(idx, vals, size=5000, name="online") for _ in range(70)]
+    finally:
+        colltune.configure()
+    return [(r.algorithm, None if r.decision.measured_us is None else dict(r.decision.measured_us)) for r in out]
+
+
+def test_online_correction_measures_cuda_calls_and_every_rank_agrees():
+    a, b = pool(2).run(_online_on_cuda)
+    assert a == b  # the same decisions and the same measured figures (the maximum over ranks) on both ranks
+    measured = a[-1][1]
+    assert measured and all(us > 0 for us in measured.values()), a[-1]
