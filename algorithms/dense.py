@@ -78,6 +78,12 @@ _NEG_ZERO = {2: -(1 << 15), 4: -(1 << 31), 8: -(1 << 63)}
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _handed_back(inp: SparseInput, comm: Comm) -> bool:
+    """Whether the input's coalesced indices may be the result's as they are: the call's own (made or
+    donated), on the call's device, and of unit stride (a one-element view may carry another)."""
+    return inp.owned_indices and inp.indices.device == comm.device and inp.indices.stride(0) == 1
+
+
 @register
 class Dense(Algorithm):
     """Densify, ``all_reduce``, and extract the rows of the union."""
@@ -241,12 +247,11 @@ class Dense(Algorithm):
             if inp.parts is not None:
                 inp.parts.sizes = [b - a for a, b in zip(inp.parts.bounds, inp.parts.bounds[1:])]
             # A rank holding every row holds the indices 0..n-1: its own, where the call may hand them back.
-            mine = inp.indices.shape[0] == n and inp.owned_indices and inp.indices.device == comm.device
-            union = inp.indices if mine else row_numbers(n, comm.device)
+            union = inp.indices if inp.indices.shape[0] == n and _handed_back(inp, comm) else row_numbers(n, comm.device)
             return union, buf if r else buf[:, :0]
         if comm.world_size == 1:  # one rank: the union is its own coalesced indices (sorted, unique), no read
-            union = inp.indices if inp.owned_indices and inp.indices.device == comm.device else inp.indices.to(
-                comm.device, copy=True)
+            union = inp.indices if _handed_back(inp, comm) else inp.indices.to(
+                comm.device, copy=True, memory_format=torch.contiguous_format)
         else:
             size = buf.element_size()
             present = buf[:, 0].view(_INT_OF_SIZE[size]) != _NEG_ZERO[size]

@@ -205,3 +205,27 @@ def test_topk_delivers_nan_and_infinities(algorithm):
                 assert _same_bits(got, recs[0]["values"]), f"{where}: ranks differ"
             specials = {pos for pos, _, _ in call}
             assert specials <= set(recs[0]["indices"].tolist()), f"{where}: {specials} not all delivered"
+
+
+def _one_entry_sliced(rank, world_size, device_path_on):
+    import colltune
+
+    base_i, base_v = torch.tensor([0, 9], dtype=torch.int32), torch.tensor([1.5, 9.0])
+    idx, vals = base_i[::2], base_v[::2]  # one entry, stride 2: a view torch calls contiguous
+    out = {}
+    with device_path(device_path_on):
+        for algorithm in ALGORITHMS:
+            res = colltune.sparse_allreduce(idx, vals, 1, algorithm=algorithm)
+            out[algorithm] = (res.indices.stride(), res.values.stride(), res.indices.view(torch.uint8).numel(),
+                              res.to_dense().tolist())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("on_device_path", [False, True])
+def test_a_one_entry_strided_view_gives_unit_stride_results(world_size, on_device_path):
+    """Every row present (size 1) and one rank: dense may hand the coalesced indices back, never a stride-2 view."""
+    for out in pool(world_size).run(_one_entry_sliced, on_device_path):
+        for algorithm, (istride, vstride, nbytes, dense) in out.items():
+            assert istride == (1,) and vstride == (1,) and nbytes == 8, (algorithm, istride, vstride)
+            assert dense == [1.5 * world_size], (algorithm, dense)
