@@ -45,9 +45,9 @@ from colltune.algorithms.sparse import (
     entry_bytes,
     fresh,
     gather_mode,
+    gather_rows,
     merge_host_pieces,
     merge_runs,
-    merge_sources,
     offsets,
     on_host,
     pack,
@@ -85,10 +85,10 @@ def gather_merge(
         buf = torch.from_numpy(pack_host(idx, vals, index_dtype, wire_dtype))
         flat = comm.all_gather_flat(buf, counts, mode)
         return merge_host_pieces([unpack_host(flat.numpy(), r, index_dtype, wire_dtype)], size)
+    # One gather into one buffer in rank order, unpacked once: the ops do not grow with the world size.
     buf = pack(idx.to(comm.device), vals.to(comm.device), index_dtype, wire_dtype)
-    pieces = comm.all_gather_v(buf, counts, mode)
-    sources = [unpack(piece, r, index_dtype, wire_dtype) for piece in pieces]
-    return merge_sources(sources, size, r, accum_dtype(wire_dtype), comm.device, parts)
+    all_idx, all_vals = unpack(comm.all_gather_flat(buf, counts, mode), r, index_dtype, wire_dtype)
+    return merge_runs(all_idx, all_vals, offsets(counts), size, accum_dtype(wire_dtype), parts)
 
 
 def gather_merge_p2p(
@@ -281,14 +281,18 @@ class Allgather(Algorithm):
         if host:
             tails = None if tail_buf is None else comm.all_gather_flat(tail_buf, rest, mode).numpy()
             return _merge_eager_host(inp, head, rest, tails)
+        # Every rank's head (row j * mu of the slots' block) and rest (after the block, in rank order), put in
+        # rank order by one gather index: the ops do not grow with the world size.
         block = upload(inp.eager[:, : mu * e], comm.device).reshape(p * mu, e)
-        idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
-        idx_all, vals_all = idx_all.view(p, mu), vals_all.view(p, mu, r)
-        sources = [(idx_all[j, :h], vals_all[j, :h]) for j, h in enumerate(head)]
         if tail_buf is not None:
-            tails_t = [unpack(piece, r, index_dtype, inp.dtype) for piece in comm.all_gather_v(tail_buf, rest, mode)]
-            sources = [(torch.cat((i0, i1)), torch.cat((v0, v1))) for (i0, v0), (i1, v1) in zip(sources, tails_t)]
-        return merge_sources(sources, inp.size, r, accum_dtype(inp.dtype), comm.device, inp.parts)
+            block = torch.cat((block, comm.all_gather_flat(tail_buf, rest, mode)))
+        idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
+        if tail_buf is not None or min(head) < mu:
+            tails_at = [p * mu + a for a in offsets(rest)[:-1]]
+            starts = [s for j in range(p) for s in (j * mu, tails_at[j])]
+            rows = gather_rows(starts, [n for pair in zip(head, rest) for n in pair], comm.device)
+            idx_all, vals_all = idx_all.index_select(0, rows), vals_all.index_select(0, rows)
+        return merge_runs(idx_all, vals_all, offsets(counts), inp.size, accum_dtype(inp.dtype), inp.parts)
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:
         n = acc.numel()

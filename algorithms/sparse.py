@@ -727,6 +727,21 @@ def _merge_host(
     return merge_host_pieces([(i.numpy(), v.to(acc).numpy()) for i, v in sources], size)
 
 
+def gather_rows(starts: Sequence[int], lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The positions of the row runs ``[starts[j], starts[j] + lengths[j])``, laid end to end in order.
+
+    One gather index (int64 on ``device``) that puts pieces scattered over a
+    buffer into one run each, in a fixed number of kernels whatever the
+    number of pieces, and with no host read: position ``x`` of piece ``j``
+    is ``starts[j] - offsets(lengths)[j] + x``.
+    """
+    at = offsets(lengths)
+    shift = upload([s - a for s, a in zip(starts, at)], device)
+    total = at[-1]
+    return torch.repeat_interleave(shift, upload(list(lengths), device), output_size=total) + torch.arange(
+        total, device=device)
+
+
 def merge_runs(
     idx: torch.Tensor, vals: torch.Tensor, at: list[int], size: int, acc: torch.dtype, parts: Parts | None = None,
     padded: bool = False,
