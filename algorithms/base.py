@@ -41,7 +41,7 @@ from colltune.algorithms.knobs import Knob
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import Parts, accum_dtype, wire_index_dtype
 
-__all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Delivered", "TopkPrepared", "Algorithm"]
+__all__ = ["Op", "SparseInput", "SparseResult", "TopkOutput", "Delivered", "Prepared", "Algorithm"]
 
 Op = Literal["sum", "avg"]
 
@@ -78,6 +78,8 @@ class SparseInput:
         owned_indices: ``indices`` may be handed back as the result's
             (the coalesce made them, or the caller donated them); otherwise
             they may be the caller's own tensor, which a result never shares.
+        work: what this algorithm's :meth:`Algorithm.eager_payload` left for
+            its run on this rank (:attr:`Prepared.work`), or ``None``.
     """
 
     indices: torch.Tensor
@@ -92,6 +94,7 @@ class SparseInput:
     parts: Parts | None = None
     owned: bool = False
     owned_indices: bool = False
+    work: Any = None
 
     @property
     def row_numel(self) -> int:
@@ -202,15 +205,20 @@ class Delivered:
 
 
 @dataclass
-class TopkPrepared:
-    """What an algorithm worked out before the metadata exchange of a top-k call (:meth:`Algorithm.topk_prepare`).
+class Prepared:
+    """What an algorithm worked out before a call's metadata exchange: its payload for the record, and its own work.
+
+    Top-k calls get it from :meth:`Algorithm.topk_prepare`; exact calls from
+    :meth:`Algorithm.eager_payload`, which may return one instead of bare
+    bytes (its work then reaches the run as ``SparseInput.work``).
 
     Attributes:
         payload: this rank's bytes for the record's eager slot (flat
             ``uint8``; on the device path a device tensor, written into the
             record there).
         work: the algorithm's own pre-exchange work (Ok-Topk: its local
-            selection), handed back to it unread by the front door.
+            selection; hashpart: its entries' owners, sorted), handed back to
+            it unread by the front door.
         gathered: every rank's payload after the exchange (``[P, payload
             bytes]`` ``uint8``, host data), set by the front door before
             :meth:`Algorithm.topk_allreduce` receives it.
@@ -314,7 +322,7 @@ class Algorithm(abc.ABC):
 
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
-    ) -> np.ndarray | torch.Tensor | None:
+    ) -> "np.ndarray | torch.Tensor | Prepared | None":
         """Return bytes to deliver to every rank with the metadata record, or ``None``.
 
         Called before the metadata exchange of a ``sparse_allreduce`` that
@@ -329,7 +337,10 @@ class Algorithm(abc.ABC):
         that the payload still fits the call (another algorithm may have
         been chosen in between). Whether it returns ``None``, and its
         length, must depend only on what every rank shares (the call's
-        shared fields and the group's history), never on local data.
+        shared fields and the group's history), never on local data. A
+        :class:`Prepared` carries the bytes and this rank's own work, which
+        reaches :meth:`sparse_allreduce` as ``SparseInput.work`` on the same
+        condition (local: it may differ between ranks).
         """
         return None
 
@@ -367,7 +378,7 @@ class Algorithm(abc.ABC):
 
     def topk_prepare(
         self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int
-    ) -> TopkPrepared | None:
+    ) -> Prepared | None:
         """Return work to do before the metadata exchange of a top-k call, and its payload for the record, or ``None``.
 
         Called before the exchange of a ``topk_allreduce`` that names this
@@ -386,7 +397,7 @@ class Algorithm(abc.ABC):
 
     @abc.abstractmethod
     def topk_allreduce(
-        self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: TopkPrepared | None = None
+        self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: Prepared | None = None
     ) -> TopkOutput:
         """Select entries of the flat accumulated tensor ``acc`` and sum the selection over ranks.
 

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from colltune.algorithms import meta as _meta
-from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput, TopkPrepared
+from colltune.algorithms.base import Algorithm, Prepared, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
@@ -150,6 +150,7 @@ def hash_reduce(
     divide: bool = False,
     share_dtype: torch.dtype | None = None,
     mode: str = "auto",
+    owners: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum coalesced entries over the group, each index by its owner; return the sorted union and its sums.
 
@@ -167,6 +168,8 @@ def hash_reduce(
             when ``None``).
         mode: how the shares are gathered: ``pad``, ``alltoall`` or ``auto``
             (:meth:`Comm.all_gather_flat`).
+        owners: on the device path, :func:`sorted_owners` of ``idx`` (or of
+            ``idx`` followed by padding), when already computed.
 
     Returns:
         Sorted unique int64 indices (the union over ranks) and ``[u, r]``
@@ -176,7 +179,17 @@ def hash_reduce(
     share = wire_dtype if share_dtype is None else share_dtype
     if on_host(comm.device):
         return _hash_reduce_host(comm, idx, vals, size, wire_dtype, counts, divide, share, mode)
-    return _hash_reduce_device(comm, idx, vals, size, wire_dtype, counts, divide, share, mode)
+    return _hash_reduce_device(comm, idx, vals, size, wire_dtype, counts, divide, share, mode, owners)
+
+
+def sorted_owners(indices: torch.Tensor, size: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owner of every index, sorted stably, and the order that sorts them (device path).
+
+    Indices equal to ``size`` (padding, past every real index) get owner
+    ``P``, past every real owner, so the first ``k`` of both belong to the
+    first ``k`` indices whatever padding follows them.
+    """
+    return torch.sort(torch.where(indices < size, hash_owner(indices, world_size), world_size), stable=True)
 
 
 def _exchange_counts(comm: Comm, send: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -234,6 +247,7 @@ def _hash_reduce_device(
     divide: bool,
     share_dtype: torch.dtype,
     mode: str,
+    owners: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`hash_reduce` in torch operations that run on CUDA: no atomics, one host read (the sizes)."""
     p, me, dev = comm.world_size, comm.rank, comm.device
@@ -243,7 +257,8 @@ def _hash_reduce_device(
     acc = accum_dtype(wire_dtype)
     buf = pack(idx, vals, index_dtype, wire_dtype)
     if p > 1:
-        owner, order = torch.sort(hash_owner(idx, p), stable=True)
+        k = idx.numel()
+        owner, order = sorted_owners(idx, size, p) if owners is None else (owners[0][:k], owners[1][:k])
         buf = buf.index_select(0, order)
         if counts is None:
             counts = _exchange_counts(comm, torch.diff(torch.searchsorted(owner, torch.arange(p + 1, device=dev))))
@@ -294,7 +309,7 @@ class HashPart(Algorithm):
     #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the local
     #: selection's count (before the record, which carries its counts per owner), the record, the sizes.
     HOST_SYNCS = {"exact": 3, "topk": 3}
-    HOST_KERNELS = {"exact": 122, "topk": 108}
+    HOST_KERNELS = {"exact": 105, "topk": 91}
     applies_avg = True  # each owner divides its own sums, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
@@ -336,34 +351,36 @@ class HashPart(Algorithm):
 
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
-    ) -> np.ndarray | torch.Tensor | None:
+    ) -> np.ndarray | Prepared | None:
         """This rank's entry count per owner (``P`` int64), for the record; ``None`` when ``8 P`` bytes do not fit.
 
         The owners depend on the indices and ``P`` alone, so the counts hold
         on any call. On the device path they are counted there (sorted
-        owners, no atomics, no read); ``indices`` may be padded with
-        ``size``, past every real index: padding counts for no owner.
+        owners, no atomics, no read), and the sorted owners stay with the
+        counts (:class:`Prepared`) for the run, which sends the entries in
+        that order; ``indices`` may be padded with ``size``, past every real
+        index: padding counts for no owner.
         """
         p = comm.world_size
         if p < 2 or 8 * p > capacity:
             return None
         if on_host(indices):  # the host path coalesces before the record: never padded
             return np.bincount(hash_owner_host(indices.numpy(), p), minlength=p).astype(np.int64).view(np.uint8)
-        owner = torch.where(indices < size, hash_owner(indices, p), p)
-        bounds = torch.searchsorted(torch.sort(owner).values, torch.arange(p + 1, device=indices.device))
-        return torch.diff(bounds).view(torch.uint8)
+        owners = sorted_owners(indices, size, p)  # kept for the run: its entries go to their owners in this order
+        bounds = torch.searchsorted(owners[0], torch.arange(p + 1, device=indices.device))
+        return Prepared(torch.diff(bounds).view(torch.uint8), owners)
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         p, me = comm.world_size, comm.rank
         counts = _meta.send_recv_counts(inp.payload, me) if p > 1 else None
         out = hash_reduce(
             comm, inp.indices, inp.values, inp.size, inp.dtype, counts=counts, divide=inp.op == "avg",
-            mode=knobs["gather_mode"],
+            mode=knobs["gather_mode"], owners=inp.work,
         )
         _meta.note_payload(comm)  # the counts ride in the next records (from P = 64 the slot makes room for them)
         return out
 
-    def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> TopkPrepared | None:
+    def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> Prepared | None:
         """Select the local top-k now, and put its count per owner (``P`` int64) in the record.
 
         The owners depend on the indices and ``P`` alone, so every rank then
@@ -372,20 +389,22 @@ class HashPart(Algorithm):
         """
         idx = Magnitudes(acc).top_k_indices(state.k_for(acc.numel()))
         payload = self.eager_payload(idx, acc.numel(), comm, None, capacity)
-        return None if payload is None else TopkPrepared(payload, idx)
+        if isinstance(payload, Prepared):  # the device path: the owners too
+            return Prepared(payload.payload, (idx, payload.work))
+        return None if payload is None else Prepared(payload, (idx, None))
 
     def topk_allreduce(
-        self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: TopkPrepared | None = None
+        self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: Prepared | None = None
     ) -> TopkOutput:
         n = acc.numel()
         k = state.k_for(n)
         me = comm.rank
         counts = None if prepared is None else _meta.send_recv_counts(prepared.gathered, me)
-        idx = Magnitudes(acc).top_k_indices(k) if counts is None else prepared.work
+        idx, owners = (Magnitudes(acc).top_k_indices(k), None) if counts is None else prepared.work
         vals = acc.index_select(0, idx).view(k, 1)
         gidx, gvals = hash_reduce(
             comm, idx, vals, n, acc.dtype, counts=counts, share_dtype=accum_dtype(acc.dtype),
-            mode=knobs["gather_mode"],
+            mode=knobs["gather_mode"], owners=owners,
         )
         _meta.note_payload(comm)  # the counts ride in the next records (from P = 64 the slot makes room for them)
         state.last_local_count, state.last_global_count = k, gidx.numel()

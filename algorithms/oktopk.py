@@ -76,7 +76,7 @@ import torch
 
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.balance import balance_and_gather
-from colltune.algorithms.base import Algorithm, Delivered, SparseInput, TopkOutput, TopkPrepared
+from colltune.algorithms.base import Algorithm, Delivered, Prepared, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.knobs import BUILTIN_KNOBS
 from colltune.algorithms.registry import register
@@ -785,7 +785,7 @@ class OkTopk(Algorithm):
             gvals.div_(p)
         return gidx, gvals
 
-    def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> TopkPrepared | None:
+    def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> Prepared | None:
         """Select locally now and return this rank's count per region (``P`` int64), while the boundaries are cached.
 
         Every rank then knows what every rank sends to every owner, and the
@@ -804,10 +804,10 @@ class OkTopk(Algorithm):
             return None
         k = state.k_for(n)
         lidx, th = self._local_selection(Magnitudes(acc), state, k, state.band_for(k))
-        return TopkPrepared(_region_payload(lidx, cuts), _Selection(lidx, th, state.step, state.local_refresh))
+        return Prepared(_region_payload(lidx, cuts), _Selection(lidx, th, state.step, state.local_refresh))
 
     def topk_allreduce(
-        self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: TopkPrepared | None = None
+        self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: Prepared | None = None
     ) -> TopkOutput:
         n = acc.numel()
         k = state.k_for(n)
@@ -841,7 +841,7 @@ class OkTopk(Algorithm):
 
     @staticmethod
     def _prepared(
-        prepared: TopkPrepared | None, state: Any, comm: Comm, n: int
+        prepared: Prepared | None, state: Any, comm: Comm, n: int
     ) -> tuple[torch.Tensor | None, float | None, tuple[list[int], list[int]] | None]:
         """Return the local selection :meth:`topk_prepare` made, its threshold and the counts, if they still hold.
 

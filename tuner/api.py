@@ -48,7 +48,7 @@ import torch.distributed as dist
 from colltune import algorithms
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.allgather import eager_slot, slot_need
-from colltune.algorithms.base import Delivered, SparseInput, SparseResult, TopkOutput, TopkPrepared
+from colltune.algorithms.base import Delivered, Prepared, SparseInput, SparseResult, TopkOutput
 from colltune.algorithms.comm import Comm, Traffic, group_serial, group_timeout, private_group, ranks_per_node
 from colltune.algorithms.errors import (
     AbandonedCallError,
@@ -960,6 +960,7 @@ class _SparseCall:
         self.likely: str | None = None  # the algorithm whose payload the record carries
         self.slot: np.ndarray | torch.Tensor | None = None
         self.eager, self.sketch_bytes, self.payload_bytes = _meta.EAGER_NONE, 0, 0
+        self.work: Any = None  # the likeliest algorithm's own work beside its payload (Prepared.work)
         self.knobs_checked: Any = None
         self.site: tuple = ()
         self.values: Any = None  # the caller's values (a COO tensor's, when one came)
@@ -1047,6 +1048,8 @@ class _SparseCall:
             own = algorithms.get(likely).eager_payload(
                 idx, self.n, comm, None if sel is not None else self.knobs_checked, cap
             )
+            if isinstance(own, Prepared):
+                own, self.work = own.payload, own.work
             if own is not None:
                 parts.append(own)
                 self.payload_bytes = int(own.numel() if isinstance(own, torch.Tensor) else own.size)
@@ -1098,9 +1101,10 @@ class _SparseCall:
         has_entries = self.eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
         eager_entries = torch.from_numpy(slots[:, entries_at:]) if has_entries else None
         # The payload belongs to the algorithm that made it: another one chosen meanwhile does not get it.
-        payload = slots[:, : self.payload_bytes] if self.payload_bytes and algorithm == self.likely else None
+        mine = bool(self.payload_bytes) and algorithm == self.likely
+        payload = slots[:, : self.payload_bytes] if mine else None
         return SparseInput(self.idx, self.vals, self.n, self.row_shape, self.dtype, counts, eager_entries, op,
-                           payload, owned=self.owned, owned_indices=self.owned_indices)
+                           payload, owned=self.owned, owned_indices=self.owned_indices, work=self.work if mine else None)
 
 
 def run_sparse(
@@ -1261,7 +1265,7 @@ def _topk_allreduce(
     error: BaseException | None = None
     record: dict[str, int] = {"kind": _meta.name_code(_KIND_TOPK)}
     sel: Any = None
-    prep: TopkPrepared | None = None
+    prep: Prepared | None = None
     try:
         _validate_topk(tensor, state, op, algorithm, group)
         knobs_checked, sel, backend, code = resolve_request(algorithm, knobs, policy, group, name)
@@ -1299,7 +1303,7 @@ def _topk_allreduce(
                       out.global_count, out.sent, comm.traffic, decision)
 
 
-def _topk_prepare(likely: str | None, acc: torch.Tensor, state: TopkState, comm: Comm) -> TopkPrepared | None:
+def _topk_prepare(likely: str | None, acc: torch.Tensor, state: TopkState, comm: Comm) -> Prepared | None:
     """Return the pre-exchange work and record payload of ``likely``, the algorithm likeliest to run, or ``None``.
 
     Whether there is one depends only on what every rank shares (the
@@ -1349,7 +1353,7 @@ def _accumulate(tensor: torch.Tensor, state: TopkState) -> torch.Tensor:
 
 def _run_topk(
     acc: torch.Tensor, state: TopkState, comm: Comm, algorithm: str, knobs: dict[str, Any],
-    prepared: TopkPrepared | None = None,
+    prepared: Prepared | None = None,
 ) -> TopkOutput:
     """Run the algorithm on ``acc = residual + tensor`` and keep what it did not deliver as the new residual.
 
