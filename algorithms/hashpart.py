@@ -268,8 +268,7 @@ def _hash_reduce_device(
     # The owner's merge, padded to what it received so that nothing is read: a stable sort keeps each index's
     # rows in rank order, each run summed from +0 (the bits of merge_sources); the unique count stays on the
     # device until the sizes' gather reads every owner's at once.
-    pidx, psums, unique, _ = Batch([(ridx, rvals, size)], acc).padded()
-    psums = psums + 0.0  # a run of one kept as it came (sorted unique input) becomes 0 + v, as merge_sources gives
+    pidx, psums, unique, _ = Batch([(ridx, rvals, size)], acc).padded()  # every run summed from +0
     if divide and p > 1:
         psums.div_(p)
     with comm.meta():
@@ -309,7 +308,7 @@ class HashPart(Algorithm):
     #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the local
     #: selection's count (before the record, which carries its counts per owner), the record, the sizes.
     HOST_SYNCS = {"exact": 3, "topk": 3}
-    HOST_KERNELS = {"exact": 105, "topk": 91}
+    HOST_KERNELS = {"exact": 94, "topk": 85}
     applies_avg = True  # each owner divides its own sums, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
