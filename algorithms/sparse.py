@@ -435,12 +435,15 @@ class Batch:
         idx, sums = _padded_runs(self.sorted, self.vals, self.starts, self.n)
         return idx, sums, count, bad
 
-    def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def finish(self, counts: list[int], shifted: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Return each tensor's sorted unique int64 indices (in its own index space) and summed rows.
 
         ``counts`` are the unique counts of :attr:`stats` as the host learned
         them; a batch with an index out of range is the caller's error to
-        raise first. Nothing more is read or uploaded.
+        raise first. Nothing more is read or uploaded. With ``shifted``
+        false the indices stay in the batch's index space (views of the
+        union, no kernel): for a caller that takes tensors through
+        :meth:`span`.
         """
         u, k, device = sum(counts), self.k, self.sorted.device
         pos = None if u == k else mask_positions(self.starts, u)
@@ -448,7 +451,7 @@ class Batch:
         uniq = self.sorted if pos is None else self.sorted.index_select(0, pos)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
         self.union, self.sums, self.parts = uniq, sums, offsets(counts)
-        if self.count > 1:
+        if self.count > 1 and shifted:
             owner = torch.repeat_interleave(torch.arange(self.count, device=device), self.stats[1:], output_size=u)
             uniq = uniq - self.base[owner]
         return list(zip(torch.split(uniq, counts), torch.split(sums, counts)))

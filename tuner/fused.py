@@ -312,6 +312,8 @@ class _FusedCall:
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
+        #: Each tensor's coalesced indices and rows; a batched tensor's indices are its rows of the batch's
+        #: union, in the batch's index space (:meth:`run_bucket` takes its buckets from the batch).
         self.idx: list[torch.Tensor] = []
         self.vals: list[torch.Tensor] = []
         #: The caller's indices and values, per tensor: a bucket's that share no memory with them are its own.
@@ -404,7 +406,7 @@ class _FusedCall:
         if self.comm.world_size > 1:
             self.defer(batches, checked)
             return
-        stats = torch.cat([b.stats for _, b in batches]).tolist()
+        stats = (batches[0][1].stats if len(batches) == 1 else torch.cat([b.stats for _, b in batches])).tolist()
         at = offsets([b.stats.numel() for _, b in batches])
         if any(stats[a] for a in at[:-1]):
             raise first_range_error(checked, _named)
@@ -414,18 +416,22 @@ class _FusedCall:
         """Finish every batch with its tensors' unique counts; each tensor's result goes to its place in the list."""
         done: list[Any] = [None] * len(self.desc)
         for (members, batch), per in zip(batches, counts):
-            for j, (t, got) in enumerate(zip(members, batch.finish(per))):
+            for j, (t, got) in enumerate(zip(members, batch.finish(per, shifted=False))):
                 done[t], self.batched[t] = got, (batch, j)
         self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
 
     def defer(self, batches: list[tuple[list[int], Batch]], checked: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """Leave the counts on the device: they ride in the record's slot (with their sum and the range check in
         its fields), read with it in its one read; :meth:`settle` then finishes the batches."""
-        order = [t for members, _ in batches for t in members]
-        where = np.empty(len(order), dtype=np.int64)
-        where[order] = np.arange(len(order))
-        self.device_counts = torch.cat([b.stats[1:] for _, b in batches]).index_select(0, upload(where, self.comm.device))
-        bad = torch.stack([b.stats[0] for _, b in batches]).amax()
+        if len(batches) == 1:  # one row width and dtype (the usual case): the stats in list order already
+            self.device_counts, bad = batches[0][1].stats[1:], batches[0][1].stats[0]
+        else:
+            order = [t for members, _ in batches for t in members]
+            where = np.empty(len(order), dtype=np.int64)
+            where[order] = np.arange(len(order))
+            self.device_counts = torch.cat([b.stats[1:] for _, b in batches]).index_select(
+                0, upload(where, self.comm.device))
+            bad = torch.stack([b.stats[0] for _, b in batches]).amax()
         self.device_fields = deferred_fields(self.device_counts.sum(), bad, "tensors")
         self.pending = batches
         self.deferred_error = lambda: first_range_error(checked, _named)
@@ -488,11 +494,11 @@ class _FusedCall:
         comm = self.comm
         at = offsets([self.desc[t][0] for t in members])
         r, dtype = self.keys[members[0]]
-        if len(members) == 1:
-            idx, vals = self.idx[members[0]], self.vals[members[0]]
-        elif members[0] in self.batched:  # the bucket is a run of one batch's tensors (plan_buckets keeps key order)
+        if members[0] in self.batched:  # the bucket is a run of one batch's tensors (plan_buckets keeps key order)
             batch, first = self.batched[members[0]]
             idx, vals = batch.span(first, first + len(members) - 1)
+        elif len(members) == 1:
+            idx, vals = self.idx[members[0]], self.vals[members[0]]
         else:
             idx = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
             vals = torch.cat([self.vals[t] for t in members])
