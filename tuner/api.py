@@ -601,7 +601,7 @@ _DEVICE_BYTES: dict[tuple[str, int | None], int] = {}
 def check_dense_fits(n: int, row_numel: int, dtype: torch.dtype, device: torch.device) -> None:
     """Raise if ``dense``'s buffers (``n`` rows in the accumulation dtype, and the presence test's byte per row)
     exceed the device."""
-    need = n * (row_numel * torch.empty((), dtype=accum_dtype(dtype)).element_size() + 1)
+    need = n * (row_numel * accum_dtype(dtype).itemsize + 1)
     have = _device_bytes(device)
     if need > have:
         raise argument_error(ColltuneValueError, "size",
