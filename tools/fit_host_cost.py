@@ -38,20 +38,27 @@ def points(rows: list[dict]) -> list[tuple[float, float | None, float]]:
         if "n" not in row or row.get("n") is None:
             continue  # a top-k row
         for a in ALGORITHMS:
-            got = row.get(a) if isinstance(row.get(a), dict) else {"ms": row.get(f"{a}_ms"), "syncs": row.get(f"{a}_syncs")}
+            got = row.get(a) if isinstance(row.get(a), dict) else {
+                "ms": row.get(f"{a}_ms"), "syncs": row.get(f"{a}_syncs"), "launches": row.get(f"{a}_launches")}
             if got.get("ms") is not None and got.get("syncs") is not None:
                 launches = got.get("launches")
                 out.append((float(got["syncs"]), None if launches is None else float(launches), float(got["ms"]) * 1e3))
     return out
 
 
+def design(pts: list[tuple[float, float | None, float]]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The constants' names, the design matrix and the times: with a kernel column where every point has
+    launches (a file counts them for every call or for none)."""
+    kernels = all(k is not None for _, k, _ in pts)
+    names_ = ["host_call_us", *(["host_kernel_us"] if kernels else []), "host_sync_us"]
+    x = np.array([[1.0, *([k] if kernels else []), s] for s, k, _ in pts]).reshape(len(pts), len(names_))
+    return names_, x, np.array([t for _, _, t in pts])
+
+
 def fit(pts: list[tuple[float, float | None, float]]) -> tuple[dict[str, float], float, float]:
     """Return the constants (``host_call_us``, ``host_kernel_us`` where every point has launches,
     ``host_sync_us``), the median relative error and the largest."""
-    kernels = all(k is not None for _, k, _ in pts)
-    names_ = ["host_call_us", *(["host_kernel_us"] if kernels else []), "host_sync_us"]
-    x = np.array([[1.0, *([k] if kernels else []), s] for s, k, _ in pts])
-    y = np.array([t for _, _, t in pts])
+    names_, x, y = design(pts)
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     err = np.abs(x @ coef / y - 1)
     return dict(zip(names_, (float(c) for c in coef))), float(np.median(err)), float(err.max())
@@ -64,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.file) as fh:
         data = json.load(fh)
     pts = points(data["rows"] if isinstance(data, dict) else data)
-    if len({(s, k) for s, k, _ in pts}) < 3 if all(k is not None for _, k, _ in pts) else len({s for s, _, _ in pts}) < 2:
-        ap.error(f"{args.file}: need exact calls with at least two different sync counts (three different counts "
-                 f"of syncs and launches where launches are given), got {len(pts)} calls")
+    names_, x, _ = design(pts)
+    if not pts or np.linalg.matrix_rank(x) < len(names_):
+        ap.error(f"{args.file}: the calls do not determine {', '.join(names_)}: need exact calls whose counts of "
+                 f"syncs (and launches, where given) vary independently, got {len(pts)} calls")
     consts, med, worst = fit(pts)
     print(f"{len(pts)} calls: " + ", ".join(f"{k} {v:.0f}" for k, v in consts.items())
           + f" (median error {med:.0%}, largest {worst:.0%})")

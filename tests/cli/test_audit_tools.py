@@ -44,7 +44,11 @@ def test_the_host_cost_fit_recovers_a_known_line(tmp_path):
     path.write_text(json.dumps(plane))
     assert ("host_call_us 300, host_kernel_us 20, host_sync_us 100 (median error 0%"
             in _run("fit_host_cost.py", str(path), cwd=tmp_path))
-    path.write_text(json.dumps(rows[:1]))
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fit_host_cost.py"), str(path)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "two different sync counts" in done.stderr
+    # Too few calls, or launches that move with the syncs (three points on one line): refused, not fitted.
+    collinear = {"rows": [{"n": 1 << 16, "dense": {"ms": (300 + 20 * 10 * s + 100 * s) / 1e3, "syncs": s,
+                                                   "launches": 10 * s}} for s in (1, 2, 3)]}
+    for bad in (rows[:1], collinear):
+        path.write_text(json.dumps(bad))
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fit_host_cost.py"), str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "vary independently" in done.stderr, done.stderr
