@@ -473,13 +473,14 @@ def unpack_coo(indices: Any, values: Any, size: Any) -> tuple[Any, Any, Any]:
         raise argument_error(ColltuneTypeError, extra,
                              f"indices is a sparse COO tensor, which carries its values and size, but {extra} was passed "
                              f"too; {alone}, or pass its parts: sparse_allreduce(t._indices()[0], t._values(), t.shape).")
-    if indices.sparse_dim() != 1:
+    rows = indices._indices()  # [sparse_dim, nnz]: its shape answers sparse_dim() with no op of its own
+    if rows.shape[0] != 1:
         raise argument_error(ColltuneValueError, "indices",
                              f"a sparse COO tensor must have sparse rows (sparse_dim 1, the layout of "
-                             f"nn.Embedding(sparse=True)'s gradients), but got sparse_dim {indices.sparse_dim()} and shape "
+                             f"nn.Embedding(sparse=True)'s gradients), but got sparse_dim {rows.shape[0]} and shape "
                              f"{tuple(indices.shape)}; convert it with t.to_dense().to_sparse(1), or pass flat indices and "
                              "values with a flat size.")
-    return indices._indices()[0], indices._values(), tuple(indices.shape)
+    return rows[0], indices._values(), tuple(indices.shape)
 
 
 def validate_sparse(
@@ -520,7 +521,9 @@ def validate_sparse(
                              f"indices and values must be on the same device, but got {indices.device} and {values.device}.")
     row_shape = tuple(values.shape[1:])
     n = _check_size(size, row_shape)
-    return indices, values.reshape(values.shape[0], int(torch.Size(row_shape).numel())), n, row_shape
+    if values.dim() != 2:  # [k] or [k, *row_shape] as [k, r]; a [k, r] tensor already is (a call's op saved)
+        values = values.reshape(values.shape[0], int(torch.Size(row_shape).numel()))
+    return indices, values, n, row_shape
 
 
 def check_bounds(lo: int, hi: int, n: int) -> None:
