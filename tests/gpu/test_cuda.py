@@ -102,6 +102,18 @@ def test_host_syncs_per_call_at_p1(nccl, algorithm):
     assert 1 <= count <= get(ran).HOST_SYNCS["exact"], (ran, count)
 
 
+@pytest.mark.parametrize("algorithm", ["auto", "allgather", "dense"])
+def test_a_fused_call_over_26_tables_reads_at_most_twice(nccl, algorithm):
+    """The issue's fused budget, 2 host syncs for the whole list (1 measured at P = 1 on one H200)."""
+    import colltune
+
+    tables = [(*_input(20 + t, n, 2000, (64,), torch.float32), n) for t, n in enumerate([10**6] * 6 + [10**5] * 10 + [10**3] * 10)]
+    for _ in range(3):
+        colltune.sparse_allreduce_many(tables, algorithm=algorithm)
+    count = _syncs(lambda: colltune.sparse_allreduce_many(tables, algorithm=algorithm))
+    assert 1 <= count <= 2, count
+
+
 def _gloo_on_cuda(rank, world_size, algorithm):
     import colltune
 
