@@ -771,6 +771,9 @@ _NP_WIRE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16:
 #: entries number more than ``size / _HOST_SCRATCH_RATIO``; below that a
 #: stable sort of the concatenated (already sorted) runs is cheaper.
 _HOST_SCRATCH_RATIO = 3
+#: The largest ``[thresholds, n]`` bool mask :meth:`Magnitudes.counts` makes in one pass (64 MiB: 16
+#: thresholds of 2^22 values at once; 2^26 values one threshold a pass, as before).
+_COUNTS_MASK_BYTES = 64 << 20
 
 
 def pack_host(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype) -> np.ndarray:
@@ -902,12 +905,22 @@ class Magnitudes:
     def counts(self, thresholds: list[float]) -> "np.ndarray | torch.Tensor":
         """How many values are selected at each threshold: int64, on the host or, on the device path, left there.
 
-        On the device a kernel per threshold and no read: the caller reads
-        them (or all-gathers them first) once.
+        On the device no read: the caller reads them (or all-gathers them
+        first) once. Positive thresholds are compared all at once, as a
+        ``[thresholds, n]`` mask of at most :data:`_COUNTS_MASK_BYTES` per
+        pass (two kernels a pass, not two per threshold); each threshold is
+        rounded to the magnitudes' dtype first, as comparing with a Python
+        float does, so the counts are those of :meth:`count`.
         """
         if self.host:
             return np.array([np.count_nonzero(self._mask(t)) for t in thresholds], dtype=np.int64)
-        return torch.stack([torch.count_nonzero(self._mask(t)) for t in thresholds])
+        n = self.mag.numel()
+        if len(thresholds) < 2 or min(thresholds) <= 0 or n == 0:  # a threshold of 0 selects the nonzero values
+            return torch.stack([torch.count_nonzero(self._mask(t)) for t in thresholds])
+        th = upload(torch.tensor(thresholds, dtype=torch.float64).to(self.mag.dtype), self.mag.device)
+        per = max(1, _COUNTS_MASK_BYTES // n)
+        parts = [(self.mag.unsqueeze(0) >= th[i : i + per].unsqueeze(1)).sum(1) for i in range(0, len(thresholds), per)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def indices(self, threshold: float, count: int | None = None) -> torch.Tensor:
         """Sorted int64 positions of the values selected at ``threshold``.

@@ -130,6 +130,29 @@ def test_top_k_selection_matches_torch_topk(dtype):
             assert torch.equal(mag[idx].sort().values, ref.values.sort().values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_counts_at_many_thresholds_equal_one_count_each(dtype, monkeypatch):
+    """The device path compares every threshold at once: the counts are those of one comparison each, ties,
+    thresholds between two values of the dtype (rounded as a comparison rounds them), NaN and infinities
+    included, in one pass or in several."""
+    import colltune.algorithms.sparse as sparse
+
+    g = torch.Generator().manual_seed(4)
+    vals = torch.randn(5000, generator=g, dtype=torch.float64).to(dtype)
+    vals[:7] = float("nan")
+    vals[7:9] = float("inf")
+    vals[9:500] = vals[500]  # a tie at a threshold below
+    ths = [float(vals[500].abs()), 0.1, 0.1000001, 0.3333333333, 1.0, 1e-30, float(vals[600].abs()) * (1 + 1e-9), 3.5]
+    with sparse.device_path():
+        mag = Magnitudes(vals)
+        want = [mag.count(t) for t in ths]
+        for mask_bytes in (64 << 20, 3 * 5000, 1):  # one pass, three thresholds a pass, one a pass
+            monkeypatch.setattr(sparse, "_COUNTS_MASK_BYTES", mask_bytes)
+            got = mag.counts(ths)
+            assert got.dtype == torch.int64 and got.tolist() == want, (mask_bytes, got.tolist(), want)
+        assert mag.counts([0.0, 1.0]).tolist() == [mag.count(0.0), mag.count(1.0)]  # 0: the nonzero values
+
+
 def test_top_k_selection_takes_tensors_that_require_grad():
     mag = torch.rand(100, requires_grad=True)
     assert Magnitudes(mag).kth_largest(7) == float(torch.topk(mag.detach(), 7).values.min())
