@@ -86,6 +86,7 @@ __all__ = [
     "Traffic",
     "Comm",
     "private_group",
+    "group_device",
     "ranks_per_node",
     "group_serial",
     "group_timeout",
@@ -908,6 +909,13 @@ def _gather_layout(twin: dist.ProcessGroup) -> int:
     _all_gather_single(hosts, mine, group=twin)
     ids = hosts.tolist()
     return max(ids.count(h) for h in set(ids))
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where ``group``'s collectives take tensors: the current CUDA device on NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def ranks_per_node(group: dist.ProcessGroup | None) -> int | None:

@@ -141,10 +141,10 @@ class Dense(Algorithm):
             nbytes = c.kavg * (c.rba + w) + fill + c.n * (min(w, 64.0) + 2) + c.u * (8 + 2 * w)
             kernels = (2.0 if narrowed else 1.0) + 2 + 3
         else:
-            cast = c.rba + w if narrowed else 0.0  # per row, before the fix
+            cast_row = c.rba + w if narrowed else 0.0  # per row, before the fix
             holders = c.p if c.kavg >= c.n else 1
-            holder = 2 * c.n * w / holders + c.n * cast
-            nbytes = (holder if c.kavg >= c.n else max(holder, fill + c.kavg * cast)) + 8 * c.n
+            holder = 2 * c.n * w / holders + c.n * cast_row
+            nbytes = (holder if c.kavg >= c.n else max(holder, fill + c.kavg * cast_row)) + 8 * c.n
             kernels = (1.0 if narrowed else 0.0) + (1.0 if c.kavg >= c.n else 2.0) + 1
         if w != c.rb:  # the front door rounds the fp32 sums of 16-bit rows to their dtype
             nbytes += c.u * (w + c.rb)

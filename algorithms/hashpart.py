@@ -192,6 +192,11 @@ def sorted_owners(indices: torch.Tensor, size: int, world_size: int) -> tuple[to
     return torch.sort(torch.where(indices < size, hash_owner(indices, world_size), world_size), stable=True)
 
 
+def owner_counts(owner: torch.Tensor, world_size: int) -> torch.Tensor:
+    """How many entries each rank owns, from the sorted owners (``P`` int64, no atomics, no read)."""
+    return torch.diff(torch.searchsorted(owner, torch.arange(world_size + 1, device=owner.device)))
+
+
 def _exchange_counts(comm: Comm, send: torch.Tensor) -> tuple[list[int], list[int]]:
     """All-to-all this rank's count per owner; return it and every rank's count for this rank, in one read."""
     p = comm.world_size
@@ -261,7 +266,7 @@ def _hash_reduce_device(
         owner, order = sorted_owners(idx, size, p) if owners is None else (owners[0][:k], owners[1][:k])
         buf = buf.index_select(0, order)
         if counts is None:
-            counts = _exchange_counts(comm, torch.diff(torch.searchsorted(owner, torch.arange(p + 1, device=dev))))
+            counts = _exchange_counts(comm, owner_counts(owner, p))
     send, recv = counts if counts is not None else ([idx.numel()], [idx.numel()])
     got = comm.all_to_all(buf, send, recv)
     ridx, rvals = unpack(got, r, index_dtype, wire_dtype)
@@ -366,8 +371,7 @@ class HashPart(Algorithm):
         if on_host(indices):  # the host path coalesces before the record: never padded
             return np.bincount(hash_owner_host(indices.numpy(), p), minlength=p).astype(np.int64).view(np.uint8)
         owners = sorted_owners(indices, size, p)  # kept for the run: its entries go to their owners in this order
-        bounds = torch.searchsorted(owners[0], torch.arange(p + 1, device=indices.device))
-        return Prepared(torch.diff(bounds).view(torch.uint8), owners)
+        return Prepared(owner_counts(owners[0], p).view(torch.uint8), owners)
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         p, me = comm.world_size, comm.rank
@@ -388,9 +392,10 @@ class HashPart(Algorithm):
         """
         idx = Magnitudes(acc).top_k_indices(state.k_for(acc.numel()))
         payload = self.eager_payload(idx, acc.numel(), comm, None, capacity)
-        if isinstance(payload, Prepared):  # the device path: the owners too
-            return Prepared(payload.payload, (idx, payload.work))
-        return None if payload is None else Prepared(payload, (idx, None))
+        if payload is None:
+            return None
+        got, owners = (payload.payload, payload.work) if isinstance(payload, Prepared) else (payload, None)
+        return Prepared(got, (idx, owners))  # the owners on the device path, sorted, for the run
 
     def topk_allreduce(
         self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any], prepared: Prepared | None = None

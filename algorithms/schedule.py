@@ -172,10 +172,7 @@ class Pricing:
         """The exchange of the metadata record every call starts with: an all_gather, or from
         :data:`RECORD_ALL_REDUCE_FROM` ranks on the device path an all_reduce of the table
         (:func:`record_by_all_reduce`)."""
-        nbytes = self.record_bytes if record_bytes is None else record_bytes
-        if record_by_all_reduce(self.p, not self.host):
-            return self.all_reduce("metadata", self.p * nbytes)
-        return self.all_gather("metadata", nbytes)
+        return self.small_gather("metadata", self.record_bytes if record_bytes is None else record_bytes)
 
     def counts_record(self) -> Step:
         """:meth:`metadata` carrying every rank's ``P`` counts per owner in its slot (Ok-Topk's and

@@ -403,10 +403,10 @@ class Batch:
         else:
             # Every host figure the kernels need, in one upload: offsets, sizes, entry counts.
             meta = upload([*self.at, *sizes, *ks], device)
-            self.base, limit, kt = meta[:t], meta[t + 1 : 2 * t + 1], meta[2 * t + 1 :]
+            base, limit, kt = meta[:t], meta[t + 1 : 2 * t + 1], meta[2 * t + 1 :]
             raw, vals = torch.cat([i for i, _, _ in items]).to(torch.int64), torch.cat([v for _, v, _ in items]).to(acc)
             owner = torch.repeat_interleave(torch.arange(t, device=device), kt, output_size=k)
-            bad, raw = ((raw < 0) | (raw >= limit[owner])).any(), raw + self.base[owner]
+            bad, raw = ((raw < 0) | (raw >= limit[owner])).any(), raw + base[owner]
         self.sorted, order = torch.sort(raw, stable=True)
         self.vals = vals.index_select(0, order)
         self.starts = run_starts(self.sorted)
@@ -435,25 +435,22 @@ class Batch:
         idx, sums = _padded_runs(self.sorted, self.vals, self.starts, self.n)
         return idx, sums, count, bad
 
-    def finish(self, counts: list[int], shifted: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Return each tensor's sorted unique int64 indices (in its own index space) and summed rows.
+    def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Return each tensor's sorted unique int64 indices and summed rows, as views of the batch's union.
 
-        ``counts`` are the unique counts of :attr:`stats` as the host learned
-        them; a batch with an index out of range is the caller's error to
-        raise first. Nothing more is read or uploaded. With ``shifted``
-        false the indices stay in the batch's index space (views of the
-        union, no kernel): for a caller that takes tensors through
-        :meth:`span`.
+        The indices are in the batch's index space (for a batch of one, the
+        tensor's own); a caller takes several tensors' in their own spaces
+        through :meth:`span`. ``counts`` are the unique counts of
+        :attr:`stats` as the host learned them; a batch with an index out of
+        range is the caller's error to raise first. Nothing more is read or
+        uploaded.
         """
-        u, k, device = sum(counts), self.k, self.sorted.device
+        u, k = sum(counts), self.k
         pos = None if u == k else mask_positions(self.starts, u)
         sums = self.vals + 0.0 if pos is None else _segment_sums(self.vals, _run_lengths(pos, k))  # each from +0
         uniq = self.sorted if pos is None else self.sorted.index_select(0, pos)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
         self.union, self.sums, self.parts = uniq, sums, offsets(counts)
-        if self.count > 1 and shifted:
-            owner = torch.repeat_interleave(torch.arange(self.count, device=device), self.stats[1:], output_size=u)
-            uniq = uniq - self.base[owner]
         return list(zip(torch.split(uniq, counts), torch.split(sums, counts)))
 
     def span(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -726,11 +723,9 @@ def gather_rows(starts: Sequence[int], lengths: Sequence[int], device: torch.dev
     number of pieces, and with no host read: position ``x`` of piece ``j``
     is ``starts[j] - offsets(lengths)[j] + x``.
     """
-    at = offsets(lengths)
-    shift = upload([s - a for s, a in zip(starts, at)], device)
-    total = at[-1]
-    return torch.repeat_interleave(shift, upload(list(lengths), device), output_size=total) + torch.arange(
-        total, device=device)
+    at, m = offsets(lengths), len(lengths)
+    both = upload([*(s - a for s, a in zip(starts, at)), *lengths], device)  # the shifts and lengths, one copy
+    return torch.repeat_interleave(both[:m], both[m:], output_size=at[-1]) + torch.arange(at[-1], device=device)
 
 
 def merge_runs(

@@ -946,7 +946,7 @@ def _sparse_allreduce(
     )
     # A call that pays one-off set-up (Ok-Topk's boundaries) teaches online correction nothing of the others.
     one_off = timer is not None and algorithms.get(algorithm).one_off(comm, inp.size, call.knobs_checked)
-    out_idx, out_vals = run_sparse(inp, comm, algorithm, call.knobs_checked, op, call.values)
+    out_idx, out_vals = run_sparse(inp, comm, algorithm, call.knobs_checked, op)
     online.hold(comm, timer, call.sel, call.site, None if one_off else decision)
     if call.sel is not None:
         call.sel.observe_sparse(call.site, counts, out_idx.numel())
@@ -966,7 +966,6 @@ class _SparseCall:
         self.work: Any = None  # the likeliest algorithm's own work beside its payload (Prepared.work)
         self.knobs_checked: Any = None
         self.site: tuple = ()
-        self.values: Any = None  # the caller's values (a COO tensor's, when one came)
         self.owned = False  # whether the coalesced values are the call's to overwrite (SparseInput.owned)
         self.owned_indices = False  # and whether its indices may be handed back (SparseInput.owned_indices)
         #: Deferred coalesce (device path): the record's fields still on the device, and the range error.
@@ -992,7 +991,6 @@ class _SparseCall:
         else:
             idx, vals = coalesce_checked(idx, vals, n, accum_dtype(values.dtype))
         self.idx, self.vals, self.n, self.row_shape, self.dtype = idx, vals, n, row_shape, values.dtype
-        self.values = values
         # Donated memory is written only where a collective may take it as it is: contiguous, each element
         # its own (not expanded), and not an inference tensor (no in-place update outside inference mode).
         self.owned = not shares_storage(vals, values) or (donate and writable(vals))
@@ -1111,8 +1109,7 @@ class _SparseCall:
 
 
 def run_sparse(
-    inp: SparseInput, comm: Comm, algorithm: str, knobs: dict[str, Any], op: str, values: torch.Tensor,
-    bounds: list[int] | None = None,
+    inp: SparseInput, comm: Comm, algorithm: str, knobs: dict[str, Any], op: str, bounds: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the algorithm (nothing to move when no rank has entries) and apply ``avg`` where it did not.
 
@@ -1127,8 +1124,9 @@ def run_sparse(
     else:
         out_idx, out_vals = algo.sparse_allreduce_parts(inp, comm, knobs, bounds)
     if op == "avg" and not algo.applies_avg and comm.world_size > 1:
-        # In place, unless the result is memory the call may not write (checked, for registered algorithms).
-        shared = not inp.owned and (shares_storage(out_vals, inp.values) or shares_storage(out_vals, values))
+        # In place, unless the result is memory the call may not write: values it does not own are the caller's
+        # (they share its storage), checked for registered algorithms too.
+        shared = not inp.owned and shares_storage(out_vals, inp.values)
         out_vals = out_vals / comm.world_size if shared else out_vals.div_(comm.world_size)
     return out_idx, out_vals
 

@@ -316,8 +316,9 @@ class _FusedCall:
         #: union, in the batch's index space (:meth:`run_bucket` takes its buckets from the batch).
         self.idx: list[torch.Tensor] = []
         self.vals: list[torch.Tensor] = []
-        #: The caller's indices and values, per tensor: a bucket's that share no memory with them are its own.
-        self.given: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Per tensor, whether its coalesced values and indices are the call's own (share no memory with the
+        #: caller's): a bucket of that tensor alone may then be reduced into them (``SparseInput.owned``).
+        self.own: list[tuple[bool, bool]] = []
         self.desc: list[tuple[int, tuple[int, ...], torch.dtype]] = []
         self.keys: list[tuple[int, torch.dtype]] = []
         #: Per tensor, its key and the number of its index space: tensors of one space may share a batch and a
@@ -367,7 +368,6 @@ class _FusedCall:
             self.keys.append((vals.shape[1], vals.dtype))
             checked.append((idx, vals, n))
         self.spaces = index_spaces(self.keys, [n for n, _, _ in self.desc])
-        self.given = [(i, v) for i, v, _ in checked]
         self.coalesce(checked)
         self.knobs, self.sel, self.backend, code = resolve_request(algorithm, knobs, policy, group, name)
         if algorithm == "dense":  # the largest bucket it may build: every tensor of one row width and dtype
@@ -397,6 +397,7 @@ class _FusedCall:
                 except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
                     raise _named(exc, t)
             self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
+            self.own = [(not shares_storage(cv, v), not shares_storage(ci, i)) for (ci, cv), (i, v, _) in zip(done, checked)]
             return
         groups: dict[tuple[int, torch.dtype, int], list[int]] = {}
         for t, space in enumerate(self.spaces):
@@ -416,7 +417,7 @@ class _FusedCall:
         """Finish every batch with its tensors' unique counts; each tensor's result goes to its place in the list."""
         done: list[Any] = [None] * len(self.desc)
         for (members, batch), per in zip(batches, counts):
-            for j, (t, got) in enumerate(zip(members, batch.finish(per, shifted=False))):
+            for j, (t, got) in enumerate(zip(members, batch.finish(per))):
                 done[t], self.batched[t] = got, (batch, j)
         self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
 
@@ -515,11 +516,8 @@ class _FusedCall:
         parts = Parts(at) if len(members) > 1 else None
         if parts is not None and comm.world_size == 1:  # one rank: each tensor's result is its own coalesced rows
             parts.sizes = [int(c) for c in counts[0, members]]
-        if len(members) > 1:  # laid end to end in new memory
-            owned = owned_indices = True
-        else:
-            given_idx, given_vals = self.given[members[0]]
-            owned, owned_indices = not shares_storage(vals, given_vals), not shares_storage(idx, given_idx)
+        # Laid end to end, or taken from a batch: new memory; a host-path tensor alone: as its coalesce left it.
+        owned, owned_indices = self.own[members[0]] if len(members) == 1 and self.own else (True, True)
         inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts, owned, owned_indices)
         # The call's measurement is its bucket predicted slowest: only that bucket's run is timed.
         predicted = None if decision is None else (decision.predicted_us or {}).get(decision.algorithm)
@@ -529,7 +527,7 @@ class _FusedCall:
         timer = self.timer.fork() if timed else None  # type: ignore[union-attr]
         if timer is not None:
             timer.mark()
-        out_idx, out_vals = run_sparse(inp, comm, algorithm, knobs, op, vals, at)
+        out_idx, out_vals = run_sparse(inp, comm, algorithm, knobs, op, at)
         if timer is not None:
             timer.mark()
             self.measured = (predicted, timer, self.sel, site, decision)

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 import colltune
 from colltune import algorithms
+from colltune.algorithms.comm import group_device
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.offline import launch
 from colltune.offline.workloads import Workload, k_for_density
@@ -345,19 +346,10 @@ def _stats(times_s: Sequence[float]) -> dict[str, Any]:
     }
 
 
-#: Where a rank's inputs live and its bookkeeping collectives run: the CPU on gloo, the rank's GPU on NCCL
-#: (set by :func:`_bench_rank`; a rank process runs one benchmark).
 def sync_device(device: torch.device) -> None:
     """Wait for ``device``'s queued work, so that a wall-clock interval holds what ran in it (CUDA only)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def group_device() -> torch.device:
-    """Where the default group's collectives take tensors: the current CUDA device on NCCL, else the CPU."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def reduce_max(values: list[float]) -> list[float]:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from colltune.algorithms.sparse import upload
+from colltune.offline.bench import sync_device
 
 __all__ = ["measure_p2p", "measure_into_profile", "partners", "SMALL_BYTES", "LARGE_BYTES", "PING_REPS", "STREAM_REPS", "WARMUP"]
 
@@ -82,20 +83,15 @@ def _node_ids(group: Any, device: torch.device) -> list[int]:
     return [int(x) for x in out.tolist()]
 
 
-def _wait(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(step: Any, reps: int, device: torch.device) -> float:
     """Seconds that ``reps`` runs of ``step`` take, after :data:`WARMUP` untimed ones (the device drained around)."""
     for _ in range(WARMUP):
         step()
-    _wait(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         step()
-    _wait(device)
+    sync_device(device)
     return time.perf_counter() - t0
 
 

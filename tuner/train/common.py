@@ -29,10 +29,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-import torch
 import torch.distributed as dist
 
 from colltune import algorithms as _algorithms
+from colltune.algorithms.comm import group_device
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
 from colltune.algorithms.sparse import upload
 from colltune.algorithms.state import TopkState
@@ -128,12 +128,6 @@ def resolve_policy(policy: Any) -> tuple[Policy, Overrides, Any]:
     )
 
 
-def _group_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)).lower() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Return the group's world size, or 1 without a process group."""
     if dist.is_available() and dist.is_initialized():
@@ -166,7 +160,7 @@ def check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str, error
         return
     d = _digest(plan)
     failed = dist.get_rank(group) + 1 if error is not None else 0
-    buf = upload([d, -d, failed], _group_device(group))
+    buf = upload([d, -d, failed], group_device(group))
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     if error is not None:
         raise error
