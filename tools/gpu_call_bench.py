@@ -22,6 +22,12 @@ Usage (one GPU)::
 
     python tools/gpu_call_bench.py --json gpu-calls.json
     python tools/gpu_call_bench.py --log-n 16 20 24 --density 1e-4 1e-3 1e-2 --topk
+    python tools/gpu_call_bench.py --fused --floor    # a fused call over 26 DLRM-like gradients; the machine's floor
+    python tools/gpu_call_bench.py --summary profiles/measurements/h200-per-call.json   # a stored run's table
+
+A run ends with the summary per contender over the exact rows: ms, syncs
+and kernels per call, and the median of each input's ratio to densify +
+``all_reduce`` in the same run.
 
 On a machine without CUDA it runs on the CPU over gloo (for tests; syncs
 and launches are then not counted).
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import statistics
 import sys
@@ -42,6 +49,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -143,8 +151,65 @@ def _topk_row(n: int, density: float, device: torch.device, args) -> dict:
     return {"topk_n": n, "density": density, **_time(contenders, device, args.rounds, args.warmup)}
 
 
+#: The fused rows' tables (``--fused``): a DLRM-like model's 26 embedding gradients, rows of 64.
+FUSED_TABLES = [10**6] * 6 + [10**5] * 10 + [10**3] * 10
+
+
+def _fused_row(device: torch.device, args) -> dict:
+    """One ``sparse_allreduce_many`` over the 26 gradients, 8192 Zipf(1.05) ids each, per algorithm."""
+    rng = np.random.default_rng(0)
+    tables = [(torch.from_numpy((rng.zipf(1.05, 8192) - 1) * 2654435761 % n).to(device),
+               torch.randn(8192, 64).to(device), n) for n in FUSED_TABLES]
+    contenders = {a: (lambda a: lambda: colltune.sparse_allreduce_many(tables, algorithm=a))(a)
+                  for a in ("auto", "allgather", "dense")}
+    return {"fused_tables": len(tables), **_time(contenders, device, args.rounds, args.warmup)}
+
+
+def _floor_row(device: torch.device, args) -> dict:
+    """The machine's floor: an empty kernel launch, a read of a ready scalar, an ``all_reduce`` of one element (us)."""
+    x = torch.zeros(1, device=device)
+
+    def median_us(fn, reps: int = 1) -> float:
+        times = _time({"fn": fn}, device, args.rounds, args.warmup)["fn"]["ms"]
+        return times * 1e3 / reps
+
+    def launches() -> None:
+        for _ in range(100):
+            x.add_(1)
+
+    return {"floor": True, "launch_us": median_us(launches, 100), "read_us": median_us(lambda: x.item()),
+            "all_reduce_1_us": median_us(lambda: dist.all_reduce(x))}
+
+
+def _span(xs: list[int]) -> str:
+    return f"{min(xs)} to {max(xs)}" if min(xs) != max(xs) else f"{min(xs)}"
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per contender over the exact rows: ms, syncs and launches per call, and the median of each input's ratio
+    to densify + ``all_reduce`` in the same run (the README's table)."""
+    exact = [r for r in rows if "n" in r]
+    out = []
+    for name in (exact[0] if exact else {}):
+        if not isinstance(exact[0][name], dict):
+            continue
+        ms = [r[name]["ms"] for r in exact]
+        syncs = sorted({r[name]["syncs"] for r in exact if r[name]["syncs"] is not None})
+        kernels = [r[name]["launches"] for r in exact if r[name].get("launches") is not None]
+        ratio = statistics.median(r[name]["ms"] / r["densify+all_reduce"]["ms"] for r in exact)
+        out.append(f"{name:20s} {min(ms):.2f} to {max(ms):.2f} ms, syncs {syncs}, "
+                   + (f"kernels {_span(kernels)}, " if kernels else "")
+                   + f"median / densify+all_reduce {ratio:.2f}")
+    return out
+
+
 def _print(row: dict) -> None:
+    if "floor" in row:
+        print(f"floor: launch {row['launch_us']:.1f} us, read {row['read_us']:.1f} us, "
+              f"all_reduce of one element {row['all_reduce_1_us']:.1f} us", flush=True)
+        return
     head = (f"n=2^{row['n'].bit_length() - 1} row={tuple(row['row'])} d={row['density']:g}" if "n" in row
+            else f"fused, {row['fused_tables']} tables" if "fused_tables" in row
             else f"top-k n=2^{row['topk_n'].bit_length() - 1} d={row['density']:g}")
     cells = [f"{name} {got['ms']:.3f} ms"
              + ("" if got["syncs"] is None else f" ({got['syncs']} syncs, {got['launches']} kernels)")
@@ -161,8 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk-log-n", type=int, nargs="+", default=[22, 24, 26])
     ap.add_argument("--rounds", type=int, default=30, help="timed rounds per input")
     ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    ap.add_argument("--fused", action="store_true", help="also a fused call over 26 DLRM-like gradients")
+    ap.add_argument("--floor", action="store_true", help="also the machine's floor: a launch, a read, a tiny all_reduce")
     ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--summary", metavar="FILE", default=None,
+                    help="print the summary of a file this tool wrote, and nothing else (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.summary:
+        with open(args.summary) as fh:
+            print("\n".join(summary(json.load(fh)["rows"])))
+        return 0
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)) \
         if cuda else torch.device("cpu")
@@ -187,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         for log_n in args.topk_log_n:
             rows.append(_topk_row(1 << log_n, 1e-3, device, args))
             _print(rows[-1])
+    for wanted, make in ((args.fused, _fused_row), (args.floor, _floor_row)):
+        if wanted:
+            rows.append(make(device, args))
+            _print(rows[-1])
+    print("\n".join(summary(rows)), flush=True)
     if args.json:
         write_json(args.json, {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
                                "torch": torch.__version__,

@@ -10,11 +10,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(tool, *args, cwd):
+def _run(tool, *args, cwd, rc=0):
+    """The tool's output (stdout; stderr where it exits with ``rc`` other than 0)."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *args], capture_output=True, text=True,
                           timeout=300, cwd=cwd)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    assert done.returncode == rc, done.stderr[-2000:]
+    return done.stdout if rc == 0 else done.stderr
 
 
 def test_the_audit_counts_every_call_within_what_the_algorithms_declare(tmp_path):
@@ -37,6 +38,8 @@ def test_the_audit_counts_every_call_within_what_the_algorithms_declare(tmp_path
 
 
 def test_the_host_cost_fit_recovers_a_known_line(tmp_path):
+    from colltune.algorithms import get
+
     rows = [{"n": 1 << 16, "dense_ms": (400 + 60 * s) / 1e3, "dense_syncs": s} for s in (2, 4, 7)]
     path = tmp_path / "calls.json"
     path.write_text(json.dumps(rows))
@@ -45,13 +48,15 @@ def test_the_host_cost_fit_recovers_a_known_line(tmp_path):
     plane = {"rows": [{"n": 1 << 16, "dense": {"ms": (300 + 20 * k + 100 * s) / 1e3, "syncs": s, "launches": k}}
                       for s, k in ((1, 20), (2, 40), (3, 30), (1, 60))]}
     path.write_text(json.dumps(plane))
-    assert ("host_call_us 300, host_kernel_us 20, host_sync_us 100 (median error 0%"
-            in _run("fit_host_cost.py", str(path), cwd=tmp_path))
+    got = _run("fit_host_cost.py", str(path), cwd=tmp_path)
+    assert "host_call_us 300, host_kernel_us 20, host_sync_us 100 (median error 0%" in got
+    k = get("dense").HOST_KERNELS["exact"]  # the launches against what the profile multiplies
+    assert f"against HOST_KERNELS['exact']: {20 / k:.2f}x to {60 / k:.2f}x" in got
+    line = _run("fit_host_cost.py", "--no-kernels", str(path), cwd=tmp_path)  # the line through the same points
+    assert "host_call_us" in line and "host_kernel_us" not in line and "HOST_KERNELS" not in line
     # Too few calls, or launches that move with the syncs (three points on one line): refused, not fitted.
     collinear = {"rows": [{"n": 1 << 16, "dense": {"ms": (300 + 20 * 10 * s + 100 * s) / 1e3, "syncs": s,
                                                    "launches": 10 * s}} for s in (1, 2, 3)]}
     for bad in (rows[:1], collinear):
         path.write_text(json.dumps(bad))
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fit_host_cost.py"), str(path)],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and "vary independently" in done.stderr, done.stderr
+        assert "vary independently" in _run("fit_host_cost.py", str(path), cwd=tmp_path, rc=2)

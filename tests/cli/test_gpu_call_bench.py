@@ -15,13 +15,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_runs_every_contender_and_writes_json(tmp_path):
     out = tmp_path / "calls.json"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "gpu_call_bench.py"), "--log-n", "10", "--density", "1e-2",
-           "--rows", "0", "4", "--rounds", "2", "--warmup", "1", "--topk", "--topk-log-n", "12", "--json", str(out)]
+           "--rows", "0", "4", "--rounds", "2", "--warmup", "1", "--topk", "--topk-log-n", "12", "--floor", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 3
+    assert len(rows) == 4
     for row in rows[:2]:
         assert set(row) >= {"all_reduce", "densify+all_reduce", *names(), "auto"}
         assert all(row[c]["ms"] > 0 for c in ("all_reduce", "dense", "auto"))
     assert set(rows[2]) >= {"torch.topk", *names()}
     assert "all_reduce" in done.stdout and "top-k" in done.stdout
+    assert rows[3]["floor"] and all(rows[3][f] > 0 for f in ("launch_us", "read_us", "all_reduce_1_us"))
+    assert "median / densify+all_reduce 1.00" in done.stdout  # the summary, the baseline against itself
+
+
+def test_the_summary_of_the_stored_h200_file_gives_the_readme_table():
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "gpu_call_bench.py"), "--summary",
+           os.path.join(ROOT, "profiles", "measurements", "h200-per-call.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for line in done.stdout.splitlines():  # e.g. "dense  0.49 to 1.91 ms, syncs [1], kernels 17 to 40, ... 2.22"
+        name, rest = line.split(None, 1)
+        ms, ratio = rest.split(" ms,")[0], rest.rsplit(" ", 1)[1]
+        kernels = rest.split("kernels ")[1].split(",")[0]  # "17 to 40", or "0" where every call launched as many
+        assert f"| {ms} | " in readme and f" {kernels} | " in readme and f"| {ratio} |" in readme, line

@@ -48,15 +48,14 @@ def test_a_dense_tensor_goes_to_dense_at_every_world_size(model, n: int, row: in
         assert pt.choice == "dense", (pt.world_size, pt.predicted_us)
 
 
+#: Tensors that fit one GPU's memory (a BERT table of rows of 64 does not).
 GRID = [(n, d, o, row, dtype) for n, d, o, (row, dtype) in itertools.product(
     (2**20, 2**24, BERT), (1e-4, 1e-3, 1e-2, 5e-2), (0.0, 0.5, 1.0),
-    ((1, "float32"), (64, "float32"), (64, "bfloat16")))]
+    ((1, "float32"), (64, "float32"), (64, "bfloat16"))) if n * row <= 2**31]
 
 
 @pytest.mark.parametrize("n, density, overlap, row, dtype", GRID)
 def test_allgather_is_not_chosen_where_it_moves_far_more_than_dense(model, n, density, overlap, row, dtype) -> None:
-    if n * row > 2**31:
-        pytest.skip("beyond one GPU's memory")
     points = _choices(model, Workload(n, density, overlap, row, dtype=dtype))
     for pt in points:
         sent, t = pt.bytes_sent, pt.predicted_us

@@ -9,6 +9,7 @@ import torch
 from colltune.algorithms.sparse import (
     HUGE_PAGES_FROM,
     Magnitudes,
+    _from_numpy,
     _increasing,
     _sorted_order,
     cast,
@@ -150,7 +151,8 @@ def test_counts_at_many_thresholds_equal_one_count_each(dtype, monkeypatch):
             monkeypatch.setattr(sparse, "_COUNTS_MASK_BYTES", mask_bytes)
             got = mag.counts(ths)
             assert got.dtype == torch.int64 and got.tolist() == want, (mask_bytes, got.tolist(), want)
-        assert mag.counts([0.0, 1.0]).tolist() == [mag.count(0.0), mag.count(1.0)]  # 0: the nonzero values
+        # 0 selects the nonzero values (NaN counts as infinite): against counts made without the class.
+        assert mag.counts([0.0, 1.0]).tolist() == [int((vals != 0).sum()), int((vals.abs() >= 1).sum()) + 7]
 
 
 def test_top_k_selection_takes_tensors_that_require_grad():
@@ -200,8 +202,10 @@ def test_padded_run_sums_are_the_exact_sums_then_zero_pads(width, high):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool])
-@pytest.mark.parametrize("rows", [3, HUGE_PAGES_FROM // 64 + 1])
-def test_fresh_gives_a_writable_tensor_of_the_shape_and_dtype(dtype, rows):
+@pytest.mark.parametrize("large", [False, True])
+def test_fresh_gives_a_writable_tensor_of_the_shape_and_dtype(dtype, large):
+    rows = HUGE_PAGES_FROM // (16 * dtype.itemsize) + 1 if large else 3
+    assert _from_numpy((rows, 16), dtype, torch.device("cpu")) == large  # the large one comes from NumPy
     t = fresh((rows, 16), dtype, "cpu")
     assert t.shape == (rows, 16) and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
     t.fill_(1)
@@ -238,13 +242,17 @@ def test_sorted_unique_input_passes_through_the_host_coalesce_without_a_copy():
     assert got_idx.numel() == idx.numel() - 1 and not shares_storage(got_vals, vals)
 
 
-@pytest.mark.parametrize("rows", [3, HUGE_PAGES_FROM // 64 + 1])
+@pytest.mark.parametrize("rows", [3, HUGE_PAGES_FROM // 32 + 1])
 def test_cast_and_out_buffer(rows):
     t = torch.randn(rows, 16)
     assert cast(t, torch.float32) is t
     half = cast(t, torch.bfloat16)
     assert half.dtype == torch.bfloat16 and torch.equal(half, t.to(torch.bfloat16))
+    wide = cast(t, torch.float64)  # the large one into memory from NumPy
+    assert wide.dtype == torch.float64 and torch.equal(wide, t.double())
+    assert _from_numpy(wide.shape, torch.float64, wide.device) == (rows * 128 >= HUGE_PAGES_FROM)
     out = out_buffer((rows, 16), torch.float32, "cpu")
     assert (out is None) == (rows * 64 < HUGE_PAGES_FROM)
-    assert torch.equal(torch.add(t, 0.0, out=out), t + 0.0)
+    got = torch.add(t, 0.0, out=out)
+    assert torch.equal(got, t + 0.0) and (out is None or got.data_ptr() == out.data_ptr())
     assert out_buffer((rows, 16), torch.float32, "meta") is None  # elsewhere the op allocates as usual
