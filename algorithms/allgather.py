@@ -29,12 +29,12 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
 from colltune.algorithms import sizes
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
-from colltune.algorithms.knobs import BUILTIN_KNOBS
+from colltune.algorithms.knobs import GATHER_MODES, Knob
+from colltune.algorithms.lazy import torch
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
@@ -215,7 +215,14 @@ class Allgather(Algorithm):
     """Gather every rank's packed entries, then merge them in rank order."""
 
     name = "allgather"
-    knob_specs = BUILTIN_KNOBS["allgather"]  # declared in colltune.algorithms.knobs: read without torch
+    knob_specs = (
+        Knob("mode", "auto", "`p2p` (indices and rows sent to every peer as separate messages, received in place: no packing), "
+             "`pad` (one `all_gather` of packed entries padded to the largest count), `alltoall` (exact sizes), "
+             "`auto` (`p2p` for rows of 32 bytes or more, such as embedding rows, on the host path or within one "
+             "node; otherwise, as on NCCL across nodes, where a ring all_gather beats P-1 messages per rank, pad "
+             "unless padding adds over 25%)", choices=GATHER_MODES,
+             tune=("exact",)),
+    )
     TERMS = ("metadata", "entries_gather", "merge")
     #: The record (the coalesce's count and the eager slot ride in it, filled on the device), the merged
     #: union's size; top-k: the record, the count above the k-th largest, the merge.

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from colltune.algorithms.comm import Comm
+from colltune.algorithms.lazy import torch
 from colltune.algorithms.sparse import upload
 
 __all__ = ["Plan", "plan", "owner_order", "balance_and_gather"]

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-import torch
 
 from colltune.algorithms.comm import Comm, Traffic
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.algorithms.knobs import Knob
+from colltune.algorithms.lazy import torch
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import Parts, accum_dtype, wire_index_dtype
 

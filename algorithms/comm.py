@@ -75,10 +75,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from colltune.algorithms.errors import CollectiveError
+from colltune.algorithms.lazy import dist, torch
 from colltune.algorithms.schedule import p2p_gathers, record_by_all_reduce
 from colltune.algorithms.sparse import fresh, offsets, on_host, upload
 
@@ -97,7 +96,11 @@ __all__ = [
     "staged_calls",
 ]
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+@functools.cache
+def _all_gather_single() -> Any:
+    """torch's one-tensor all-gather: ``all_gather_single`` where torch has it (newer releases deprecate the other)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 #: Backends whose collectives :class:`Comm` runs direct (see the module docstring).
 DIRECT_BACKENDS: tuple[str, ...] = ("gloo",)
@@ -498,7 +501,7 @@ class Comm:
         if self.direct if direct is None else direct:
             return self._gather_direct(t)
         out = fresh((p * t.shape[0],) + tuple(t.shape[1:]), t.dtype, t.device)
-        self._collective("all_gather", lambda o, i: _all_gather_single(o, i, group=self.wire), out, t)
+        self._collective("all_gather", lambda o, i: _all_gather_single()(o, i, group=self.wire), out, t)
         return out
 
     def gather_record(self, row: torch.Tensor) -> torch.Tensor:
@@ -906,7 +909,7 @@ def _gather_layout(twin: dist.ProcessGroup) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
     mine = upload([int.from_bytes(digest, "big", signed=True)], device)
     hosts = torch.empty(dist.get_world_size(twin), dtype=torch.int64, device=device)
-    _all_gather_single(hosts, mine, group=twin)
+    _all_gather_single()(hosts, mine, group=twin)
     ids = hosts.tolist()
     return max(ids.count(h) for h in set(ids))
 

@@ -62,20 +62,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from colltune.algorithms.base import Algorithm, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
-from colltune.algorithms.knobs import BUILTIN_KNOBS
+from colltune.algorithms.knobs import Knob
+from colltune.algorithms.lazy import torch
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import cast, fresh, nth_positions, out_buffer, read_part_counts, row_numbers, upload
 
 __all__ = ["Dense"]
 
+#: The dtypes dense's 16-bit values may travel in: the accumulation dtype (``accum``) or their own (``value``).
+WIRES = ("accum", "value")
+
 #: The bits of ``-0.0`` per element size, as the signed integer a ``view`` of that size reads.
 _NEG_ZERO = {2: -(1 << 15), 4: -(1 << 31), 8: -(1 << 63)}
-_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_OF_SIZE = {2: "int16", 4: "int32", 8: "int64"}
 
 
 def _handed_back(inp: SparseInput, comm: Comm) -> bool:
@@ -89,7 +91,12 @@ class Dense(Algorithm):
     """Densify, ``all_reduce``, and extract the rows of the union."""
 
     name = "dense"
-    knob_specs = BUILTIN_KNOBS["dense"]  # declared in colltune.algorithms.knobs: read without torch
+    knob_specs = (
+        Knob("wire", "accum", "the dtype fp16 and bf16 rows travel and are summed in: `accum` (fp32, rounded once "
+             "at the end, as every algorithm sums) or `value` (their own, as DDP reduces them: half the bytes, but "
+             "each of the P-1 additions rounded to 16 bits); 32- and 64-bit rows always travel in their own dtype",
+             choices=WIRES),
+    )
     #: ``mask_all_reduce`` stays a term (priced free) so that learned models keep their feature layout.
     TERMS = ("metadata", "value_all_reduce", "mask_all_reduce", "densify_extract")
     #: The record (the coalesce's count rides in it), the union's size (none when every row is present);
@@ -254,7 +261,7 @@ class Dense(Algorithm):
                 comm.device, copy=True, memory_format=torch.contiguous_format)
         else:
             size = buf.element_size()
-            present = buf[:, 0].view(_INT_OF_SIZE[size]) != _NEG_ZERO[size]
+            present = buf[:, 0].view(getattr(torch, _INT_OF_SIZE[size])) != _NEG_ZERO[size]
             if inp.parts is None:
                 union = present.nonzero().view(-1)
             else:  # a fused bucket: the union's size and every tensor's in one read, so the cut reads nothing

@@ -69,12 +69,12 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.base import Algorithm, Prepared, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
-from colltune.algorithms.knobs import BUILTIN_KNOBS
+from colltune.algorithms.knobs import Knob
+from colltune.algorithms.lazy import torch
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
@@ -304,7 +304,11 @@ class HashPart(Algorithm):
     """Reduce-scatter by hash owner in one ``all_to_all``, then all-gather the owners' sums."""
 
     name = "hashpart"
-    knob_specs = BUILTIN_KNOBS["hashpart"]  # declared in colltune.algorithms.knobs: read without torch
+    knob_specs = (
+        Knob("gather_mode", "auto", "how the owners' sums are gathered: `pad` (one `all_gather` padded to the largest "
+             "share), `alltoall` (exact sizes), `auto` (pad unless padding adds over 25%)",
+             choices=("auto", "pad", "alltoall"), tune=("exact", "topk")),
+    )
     TERMS = (
         "metadata", "counts_all_to_all", "split_all_to_all", "owner_reduce", "sizes_all_gather", "union_gather",
         "unpack_sort",

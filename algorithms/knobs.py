@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 
-__all__ = ["Knob", "Mode", "BUILTIN_KNOBS", "WIRES", "GATHER_MODES"]
+__all__ = ["Knob", "Mode", "GATHER_MODES"]
 
 #: The calls a knob can apply to: ``exact`` (``sparse_allreduce``) or ``topk`` (``topk_allreduce``).
 Mode = Literal["exact", "topk"]
@@ -125,53 +125,7 @@ class Knob:
         return max(1, world_size - 1) if high is None else high
 
 
-# --------------------------------------------------------------------------- the built-ins' knobs
-#
-# Declared here, with no torch, so that a policy's knobs are checked (colltune.model.policy) where torch is
-# not loaded; each built-in algorithm's ``knob_specs`` is its entry (a plugin declares its own on its class).
+# --------------------------------------------------------------------------- shared choices
 
-#: The dtypes dense's 16-bit values may travel in: the accumulation dtype (``accum``) or their own (``value``).
-WIRES = ("accum", "value")
 #: How allgather (and Ok-Topk's regions) gather entries.
 GATHER_MODES = ("auto", "p2p", "pad", "alltoall")
-
-#: Each built-in algorithm's knobs, by name (its class's ``knob_specs``).
-BUILTIN_KNOBS: dict[str, tuple[Knob, ...]] = {
-    "dense": (
-        Knob("wire", "accum", "the dtype fp16 and bf16 rows travel and are summed in: `accum` (fp32, rounded once "
-             "at the end, as every algorithm sums) or `value` (their own, as DDP reduces them: half the bytes, but "
-             "each of the P-1 additions rounded to 16 bits); 32- and 64-bit rows always travel in their own dtype",
-             choices=WIRES),
-    ),
-    "allgather": (
-        Knob("mode", "auto", "`p2p` (indices and rows sent to every peer as separate messages, received in place: no packing), "
-             "`pad` (one `all_gather` of packed entries padded to the largest count), `alltoall` (exact sizes), "
-             "`auto` (`p2p` for rows of 32 bytes or more, such as embedding rows, on the host path or within one "
-             "node; otherwise, as on NCCL across nodes, where a ring all_gather beats P-1 messages per rank, pad "
-             "unless padding adds over 25%)", choices=GATHER_MODES,
-             tune=("exact",)),
-    ),
-    "oktopk": (
-        Knob("local_refresh", 32, "top-k mode: compute the exact local threshold every N calls (a `TopkState` field)",
-             minimum=1, state=True, tune=("topk",), search=(1, 128, True)),
-        Knob("global_refresh", 32, "top-k mode: compute the exact global threshold every N calls (a `TopkState` field)",
-             minimum=1, state=True, tune=("topk",), search=(1, 128, True)),
-        Knob("boundary_refresh", 64, "recompute region boundaries every N calls (per group and size)", minimum=1,
-             tune=("exact", "topk"), search=(1, 256, True)),
-        Knob("peers_in_flight", 8, "rotated point-to-point steps posted at once (all peers at once up to 9 ranks)", minimum=1,
-             tune=("exact", "topk"), search=(1, None, False)),
-        Knob("dense_fallback_ratio", 1.0, "a region travels dense when its sparse bytes reach this fraction of its dense bytes",
-             minimum=0.0, exclusive=True, tune=("exact",), search=(0.1, 2.0, True)),
-        Knob("gather_mode", "auto", "how the reduced regions are gathered (as `allgather.mode`; `p2p` only when no "
-             "region travels dense). On the host path or within one node `auto` sends them point to point (wide "
-             "rows unpacked, narrow ones each with its size); on NCCL across nodes packed, in one collective gather. "
-             "Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
-             choices=GATHER_MODES),
-        Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
-    ),
-    "hashpart": (
-        Knob("gather_mode", "auto", "how the owners' sums are gathered: `pad` (one `all_gather` padded to the largest "
-             "share), `alltoall` (exact sizes), `auto` (pad unless padding adds over 25%)",
-             choices=("auto", "pad", "alltoall"), tune=("exact", "topk")),
-    ),
-}

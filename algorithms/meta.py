@@ -49,10 +49,10 @@ import zlib
 from typing import Callable, Iterator, Mapping, Sequence, overload
 
 import numpy as np
-import torch
 
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
+from colltune.algorithms.lazy import torch
 from colltune.algorithms.sizes import FIELDS, HEADER_BYTES, eager_capacity, payload_reserve, slot_limit
 from colltune.algorithms.sparse import upload
 

@@ -67,18 +67,19 @@ owner, and then copied to everyone.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-import torch
 
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.balance import balance_and_gather
 from colltune.algorithms.base import Algorithm, Delivered, Prepared, SparseInput, TopkOutput
 from colltune.algorithms.comm import Comm
-from colltune.algorithms.knobs import BUILTIN_KNOBS
+from colltune.algorithms.knobs import GATHER_MODES, Knob
+from colltune.algorithms.lazy import torch
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
@@ -147,7 +148,10 @@ def _exact_entry(comm: Comm, size: int, refresh: int | None = None) -> _ExactSta
     return st
 
 
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+@functools.cache
+def _bits(device: torch.device) -> torch.Tensor:
+    """The eight bit values of a byte, as ``uint8`` on ``device`` (made once per device)."""
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(device)
 
 
 def _slices(idx: torch.Tensor, cuts: list[int]) -> list[int]:
@@ -291,11 +295,11 @@ def _split_reduce_soa(
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = (-mask.numel()) % 8
     m = torch.cat((mask, mask.new_zeros(pad))) if pad else mask
-    return (m.view(-1, 8).to(torch.uint8) * _BITS.to(m.device)).sum(1, dtype=torch.uint8)
+    return (m.view(-1, 8).to(torch.uint8) * _bits(m.device)).sum(1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    bits = (packed.view(-1, 1) & _BITS.to(packed.device)) != 0
+    bits = (packed.view(-1, 1) & _bits(packed.device)) != 0
     return bits.view(-1)[:n]
 
 
@@ -688,7 +692,24 @@ class OkTopk(Algorithm):
     """Split and reduce over balanced regions, then all-gather the reduced regions."""
 
     name = "oktopk"
-    knob_specs = BUILTIN_KNOBS["oktopk"]  # declared in colltune.algorithms.knobs: read without torch
+    knob_specs = (
+        Knob("local_refresh", 32, "top-k mode: compute the exact local threshold every N calls (a `TopkState` field)",
+             minimum=1, state=True, tune=("topk",), search=(1, 128, True)),
+        Knob("global_refresh", 32, "top-k mode: compute the exact global threshold every N calls (a `TopkState` field)",
+             minimum=1, state=True, tune=("topk",), search=(1, 128, True)),
+        Knob("boundary_refresh", 64, "recompute region boundaries every N calls (per group and size)", minimum=1,
+             tune=("exact", "topk"), search=(1, 256, True)),
+        Knob("peers_in_flight", 8, "rotated point-to-point steps posted at once (all peers at once up to 9 ranks)", minimum=1,
+             tune=("exact", "topk"), search=(1, None, False)),
+        Knob("dense_fallback_ratio", 1.0, "a region travels dense when its sparse bytes reach this fraction of its dense bytes",
+             minimum=0.0, exclusive=True, tune=("exact",), search=(0.1, 2.0, True)),
+        Knob("gather_mode", "auto", "how the reduced regions are gathered (as `allgather.mode`; `p2p` only when no "
+             "region travels dense). On the host path or within one node `auto` sends them point to point (wide "
+             "rows unpacked, narrow ones each with its size); on NCCL across nodes packed, in one collective gather. "
+             "Rows of 32 bytes or more also travel unpacked in the split-and-reduce step",
+             choices=GATHER_MODES),
+        Knob("balance", True, "top-k mode: re-balance the kept entries into equal blocks before gathering"),
+    )
     TERMS = (
         "metadata", "boundaries_all_reduce", "counts_all_to_all", "split_p2p",
         "region_reduce", "threshold_all_reduce", "sizes_all_gather", "balance_p2p", "union_gather", "unpack",

@@ -7,8 +7,10 @@ spells the names out. The built-in algorithms register themselves the first
 time the registry is read, then the modules :data:`PLUGINS_ENV` names
 (which register theirs); :func:`register` adds another one.
 
-This module imports no torch: reading the registry loads the built-in
-algorithm modules (which do) only when it is first asked for.
+Reading the registry needs no torch: the built-in algorithm modules it
+loads on first read take torch from :mod:`colltune.algorithms.lazy`, which
+imports it when a call first runs, so names, knobs and schedules (what the
+cost model, ``explain`` and policy checks read) work where torch is absent.
 """
 
 from __future__ import annotations
@@ -153,15 +155,11 @@ def names() -> tuple[str, ...]:
 
 
 def knob_specs(name: str) -> tuple["Knob", ...]:
-    """Return the knobs of the algorithm registered as ``name`` (a built-in's without importing it, nor torch).
+    """Return the knobs of the algorithm registered as ``name`` (no torch needed: see :mod:`colltune.algorithms.lazy`).
 
     Raises:
         ColltuneValueError: ``name`` is not registered; the message lists the known names.
     """
-    from colltune.algorithms.knobs import BUILTIN_KNOBS
-
-    if not _loaded and name in BUILTIN_KNOBS and not plugin_modules():
-        return BUILTIN_KNOBS[name]
     return tuple(get(name).knob_specs)
 
 

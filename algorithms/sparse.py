@@ -22,6 +22,7 @@ and compared bit for bit with the host path, on machines without a GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from contextlib import contextmanager
@@ -29,7 +30,8 @@ from itertools import accumulate
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import torch
+
+from colltune.algorithms.lazy import torch
 
 __all__ = [
     "on_host",
@@ -73,19 +75,25 @@ __all__ = [
     "Magnitudes",
 ]
 
-#: Value dtypes colltune reduces. fp16 and bf16 are accumulated in fp32.
-VALUE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-#: Index dtypes accepted on input. Output indices are always int64.
-INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+#: Names of the value dtypes colltune reduces (:data:`VALUE_DTYPES`). fp16 and bf16 are accumulated in fp32.
+VALUE_DTYPE_NAMES: tuple[str, ...] = ("float32", "float64", "float16", "bfloat16")
+#: Names of the index dtypes accepted on input (:data:`INDEX_DTYPES`). Output indices are always int64.
+INDEX_DTYPE_NAMES: tuple[str, ...] = ("int32", "int64")
+#: Value dtypes colltune reduces, and index dtypes accepted on input: torch's dtypes of the names above, made
+#: when first read (by the module's ``__getattr__``), so that importing this module needs no torch.
+VALUE_DTYPES: tuple[torch.dtype, ...]
+INDEX_DTYPES: tuple[torch.dtype, ...]
+#: Small integers naming dtypes in metadata records (:func:`dtype_code`).
+_DTYPE_CODES: dict[str, int] = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4, "int32": 5, "int64": 6}
 
-_DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float64: 2,
-    torch.float16: 3,
-    torch.bfloat16: 4,
-    torch.int32: 5,
-    torch.int64: 6,
-}
+
+def __getattr__(name: str) -> Any:
+    if name in ("VALUE_DTYPES", "INDEX_DTYPES"):
+        dtypes = tuple(getattr(torch, n) for n in (VALUE_DTYPE_NAMES if name == "VALUE_DTYPES" else INDEX_DTYPE_NAMES))
+        globals()[name] = dtypes
+        return dtypes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _INT32_MAX = 2**31 - 1
 
@@ -141,15 +149,17 @@ def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 #: From this many bytes a fresh CPU tensor comes from NumPy (:func:`fresh`).
 HUGE_PAGES_FROM = 4 << 20
-#: NumPy's dtype for the bytes of each torch dtype :func:`fresh` makes (bf16 as its 16 raw bits).
-_NP_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.bfloat16: np.int16,
-          torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8,
-          torch.bool: np.bool_}
+@functools.cache
+def _np_of(dtype: torch.dtype) -> Any:
+    """NumPy's dtype for the bytes of a torch dtype :func:`fresh` makes (bf16 as its 16 raw bits), or ``None``."""
+    return {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.bfloat16: np.int16,
+            torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8,
+            torch.bool: np.bool_}.get(dtype)
 
 
 def _from_numpy(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> bool:
     """Whether :func:`fresh` takes a tensor of this shape and dtype from NumPy: a large one on the CPU."""
-    return device.type == "cpu" and dtype in _NP_OF and math.prod(shape) * dtype.itemsize >= HUGE_PAGES_FROM
+    return device.type == "cpu" and _np_of(dtype) is not None and math.prod(shape) * dtype.itemsize >= HUGE_PAGES_FROM
 
 
 def fresh(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -167,7 +177,7 @@ def fresh(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) 
     device = torch.device(device)
     if not _from_numpy(shape, dtype, device):
         return torch.empty(tuple(shape), dtype=dtype, device=device)
-    t = torch.from_numpy(np.empty(tuple(shape), dtype=_NP_OF[dtype]))
+    t = torch.from_numpy(np.empty(tuple(shape), dtype=_np_of(dtype)))
     return t.view(dtype) if t.dtype != dtype else t
 
 
@@ -203,7 +213,7 @@ def writable(t: torch.Tensor) -> bool:
 
 def dtype_code(dtype: torch.dtype) -> int:
     """Return a small integer naming ``dtype``, for metadata records (0 if unknown)."""
-    return _DTYPE_CODES.get(dtype, 0)
+    return _DTYPE_CODES.get(str(dtype).rpartition(".")[2], 0)
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -354,8 +364,9 @@ def _run_lengths(starts_at: torch.Tensor, k: int) -> torch.Tensor:
     return torch.diff(starts_at, append=starts_at.new_full((1,), k))
 
 
-def upload(data: "list[int] | np.ndarray | torch.Tensor", device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Return host data (a list, a NumPy array or a CPU tensor) as a tensor on ``device``, without a host sync.
+def upload(data: "list[int] | np.ndarray | torch.Tensor", device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Return host data (a list, a NumPy array or a CPU tensor) as a tensor on ``device`` (a list or an array as
+    ``dtype``, by default int64), without a host sync.
 
     A blocking copy to a CUDA device is followed by a synchronization of the
     stream (the host waits for every queued kernel); this one is
@@ -363,7 +374,7 @@ def upload(data: "list[int] | np.ndarray | torch.Tensor", device: torch.device, 
     returns, so the source may be dropped or reused at once, and the host
     goes on queuing. On the CPU the data is only wrapped.
     """
-    t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data, dtype=dtype)
+    t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data, dtype=dtype or torch.int64)
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
@@ -759,9 +770,6 @@ def merge_runs(
 # several. The host forms below do the work of pack, unpack and merge on
 # NumPy arrays that share memory with the tensors (no copies in or out).
 
-_NP_INDEX = {torch.int32: np.int32, torch.int64: np.int64}
-#: Wire value dtypes as NumPy sees their bytes (bf16 as its 16 raw bits).
-_NP_WIRE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.bfloat16: np.uint16}
 #: On the host, merge through a dense scratch of ``size`` rows only when the
 #: entries number more than ``size / _HOST_SCRATCH_RATIO``; below that a
 #: stable sort of the concatenated (already sorted) runs is cheaper.
@@ -782,7 +790,7 @@ def pack_host(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, v
         v = v.view(torch.int16)
     vb = v.numpy().reshape(k, vals.shape[1])
     out = np.empty((k, isz + vb.shape[1] * vb.itemsize), dtype=np.uint8)
-    out[:, :isz] = idx.numpy().astype(_NP_INDEX[index_dtype], copy=False).reshape(k, 1).view(np.uint8)
+    out[:, :isz] = idx.numpy().astype(_np_of(index_dtype), copy=False).reshape(k, 1).view(np.uint8)
     out[:, isz:] = np.ascontiguousarray(vb).view(np.uint8)
     return out
 
@@ -798,8 +806,8 @@ def unpack_host(
     k = buf.shape[0]
     isz = index_dtype.itemsize
     # Copies (not views) of the strided byte columns: fresh arrays with plain strides.
-    idx = buf[:, :isz].copy().view(_NP_INDEX[index_dtype]).reshape(k).astype(np.int64, copy=False)
-    raw = buf[:, isz:].copy().view(_NP_WIRE[value_dtype]).reshape(k, row_numel)
+    idx = buf[:, :isz].copy().view(_np_of(index_dtype)).reshape(k).astype(np.int64, copy=False)
+    raw = buf[:, isz:].copy().view(np.uint16 if value_dtype == torch.bfloat16 else _np_of(value_dtype)).reshape(k, row_numel)
     if value_dtype == torch.bfloat16:
         vals = (raw.astype(np.uint32) << 16).view(np.float32)
     elif value_dtype == torch.float16:

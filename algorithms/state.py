@@ -11,10 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from colltune.algorithms.comm import Comm
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
+from colltune.algorithms.lazy import torch
 
 __all__ = ["BoundaryState", "TopkState"]
 

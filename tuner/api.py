@@ -853,8 +853,8 @@ def sparse_allreduce(
             ``dist.ReduceOp.SUM`` / ``dist.ReduceOp.AVG``.
         group: the process group; ``None`` for the default group. Without an
             initialized process group the call is local (world size 1).
-        algorithm: ``auto`` or a registered algorithm's name (``dense``,
-            ``allgather``, ``oktopk``, ``hashpart``; :func:`colltune.algorithms.names`).
+        algorithm: ``auto`` or a registered algorithm's name (such as
+            ``dense``; :func:`colltune.algorithms.names` lists them).
         async_op: return an :class:`AsyncHandle` instead of waiting.
         knobs: options of the algorithm, e.g. ``{"mode": "alltoall"}`` for
             ``allgather``; unknown names are rejected. With ``auto``, per

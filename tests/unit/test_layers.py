@@ -278,22 +278,44 @@ import importlib
 for name in {PURE!r}:
     importlib.import_module(name)
 import colltune.algorithms.errors, colltune.algorithms.registry, colltune.algorithms.knobs
+from colltune.algorithms import registry
 from colltune.algorithms.schedule import Pricing
+from colltune.model.cost_model import model_for_profile
 from colltune.model.features import Features
 from colltune.model.profile import load_profile
 from colltune.model.policy import load_policy, parse_policy
 prof = load_profile({str(ROOT / "profiles" / "cpu-gloo.yaml")!r})
+nccl = load_profile({str(ROOT / "profiles" / "analytic-nccl.yaml")!r})
 policy = parse_policy("version: 1\\ndefault: auto\\n", source="inline")
 # The shipped policies name algorithms and set their knobs: checked against the built-ins' knobs, no torch.
 example = load_policy({str(ROOT / "profiles" / "policies" / "example.yaml")!r})
 embeddings = load_policy({str(ROOT / "profiles" / "policies" / "embeddings.yaml")!r})
 f = Features.build(numel=2**20, row_numel=1, dtype="float32", k_per_rank=[1000, 1000], union=1500)
+# Pricing a call reads every registered algorithm's schedule, knobs and counts: the algorithm modules load, no torch.
+learned, analytic = model_for_profile(prof)[0].predict_times(f), model_for_profile(nccl)[0].predict_times(f)
+assert set(learned) == set(analytic) == set(registry.names()) and min(analytic.values()) > 0, (learned, analytic)
+assert [k.name for k in registry.knob_specs("hashpart")] == ["gather_mode"]
 assert "torch" not in sys.modules
 print("ok", len(prof.measurements), policy.default, f.world_size, len(example.rules), len(embeddings.rules))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok "), out.stdout
+
+
+def test_every_algorithm_module_imports_with_torch_blocked() -> None:
+    # Their top levels touch no torch (colltune.algorithms.lazy imports it on first use), so that pricing works
+    # without it; the code that runs a call imports it when it first runs.
+    modules = sorted(m for m in _modules() if layer_of(m) == "algorithms")
+    code = _BLOCK_TORCH + f"""
+import importlib
+for name in {modules!r}:
+    importlib.import_module(name)
+assert "torch" not in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
 
 
 def test_the_torch_blocker_blocks() -> None:
