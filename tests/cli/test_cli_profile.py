@@ -346,3 +346,47 @@ def test_fit_folds_in_the_calls_online_correction_measured(tiny_profile, tmp_pat
     state.write_text('{"format": "colltune-online", "version": 2, "sites": {}}')
     assert cli.main(["fit", str(tiny_profile), "--out", str(out), "--online", str(state)]) == 2
     assert "--online" in capsys.readouterr().err
+
+
+def _host_rank(rank, world_size):
+    import torch
+
+    return profiling.measure_host(world_size, BUILTIN_NAMES, torch.device("cpu"), rounds=3)
+
+
+def test_host_cost_is_timed_on_rank_0_alone_with_each_algorithms_declared_counts():
+    from colltune.algorithms import get
+    from colltune.offline import launch
+
+    out = launch.run_local(_host_rank, 2, backend="gloo", timeout=300)
+    assert out[1] == []  # the other rank only joins the one-rank group's creation
+    calls = {(s["algorithm"], s["n"], s["row_numel"]) for s in out[0]}
+    assert calls == {(a, n, r) for a in BUILTIN_NAMES for n, _, r in profiling.HOST_CALLS}
+    for s in out[0]:
+        alg = get(s["algorithm"])
+        assert s["primitive"] == "host" and s["time_us"] > 0 and s["repeats"] == 3
+        assert (s["kernels"], s["syncs"]) == (alg.HOST_KERNELS["exact"], alg.HOST_SYNCS["exact"])
+
+
+def test_host_terms_recover_known_constants_and_need_a_plane():
+    counts = [(34, 2), (47, 2), (59, 3), (94, 3)]
+    rows = [{"primitive": "host", "algorithm": a, "kernels": k, "syncs": s, "time_us": 343 + 16 * k + 67 * s}
+            for a, (k, s) in zip(BUILTIN_NAMES, counts)]
+    got = profiling.host_terms([*rows, {"primitive": "all_reduce", "time_us": 1.0}])
+    assert got["host_call_us"] == pytest.approx(343, rel=1e-3)
+    assert got["host_kernel_us"] == pytest.approx(16, rel=1e-3)
+    assert got["host_sync_us"] == pytest.approx(67, rel=1e-3)
+    assert "4 small calls" in got["host_source"] and "median error 0%" in got["host_source"]
+    # Counts on one line cannot tell the three apart: no host cost rather than a made-up one.
+    line = [dict(r, kernels=10 * i, syncs=i) for i, r in enumerate(rows)]
+    assert profiling.host_terms(line) == {} and profiling.host_terms(rows[:2]) == {}
+    # Never negative, even where noise would push a least-squares fit below zero.
+    noisy = [dict(r, time_us=t) for r, t in zip(rows, (900.0, 700.0, 1500.0, 1400.0))]
+    assert min(v for k, v in profiling.host_terms(noisy).items() if k != "host_source") >= 0
+
+
+def test_the_collectives_fit_leaves_host_samples_out():
+    prims = [{"primitive": "all_reduce", "size": b, "calls": 1, "steps": 2, "bytes": 2 * b, "time_us": 20 + b / 1e3}
+             for b in (64, 4096, 1 << 20)]
+    host = [{"primitive": "host", "algorithm": "dense", "kernels": 34, "syncs": 2, "time_us": 900.0}]
+    assert profiling.fit_primitives(prims + host) == profiling.fit_primitives(prims)

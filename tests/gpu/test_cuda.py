@@ -207,3 +207,23 @@ def test_online_correction_measures_cuda_calls_and_every_rank_agrees():
     assert a == b  # the same decisions and the same measured figures (the maximum over ranks) on both ranks
     measured = a[-1][1]
     assert measured and all(us > 0 for us in measured.values()), a[-1]
+
+
+def test_profile_on_nccl_measures_the_host_terms(tmp_path):
+    """``colltune profile --backend nccl`` times small calls alone and writes the NCCL model's host terms."""
+    import subprocess
+    import sys
+
+    from colltune.model.cost_model import Network
+    from colltune.model.profile import load_profile
+
+    out = tmp_path / "nccl.yaml"
+    argv = [sys.executable, "-m", "colltune.cli", "profile", "--backend", "nccl", "--world-size", "1", "--n", "2^12",
+            "--density", "1e-2", "--repeats", "2", "--no-progress", "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = load_profile(out).meta
+    assert meta["backend"] == "nccl" and meta.get("gpu"), meta
+    assert meta["host_call_us"] + meta["host_kernel_us"] + meta["host_sync_us"] > 0, meta
+    assert "small calls" in meta["host_source"]
+    assert Network.of(meta).prices_host

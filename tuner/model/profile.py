@@ -130,7 +130,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "backend": (str,), "world_sizes": (list,), "nodes": (int,), "ranks_per_node": (int,),
     "torch_version": (str,), "host": (str,), "date": (str,), "notes": (str,),
     "gpu": (str,), "nic_gbps": (int, float), "host_call_us": (int, float), "host_sync_us": (int, float),
-    "host_kernel_us": (int, float),
+    "host_kernel_us": (int, float), "host_source": (str,),
 }
 _TOP_KEYS = ("format", "version", "checksum", "kind", "meta", "primitives", "model", "measurements")
 

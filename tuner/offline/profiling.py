@@ -86,6 +86,8 @@ __all__ = [
     "timed_rounds",
     "measure_config",
     "measure_primitives",
+    "measure_host",
+    "host_terms",
     "run_profile",
     "fit_primitives",
     "fit_model",
@@ -652,6 +654,104 @@ def measure_primitives(rank: int, world_size: int, sizes: Sequence[int], plan: T
     return samples if rank == 0 else None
 
 
+#: The calls that time a call's host cost (:func:`measure_host`): ``(rows, entries, row width)``, small
+#: enough that their kernels take a few microseconds each.
+HOST_CALLS: tuple[tuple[int, int, int], ...] = ((1 << 16, 64, 1), (1 << 12, 64, 64))
+
+
+def measure_host(world_size: int, algorithms: Sequence[str], device: Any, rounds: int = 25) -> list[dict[str, Any]]:
+    """Time small calls of each algorithm on rank 0 alone (collective: every rank creates the one-rank group).
+
+    In a group of one rank no byte crosses a wire, so a small call's time is
+    its host cost: the front door's Python, its kernel launches and its host
+    synchronizations, which is what an NCCL profile's ``host_*`` figures
+    price (:class:`colltune.model.cost_model.Network`). Each call runs after
+    its device's queue drained, and is timed until it drained again.
+
+    Returns:
+        On rank 0, per algorithm and call of :data:`HOST_CALLS`, a sample
+        ``{"primitive": "host", "algorithm", "n", "k", "row_numel", "kernels",
+        "syncs", "time_us", "repeats"}``, ``kernels`` and ``syncs`` the
+        algorithm's declared counts (``HOST_KERNELS``, ``HOST_SYNCS``) that
+        the profile multiplies; an empty list on the other ranks.
+    """
+    import torch
+    import torch.distributed as dist
+
+    import colltune
+    from colltune.algorithms import registry
+    from colltune.offline import bench
+
+    alone = dist.new_group([0]) if world_size > 1 else None
+    if world_size > 1 and dist.get_rank() != 0:
+        return []
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for n, k, row in HOST_CALLS:
+        idx = torch.randint(0, n, (k,), generator=gen).to(device)
+        vals = torch.randn((k, row) if row > 1 else (k,), generator=gen).to(device)
+        for name in algorithms:
+            times = []
+            for i in range(rounds + 3):  # three warm-up calls fill the call site's caches
+                bench.sync_device(device)
+                t0 = time.perf_counter()
+                colltune.sparse_allreduce(idx, vals, n, algorithm=name, group=alone)
+                bench.sync_device(device)
+                if i >= 3:
+                    times.append((time.perf_counter() - t0) * 1e6)
+            alg = registry.get(name)
+            samples.append({"primitive": "host", "algorithm": name, "n": n, "k": k, "row_numel": row,
+                            "kernels": int(alg.HOST_KERNELS.get("exact", 0)), "syncs": int(alg.HOST_SYNCS.get("exact", 0)),
+                            "time_us": float(np.median(times)), "repeats": rounds})
+    return samples
+
+
+#: What :func:`host_terms` fits, in the order of its design matrix's columns.
+HOST_TERMS: tuple[str, ...] = ("host_call_us", "host_kernel_us", "host_sync_us")
+
+
+def host_terms(samples: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Fit an NCCL profile's host cost to :func:`measure_host`'s samples; return the ``meta`` entries, or ``{}``.
+
+    The fit is ``time_us = host_call_us + host_kernel_us * kernels +
+    host_sync_us * syncs`` by non-negative least squares of the relative
+    error over every sample (other samples are skipped). It needs calls
+    whose ``(kernels, syncs)`` span a plane (three algorithms with counts not
+    on one line); otherwise it returns ``{}`` and the profile prices no host
+    cost. ``host_source`` says where the figures come from.
+
+    Example:
+        >>> rows = [{"primitive": "host", "kernels": k, "syncs": s, "time_us": 300 + 10 * k + 50 * s}
+        ...         for k, s in [(30, 1), (40, 1), (60, 3), (90, 2)]]
+        >>> {k: round(v) for k, v in host_terms(rows).items() if k != "host_source"}
+        {'host_call_us': 300, 'host_kernel_us': 10, 'host_sync_us': 50}
+    """
+    rows = [s for s in samples if s.get("primitive") == "host"]
+    A = np.array([[1.0, float(s["kernels"]), float(s["syncs"])] for s in rows]).reshape(len(rows), 3)
+    if len(rows) < 3 or np.linalg.matrix_rank(A) < 3:
+        return {}
+    t = np.array([float(s["time_us"]) for s in rows])
+    x = _nonnegative_relative_fit(A, t)
+    err = np.abs(A @ x / t - 1)
+    out: dict[str, Any] = {name: round(float(v), 3) for name, v in zip(HOST_TERMS, x)}
+    algs = sorted({str(s.get("algorithm", "?")) for s in rows})
+    out["host_source"] = (f"colltune profile: {len(rows)} small calls of {', '.join(algs)} alone on one rank, "
+                          f"fitted on each algorithm's HOST_KERNELS and HOST_SYNCS (median error "
+                          f"{float(np.median(err)):.0%}, largest {float(err.max()):.0%})")
+    return out
+
+
+def _nonnegative_relative_fit(A: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Return ``x >= 0`` minimizing the relative error of ``A @ x`` against ``t`` (columns scaled to unit norm)."""
+    from scipy.optimize import lsq_linear
+
+    M = A / t[:, None]
+    norms = np.sqrt((M**2).sum(axis=0))
+    norms[norms == 0] = 1.0
+    res = lsq_linear(M / norms, np.ones(len(t)), bounds=(0.0, np.inf), method="bvls")
+    return np.asarray(res.x / norms, dtype=np.float64)
+
+
 def _parent_gone(parent: int | None) -> bool:
     if parent is None:
         return False
@@ -742,6 +842,9 @@ def _profile_rank(rank: int, world_size: int, todo: Sequence[ProfileConfig], alg
         todo, prim_sizes = shared
     if prim_sizes:
         samples = measure_primitives(rank, world_size, prim_sizes, plan, device)
+        if device.type == "cuda":  # a GPU call's host cost: the NCCL model's host term (host_terms)
+            host = measure_host(world_size, algorithms, device)
+            samples = None if samples is None else samples + host
         if jr is not None and samples is not None:
             jr.add_primitives(world_size, samples)
     bar = _Progress(progress[1], progress[0], f"profile P={world_size}", progress is not None) \
@@ -786,25 +889,20 @@ def fit_primitives(samples: Iterable[Mapping[str, Any]],
     Returns:
         Constants for ``all_reduce``, ``all_gather``, ``all_to_all``, ``p2p`` and ``local``.
     """
-    from scipy.optimize import lsq_linear
-
     from colltune.model.cost_model import DEFAULT_PRIMITIVES
 
     by: dict[str, list[Mapping[str, Any]]] = {}
     for s in samples:
-        by.setdefault(str(s["primitive"]), []).append(s)
+        if s.get("primitive") != "host":  # a call's host cost (host_terms), not a collective's
+            by.setdefault(str(s["primitive"]), []).append(s)
     out = dict(prior or DEFAULT_PRIMITIVES)
     for name, rows in by.items():
         A = np.array([[float(r["calls"]), float(r["steps"]), float(r["bytes"])] for r in rows])
         t = np.array([float(r["time_us"]) for r in rows])
         use_launch = len({(r["calls"], r["steps"]) for r in rows}) > 1 and A[:, 0].any()
         cols = [0, 1, 2] if use_launch else [1, 2]
-        M = A[:, cols] / t[:, None]
-        norms = np.sqrt((M**2).sum(axis=0))
-        norms[norms == 0] = 1.0
-        res = lsq_linear(M / norms, np.ones(len(rows)), bounds=(0.0, np.inf), method="bvls")
         x = np.zeros(3)
-        x[cols] = res.x / norms
+        x[cols] = _nonnegative_relative_fit(A[:, cols], t)
         out[name] = Primitive(alpha_us=float(x[1]), beta_us_per_byte=float(x[2]), launch_us=float(x[0]))
     return out
 
@@ -1193,6 +1291,7 @@ def _profile_of_run(journal: Journal, run: _RunState, world_sizes: list[int], gr
     meta = profile_meta(backend, all_ps, grid, note)
     meta["primitives_timed_at"] = timed_at
     meta["statistic"] = statistic
+    meta.update(host_terms(samples))
     model = None
     if len(measurements) >= 2 and len({m.algorithm for m in measurements}) >= 1:
         model = fit_model(measurements, primitives).to_dict()
