@@ -392,12 +392,13 @@ def _check_tensor(t: Any, argument: str, what: str) -> None:
                              f"{str(t.layout).replace('torch.', '')}; {hint}.")
 
 
-def _check_device(group: Any, device: torch.device, argument: str) -> None:
-    """Raise unless the group's backend moves tensors on ``device`` (and the device holds data)."""
+def _check_device(group: Any, device: torch.device, argument: str, backend: str | None = None) -> None:
+    """Raise unless the group's backend (``backend`` when the caller knows it) moves tensors on ``device``
+    (and the device holds data)."""
     if device.type == "meta":
         raise argument_error(ColltuneValueError, argument, f"{argument} is on the meta device, which holds no data; "
                              f"pass a tensor with values (on cpu, or cuda with NCCL).")
-    backend = group_backend(group)
+    backend = group_backend(group) if backend is None else backend
     allowed = _BACKEND_DEVICES.get(backend)
     if allowed is not None and device.type not in allowed:
         where = " or ".join(allowed)
@@ -493,6 +494,17 @@ def validate_sparse(
     with its one host read. No pass over the indices is made here.
     """
     check_op_and_algorithm(op, algorithm)
+    return check_sparse_tensor(indices, values, size, group)
+
+
+def check_sparse_tensor(
+    indices: Any, values: Any, size: Any, group: dist.ProcessGroup | None, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
+    """:func:`validate_sparse` less ``op`` and ``algorithm``: one tensor's checks.
+
+    ``backend`` is the group's (:func:`group_backend`) when the caller knows
+    it: a fused call checks many tensors against one group.
+    """
     _check_tensor(indices, "indices", "of int32 or int64")
     _check_tensor(values, "values", "of floats")
     if indices.dtype not in INDEX_DTYPES:
@@ -515,7 +527,7 @@ def validate_sparse(
         raise argument_error(ColltuneValueError, "values",
                              f"indices and values must have the same length (one value row per index), but got "
                              f"{indices.shape[0]} indices and {values.shape[0]} value rows.")
-    _check_device(group, values.device, "values")
+    _check_device(group, values.device, "values", backend)
     if indices.device != values.device:
         raise argument_error(ColltuneValueError, "indices",
                              f"indices and values must be on the same device, but got {indices.device} and {values.device}.")

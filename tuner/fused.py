@@ -72,6 +72,7 @@ from colltune.api import (
     canonical_op,
     check_dense_fits,
     check_op_and_algorithm,
+    check_sparse_tensor,
     coalesce_checked,
     decided_knobs,
     deferred_fields,
@@ -86,7 +87,6 @@ from colltune.api import (
     run_sparse,
     submit_call,
     unpack_coo,
-    validate_sparse,
 )
 from colltune.select import online
 
@@ -351,12 +351,12 @@ class _FusedCall:
                                  f"tensors must be a list of sparse COO tensors or (indices, values, size) tuples, but got "
                                  f"{type(tensors).__name__}; for one tensor call colltune.sparse_allreduce.")
         check_op_and_algorithm(op, algorithm)  # also for an empty list
-        group_backend(group)  # a bad group is the group's error, not the first tensor's
+        backend = group_backend(group)  # a bad group is the group's error, not the first tensor's
         cap, self.group = _check_cap(cap_mb), group
         checked: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i in range(len(tensors)):
             try:
-                idx, vals, n, row_shape = validate_sparse(*_item(tensors, i), op, algorithm, group)
+                idx, vals, n, row_shape = check_sparse_tensor(*_item(tensors, i), group, backend)
             except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
                 raise _named(exc, i)
             if vals.device != self.comm.device:
