@@ -965,11 +965,17 @@ class Magnitudes:
             out = np.concatenate((above, np.flatnonzero(self.mag == th)[: k - above.size])).astype(np.int64, copy=False)
             out.sort()
             return torch.from_numpy(out)
-        th = torch.topk(self.mag, k, sorted=False).values.min()  # stays on the device
-        above = self.mag > th
-        count = int(torch.count_nonzero(above))  # the one host read
+        # torch.topk's positions are the answer unless values equal to the k-th largest were left out (which of
+        # those it keeps is unspecified): then as many as k needs, first positions first. One host read tells:
+        # how many values reach the k-th largest (a pass over the tensor), and how many of the k exceed it.
+        vals, pos = torch.topk(self.mag, k, sorted=False)
+        th = vals.min()
+        above = vals > th  # every value above the k-th largest is among the k
+        reach, count = torch.stack((torch.count_nonzero(self.mag >= th), torch.count_nonzero(above))).tolist()
+        if reach == k:
+            return pos.sort().values
         tied = mask_positions(self.mag == th, k - count)  # the first k - count of those tied
-        return torch.cat((mask_positions(above, count), tied)).sort().values
+        return torch.cat((pos.index_select(0, mask_positions(above, count)), tied)).sort().values
 
 
 def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:

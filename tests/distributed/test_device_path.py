@@ -205,6 +205,14 @@ def test_magnitudes_select_the_same_entries_on_both_paths(dtype):
         assert torch.equal(host.top_k_indices(k), dev.top_k_indices(k)), k
         assert host.top_k_indices(k).numel() == k
         assert torch.equal(host.indices(th), dev.indices(th)) and host.count(th) == dev.count(th), k
+    # Distinct values: no tie at the cut, the device path takes torch.topk's positions as they are.
+    distinct = (torch.randperm(4000, generator=g) + 1).to(dtype)
+    host = Magnitudes(distinct)
+    with device_path():
+        dev = Magnitudes(distinct)
+    for k in (1, 7, 1999, 4000):
+        assert torch.equal(host.top_k_indices(k), dev.top_k_indices(k)), k
+    host = Magnitudes(acc)
     # NaN and the infinities are the largest: the first three selected, NaN among them.
     assert host.top_k_indices(3).tolist() == [5, 900, 3999] and host.kth_largest(3) == math.inf
     assert host.top_k_indices(1).tolist() == [5]  # ties (NaN, +-inf) go to the lowest position
