@@ -7,7 +7,9 @@ the table of algorithms) and imported on first use, so that the errors and
 the registry can be read without loading torch.
 
 The algorithms are the registry's (:func:`names`, built-ins first), each
-described in its module's docstring; the list lives nowhere else.
+described in its module's docstring; the list lives nowhere else. A
+registered algorithm's class is an attribute here too, found through the
+registry (``colltune.algorithms.Dense``, a plugin's by its class name).
 
 Example:
     >>> from colltune import algorithms
@@ -34,11 +36,8 @@ from colltune.algorithms.errors import (
 from colltune.algorithms.registry import get, names, register, unregister
 
 if TYPE_CHECKING:
-    from colltune.algorithms.allgather import Allgather
     from colltune.algorithms.base import Algorithm, SparseInput, SparseResult, TopkOutput
     from colltune.algorithms.comm import Comm, Traffic
-    from colltune.algorithms.dense import Dense
-    from colltune.algorithms.oktopk import OkTopk
     from colltune.algorithms.state import BoundaryState, TopkState
 
 _LAZY: dict[str, str] = {
@@ -48,9 +47,6 @@ _LAZY: dict[str, str] = {
     "TopkOutput": "base",
     "Comm": "comm",
     "Traffic": "comm",
-    "Dense": "dense",
-    "Allgather": "allgather",
-    "OkTopk": "oktopk",
     "BoundaryState": "state",
     "TopkState": "state",
 }
@@ -58,15 +54,12 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "AbandonedCallError",
     "Algorithm",
-    "Allgather",
     "BoundaryState",
     "CollectiveError",
     "ColltuneError",
     "ColltuneTypeError",
     "ColltuneValueError",
     "Comm",
-    "Dense",
-    "OkTopk",
     "RankMismatchError",
     "RemoteInputError",
     "SparseInput",
@@ -84,9 +77,12 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(f"colltune.algorithms.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'colltune.algorithms' has no attribute {name!r}")
+    else:  # a registered algorithm's class (Dense, OkTopk...): the registry lists them, not this module
+        value = next((type(a) for a in map(get, names()) if type(a).__name__ == name), None) if name[:1].isupper() else None
+        if value is None:
+            raise AttributeError(f"module 'colltune.algorithms' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

@@ -56,7 +56,7 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -70,6 +70,9 @@ from colltune.model.profile import (
     profile_from_measurements,
     save_profile,
 )
+
+if TYPE_CHECKING:
+    from colltune.model.cost_model import LearnedCostModel
 
 __all__ = [
     "ALGORITHMS",
@@ -907,7 +910,8 @@ def fit_primitives(samples: Iterable[Mapping[str, Any]],
     return out
 
 
-def fit_model(measurements: Sequence[Measurement], primitives: Mapping[str, Primitive] | None = None) -> Any:
+def fit_model(measurements: Sequence[Measurement],
+              primitives: Mapping[str, Primitive] | None = None) -> "LearnedCostModel":
     """Return a :class:`~colltune.model.cost_model.LearnedCostModel` fitted on ``measurements``.
 
     ``primitives`` are its prior.
@@ -1059,7 +1063,9 @@ class _RunOptions:
             raise ProfilingError(f"--statistic must be one of {', '.join(STATISTICS)}, but got {self.statistic!r}.")
         for a in self.algorithms:
             if a not in ALGORITHMS:
-                raise ProfilingError(f"algorithms must be among {', '.join(ALGORITHMS)}, but got {a!r}.")
+                raise ProfilingError(f"algorithms must be among {', '.join(ALGORITHMS)}, but got {a!r}: a profile measures "
+                                     "the built-in algorithms, whose times are the learned model's columns (another "
+                                     "registered one is priced by its schedule).")
 
 
 def run_profile(

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import torch.distributed as dist
 
@@ -62,7 +62,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TopkAlgorithm = Literal["auto", "allgather", "oktopk"]
+#: A top-k algorithm's name: ``auto`` or one of :func:`topk_algorithms`, checked against the registry when called.
+TopkAlgorithm = str
 
 #: The version of the ``state_dict()`` the hook and the synchronizer write and read.
 STATE_VERSION = 1
