@@ -317,7 +317,7 @@ def _padded_runs(
     """Sum the runs of sorted ``idx`` that begin where ``starts`` is set, padded to ``K`` rows (index ``fill``, zeros)."""
     k = idx.numel()
     pos = mask_positions(starts, k)  # past the run count, position k: empty runs, zero sums
-    sums = _segment_sums(vals, _run_lengths(pos, k))
+    sums = _segment_sums(vals, offsets=_run_offsets(pos, k))
     return torch.where(pos < k, idx.index_select(0, pos.clamp(max=k - 1)), fill), sums
 
 
@@ -329,7 +329,7 @@ def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) 
     if u == k:
         return idx, vals + 0.0  # as above
     starts = nth_positions(runs[1:], u)  # where run j + 1 begins
-    return idx.index_select(0, starts), _segment_sums(vals, _run_lengths(starts, k))
+    return idx.index_select(0, starts), _segment_sums(vals, offsets=_run_offsets(starts, k))
 
 
 def read_part_counts(flags: torch.Tensor, at: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, int]:
@@ -346,22 +346,27 @@ def read_part_counts(flags: torch.Tensor, at: torch.Tensor, parts: Parts) -> tup
     return runs, seen[-1]
 
 
-def _segment_sums(vals: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Sum ``[K, r]`` rows in consecutive runs of ``lengths`` rows (a run of 0 gives zeros), each from +0, in order.
+def _segment_sums(vals: torch.Tensor, lengths: torch.Tensor | None = None,
+                  offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum ``[K, r]`` rows in consecutive runs (a run of 0 gives zeros), each from +0, in order.
 
-    No atomics: ``torch.segment_reduce`` adds each output element's run
-    sequentially in one thread (its 2-D kernel; values always go as
-    ``[K, r]``), so the result is a pure function of the input on CUDA too,
-    where ``index_add_`` races between duplicates.
+    The runs are given by their ``lengths``, or by their ``offsets`` (each
+    run's first row, then ``K``: :func:`_run_offsets`), which saves
+    ``segment_reduce`` the running sum it makes of lengths. No atomics:
+    ``torch.segment_reduce`` adds each output element's run sequentially in
+    one thread (its 2-D kernel; values always go as ``[K, r]``), so the
+    result is a pure function of the input on CUDA too, where ``index_add_``
+    races between duplicates.
     """
     if vals.shape[1] == 0:
-        return vals.new_zeros((lengths.numel(), 0))
-    return torch.segment_reduce(vals, "sum", lengths=lengths, axis=0, unsafe=True)
+        runs = lengths.numel() if lengths is not None else offsets.numel() - 1
+        return vals.new_zeros((runs, 0))
+    return torch.segment_reduce(vals, "sum", lengths=lengths, offsets=offsets, axis=0, unsafe=True)
 
 
-def _run_lengths(starts_at: torch.Tensor, k: int) -> torch.Tensor:
-    """The lengths of the runs of ``k`` rows that begin at sorted positions ``starts_at`` (``k``: an empty run)."""
-    return torch.diff(starts_at, append=starts_at.new_full((1,), k))
+def _run_offsets(starts_at: torch.Tensor, k: int) -> torch.Tensor:
+    """The offsets of the runs of ``k`` rows that begin at sorted positions ``starts_at`` (``k``: an empty run)."""
+    return torch.cat((starts_at, starts_at.new_full((1,), k)))
 
 
 def upload(data: "list[int] | np.ndarray | torch.Tensor", device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -421,14 +426,17 @@ class Batch:
         self.sorted, order = torch.sort(raw, stable=True)
         self.vals = vals.index_select(0, order)
         self.starts = run_starts(self.sorted)
+        #: With several tensors, the running count of run starts (``[k + 1]``): the stats' counts and, in
+        #: :meth:`finish`, where each run begins come from it.
+        self.runs: torch.Tensor | None = None
         if t == 1:
             bad = (self.sorted[0] < 0) | (self.sorted[-1] >= self.n) if k else torch.zeros((), dtype=torch.bool, device=device)
-            self.stats = torch.stack((bad.to(torch.int64), self.starts.sum()))
+            self.stats = torch.stack((bad, self.starts.sum()))  # promoted to int64
         else:
-            runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
-            torch.cumsum(self.starts, 0, out=runs[1:])
+            self.runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
+            torch.cumsum(self.starts, 0, out=self.runs[1:])
             cut = torch.searchsorted(self.sorted, meta[: t + 1])
-            self.stats = torch.cat((bad.view(1).to(torch.int64), runs[cut[1:]] - runs[cut[:-1]]))
+            self.stats = torch.cat((bad.view(1), torch.diff(self.runs.index_select(0, cut))))  # promoted to int64
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A batch of one tensor, coalesced with no host read: its rows padded to the input's ``k``.
@@ -457,8 +465,8 @@ class Batch:
         uploaded.
         """
         u, k = sum(counts), self.k
-        pos = None if u == k else mask_positions(self.starts, u)
-        sums = self.vals + 0.0 if pos is None else _segment_sums(self.vals, _run_lengths(pos, k))  # each from +0
+        pos = None if u == k else mask_positions(self.starts, u) if self.runs is None else nth_positions(self.runs[1:], u)
+        sums = self.vals + 0.0 if pos is None else _segment_sums(self.vals, offsets=_run_offsets(pos, k))  # each from +0
         uniq = self.sorted if pos is None else self.sorted.index_select(0, pos)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
         self.union, self.sums, self.parts = uniq, sums, offsets(counts)
