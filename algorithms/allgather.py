@@ -227,7 +227,7 @@ class Allgather(Algorithm):
     #: The record (the coalesce's count and the eager slot ride in it, filled on the device), the merged
     #: union's size; top-k: the record, the count above the k-th largest, the merge.
     HOST_SYNCS = {"exact": 2, "topk": 3}
-    HOST_KERNELS = {"exact": 45, "topk": 27}
+    HOST_KERNELS = {"exact": 43, "topk": 29}
     eager_entries = True
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -426,17 +426,14 @@ class Batch:
         self.sorted, order = torch.sort(raw, stable=True)
         self.vals = vals.index_select(0, order)
         self.starts = run_starts(self.sorted)
-        #: With several tensors, the running count of run starts (``[k + 1]``): the stats' counts and, in
-        #: :meth:`finish`, where each run begins come from it.
-        self.runs: torch.Tensor | None = None
         if t == 1:
             bad = (self.sorted[0] < 0) | (self.sorted[-1] >= self.n) if k else torch.zeros((), dtype=torch.bool, device=device)
             self.stats = torch.stack((bad, self.starts.sum()))  # promoted to int64
         else:
-            self.runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
-            torch.cumsum(self.starts, 0, out=self.runs[1:])
+            runs = torch.zeros(k + 1, dtype=torch.int64, device=device)
+            torch.cumsum(self.starts, 0, out=runs[1:])
             cut = torch.searchsorted(self.sorted, meta[: t + 1])
-            self.stats = torch.cat((bad.view(1), torch.diff(self.runs.index_select(0, cut))))  # promoted to int64
+            self.stats = torch.cat((bad.view(1), torch.diff(runs.index_select(0, cut))))  # promoted to int64
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A batch of one tensor, coalesced with no host read: its rows padded to the input's ``k``.
@@ -465,7 +462,7 @@ class Batch:
         uploaded.
         """
         u, k = sum(counts), self.k
-        pos = None if u == k else mask_positions(self.starts, u) if self.runs is None else nth_positions(self.runs[1:], u)
+        pos = None if u == k else mask_positions(self.starts, u)
         sums = self.vals + 0.0 if pos is None else _segment_sums(self.vals, offsets=_run_offsets(pos, k))  # each from +0
         uniq = self.sorted if pos is None else self.sorted.index_select(0, pos)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
@@ -973,29 +970,31 @@ class Magnitudes:
             out = np.concatenate((above, np.flatnonzero(self.mag == th)[: k - above.size])).astype(np.int64, copy=False)
             out.sort()
             return torch.from_numpy(out)
-        # torch.topk's positions are the answer unless values equal to the k-th largest were left out (which of
-        # those it keeps is unspecified): then as many as k needs, first positions first. One host read tells:
-        # how many values reach the k-th largest (a pass over the tensor), and how many of the k exceed it.
-        vals, pos = torch.topk(self.mag, k, sorted=False)
-        th = vals.min()
-        above = vals > th  # every value above the k-th largest is among the k
-        reach, count = torch.stack((torch.count_nonzero(self.mag >= th), torch.count_nonzero(above))).tolist()
-        if reach == k:
-            return pos.sort().values
+        n = self.mag.numel()
+        if k == n:
+            return torch.arange(n, device=self.mag.device)
+        # torch.topk's positions are the answer unless a value equal to the k-th largest was left out (which of
+        # those it keeps is unspecified): then as many as k needs, first positions first. The k + 1 largest tell
+        # with no pass of their own: a tie straddles the cut exactly when the (k + 1)-th equals the k-th.
+        vals, pos = torch.topk(self.mag, k + 1, sorted=False)
+        last, th = torch.topk(vals, 2, largest=False).values  # the (k + 1)-th largest, the k-th
+        above = vals > th  # every value above the k-th largest is among the k + 1
+        tie, count = torch.stack((last == th, above.sum())).tolist()  # the one host read
+        if not tie:  # the k + 1 less the (k + 1)-th
+            return pos.index_select(0, mask_positions(vals >= th, k)).sort().values
         tied = mask_positions(self.mag == th, k - count)  # the first k - count of those tied
         return torch.cat((pos.index_select(0, mask_positions(above, count)), tied)).sort().values
 
 
 def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Return the sorted int64 positions of the ``count`` set elements of 1-D bool ``mask``, with no host read.
+    """Return the sorted int64 positions of the first ``count`` set elements of 1-D bool ``mask``, with no host read.
 
     ``mask.nonzero()`` must learn its output size from the device first (a
-    host sync); here the caller knows it: the ``j``-th set element sits
-    where the running count of set elements first reaches ``j + 1``.
+    host sync); here the caller knows it, and ``torch.nonzero_static`` takes
+    it: one pass over the mask, no running count written. Positions past the
+    last set element are ``mask.numel()``.
     """
-    if count == 0:
-        return torch.empty(0, dtype=torch.int64, device=mask.device)
-    return nth_positions(torch.cumsum(mask, 0), count)
+    return torch.nonzero_static(mask, size=count, fill_value=mask.numel()).view(-1)
 
 
 def nth_positions(running: torch.Tensor, count: int) -> torch.Tensor:
