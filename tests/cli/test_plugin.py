@@ -5,8 +5,8 @@ bytes (so the model prefers it where allgather wins). It is registered the
 way a user registers one: in Python with ``colltune.algorithms.register``,
 and for the command-line tools (and the ranks they start) by naming its
 module in ``COLLTUNE_ALGORITHMS``. Then top-k ``auto`` prices and picks it,
-``simulate`` prices it, ``tune`` searches its knobs, ``report`` draws it and
-``bench`` times it.
+``simulate`` prices it, ``tune`` searches its knobs, ``report`` draws it,
+``bench`` times it and ``profile`` measures it.
 """
 
 from __future__ import annotations

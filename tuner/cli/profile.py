@@ -111,10 +111,10 @@ def _grid_from_args(args: argparse.Namespace) -> tuple[Grid, TimingPlan]:
 
 def profile_summary(res: ProfileResult) -> str:
     """Return the lines printed after a profile run: what was written, what is left, the primitives."""
-    from colltune.offline.profiling import ALGORITHMS, format_seconds, measurement_key
+    from colltune.offline.profiling import algorithm_order, format_seconds, measurement_key
 
     prof = res.profile
-    algs = sorted({m.algorithm for m in prof.measurements}, key=ALGORITHMS.index)
+    algs = sorted({m.algorithm for m in prof.measurements}, key=algorithm_order())
     n_cfg = len({measurement_key(m) for m in prof.measurements})
     lines = [
         f"wrote {res.path}: {len(prof.measurements)} measurements ({n_cfg} configurations x "

@@ -614,7 +614,14 @@ def _measurements_of(X: Any) -> list[Measurement]:
 
 def _training_rows(X: Any, y: Any, algorithms: Any) -> tuple[list[Features], list[str], np.ndarray]:
     if y is None and algorithms is None:
-        ms = _measurements_of(X)
+        given = _measurements_of(X)
+        # A plugin measured in a profile is priced by its schedule: its times are not the model's columns.
+        ms = [m for m in given if m.algorithm in ALGORITHMS]
+        if given and not ms:
+            raise ColltuneValueError(
+                f"`X` holds no measurement of an algorithm the learned model predicts ({', '.join(ALGORITHMS)}), "
+                f"only of {sorted({m.algorithm for m in given})}, which the cost model prices by their schedules."
+            )
         feats = [measurement_to_features(m) for m in ms]
         algs = [m.algorithm for m in ms]
         times = np.array([m.time_us for m in ms], dtype=np.float64)

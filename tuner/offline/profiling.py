@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from colltune.algorithms import registry
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model.profile import (
@@ -104,7 +105,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Algorithms a profile measures, in table order.
+#: The built-in algorithms, whose times are the learned model's columns. A profile measures every registered
+#: algorithm (plugins too: the learned model leaves them to their schedules, the report and simulate read them).
 ALGORITHMS: tuple[str, ...] = BUILTIN_NAMES
 #: First line of a journal; a journal of another format is refused.
 JOURNAL_FORMAT = "colltune-profile-journal/1"
@@ -1029,6 +1031,12 @@ def _previous_profile(out: str, backend: str) -> tuple[list[Measurement], dict[s
     return list(prof.measurements), dict(prof.primitives), timed
 
 
+def algorithm_order() -> Callable[[str], tuple[int, str]]:
+    """A sort key of algorithm names: the registry's order, then names it does not know (a plugin not loaded here)."""
+    rank = {a: i for i, a in enumerate(registry.names())}
+    return lambda a: (rank.get(a, len(rank)), a)
+
+
 def measurement_key(m: Measurement) -> str:
     # The workloads give every rank k entries, s of them shared: u = s + P (k - s).
     p, k = m.world_size, m.k_max
@@ -1046,7 +1054,7 @@ class _RunOptions:
 
     backend: str = "gloo"
     plan: TimingPlan = field(default_factory=TimingPlan)
-    algorithms: Sequence[str] = ALGORITHMS
+    algorithms: Sequence[str] | None = None
     budget_s: float | None = None
     resume: bool = False
     progress: bool = True
@@ -1061,16 +1069,18 @@ class _RunOptions:
     def __post_init__(self) -> None:
         if self.statistic not in STATISTICS:
             raise ProfilingError(f"--statistic must be one of {', '.join(STATISTICS)}, but got {self.statistic!r}.")
+        known = registry.names()
+        if self.algorithms is None:
+            object.__setattr__(self, "algorithms", known)  # every registered algorithm (frozen: set once, here)
         for a in self.algorithms:
-            if a not in ALGORITHMS:
-                raise ProfilingError(f"algorithms must be among {', '.join(ALGORITHMS)}, but got {a!r}: a profile measures "
-                                     "the built-in algorithms, whose times are the learned model's columns (another "
-                                     "registered one is priced by its schedule).")
+            if a not in known:
+                raise ProfilingError(f"algorithms must be registered ones ({', '.join(known)}), but got {a!r}; a plugin's "
+                                     f"module must be named in {registry.PLUGINS_ENV} on every rank.")
 
 
 def run_profile(
     out: str, world_sizes: Sequence[int], grid: Grid, *, backend: str = "gloo", plan: TimingPlan | None = None,
-    algorithms: Sequence[str] = ALGORITHMS, budget_s: float | None = None, resume: bool = False, progress: bool = True,
+    algorithms: Sequence[str] | None = None, budget_s: float | None = None, resume: bool = False, progress: bool = True,
     primitive_sizes: Sequence[int] = PRIMITIVE_SIZES, timeout: float = 6 * 3600.0,
     order: Callable[[list[ProfileConfig]], list[ProfileConfig]] | None = None, notes: str = "",
     log: Callable[[str], None] | None = None, statistic: str = "median", keep_journal: bool = False,
@@ -1287,8 +1297,9 @@ def _profile_of_run(journal: Journal, run: _RunState, world_sizes: list[int], gr
     by_key: dict[str, Measurement] = {}
     for m in [*run.previous, *journal.measurements(statistic)]:
         by_key[f"{measurement_key(m)}/{m.algorithm}"] = m
+    order = algorithm_order()
     measurements = sorted(by_key.values(), key=lambda m: (m.world_size, m.dtype, m.numel, m.density, m.overlap,
-                                                          ALGORITHMS.index(m.algorithm)))
+                                                          order(m.algorithm)))
     samples = [s for ss in journal.primitives.values() for s in ss]
     # Fitted on this run's timings; a resumed run that timed none keeps the old profile's constants.
     primitives = fit_primitives(samples) if samples or run.previous_prims is None else run.previous_prims
