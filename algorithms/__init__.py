@@ -78,7 +78,11 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(f"colltune.algorithms.{_LAZY[name]}"), name)
     else:  # a registered algorithm's class (Dense, OkTopk...): the registry lists them, not this module
-        value = next((type(a) for a in map(get, names()) if type(a).__name__ == name), None) if name[:1].isupper() else None
+        try:
+            classes = {type(a).__name__: type(a) for a in map(get, names())} if name[:1].isupper() else {}
+        except ColltuneError as exc:  # a plugin that cannot load: hasattr() says no, a call says why
+            raise AttributeError(f"module 'colltune.algorithms' has no attribute {name!r} ({exc})") from exc
+        value = classes.get(name)
         if value is None:
             raise AttributeError(f"module 'colltune.algorithms' has no attribute {name!r}")
     globals()[name] = value

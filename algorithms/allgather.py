@@ -225,7 +225,7 @@ class Allgather(Algorithm):
     )
     TERMS = ("metadata", "entries_gather", "merge")
     #: The record (the coalesce's count and the eager slot ride in it, filled on the device), the merged
-    #: union's size; top-k: the record, the count above the k-th largest, the merge.
+    #: union's size; top-k: the record, whether a tie straddles the k-th largest with the count above it, the merge.
     HOST_SYNCS = {"exact": 2, "topk": 3}
     HOST_KERNELS = {"exact": 43, "topk": 29}
     eager_entries = True

@@ -38,16 +38,19 @@ class LazyModule(types.ModuleType):
     """A stand-in for the module ``name`` that imports it when one of its attributes is first read."""
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):  # introspection (doctest, copy, pickle) must not import torch
-            raise AttributeError(attr)
-        real = importlib.import_module(self.__name__)
-        with _lock:
-            for name, module in list(sys.modules.items()):
-                if name == "colltune" or name.startswith("colltune."):
-                    held = getattr(module, "__dict__", {})
-                    for key, value in list(held.items()):
-                        if value is self:
-                            held[key] = real
+        real = self.__dict__.get("_real")
+        if real is None:
+            if attr.startswith("__"):  # introspection (doctest, copy, pickle) must not import torch
+                raise AttributeError(attr)
+            real = importlib.import_module(self.__name__)
+            with _lock:
+                for name, module in list(sys.modules.items()):
+                    if name == "colltune" or name.startswith("colltune."):
+                        held = getattr(module, "__dict__", {})
+                        for key, value in list(held.items()):
+                            if value is self:
+                                held[key] = real
+                self.__dict__["_real"] = real  # a holder outside colltune (a plugin) keeps the stand-in: one lookup
         return getattr(real, attr)
 
 

@@ -390,3 +390,46 @@ def test_the_collectives_fit_leaves_host_samples_out():
              for b in (64, 4096, 1 << 20)]
     host = [{"primitive": "host", "algorithm": "dense", "kernels": 34, "syncs": 2, "time_us": 900.0}]
     assert profiling.fit_primitives(prims + host) == profiling.fit_primitives(prims)
+
+
+def test_a_resumed_run_that_times_nothing_keeps_the_host_terms(tiny_profile, tmp_path):
+    import dataclasses
+    import shutil
+
+    from colltune.model.profile import save_profile
+
+    out = tmp_path / "tiny.yaml"
+    shutil.copy(tiny_profile, out)
+    host = {"host_call_us": 300.0, "host_kernel_us": 10.0, "host_sync_us": 50.0, "host_source": "by hand"}
+    save_profile(dataclasses.replace(load_profile(out), meta={**load_profile(out).meta, **host}), out)
+    assert cli.main(["profile", *TINY, "--out", str(out), "--resume"]) == 0  # every configuration done already
+    assert {k: load_profile(out).meta.get(k) for k in host} == host
+
+
+def test_host_timing_skips_an_algorithm_that_declares_no_counts():
+    import torch
+
+    from colltune import algorithms
+    from colltune.algorithms.allgather import Allgather
+
+    class Uncounted(Allgather):
+        name = "uncounted"
+        HOST_KERNELS: dict[str, int] = {}
+
+    algorithms.register(Uncounted)
+    try:  # no process group: a local call of one rank
+        samples = profiling.measure_host(1, ["uncounted", "dense"], torch.device("cpu"), rounds=1)
+    finally:
+        algorithms.unregister("uncounted")
+    assert {s["algorithm"] for s in samples} == {"dense"}
+
+
+def test_a_profile_of_plugins_alone_falls_back_to_the_analytic_model():
+    from colltune.model.cost_model import AnalyticModel, model_for_profile
+    from colltune.model.profile import Measurement, profile_from_measurements
+
+    prims = load_profile(os.path.join(_ROOT, "profiles", "cpu-gloo.yaml")).primitives
+    base = load_profile(os.path.join(_ROOT, "profiles", "cpu-gloo.yaml")).measurements[:40]
+    toy = [Measurement(**{**m.to_dict(), "algorithm": "toy"}) for m in base]
+    model, source = model_for_profile(profile_from_measurements(toy, prims, {"backend": "gloo", "world_sizes": [2]}))
+    assert isinstance(model, AnalyticModel) and source == "analytic"

@@ -1290,8 +1290,8 @@ def model_for_profile(profile: Profile) -> tuple[AnalyticModel | LearnedCostMode
             return LearnedCostModel.from_dict(profile.model), "stored"
         except ColltuneValueError as exc:
             logger.warning("a profile's stored model cannot be used (%s); refitting from the measurements", exc)
-    algs = {m.algorithm for m in profile.measurements}
-    if len(profile.measurements) >= MIN_MEASUREMENTS_TO_FIT and len(algs) >= 2:
+    fits = [m for m in profile.measurements if m.algorithm in ALGORITHMS]  # a plugin's times are no column
+    if len(fits) >= MIN_MEASUREMENTS_TO_FIT and len({m.algorithm for m in fits}) >= 2:
         try:
             import sklearn  # noqa: F401 - fitting needs it; evaluating a stored model does not
         except ImportError:

@@ -684,7 +684,6 @@ def measure_host(world_size: int, algorithms: Sequence[str], device: Any, rounds
     import torch.distributed as dist
 
     import colltune
-    from colltune.algorithms import registry
     from colltune.offline import bench
 
     alone = dist.new_group([0]) if world_size > 1 else None
@@ -696,6 +695,9 @@ def measure_host(world_size: int, algorithms: Sequence[str], device: Any, rounds
         idx = torch.randint(0, n, (k,), generator=gen).to(device)
         vals = torch.randn((k, row) if row > 1 else (k,), generator=gen).to(device)
         for name in algorithms:
+            alg = registry.get(name)
+            if "exact" not in alg.HOST_KERNELS or "exact" not in alg.HOST_SYNCS:
+                continue  # no declared counts (a plugin's may have none): nothing to fit its time to
             times = []
             for i in range(rounds + 3):  # three warm-up calls fill the call site's caches
                 bench.sync_device(device)
@@ -704,9 +706,8 @@ def measure_host(world_size: int, algorithms: Sequence[str], device: Any, rounds
                 bench.sync_device(device)
                 if i >= 3:
                     times.append((time.perf_counter() - t0) * 1e6)
-            alg = registry.get(name)
             samples.append({"primitive": "host", "algorithm": name, "n": n, "k": k, "row_numel": row,
-                            "kernels": int(alg.HOST_KERNELS.get("exact", 0)), "syncs": int(alg.HOST_SYNCS.get("exact", 0)),
+                            "kernels": int(alg.HOST_KERNELS["exact"]), "syncs": int(alg.HOST_SYNCS["exact"]),
                             "time_us": float(np.median(times)), "repeats": rounds})
     return samples
 
@@ -741,7 +742,8 @@ def host_terms(samples: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {name: round(float(v), 3) for name, v in zip(HOST_TERMS, x)}
     algs = sorted({str(s.get("algorithm", "?")) for s in rows})
     out["host_source"] = (f"colltune profile: {len(rows)} small calls of {', '.join(algs)} alone on one rank, "
-                          f"fitted on each algorithm's HOST_KERNELS and HOST_SYNCS (median error "
+                          f"fitted on each algorithm's HOST_KERNELS and HOST_SYNCS, the counts of a call at P >= 2 "
+                          f"(one rank skips some of that work: an approximation; median error "
                           f"{float(np.median(err)):.0%}, largest {float(err.max()):.0%})")
     return out
 
@@ -1016,19 +1018,22 @@ def check_output_path(path: str, option: str = "--out") -> None:
         raise ProfilingError(f"{option} {path!r} exists and is read-only; pass another path or make it writable.")
 
 
-def _previous_profile(out: str, backend: str) -> tuple[list[Measurement], dict[str, Primitive] | None, list[int]]:
+def _previous_profile(out: str, backend: str) -> tuple[list[Measurement], dict[str, Primitive] | None, list[int],
+                                                     dict[str, Any]]:
     """Return what an existing profile at ``out`` holds, for ``--resume``.
 
-    That is its measurements, primitives and the world sizes its primitives were timed at.
+    That is its measurements, primitives, the world sizes its primitives
+    were timed at, and its host terms (:func:`host_terms`'s entries).
     """
     if not os.path.exists(out):
-        return [], None, []
+        return [], None, [], {}
     prof = load_profile(out)  # a corrupt file is an error: it would be overwritten
     if prof.meta.get("backend") != backend:
         raise ProfilingError(f"{out}: the existing profile is of backend {prof.meta.get('backend')!r}, "
                              f"not {backend!r}; pass another --out or --backend.")
     timed = [int(p) for p in prof.meta.get("primitives_timed_at") or []]
-    return list(prof.measurements), dict(prof.primitives), timed
+    host = {k: prof.meta[k] for k in (*HOST_TERMS, "host_source") if prof.meta.get(k) is not None}
+    return list(prof.measurements), dict(prof.primitives), timed, host
 
 
 def algorithm_order() -> Callable[[str], tuple[int, str]]:
@@ -1272,6 +1277,7 @@ class _RunState:
     previous_ps: list[int]
     done_keys: set[str]
     done_prims: set[int]
+    previous_host: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def open(cls, out: str, jpath: str, header: dict[str, Any], backend: str, resume: bool,
@@ -1285,10 +1291,10 @@ class _RunState:
                 f"{jpath} holds an interrupted run of this profile; pass --resume to continue it "
                 "(nothing it measured is measured again), or delete it to start over."
             )
-        previous, prims, ps = _previous_profile(out, backend) if resume else ([], None, [])
+        previous, prims, ps, host = _previous_profile(out, backend) if resume else ([], None, [], {})
         journal = Journal(jpath, header)
         return cls(previous, prims, ps, set(journal.configs) | {measurement_key(m) for m in previous},
-                   set(journal.primitives) | (set(ps) if resume else set()))
+                   set(journal.primitives) | (set(ps) if resume else set()), host)
 
 
 def _profile_of_run(journal: Journal, run: _RunState, world_sizes: list[int], grid: Grid, backend: str,
@@ -1308,10 +1314,11 @@ def _profile_of_run(journal: Journal, run: _RunState, world_sizes: list[int], gr
     meta = profile_meta(backend, all_ps, grid, note)
     meta["primitives_timed_at"] = timed_at
     meta["statistic"] = statistic
-    meta.update(host_terms(samples))
+    meta.update(host_terms(samples) or run.previous_host)  # a resumed run that timed nothing keeps the old terms
     model = None
-    if len(measurements) >= 2 and len({m.algorithm for m in measurements}) >= 1:
-        model = fit_model(measurements, primitives).to_dict()
+    fitted = [m for m in measurements if m.algorithm in ALGORITHMS]  # the learned model's columns: no plugin's
+    if len(fitted) >= 2:
+        model = fit_model(fitted, primitives).to_dict()
     return profile_from_measurements(measurements, primitives, meta, model=model)
 
 
