@@ -960,8 +960,12 @@ class Magnitudes:
         if self.host:
             th = self.kth_largest(k)
             return th, self.count(th)
-        th = torch.topk(self.mag, k, sorted=False).values.min()
-        count = torch.count_nonzero((self.mag >= th) & (self.mag > 0))  # the selection's rule at th, 0 included
+        vals = torch.topk(self.mag, k, sorted=False).values
+        th = vals.min()
+        # The selection's rule at th (at least th, and above 0), counted with one pass over the tensor: every
+        # value above th is among the k, and those equal to it are anywhere; at th = 0, every positive value
+        # is among the k.
+        count = torch.where(th > 0, (vals > th).sum() + (self.mag == th).sum(), (vals > 0).sum())
         th_host, count_host = torch.stack((th.double(), count.double())).tolist()
         return th_host, int(count_host)
 
