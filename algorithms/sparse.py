@@ -318,7 +318,7 @@ def _padded_runs(
     k = idx.numel()
     pos = mask_positions(starts, k)  # past the run count, position k: empty runs, zero sums
     sums = _segment_sums(vals, offsets=_run_offsets(pos, k))
-    return torch.where(pos < k, idx.index_select(0, pos.clamp(max=k - 1)), fill), sums
+    return torch.cat((idx, idx.new_full((1,), fill))).index_select(0, pos), sums  # position k reads ``fill``
 
 
 def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, torch.Tensor]:
