@@ -264,8 +264,9 @@ class Algorithm(abc.ABC):
     #: Kernels of a steady-state call on the device path, by mode: what an NCCL profile's ``host_kernel_us``
     #: multiplies. The device-path audit's count at P = 2 (``tools/device_path_audit.py``: aten ops that are
     #: not views), a ceiling its test holds the code to. The fit counts CUDA launches at P = 1 instead (one
-    #: GPU), which differ per op (a sort launches several): on one H200 they ran 0.41x to 1.18x these counts
-    #: (exact allgather 20 to 42 against 47; ``tools/fit_host_cost.py`` prints the range): an approximation.
+    #: GPU), which differ per op (a sort launches several): ``tools/fit_host_cost.py`` prints how far they are
+    #: from these counts on its file (0.45x to 1.43x on ``profiles/measurements/h200-per-call.json``): an
+    #: approximation.
     HOST_KERNELS: ClassVar[dict[str, int]] = {}
     #: What the cost model prices the algorithm on in top-k mode (``topk_allreduce``): ``"selection"``,
     #: each rank's ``k`` selected entries (what a sparse algorithm moves), or ``"tensor"``, every element of

@@ -905,8 +905,7 @@ def _failed_before(group: Any, earlier: str, at: float) -> CollectiveError:
 def _gather_layout(twin: dist.ProcessGroup) -> int:
     """Return the largest count of the group's ranks sharing a host (host names hashed and gathered on ``twin``)."""
     digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
-    backend = str(dist.get_backend(twin)).lower()
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    device = group_device(twin)
     mine = upload([int.from_bytes(digest, "big", signed=True)], device)
     hosts = torch.empty(dist.get_world_size(twin), dtype=torch.int64, device=device)
     _all_gather_single()(hosts, mine, group=twin)

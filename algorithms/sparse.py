@@ -211,6 +211,7 @@ def writable(t: torch.Tensor) -> bool:
     return t.is_contiguous() and not t.is_inference()
 
 
+@functools.cache
 def dtype_code(dtype: torch.dtype) -> int:
     """Return a small integer naming ``dtype``, for metadata records (0 if unknown)."""
     return _DTYPE_CODES.get(str(dtype).rpartition(".")[2], 0)

@@ -210,7 +210,7 @@ def test_magnitudes_select_the_same_entries_on_both_paths(dtype):
     host = Magnitudes(distinct)
     with device_path():
         dev = Magnitudes(distinct)
-    for k in (1, 7, 1999, 4000):
+    for k in (1, 7, 1999, 3999):  # below numel: k = numel returns every position without torch.topk
         assert torch.equal(host.top_k_indices(k), dev.top_k_indices(k)), k
     host = Magnitudes(acc)
     # NaN and the infinities are the largest: the first three selected, NaN among them.

@@ -307,6 +307,7 @@ def test_every_algorithm_module_imports_with_torch_blocked() -> None:
     # Their top levels touch no torch (colltune.algorithms.lazy imports it on first use), so that pricing works
     # without it; the code that runs a call imports it when it first runs.
     modules = sorted(m for m in _modules() if layer_of(m) == "algorithms")
+    assert "colltune.algorithms.dense" in modules and "colltune.algorithms.lazy" in modules
     code = _BLOCK_TORCH + f"""
 import importlib
 for name in {modules!r}:
