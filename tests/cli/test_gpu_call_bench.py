@@ -35,8 +35,14 @@ def test_the_summary_of_the_stored_h200_file_gives_the_readme_table():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     readme = open(os.path.join(ROOT, "README.md")).read()
-    for line in done.stdout.splitlines():  # e.g. "dense  0.49 to 1.91 ms, syncs [1], kernels 17 to 40, ... 2.22"
+    label = {"all_reduce": "`all_reduce` of the dense tensor", "densify+all_reduce": "densify + `all_reduce`",
+             "oktopk": "Ok-Topk", "auto": "`auto`"}
+    lines = done.stdout.splitlines()
+    assert len(lines) == 7, lines  # all_reduce, densify + all_reduce, the four algorithms, auto
+    for line in lines:  # e.g. "dense  0.49 to 1.91 ms, syncs [1], kernels 17 to 40, ... 2.22"
         name, rest = line.split(None, 1)
         ms, ratio = rest.split(" ms,")[0], rest.rsplit(" ", 1)[1]
+        syncs = rest.split("syncs [")[1].split("]")[0]
         kernels = rest.split("kernels ")[1].split(",")[0]  # "17 to 40", or "0" where every call launched as many
-        assert f"| {ms} | " in readme and f" {kernels} | " in readme and f"| {ratio} |" in readme, line
+        row = f"| {label.get(name, name)} | {ms} | {syncs} | {kernels} | {ratio} |"
+        assert row in readme, row  # the algorithm's own row, every cell
