@@ -103,6 +103,32 @@ def test_exploration_keeps_to_its_budgets_and_its_margin() -> None:
         assert corrected[algorithm] <= online.EXPLORE_WITHIN * min(corrected.values())
 
 
+def test_a_runner_up_that_keeps_measuring_slower_is_tried_less_and_less() -> None:
+    # The profile is right: every exploring call confirms the choice, so each waits twice as long, up to the cap.
+    calls = _stream(Selector(profile=PROFILE, environ={}), {}, 1000, density=3e-2)
+    at = [i for i, c in enumerate(calls) if c[1] == "explore"]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    longest = online.EXPLORE_BACKOFF * online.EXPLORE_EVERY
+    assert at[0] <= online.EXPLORE_EVERY + 1 and gaps == sorted(gaps), at
+    assert gaps[0] >= 2 * online.EXPLORE_EVERY and set(gaps[2:]) == {longest}, gaps
+    assert len(at) <= 3 + 1000 // longest
+
+
+def test_an_exploring_call_that_changes_the_decision_tries_as_often_again() -> None:
+    sel = Selector(profile=PROFILE, environ={})
+    settled = _stream(sel, {}, 400, density=3e-2)  # allgather, its runner-up confirmed slower: the longest wait
+    assert settled[-1][0] == "allgather"
+    key = _decide(sel, 3e-2)[0]
+    assert sel._sites.get(key).explore_gap == online.EXPLORE_BACKOFF * online.EXPLORE_EVERY
+    drifted = _stream(sel, {"dense": 0.75}, 500, density=3e-2)  # now dense is the fastest by a quarter
+    switched = next(i for i, c in enumerate(drifted) if c[0] == "dense")
+    # The runners-up are tried in turn (the least measured first), each at the longest wait: three of them.
+    assert switched <= 3 * online.EXPLORE_BACKOFF * online.EXPLORE_EVERY
+    assert all(c[0] == "dense" for c in drifted[switched + 2:] if c[1] != "explore")
+    after = [i for i, c in enumerate(drifted) if c[1] == "explore" and i > switched]
+    assert after and after[0] - switched <= online.EXPLORE_EVERY + 1, (switched, after)  # the wait starts over
+
+
 def test_an_algorithm_predicted_far_slower_is_never_tried() -> None:
     # At density 1e-4 oktopk is predicted 1.38x allgather's time: inside the margin; dense x1.16.
     sel = Selector(profile=PROFILE, environ={})

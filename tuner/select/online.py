@@ -21,7 +21,10 @@ algorithm the corrected model does not pick is tried now and then
 (:func:`explore_pick`): at most once in :data:`EXPLORE_EVERY` calls of a
 site, within :data:`EXPLORE_WITHIN` of the best corrected prediction (so
 never one predicted more than 2x slower), while the site's exploring has
-cost at most :data:`EXPLORE_TIME` of its measured time.
+cost at most :data:`EXPLORE_TIME` of its measured time. An exploring call
+that changes no decision doubles the site's wait for the next one, up to
+:data:`EXPLORE_BACKOFF` times :data:`EXPLORE_EVERY`; one that changes a
+decision brings it back to :data:`EXPLORE_EVERY`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 __all__ = [
-    "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
+    "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_BACKOFF", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
     "Timer", "Feedback", "Ratios", "explore_pick", "feedback", "start", "hold", "STATE_FORMAT", "STATE_VERSION",
     "MAX_STATE_BYTES", "MAX_STATE_SITES", "SAVE_EVERY", "SAMPLES_PER_SITE", "stable_key", "copy_mean", "library_version",
     "dump_state", "load_state", "sample", "measurements_from_state",
@@ -46,6 +49,10 @@ PRIOR_CALLS = 1.0
 #: A site explores at most once in this many calls (2.9% of its calls): the first time the time budget
 #: allows after this many calls since its last exploring one.
 EXPLORE_EVERY = 34
+#: An exploring call that changes none of the site's decisions doubles the wait for its next one, up to this
+#: many times :data:`EXPLORE_EVERY` (once in 136 calls, 0.7%): a site whose runner-up keeps measuring slower
+#: stops paying for it, while still checking within about a hundred calls whether drift has changed that.
+EXPLORE_BACKOFF = 4
 #: Only an algorithm whose corrected prediction is within this factor of the best one is tried.
 EXPLORE_WITHIN = 1.5
 #: ... and only while the site's exploring has cost at most this share of its measured time.

@@ -557,7 +557,7 @@ def _cover(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
 
 class _Site:
     __slots__ = ("overlap", "overlap_source", "last", "latest", "entries", "ratios", "pool", "measured", "options",
-                 "calls", "explored_at", "total_us", "explore_us", "seeded", "warm", "last_call", "samples")
+                 "calls", "explored_at", "explore_gap", "total_us", "explore_us", "seeded", "warm", "last_call", "samples")
 
     def __init__(self, pool: _online.Ratios | None = None) -> None:
         self.overlap: float | None = None
@@ -578,6 +578,7 @@ class _Site:
         self.options: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self.calls = 0
         self.explored_at = 0
+        self.explore_gap = _online.EXPLORE_EVERY  # calls from one exploring call to the next, at least
         self.total_us = 0.0
         self.explore_us = 0.0
         # The last completed call's (k_sum, k_max, union), and the site's recent measured calls (a state file
@@ -1296,12 +1297,17 @@ class Selector:
         if explored:
             site.explore_us += measured_us
         factors: dict[str, float] = {}  # the same measurements price every cached decision of the site
+        changed = False
         for e in site.entries.values():
             pred = e.choice.predicted_us
             if e.choice.source in ("model", "hysteresis") and pred:
                 corr = self._corrected(site, pred, factors)
                 if corr[e.choice.algorithm] > min(corr.values()) * (1.0 + self.margin):
                     e.age = self.reevaluate_every
+                    changed = True
+        if explored:  # the runner-up confirmed slower: wait longer for the next try; else try again as often
+            site.explore_gap = (_online.EXPLORE_EVERY if changed
+                                else min(2 * site.explore_gap, _online.EXPLORE_BACKOFF * _online.EXPLORE_EVERY))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("measured %s %s: %s, predicted %s (x%.2f now)", _site_label(site_key), algorithm,
                          _ms(measured_us), _ms(predicted_us), site.pool.factor(site.ratios, algorithm))
@@ -1319,7 +1325,7 @@ class Selector:
         if not self.online or choice.source not in ("model", "hysteresis") or not choice.predicted_us:
             return choice
         site.calls += 1
-        if site.calls - site.explored_at < _online.EXPLORE_EVERY:
+        if site.calls - site.explored_at < site.explore_gap:
             return choice
         corr = self._corrected(site, choice.predicted_us)
         other = _online.explore_pick(corr, choice.algorithm, lambda a: site.pool.samples(site.ratios, a),
@@ -1329,7 +1335,7 @@ class Selector:
         site.explored_at = site.calls
         knobs, state_knobs = site.options.get(other, ({}, {}))
         return Choice(other, f"exploring {other} (corrected {_ms(corr[other])}, {choice.algorithm} "
-                      f"{_ms(corr[choice.algorithm])}): one call in {_online.EXPLORE_EVERY} at most",
+                      f"{_ms(corr[choice.algorithm])}): one call in {site.explore_gap} at most",
                       "explore", knobs, choice.predicted_us, choice.rule, None, choice.overlap, choice.overlap_source,
                       False, choice.features, state_knobs, corr, dict(site.measured) or None)
 
