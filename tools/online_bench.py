@@ -4,7 +4,9 @@ A training-like stream: ``--sites`` call sites (tensors of ``n`` rows from
 2^14 to 2^20), each called ``--calls`` times with its density drifting
 (half an octave up and down around its base, 1e-3 to 5e-2) and fresh
 indices every call (overlap about 0.5). In every call, on the same inputs,
-one after another after a barrier (a busy moment slows all alike):
+one after another after a barrier (a busy moment slows all alike), in an
+order that rotates from call to call (no contender always runs first, or
+right after the same one):
 
 * every registered algorithm, forced: the call's truth (the slowest rank's
   time of each);
@@ -14,9 +16,14 @@ one after another after a barrier (a busy moment slows all alike):
 Regret of a choice = the forced time of the algorithm it chose / the fastest
 forced time of that call. Printed per mode, over each site's calls after its
 first ``--settle`` (50): geometric mean, 95th percentile, the share of calls
-and of time spent exploring, the cost of ``on`` against ``off`` (geometric
-mean of auto's own times), and whether every rank decided the same in every
-call (checked).
+and of time spent exploring, the cost of ``on`` against ``off``, and
+whether every rank decided the same in every call (checked). The cost of
+``on`` is given two ways: the geometric mean of auto's own times, on over
+off in the same call, with its 95% confidence interval (one call's time is
+a noisy sample, so the interval is wide on a busy machine); and the cost of
+on's choices against off's, each priced by the smoothed truth (below),
+which leaves the noise out but also on's own bookkeeping (a clock read and
+a few dictionary look-ups a call).
 
 ``--wrong ALG:X`` makes the profile wrong in a known way: its predictions of
 ``ALG`` are multiplied by ``X`` (``allgather:0.33`` prices allgather 3x too
@@ -102,6 +109,7 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
         sels[mode] = Selector(profile=cfg["profile"], environ={}, online=on)
         _wrong(sels[mode], "gloo", wrong)  # type: ignore[arg-type]
     names = colltune.algorithms.names()
+    contenders = [*names, *sels]
     out: list[dict] = []
     gen = torch.Generator().manual_seed(1000 + rank)
     for i in range(cfg["calls"]):
@@ -112,16 +120,22 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
             shared = torch.randperm(n, generator=torch.Generator().manual_seed(i * 31 + s))[: k // 2]
             idx = torch.cat([shared, torch.randint(0, n, (k - shared.numel(),), generator=gen)])
             vals = torch.randn(idx.numel(), generator=gen)
-            rec: dict[str, Any] = {"site": s, "call": i}
-            forced = {a: _timed(lambda a=a: colltune.sparse_allreduce(idx, vals, n, algorithm=a)) for a in names}
-            rec["forced"] = {a: t for a, (_, t) in forced.items()}
-            rec["predicted"] = _predicted(sels["off"], n, idx, forced[names[0]][0].indices.numel(), world_size)
-            for mode, sel in sels.items():
-                res, t = _timed(lambda sel=sel: colltune.sparse_allreduce(idx, vals, n, name=f"site{s}", policy=sel))
-                d = res.decision
-                rec[mode] = {"algorithm": res.algorithm, "source": d.source, "us": t,
-                             "correction": {a: d.corrected_us[a] / d.predicted_us[a] for a in d.predicted_us
-                                            if d.corrected_us and d.predicted_us[a] > 0}}
+            rec: dict[str, Any] = {"site": s, "call": i, "forced": {}}
+            turn = (i + s) % len(contenders)
+            for who in contenders[turn:] + contenders[:turn]:
+                if who in sels:
+                    sel = sels[who]
+                    res, t = _timed(lambda sel=sel: colltune.sparse_allreduce(idx, vals, n, name=f"site{s}",
+                                                                              policy=sel))
+                    d = res.decision
+                    rec[who] = {"algorithm": res.algorithm, "source": d.source, "us": t,
+                                "correction": {a: d.corrected_us[a] / d.predicted_us[a] for a in d.predicted_us
+                                               if d.corrected_us and d.predicted_us[a] > 0}}
+                else:
+                    res, rec["forced"][who] = _timed(lambda a=who: colltune.sparse_allreduce(idx, vals, n, algorithm=a))
+                    union = res.indices.numel()
+            rec["forced"] = {a: rec["forced"][a] for a in names}
+            rec["predicted"] = _predicted(sels["off"], n, idx, union, world_size)
             out.append(rec)
     return {"calls": out}
 
@@ -180,7 +194,13 @@ def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
                 f"{label}regret_p95": regret[min(len(regret) - 1, int(0.95 * len(regret)))],
                 f"{label}regret_max": regret[-1],
             })
-    out["on_over_off"] = out["on"]["auto_us_geomean"] / out["off"]["auto_us_geomean"]
+    logs = [math.log(r["on"]["us"] / r["off"]["us"]) for r in after]
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.inf
+    mean = statistics.fmean(logs)
+    out["on_over_off"] = math.exp(mean)
+    out["on_over_off_ci95"] = [math.exp(mean - half), math.exp(mean + half)]
+    out["on_over_off_choices"] = statistics.geometric_mean(
+        [t[r["on"]["algorithm"]] / t[r["off"]["algorithm"]] for r, t in zip(after, smooth)])
     return out
 
 
@@ -225,8 +245,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * m['explore_calls']:>13.1f}% {100 * m['explore_time']:>12.1f}%")
     print(f"(regret: the chosen algorithm's forced time in that call over the fastest's; smoothed: each forced time "
           f"the median over the site's calls within {args.window})")
-    print(f"auto's own time, on / off (geometric mean): {summary['on_over_off']:.3f}; "
-          f"the same decisions on every rank: {same}")
+    lo, hi = summary["on_over_off_ci95"]
+    print(f"auto's own time, on / off (geometric mean of each call's ratio): {summary['on_over_off']:.3f} "
+          f"(95% confidence {lo:.3f} to {hi:.3f}); on's choices against off's, priced by the smoothed truth: "
+          f"{summary['on_over_off_choices']:.3f}")
+    print(f"the same decisions on every rank: {same}")
     save_json(args.json, {"summary": summary, "calls": records})
     return 0 if same else 1
 

@@ -157,16 +157,23 @@ def _summary_md(run: Mapping[str, Any], algorithms: Sequence[str], files: Mappin
         lines += [f"{s.get('ranks', '?')} ranks, {s.get('sites', '?')} sites x {s.get('calls', '?')} calls; profile "
                   f"{s.get('profile', '?')}" + (f"; made wrong: {s['wrong'][0]} x{s['wrong'][1]:g}" if s.get("wrong")
                                                  else ""), "",
-                  "| mode | regret (geometric mean) | 95th percentile | max | exploring calls | exploring time |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| mode | regret (geometric mean) | 95th percentile | max | smoothed: geometric mean | 95th "
+                  "percentile | exploring calls | exploring time |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for mode in ("on", "off"):
             m = s.get(mode) or {}
             if m:
+                smoothed = (f"{m['smoothed_regret_geomean']:.3f} | {m['smoothed_regret_p95']:.2f}"
+                            if "smoothed_regret_geomean" in m else "- | -")
                 lines.append(f"| {mode} | {m['regret_geomean']:.3f} | {m['regret_p95']:.2f} | {m['regret_max']:.2f} "
-                             f"| {100 * m['explore_calls']:.1f}% | {100 * m['explore_time']:.1f}% |")
+                             f"| {smoothed} | {100 * m['explore_calls']:.1f}% | {100 * m['explore_time']:.1f}% |")
         if "on_over_off" in s:
-            lines += ["", f"auto's own time, on over off (geometric mean): {s['on_over_off']:.3f}; the same "
-                      f"decisions on every rank: {s.get('same_on_every_rank')}"]
+            ci = s.get("on_over_off_ci95")
+            lines += ["", f"auto's own time, on over off (geometric mean): {s['on_over_off']:.3f}"
+                      + (f" (95% confidence {ci[0]:.3f} to {ci[1]:.3f})" if ci else "")
+                      + (f"; on's choices against off's, priced by the smoothed truth: "
+                         f"{s['on_over_off_choices']:.3f}" if "on_over_off_choices" in s else "")
+                      + f"; the same decisions on every rank: {s.get('same_on_every_rank')}"]
     lines += ["", "| algorithm | calls | measured / predicted (median) | measured / corrected (median) |",
               "| --- | --- | --- | --- |"]
     for a in algorithms:
