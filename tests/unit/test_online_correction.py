@@ -129,6 +129,20 @@ def test_an_exploring_call_that_changes_the_decision_tries_as_often_again() -> N
     assert after and after[0] - switched <= online.EXPLORE_EVERY + 1, (switched, after)  # the wait starts over
 
 
+def test_what_a_site_measured_long_ago_fades_to_one_calls_weight() -> None:
+    pool, own = online.Ratios(), {}
+    for _ in range(10):  # a few noisy early calls: allgather measured 4x its prediction
+        pool.observe(own, "allgather", 100.0, 400.0)
+    heavy = own["allgather"].n
+    assert heavy > 8
+    for _ in range(200):  # then the site runs dense
+        pool.observe(own, "dense", 100.0, 100.0)
+    assert own["allgather"].n == pytest.approx(1.0) and own["allgather"].s == pytest.approx(math.log(4.0))
+    pool.observe(own, "allgather", 100.0, 100.0)  # one exploring call measures it as predicted
+    assert own["allgather"].s / own["allgather"].n < 0.55 * math.log(4.0)  # it outweighs the old figure
+    assert own["dense"].n > 30 * online.DECAY  # the running algorithm keeps its memory of about 30 calls
+
+
 def test_an_algorithm_predicted_far_slower_is_never_tried() -> None:
     # At density 1e-4 oktopk is predicted 1.38x allgather's time: inside the margin; dense x1.16.
     sel = Selector(profile=PROFILE, environ={})

@@ -40,8 +40,12 @@ __all__ = [
     "dump_state", "load_state", "sample", "measurements_from_state",
 ]
 
-#: Each measurement weighs the earlier ones at a site down by this factor: a memory of about 30 calls, so
-#: a correction follows a machine whose load changes.
+#: Each measured call at a site weighs the site's earlier measurements down by this factor, whichever
+#: algorithm ran: a memory of about 30 calls, so a correction follows a machine whose load changes. What a
+#: site measured of an algorithm it has since stopped running fades to the weight of one call (never less:
+#: a state file keeps what the site learned), so a few noisy early calls cannot outweigh the next exploring
+#: call's measurement and keep that algorithm untried. The ratios over every site forget by the same factor
+#: per measurement of the algorithm.
 DECAY = 0.97
 #: Pseudo-calls of the prior: a site's ratio starts at the algorithm's ratio over every site, which starts
 #: at the machine's, and moves to the site's own as its calls come in (one call counts half).
@@ -168,6 +172,12 @@ class _Mean:
     def add(self, x: float) -> None:
         self.s, self.n = self.s * DECAY + x, self.n * DECAY + 1.0
 
+    def fade(self) -> None:
+        """Age by one call without a measurement: the mean stays, its weight falls by :data:`DECAY` to one call's."""
+        if self.n > 1.0:
+            f = max(DECAY, 1.0 / self.n)
+            self.s, self.n = self.s * f, self.n * f
+
 
 class Ratios:
     """Measured / predicted over every site: per algorithm, and over every algorithm (the machine's).
@@ -191,6 +201,9 @@ class Ratios:
         """Add one call: ``own`` is the site's table."""
         r = min(MAX_RATIO, max(1.0 / MAX_RATIO, measured_us / max(predicted_us, 1e-3)))
         x = math.log(r)
+        for a, m in own.items():  # the site's clock: every algorithm's figures there age by one call
+            if a != algorithm:
+                m.fade()
         own.setdefault(algorithm, _Mean()).add(x)
         self.every.setdefault(algorithm, _Mean()).add(x)
         self.machine.add(x)
