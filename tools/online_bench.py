@@ -4,9 +4,13 @@ A training-like stream: ``--sites`` call sites (tensors of ``n`` rows from
 2^14 to 2^20), each called ``--calls`` times with its density drifting
 (half an octave up and down around its base, 1e-3 to 5e-2) and fresh
 indices every call (overlap about 0.5). In every call, on the same inputs,
-one after another after a barrier (a busy moment slows all alike), in an
-order that rotates from call to call (no contender always runs first, or
-right after the same one):
+one after another after a barrier (a busy moment slows all alike), after
+one untimed call on the same inputs (the first to touch fresh tensors
+pays for it: about 8% on two cores), the forced algorithms in an order
+that rotates from call to call, ``on`` and ``off`` side by side at a
+rotating place among them, in turn first (the second of two like calls
+is faster by 10 to 40% here, so a fixed order would decide the
+comparison):
 
 * every registered algorithm, forced: the call's truth (the slowest rank's
   time of each);
@@ -108,8 +112,7 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
     for mode, on in (("on", True), ("off", False)):
         sels[mode] = Selector(profile=cfg["profile"], environ={}, online=on)
         _wrong(sels[mode], "gloo", wrong)  # type: ignore[arg-type]
-    names = colltune.algorithms.names()
-    contenders = [*names, *sels]
+    names = list(colltune.algorithms.names())
     out: list[dict] = []
     gen = torch.Generator().manual_seed(1000 + rank)
     for i in range(cfg["calls"]):
@@ -121,8 +124,11 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
             idx = torch.cat([shared, torch.randint(0, n, (k - shared.numel(),), generator=gen)])
             vals = torch.randn(idx.numel(), generator=gen)
             rec: dict[str, Any] = {"site": s, "call": i, "forced": {}}
-            turn = (i + s) % len(contenders)
-            for who in contenders[turn:] + contenders[:turn]:
+            colltune.sparse_allreduce(idx, vals, n, algorithm=names[0])  # warm the inputs, untimed
+            turn, slots = i + s, len(names) + 1
+            forced = names[turn % len(names):] + names[: turn % len(names)]
+            pair = ["on", "off"] if (turn // slots) % 2 == 0 else ["off", "on"]
+            for who in forced[: turn % slots] + pair + forced[turn % slots:]:
                 if who in sels:
                     sel = sels[who]
                     res, t = _timed(lambda sel=sel: colltune.sparse_allreduce(idx, vals, n, name=f"site{s}",
