@@ -114,6 +114,18 @@ def test_a_runner_up_that_keeps_measuring_slower_is_tried_less_and_less() -> Non
     assert len(at) <= 3 + 1000 // longest
 
 
+def test_every_runner_up_takes_its_turn_and_a_stale_bucket_does_not_stop_the_backoff() -> None:
+    sel = Selector(profile=PROFILE, environ={})
+    _stream(sel, {"dense": 0.6}, 300, density=1e-2)  # a bucket decided for dense, left behind below
+    calls = _stream(sel, {"dense": 1.6}, 1200, density=3e-2)  # allgather now; its runners-up keep measuring slower
+    explored = [(i, c[0]) for i, c in enumerate(calls) if c[1] == "explore"]
+    gaps = [b[0] - a[0] for a, b in zip(explored, explored[1:])]
+    assert gaps[-3:] == [online.EXPLORE_BACKOFF * online.EXPLORE_EVERY] * 3, gaps
+    tried = [a for _, a in explored]
+    counts = {a: tried.count(a) for a in set(tried)}
+    assert len(counts) >= 2 and max(counts.values()) - min(counts.values()) <= 1, tried  # in turn, none left out
+
+
 def test_an_exploring_call_that_changes_the_decision_tries_as_often_again() -> None:
     sel = Selector(profile=PROFILE, environ={})
     settled = _stream(sel, {}, 400, density=3e-2)  # allgather, its runner-up confirmed slower: the longest wait
@@ -122,7 +134,7 @@ def test_an_exploring_call_that_changes_the_decision_tries_as_often_again() -> N
     assert sel._sites.get(key).explore_gap == online.EXPLORE_BACKOFF * online.EXPLORE_EVERY
     drifted = _stream(sel, {"dense": 0.75}, 500, density=3e-2)  # now dense is the fastest by a quarter
     switched = next(i for i, c in enumerate(drifted) if c[0] == "dense")
-    # The runners-up are tried in turn (the least measured first), each at the longest wait: three of them.
+    # The runners-up are tried in turn (the one measured longest ago first), each at the longest wait: three.
     assert switched <= 3 * online.EXPLORE_BACKOFF * online.EXPLORE_EVERY
     assert all(c[0] == "dense" for c in drifted[switched + 2:] if c[1] != "explore")
     after = [i for i, c in enumerate(drifted) if c[1] == "explore" and i > switched]

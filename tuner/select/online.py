@@ -62,11 +62,13 @@ EXPLORE_BACKOFF = 4
 EXPLORE_WITHIN = 1.5
 #: ... and only while the site's exploring has cost at most this share of its measured time.
 EXPLORE_TIME = 0.03
-#: A measured / predicted ratio is clipped to [1 / MAX_RATIO, MAX_RATIO] (a stalled call is not a model).
+#: A measured / predicted ratio is clipped to [1 / MAX_RATIO, MAX_RATIO] before anything else (a prediction of
+#: next to nothing, or a call that never returned in time, gives no ratio to take the log of).
 MAX_RATIO = 100.0
 #: A measurement more than this factor from the site's correction as it stands counts as this factor: one
-#: call stalled by a busy machine is not a trend, while a profile wrong by more is followed within a few
-#: calls. About three standard deviations of one call's time on a busy machine: at P = 2 and 4 on two
+#: call stalled by a busy machine is not a trend, while a profile wrong by more is followed: within a few
+#: calls at a new site, within about 30 (its memory, :data:`DECAY`) where the site has long measured the
+#: algorithm otherwise. About three standard deviations of one call's time on a busy machine: at P = 2 and 4 on two
 #: cores, the log of one call's time over the next like call's has a standard deviation of 0.55 to 0.65
 #: (``tools/online_bench.py``), about 0.45 for one call; single calls there took up to 16x their prediction.
 OUTLIER = 4.0
@@ -241,25 +243,21 @@ class Ratios:
         logs = [m.s / m.n for m in self.every.values() if m.n >= 0.5]
         return min(logs) if len(logs) >= 2 else 0.0
 
-    def samples(self, own: Mapping[str, _Mean], algorithm: str) -> float:
-        """The site's (decayed) count of measurements of ``algorithm``."""
-        m = own.get(algorithm)
-        return 0.0 if m is None else m.n
-
-
 def _shrunk(mean: _Mean | None, prior: float) -> float:
     """The log mean of ``mean`` with :data:`PRIOR_CALLS` pseudo-calls at ``prior``."""
     return prior if mean is None else (mean.s + PRIOR_CALLS * prior) / (mean.n + PRIOR_CALLS)
 
 
-def explore_pick(corrected: Mapping[str, float], chosen: str, samples: Callable[[str], float],
+def explore_pick(corrected: Mapping[str, float], chosen: str, last_measured: Callable[[str], int],
                  spent_us: float, total_us: float) -> str | None:
     """Return the algorithm to try instead of ``chosen`` on an exploring call, or ``None``.
 
     Candidates are within :data:`EXPLORE_WITHIN` of the best corrected
     prediction and affordable within :data:`EXPLORE_TIME` of the site's
-    measured time; the least measured is tried (ties: the faster
-    predicted, then registry order, as ``corrected`` lists them).
+    measured time; the one the site measured longest ago is tried
+    (``last_measured``: the site's call count at its latest measurement,
+    -1 for never), so every runner-up gets its turn; ties: the faster
+    predicted, then registry order, as ``corrected`` lists them.
     """
     best = min(corrected.values())
     names = list(corrected)
@@ -267,7 +265,7 @@ def explore_pick(corrected: Mapping[str, float], chosen: str, samples: Callable[
             and spent_us + corrected[a] <= EXPLORE_TIME * (total_us + corrected[a])]
     if not fits:
         return None
-    return min(fits, key=lambda a: (samples(a), corrected[a], names.index(a)))
+    return min(fits, key=lambda a: (last_measured(a), corrected[a], names.index(a)))
 
 
 def start(comm: Any, selector: Any) -> Timer | None:

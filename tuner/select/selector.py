@@ -557,7 +557,7 @@ def _cover(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
 
 class _Site:
     __slots__ = ("overlap", "overlap_source", "last", "latest", "entries", "ratios", "pool", "measured", "options",
-                 "calls", "explored_at", "explore_gap", "total_us", "explore_us", "seeded", "warm", "last_call", "samples")
+                 "calls", "explored_at", "explore_gap", "measured_at", "total_us", "explore_us", "seeded", "warm", "last_call", "samples")
 
     def __init__(self, pool: _online.Ratios | None = None) -> None:
         self.overlap: float | None = None
@@ -579,12 +579,20 @@ class _Site:
         self.calls = 0
         self.explored_at = 0
         self.explore_gap = _online.EXPLORE_EVERY  # calls from one exploring call to the next, at least
+        self.measured_at: dict[str, int] = {}  # per algorithm, the site's call count at its latest measurement
         self.total_us = 0.0
         self.explore_us = 0.0
         # The last completed call's (k_sum, k_max, union), and the site's recent measured calls (a state file
         # keeps them: colltune fit --online folds them into a profile).
         self.last_call: tuple[int, int, int] | None = None
         self.samples: list[list[Any]] = []
+
+
+def _decided(site: _Site, algorithm: str) -> None:
+    """Record a decision taken afresh; a change of algorithm starts the site's exploring waits over."""
+    if site.last is not None and site.last != algorithm:
+        site.explore_gap = _online.EXPLORE_EVERY
+    site.last = site.latest = algorithm
 
 
 #: Values of ``COLLTUNE_ONLINE`` (lower case) that turn online correction off, and on.
@@ -933,7 +941,7 @@ class Selector:
         site = self._seeded(site_key, backend)
         call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p, backend, ranks_per_node)
         choice = self._choose_sparse(site, call, comm, backend, indices, sketches)
-        site.last = site.latest = choice.algorithm
+        _decided(site, choice.algorithm)
         bucket = _bucket(k_sum)
         site.entries[bucket] = _Entry(choice, k_max, k_sum, choice.overlap).widened(site.entries.get(bucket))
         self._log("sparse", name, site_key, choice, comm.rank)
@@ -1102,7 +1110,7 @@ class Selector:
             sparse, dense = topk_features(numel, k, p, 0.0 if overlap is None else overlap, dtype_name, ranks_per_node)
             feats = features_by_algorithm(sparse, dense)
             choice = self._from_model(model, feats, decision, site, overlap, site.overlap_source)
-        site.last = site.latest = choice.algorithm
+        _decided(site, choice.algorithm)
         site.entries[0] = _Entry(choice, k, p * k, overlap)
         self._log("topk", name, site_key, choice, rank)
         return self._explored("topk", name, site_key, choice, rank)
@@ -1297,14 +1305,15 @@ class Selector:
         if explored:
             site.explore_us += measured_us
         factors: dict[str, float] = {}  # the same measurements price every cached decision of the site
-        changed = False
+        changed = False  # whether this measurement overturns a cached decision (one not overturned already)
         for e in site.entries.values():
             pred = e.choice.predicted_us
-            if e.choice.source in ("model", "hysteresis") and pred:
+            if e.choice.source in ("model", "hysteresis") and pred and e.age < self.reevaluate_every:
                 corr = self._corrected(site, pred, factors)
                 if corr[e.choice.algorithm] > min(corr.values()) * (1.0 + self.margin):
                     e.age = self.reevaluate_every
                     changed = True
+        site.measured_at[algorithm] = site.calls
         if explored:  # the runner-up confirmed slower: wait longer for the next try; else try again as often
             site.explore_gap = (_online.EXPLORE_EVERY if changed
                                 else min(2 * site.explore_gap, _online.EXPLORE_BACKOFF * _online.EXPLORE_EVERY))
@@ -1328,7 +1337,7 @@ class Selector:
         if site.calls - site.explored_at < site.explore_gap:
             return choice
         corr = self._corrected(site, choice.predicted_us)
-        other = _online.explore_pick(corr, choice.algorithm, lambda a: site.pool.samples(site.ratios, a),
+        other = _online.explore_pick(corr, choice.algorithm, lambda a: site.measured_at.get(a, -1),
                                      site.explore_us, site.total_us)
         if other is None:
             return choice
