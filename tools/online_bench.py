@@ -4,13 +4,13 @@ A training-like stream: ``--sites`` call sites (tensors of ``n`` rows from
 2^14 to 2^20), each called ``--calls`` times with its density drifting
 (half an octave up and down around its base, 1e-3 to 5e-2) and fresh
 indices every call (overlap about 0.5). In every call, on the same inputs,
-one after another after a barrier (a busy moment slows all alike), after
-one untimed call on the same inputs (the first to touch fresh tensors
-pays for it: about 8% on two cores), the forced algorithms in an order
-that rotates from call to call, ``on`` and ``off`` side by side at a
-rotating place among them, in turn first (the second of two like calls
-is faster by 10 to 40% here, so a fixed order would decide the
-comparison):
+one after another after a barrier (a busy moment slows all alike), once
+the fresh inputs have been touched untimed (the first call to touch them
+was about 8% slower on two cores): the forced algorithms in an order that
+rotates from call to call, ``on`` and ``off`` side by side at a rotating
+place among them, in turn first (the second of two like calls is faster
+by 10 to 40% here, so a fixed order would decide the comparison; each
+call's order is in the ``--json`` file):
 
 * every registered algorithm, forced: the call's truth (the slowest rank's
   time of each);
@@ -23,8 +23,9 @@ first ``--settle`` (50): geometric mean, 95th percentile, the share of calls
 and of time spent exploring, the cost of ``on`` against ``off``, and
 whether every rank decided the same in every call (checked). The cost of
 ``on`` is given two ways: the geometric mean of auto's own times, on over
-off in the same call, with its 95% confidence interval (one call's time is
-a noisy sample, so the interval is wide on a busy machine); and the cost of
+off in the same call (the calls where on ran first and those where off
+did weighing the same), with its 95% confidence interval (one call's time
+is a noisy sample, so the interval is wide on a busy machine); and the cost of
 on's choices against off's, each priced by the smoothed truth (below),
 which leaves the noise out but also on's own bookkeeping (a clock read and
 a few dictionary look-ups a call).
@@ -124,11 +125,12 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
             idx = torch.cat([shared, torch.randint(0, n, (k - shared.numel(),), generator=gen)])
             vals = torch.randn(idx.numel(), generator=gen)
             rec: dict[str, Any] = {"site": s, "call": i, "forced": {}}
-            colltune.sparse_allreduce(idx, vals, n, algorithm=names[0])  # warm the inputs, untimed
+            torch.unique(idx), vals.sum()  # touch the fresh inputs, untimed and like no contender
             turn, slots = i + s, len(names) + 1
             forced = names[turn % len(names):] + names[: turn % len(names)]
-            pair = ["on", "off"] if (turn // slots) % 2 == 0 else ["off", "on"]
-            for who in forced[: turn % slots] + pair + forced[turn % slots:]:
+            pair = ["on", "off"] if turn % 2 == 0 else ["off", "on"]  # each place, each order: every 2 x slots
+            rec["order"] = forced[: turn % slots] + pair + forced[turn % slots:]
+            for who in rec["order"]:
                 if who in sels:
                     sel = sels[who]
                     res, t = _timed(lambda sel=sel: colltune.sparse_allreduce(idx, vals, n, name=f"site{s}",
@@ -183,6 +185,28 @@ def _regrets(records: list[dict], truths: list[dict[str, float]], mode: str) -> 
     return sorted(t[r[mode]["algorithm"]] / min(t.values()) for r, t in zip(records, truths))
 
 
+def _paired(records: list[dict]) -> tuple[float, float]:
+    """The log of auto's own time on over off, and its 95% half-width: the mean of the two orders' means.
+
+    Of two like calls side by side the second is faster here, so the calls
+    where ``on`` ran first and those where ``off`` did are averaged
+    separately and then together, each order weighing the same whatever
+    their counts; the interval adds the two means' variances.
+    """
+    by_order: dict[bool, list[float]] = {True: [], False: []}
+    for r in records:
+        first = r["order"].index("on") < r["order"].index("off") if "order" in r else True
+        by_order[first].append(math.log(r["on"]["us"] / r["off"]["us"]))
+    groups = [xs for xs in by_order.values() if xs]
+    if not groups:
+        return 0.0, math.inf
+    mean = statistics.fmean(statistics.fmean(xs) for xs in groups)
+    if any(len(xs) < 2 for xs in groups):
+        return mean, math.inf
+    var = sum(statistics.variance(xs) / len(xs) for xs in groups) / len(groups) ** 2
+    return mean, 1.96 * math.sqrt(var)
+
+
 def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     after = [r for r in records if r["call"] >= settle]
@@ -200,9 +224,7 @@ def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
                 f"{label}regret_p95": regret[min(len(regret) - 1, int(0.95 * len(regret)))],
                 f"{label}regret_max": regret[-1],
             })
-    logs = [math.log(r["on"]["us"] / r["off"]["us"]) for r in after]
-    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.inf
-    mean = statistics.fmean(logs)
+    mean, half = _paired(after)
     out["on_over_off"] = math.exp(mean)
     out["on_over_off_ci95"] = [math.exp(mean - half), math.exp(mean + half)]
     out["on_over_off_choices"] = statistics.geometric_mean(

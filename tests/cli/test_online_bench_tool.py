@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 from colltune.algorithms import names
 from colltune.offline.online_report import write_online_report
@@ -25,11 +29,34 @@ def test_a_short_stream_times_every_contender_and_reports(tmp_path):
     for c in calls:
         assert set(c["forced"]) == set(names()) and all(t > 0 for t in c["forced"].values())
         assert c["on"]["algorithm"] in names() and c["off"]["us"] > 0
+        assert sorted(c["order"]) == sorted([*names(), "on", "off"])
+        assert abs(c["order"].index("on") - c["order"].index("off")) == 1  # side by side
+    # Over a site's calls every place of the pair and both orders come round.
+    site0 = [c["order"] for c in calls if c["site"] == 0]
+    assert {o.index("on") < o.index("off") for o in site0} == {True, False}
+    assert len({min(o.index("on"), o.index("off")) for o in site0}) == len(names()) + 1
     assert s["same_on_every_rank"] and s["wrong"] == ["allgather", 0.33]
-    lo, hi = s["on_over_off_ci95"]
-    assert lo <= s["on_over_off"] <= hi and s["on_over_off_choices"] > 0
-    for mode in ("on", "off"):
-        assert 1.0 <= s[mode]["smoothed_regret_geomean"] <= s[mode]["smoothed_regret_max"]
+    assert s["on_over_off_ci95"][1] > s["on_over_off_ci95"][0] > 0 and s["on_over_off_choices"] > 0
     assert "95% confidence" in done.stdout and "the same decisions on every rank: True" in done.stdout
     summary = open(write_online_report(str(out), str(tmp_path / "report"))["summary"], encoding="utf-8").read()
     assert "95% confidence" in summary and "| on | " in summary and "| off | " in summary
+
+
+def test_on_over_off_weighs_both_orders_alike():
+    spec = importlib.util.spec_from_file_location("online_bench", os.path.join(ROOT, "tools", "online_bench.py"))
+    online_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(online_bench)
+
+    def call(first: str, on: float, off: float) -> dict:
+        return {"order": [first, "off" if first == "on" else "on"], "on": {"us": on}, "off": {"us": off}}
+
+    # The second of two like calls is 1.2x faster; on costs exactly what off does. Three calls ran on first,
+    # one off first: a plain mean would read on as 1.09x off.
+    records = [call("on", 120.0, 100.0)] * 3 + [call("off", 100.0, 120.0)]
+    mean, half = online_bench._paired(records)
+    assert mean == pytest.approx(0.0) and half == float("inf")  # one call of an order: no interval
+    # on first: three at 1.2, one at 1.1; off first: two at 1 / 1.2. Each order's mean, then theirs: on a touch
+    # cheaper than off, where the plain mean of the six calls reads 1.05.
+    mean, half = online_bench._paired(records + [call("on", 110.0, 100.0), call("off", 100.0, 120.0)])
+    assert math.exp(mean) == pytest.approx(math.sqrt(math.exp((3 * math.log(1.2) + math.log(1.1)) / 4) / 1.2))
+    assert math.exp(mean) < 1.0 and 0 < half < 0.1
