@@ -155,16 +155,6 @@ def test_what_a_site_measured_long_ago_fades_to_one_calls_weight() -> None:
     assert own["dense"].n > 30 * online.DECAY  # the running algorithm keeps its memory of about 30 calls
 
 
-def test_one_stalled_call_is_not_a_trend_but_a_real_error_is_followed() -> None:
-    pool, own = online.Ratios(), {}
-    pool.observe(own, "allgather", 100.0, 5000.0)  # one call 50x its prediction: counted as OUTLIER x
-    assert 1.0 < pool.factor(own, "allgather") < online.OUTLIER  # shrunk toward the prior, too
-    pool, own = online.Ratios(), {}
-    for _ in range(6):  # every call 10x: followed within a few calls
-        pool.observe(own, "allgather", 100.0, 1000.0)
-    assert pool.factor(own, "allgather") > 6.0
-
-
 def test_an_algorithm_predicted_far_slower_is_never_tried() -> None:
     # At density 1e-4 oktopk is predicted 1.38x allgather's time: inside the margin; dense x1.16.
     sel = Selector(profile=PROFILE, environ={})

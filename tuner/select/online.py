@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 __all__ = [
     "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_BACKOFF", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
-    "OUTLIER",
     "Timer", "Feedback", "Ratios", "explore_pick", "feedback", "start", "hold", "STATE_FORMAT", "STATE_VERSION",
     "MAX_STATE_BYTES", "MAX_STATE_SITES", "SAVE_EVERY", "SAMPLES_PER_SITE", "stable_key", "copy_mean", "library_version",
     "dump_state", "load_state", "sample", "measurements_from_state",
@@ -62,17 +61,8 @@ EXPLORE_BACKOFF = 4
 EXPLORE_WITHIN = 1.5
 #: ... and only while the site's exploring has cost at most this share of its measured time.
 EXPLORE_TIME = 0.03
-#: A measured / predicted ratio is clipped to [1 / MAX_RATIO, MAX_RATIO] before anything else (a prediction of
-#: next to nothing, or a call that never returned in time, gives no ratio to take the log of).
+#: A measured / predicted ratio is clipped to [1 / MAX_RATIO, MAX_RATIO] (a stalled call is not a model).
 MAX_RATIO = 100.0
-#: A measurement more than this factor from the site's correction as it stands counts as this factor: one
-#: call stalled by a busy machine is not a trend, while a profile wrong by more is followed: within a few
-#: calls at a new site, within about 30 (its memory, :data:`DECAY`) where the site has long measured the
-#: algorithm otherwise. About three standard deviations of one call's time on a busy machine: at P = 2 and 4 on two
-#: cores, the log of one call's time over the next like call's has a standard deviation of 0.55 to 0.65
-#: (``tools/online_bench.py``), about 0.45 for one call; single calls there took up to 16x their prediction.
-OUTLIER = 4.0
-_OUTLIER_LOG = math.log(OUTLIER)
 #: Exchanges a measurement may wait for every rank's figure (a CUDA event not done yet) before it is dropped.
 _MAX_WAIT = 8
 
@@ -210,8 +200,7 @@ class Ratios:
     def observe(self, own: dict[str, _Mean], algorithm: str, predicted_us: float, measured_us: float) -> None:
         """Add one call: ``own`` is the site's table."""
         r = min(MAX_RATIO, max(1.0 / MAX_RATIO, measured_us / max(predicted_us, 1e-3)))
-        now = math.log(self.factor(own, algorithm))
-        x = min(now + _OUTLIER_LOG, max(now - _OUTLIER_LOG, math.log(r)))
+        x = math.log(r)
         for a, m in own.items():  # the site's clock: every algorithm's figures there age by one call
             if a != algorithm:
                 m.fade()
