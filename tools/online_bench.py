@@ -46,6 +46,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -144,6 +145,7 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
                     union = res.indices.numel()
             rec["forced"] = {a: rec["forced"][a] for a in names}
             rec["predicted"] = _predicted(sels["off"], n, idx, union, world_size)
+            rec.update(n=n, k=k, union=union)
             out.append(rec)
     return {"calls": out}
 
@@ -207,18 +209,32 @@ def _paired(records: list[dict]) -> tuple[float, float]:
     return mean, 1.96 * math.sqrt(var)
 
 
+#: The floor's truth: each forced time the median over the site's calls within this many (25 calls).
+FLOOR_WINDOW = 12
+
+
 def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
+    """Regret per mode, and the floor: what choosing by a far steadier truth scores against the same truth.
+
+    The floor picks, in each call, the algorithm fastest by the site's
+    forced times over :data:`FLOOR_WINDOW` calls each side: a selector
+    that knew each algorithm's time near that call. Its regret is what
+    the per-call noise of the truth itself leaves, which no selector
+    goes under on this machine.
+    """
     out: dict[str, Any] = {}
     after = [r for r in records if r["call"] >= settle]
     smooth = [t for r, t in zip(records, _smoothed(records, window)) if r["call"] >= settle]
-    for mode in ("on", "off"):
-        explored = [r for r in records if r[mode]["source"] == "explore"]
-        total = sum(r[mode]["us"] for r in records)
-        out[mode] = {"explore_calls": len(explored) / len(records),
-                     "explore_time": sum(r[mode]["us"] for r in explored) / total,
-                     "auto_us_geomean": statistics.geometric_mean([r[mode]["us"] for r in after])}
+    wide = [t for r, t in zip(records, _smoothed(records, FLOOR_WINDOW)) if r["call"] >= settle]
+    after_floor = [{**r, "floor": {"algorithm": min(w, key=w.__getitem__)}} for r, w in zip(after, wide)]
+    for mode in ("on", "off", "floor"):
+        explored = [r for r in records if r[mode]["source"] == "explore"] if mode != "floor" else []
+        out[mode] = {} if mode == "floor" else {
+            "explore_calls": len(explored) / len(records),
+            "explore_time": sum(r[mode]["us"] for r in explored) / sum(r[mode]["us"] for r in records),
+            "auto_us_geomean": statistics.geometric_mean([r[mode]["us"] for r in after])}
         for label, truths in (("", [r["forced"] for r in after]), ("smoothed_", smooth)):
-            regret = _regrets(after, truths, mode)
+            regret = _regrets(after_floor, truths, mode)
             out[mode].update({
                 f"{label}regret_geomean": statistics.geometric_mean(regret),
                 f"{label}regret_p95": regret[min(len(regret) - 1, int(0.95 * len(regret)))],
@@ -230,6 +246,82 @@ def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
     out["on_over_off_choices"] = statistics.geometric_mean(
         [t[r["on"]["algorithm"]] / t[r["off"]["algorithm"]] for r, t in zip(after, smooth)])
     return out
+
+
+class _Recorded:
+    """A cost model that predicts what a recorded call's profile predicted (``--replay``)."""
+
+    kind, label, analytic, learned = "recorded", "the recorded predictions", None, None
+
+    def __init__(self) -> None:
+        self.now: dict[str, float] = {}
+
+    def predict(self, f: Any) -> dict[str, float]:
+        return dict(self.now)
+
+    def predict_many(self, feats: Any) -> list[dict[str, float]]:
+        return [dict(self.now) for _ in feats]
+
+    def extrapolation(self, f: Any) -> None:
+        return None
+
+    def terms(self, f: Any) -> dict[str, dict[str, float]]:
+        return {a: {} for a in self.now}
+
+
+def replay(run: dict) -> list[dict]:
+    """The recorded stream of ``run`` decided again by fresh selectors (correction on and off), on one process.
+
+    Each call is priced by the profile's recorded predictions, and the
+    algorithm a selector picks "takes" that algorithm's recorded forced
+    time, which it learns from before the next call (on a group, the next
+    exchange carries it). So the machine's noise is the recorded one and
+    two versions of the selector can be compared call for call, in seconds.
+    """
+    from types import SimpleNamespace
+
+    p = run["summary"]["ranks"]
+    comm = SimpleNamespace(world_size=p, rank=0)
+    sels, models = {}, {}
+    for mode, on in (("on", True), ("off", False)):
+        sels[mode] = Selector(environ={}, online=on)
+        sels[mode].model("gloo")
+        models[mode] = sels[mode]._models["gloo"] = _Recorded()  # type: ignore[assignment]
+    out = []
+    for r in run["calls"]:
+        s, i = r["site"], r["call"]
+        n = r.get("n", SIZES[s % len(SIZES)])  # files written before n, k and the union were kept
+        density = BASES[s % len(BASES)] * 2 ** (0.5 * math.sin(2 * math.pi * i / 97 + s))
+        k = r.get("k", max(1, int(n * density)))
+        counts = [k] * p
+        key = ("sparse", f"site{s}", n, 1, "float32", p, 0)
+        rec = {"site": s, "call": i, "forced": r["forced"]}
+        for mode, sel in sels.items():
+            sel.observe_sparse(key, counts, r.get("union", k * p // 2))
+            models[mode].now = r["predicted"]
+            c = sel.decide_sparse(key, comm=comm, backend="gloo", name=f"site{s}", size=n, row_numel=1,
+                                  dtype="float32", counts=counts, indices=None, ranks_per_node=p)
+            t = r["forced"][c.algorithm]
+            if c.predicted_us is not None:
+                sel.observe_time(key, c.algorithm, c.predicted_us[c.algorithm], t, c.source == "explore")
+            rec[mode] = {"algorithm": c.algorithm, "source": c.source, "us": t}
+        out.append(rec)
+    return out
+
+
+def _print(summary: dict, settle: int, window: int) -> None:
+    print(f"{'mode':>5} {'regret gm':>10} {'p95':>6} {'max':>6} {'smoothed gm':>12} {'p95':>6} {'max':>6} "
+          f"{'explore calls':>14} {'explore time':>13}")
+    for mode in ("on", "off", "floor"):
+        m = summary[mode]
+        explore = (f"{100 * m['explore_calls']:>13.1f}% {100 * m['explore_time']:>12.1f}%" if "explore_calls" in m
+                   else f"{'-':>14} {'-':>13}")
+        print(f"{mode:>5} {m['regret_geomean']:>10.3f} {m['regret_p95']:>6.2f} {m['regret_max']:>6.2f} "
+              f"{m['smoothed_regret_geomean']:>12.3f} {m['smoothed_regret_p95']:>6.2f} {m['smoothed_regret_max']:>6.2f} "
+              f"{explore}")
+    print(f"(after each site's first {settle} calls. regret: the chosen algorithm's forced time in that call over "
+          f"the fastest's; smoothed: each forced time the median over the site's calls within {window}; floor: "
+          f"each call's pick by the median within {FLOOR_WINDOW}, what the truth's own noise leaves)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +336,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="the profile (default: the one shipped for gloo)")
     ap.add_argument("--wrong", default=None, metavar="ALG:X", help="multiply the profile's predictions of ALG by X")
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--replay", nargs="+", default=None, metavar="RUN",
+                    help="decide the calls of runs this tool wrote (--json) again with this colltune's selector, "
+                    "each algorithm taking its recorded time: no ranks, seconds a run")
     args = ap.parse_args(argv)
+    if args.replay:
+        for path in args.replay:
+            with open(path, encoding="utf-8") as fh:
+                run = json.load(fh)
+            summary = _summary(replay(run), args.settle, args.window)
+            s = run["summary"]
+            wrong_then = f", wrong: {s['wrong'][0]} x{s['wrong'][1]:g}" if s.get("wrong") else ""
+            print(f"{path}: P={s['ranks']}, profile {s['profile']}{wrong_then}")
+            _print(summary, args.settle, args.window)
+            print(f"on's choices against off's, priced by the smoothed truth: {summary['on_over_off_choices']:.3f}")
+        return 0
     wrong = None
     if args.wrong:
         alg, _, x = args.wrong.partition(":")
@@ -264,15 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                    profile=args.profile or "shipped (gloo)")
     print(f"P={args.ranks}, {args.sites} sites x {args.calls} calls, profile {summary['profile']}"
           f"{f', wrong: {wrong[0]} x{wrong[1]:g}' if wrong else ''}; regret after each site's first {args.settle}")
-    print(f"{'mode':>4} {'regret gm':>10} {'p95':>6} {'max':>6} {'smoothed gm':>12} {'p95':>6} {'max':>6} "
-          f"{'explore calls':>14} {'explore time':>13}")
-    for mode in ("on", "off"):
-        m = summary[mode]
-        print(f"{mode:>4} {m['regret_geomean']:>10.3f} {m['regret_p95']:>6.2f} {m['regret_max']:>6.2f} "
-              f"{m['smoothed_regret_geomean']:>12.3f} {m['smoothed_regret_p95']:>6.2f} {m['smoothed_regret_max']:>6.2f} "
-              f"{100 * m['explore_calls']:>13.1f}% {100 * m['explore_time']:>12.1f}%")
-    print(f"(regret: the chosen algorithm's forced time in that call over the fastest's; smoothed: each forced time "
-          f"the median over the site's calls within {args.window})")
+    _print(summary, args.settle, args.window)
     lo, hi = summary["on_over_off_ci95"]
     print(f"auto's own time, on / off (geometric mean of each call's ratio): {summary['on_over_off']:.3f} "
           f"(95% confidence {lo:.3f} to {hi:.3f}); on's choices against off's, priced by the smoothed truth: "
