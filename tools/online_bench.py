@@ -41,6 +41,7 @@ Usage::
     python tools/online_bench.py --ranks 4 --calls 200
     python tools/online_bench.py --ranks 4 --calls 200 --wrong allgather:0.33
     python tools/online_bench.py --ranks 4 --profile profiles/cpu-gloo.yaml --json online.json
+    python tools/online_bench.py --replay online.json   # this selector on that run's recorded calls
 """
 
 from __future__ import annotations

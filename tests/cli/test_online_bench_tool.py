@@ -38,14 +38,42 @@ def test_a_short_stream_times_every_contender_and_reports(tmp_path):
     assert s["same_on_every_rank"] and s["wrong"] == ["allgather", 0.33]
     assert s["on_over_off_ci95"][1] > s["on_over_off_ci95"][0] > 0 and s["on_over_off_choices"] > 0
     assert "95% confidence" in done.stdout and "the same decisions on every rank: True" in done.stdout
+    assert s["floor"]["smoothed_regret_p95"] >= 1.0 and "floor" in done.stdout
+    assert all(c["n"] in (2**14, 2**16) and 1 <= c["k"] and 1 <= c["union"] <= 2 * c["k"] for c in calls)
     summary = open(write_online_report(str(out), str(tmp_path / "report"))["summary"], encoding="utf-8").read()
     assert "95% confidence" in summary and "| on | " in summary and "| off | " in summary
 
+    # The recorded stream decided again, here: the same calls, each algorithm taking its recorded time.
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "online_bench.py"), "--settle", "2",
+                            "--replay", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "wrong: allgather x0.33" in again.stdout and "floor" in again.stdout and "on's choices" in again.stdout
+
+
+def test_a_replay_decides_off_as_the_profile_does_and_learns_with_on():
+    ob = _tool()
+    calls = []
+    for i in range(120):  # the profile prices allgather 4x too low: truly dense is the faster, by 2.7x
+        calls.append({"site": 0, "call": i, "n": 2**16, "k": 600, "union": 1000,
+                      "predicted": {"dense": 300.0, "allgather": 100.0, "oktopk": 1000.0, "hashpart": 1000.0},
+                      "forced": {"dense": 150.0, "allgather": 400.0, "oktopk": 2000.0, "hashpart": 2000.0}})
+    out = ob.replay({"summary": {"ranks": 2}, "calls": calls})
+    assert {r["off"]["algorithm"] for r in out} == {"allgather"}
+    assert [r["on"]["algorithm"] for r in out][10:] == ["dense"] * 110
+    s = ob._summary(out, 50, 2)
+    assert s["on"]["regret_geomean"] == 1.0 and s["off"]["regret_geomean"] == pytest.approx(400 / 150)
+    assert s["floor"]["regret_p95"] == 1.0 and s["on_over_off_choices"] == pytest.approx(150 / 400)
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("online_bench", os.path.join(ROOT, "tools", "online_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 def test_on_over_off_weighs_both_orders_alike():
-    spec = importlib.util.spec_from_file_location("online_bench", os.path.join(ROOT, "tools", "online_bench.py"))
-    online_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(online_bench)
+    online_bench = _tool()
 
     def call(first: str, on: float, off: float) -> dict:
         return {"order": [first, "off" if first == "on" else "on"], "on": {"us": on}, "off": {"us": off}}
