@@ -42,11 +42,13 @@ Usage::
     python tools/online_bench.py --ranks 4 --calls 200 --wrong allgather:0.33
     python tools/online_bench.py --ranks 4 --profile profiles/cpu-gloo.yaml --json online.json
     python tools/online_bench.py --replay online.json   # this selector on that run's recorded calls
+    python tools/online_bench.py --replay profiles/measurements/online-*.json.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.replay:
         for path in args.replay:
-            with open(path, encoding="utf-8") as fh:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
                 run = json.load(fh)
             summary = _summary(replay(run), args.settle, args.window)
             s = run["summary"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import math
@@ -88,3 +89,25 @@ def test_on_over_off_weighs_both_orders_alike():
     mean, half = online_bench._paired(records + [call("on", 110.0, 100.0), call("off", 100.0, 120.0)])
     assert math.exp(mean) == pytest.approx(math.sqrt(math.exp((3 * math.log(1.2) + math.log(1.1)) / 4) / 1.2))
     assert math.exp(mean) < 1.0 and 0 < half < 0.1
+
+
+def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile_is_wrong():
+    """The runs in profiles/measurements, decided again by this selector (each algorithm its recorded time).
+
+    Two cores, P = 4: the shipped profile, and allgather priced 3x too low;
+    one core, P = 2: the shipped profile made on two (another machine).
+    Where the profile is wrong, correction must beat the profile alone;
+    where it is right, its choices may cost at most 1% more.
+    """
+    ob = _tool()
+    stored = os.path.join(ROOT, "profiles", "measurements")
+    for name, wrong in (("online-cpu2-p4-wrong-allgather", True), ("online-cpu2-p4-shipped", False),
+                        ("online-cpu1-p2-shipped", True)):
+        with gzip.open(os.path.join(stored, name + ".json.gz"), "rt", encoding="utf-8") as fh:
+            run = json.load(fh)
+        s = ob._summary(ob.replay(run), 50, 2)
+        assert s["on"]["explore_time"] <= 0.03 and s["on"]["explore_calls"] <= 0.03, name
+        if wrong:
+            assert s["on"]["smoothed_regret_geomean"] < s["off"]["smoothed_regret_geomean"], name
+        else:
+            assert s["on_over_off_choices"] <= 1.01, name
