@@ -557,7 +557,8 @@ def _cover(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
 
 class _Site:
     __slots__ = ("overlap", "overlap_source", "last", "latest", "entries", "ratios", "pool", "measured", "options",
-                 "calls", "explored_at", "explore_gap", "measured_at", "total_us", "explore_us", "seeded", "warm", "last_call", "samples")
+                 "calls", "explored_at", "explore_gap", "measured_at", "total_us", "explore_us", "seeded", "warm",
+                 "last_call", "samples")
 
     def __init__(self, pool: _online.Ratios | None = None) -> None:
         self.overlap: float | None = None
