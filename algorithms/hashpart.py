@@ -273,7 +273,8 @@ def _hash_reduce_device(
     # The owner's merge, padded to what it received so that nothing is read: a stable sort keeps each index's
     # rows in rank order, each run summed from +0 (the bits of merge_sources); the unique count stays on the
     # device until the sizes' gather reads every owner's at once.
-    pidx, psums, unique, _ = Batch([(ridx, rvals, size)], acc).padded()  # every run summed from +0
+    pidx, psums, stats = Batch([(ridx, rvals, size)], acc).padded()  # every run summed from +0
+    unique = stats[1]
     if divide and p > 1:
         psums.div_(p)
     with comm.meta():

@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 6  # 6: fields step and plan (a training wrapper's check), fb_code and fb_us (a measurement)
+_VERSION = 7  # 7: error before count (a deferred coalesce writes both with one copy); 6: step, plan, fb_code, fb_us
 
 #: The group state under which the upper layer keeps its measurement of the group's last call (an object
 #: with ``fields()`` giving ``fb_code`` and ``fb_us``, and ``arrived(codes, times)``): every record carries
@@ -282,11 +282,12 @@ def exchange(
         labels: for a call whose fields mean something else than a single
             tensor's (a fused call), what to call a shared field and how to
             fix a disagreement on it, by field name.
-        device_fields: fields whose values are still on the device (0-d
-            int64 tensors, e.g. a count no host read has seen): written into
-            the record there, so they reach the host with the gathered table,
-            in its one read. A device tensor ``slot`` is placed there too.
-            Ignored with a ``local_error``.
+        device_fields: fields whose values are still on the device (int64
+            tensors, e.g. a count no host read has seen; one of ``m``
+            elements fills ``m`` consecutive fields from the one named):
+            written into the record there, so they reach the host with the
+            gathered table, in its one read. A device tensor ``slot`` is
+            placed there too. Ignored with a ``local_error``.
         deferred_error: when this rank's own ``error`` field came from the
             device (set in ``device_fields``), what to raise: called once the
             table shows it, while the other ranks raise :class:`RemoteInputError`.
@@ -357,11 +358,15 @@ def _kind_on_path(kind: int, host: bool) -> int:
 
 
 def _fill_on_device(row: torch.Tensor, fields: Mapping[str, torch.Tensor], slot: torch.Tensor | None) -> None:
-    """Write device-held fields and a device slot into an uploaded record, on the device (no host read)."""
-    if fields:
-        head = row[:HEADER_BYTES].view(torch.int64)
-        for name, value in fields.items():
-            head[FIELDS.index(name)] = value
+    """Write device-held fields and a device slot into an uploaded record, on the device (no host read).
+
+    A field's value is an int64 tensor of ``m`` elements: it fills ``m``
+    consecutive fields from the one named, with one copy.
+    """
+    for name, value in fields.items():
+        at = 8 * FIELDS.index(name)
+        flat = value if value.dim() == 1 else value.reshape(-1)
+        row[at : at + 8 * flat.numel()].view(torch.int64).copy_(flat)
     if slot is not None:  # its size was checked against the room
         flat = slot.reshape(-1)
         row[HEADER_BYTES : HEADER_BYTES + flat.numel()] = flat

@@ -317,9 +317,9 @@ def _padded_runs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the runs of sorted ``idx`` that begin where ``starts`` is set, padded to ``K`` rows (index ``fill``, zeros)."""
     k = idx.numel()
-    pos = mask_positions(starts, k)  # past the run count, position k: empty runs, zero sums
-    sums = _segment_sums(vals, offsets=_run_offsets(pos, k))
-    return torch.cat((idx, idx.new_full((1,), fill))).index_select(0, pos), sums  # position k reads ``fill``
+    offs = mask_positions(starts, k + 1)  # past the run count, position k: empty runs, zero sums
+    pos = offs[:k]
+    return torch.cat((idx, idx.new_full((1,), fill))).index_select(0, pos), _segment_sums(vals, offsets=offs)
 
 
 def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,21 +436,22 @@ class Batch:
             cut = torch.searchsorted(self.sorted, meta[: t + 1])
             self.stats = torch.cat((bad.view(1), torch.diff(runs.index_select(0, cut))))  # promoted to int64
 
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A batch of one tensor, coalesced with no host read: its rows padded to the input's ``k``.
 
-        Returns ``(indices, values, count, bad)``: ``[k]`` int64 indices and
-        ``[k, r]`` rows of which the first ``count`` (a 0-d device tensor)
-        are the coalesced entries, the bits :meth:`finish` gives, the rest
-        indices equal to the size (past every real one) with zero rows; and
-        ``bad`` (0-d int64, 1 when an index is out of range). The caller
-        learns ``count`` later (it rides in the metadata record) and slices.
+        Returns ``(indices, values, stats)``: ``[k]`` int64 indices and
+        ``[k, r]`` rows of which the first ``count`` are the coalesced
+        entries, the bits :meth:`finish` gives, the rest indices equal to
+        the size (past every real one) with zero rows; and ``stats``, the
+        device tensor ``[bad, count]`` (int64; ``bad`` is 1 when an index is
+        out of range). The caller learns ``count`` later (it rides in the
+        metadata record, where ``stats`` fills the fields ``error`` and
+        ``count`` at once) and slices.
         """
-        k, bad, count = self.k, self.stats[0], self.stats[1]
-        if k == 0:
-            return self.sorted, self.vals, count, bad
+        if self.k == 0:
+            return self.sorted, self.vals, self.stats
         idx, sums = _padded_runs(self.sorted, self.vals, self.starts, self.n)
-        return idx, sums, count, bad
+        return idx, sums, self.stats
 
     def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Return each tensor's sorted unique int64 indices and summed rows, as views of the batch's union.
@@ -463,9 +464,11 @@ class Batch:
         uploaded.
         """
         u, k = sum(counts), self.k
-        pos = None if u == k else mask_positions(self.starts, u)
-        sums = self.vals + 0.0 if pos is None else _segment_sums(self.vals, offsets=_run_offsets(pos, k))  # each from +0
-        uniq = self.sorted if pos is None else self.sorted.index_select(0, pos)
+        if u == k:
+            uniq, sums = self.sorted, self.vals + 0.0  # each from +0
+        else:
+            offs = mask_positions(self.starts, u + 1)  # the u runs' first rows, then k (their end)
+            uniq, sums = self.sorted.index_select(0, offs[:u]), _segment_sums(self.vals, offsets=offs)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
         self.union, self.sums, self.parts = uniq, sums, offsets(counts)
         return list(zip(torch.split(uniq, counts), torch.split(sums, counts)))

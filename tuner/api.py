@@ -587,11 +587,12 @@ def first_range_error(
     return argument_error(ColltuneValueError, "indices", "an index is outside its tensor's [0, size).")
 
 
-def deferred_fields(count: torch.Tensor, bad: torch.Tensor, argument: str) -> dict[str, torch.Tensor]:
-    """The record's fields a deferred coalesce leaves on the device: the entry count, and ``bad`` (0-d int64, 1
-    when an index is out of range) as this rank's error naming ``argument``."""
-    # ``bad`` is 0 or 1: the argument's code (a CRC-32) when bad, else -1, in two ops and no host read.
-    return {"count": count, "error": bad, "error_arg": bad * (_meta.name_code(argument) + 1) - 1}
+def deferred_fields(stats: torch.Tensor, record: dict[str, int], argument: str) -> dict[str, torch.Tensor]:
+    """The record's fields a deferred coalesce leaves on the device: ``stats``, ``[bad, count]`` (int64; ``bad``
+    is 1, a value error's code, when an index is out of range), fills ``error`` and ``count`` with one copy.
+    ``record`` names ``argument`` as the one at fault, which a peer reads only when ``error`` is set."""
+    record["error_arg"] = _meta.name_code(argument)
+    return {"error": stats}
 
 
 def _device_bytes(device: torch.device) -> int:
@@ -1033,8 +1034,8 @@ class _SparseCall:
     def defer(self, idx: torch.Tensor, vals: torch.Tensor, n: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Coalesce with no host read: the unique count and the range check ride in the record (see
         :meth:`~colltune.algorithms.sparse.Batch.padded`); return the padded entries, cut by :meth:`settle`."""
-        pad_idx, pad_vals, count, bad = Batch([(idx, vals, n)], acc).padded()
-        self.device_fields = deferred_fields(count, bad, "indices")
+        pad_idx, pad_vals, stats = Batch([(idx, vals, n)], acc).padded()
+        self.device_fields = deferred_fields(stats, self.record, "indices")
         self.deferred_error = lambda: first_range_error([(idx, vals, n)])
         return pad_idx, pad_vals
 

@@ -433,7 +433,7 @@ class _FusedCall:
             self.device_counts = torch.cat([b.stats[1:] for _, b in batches]).index_select(
                 0, upload(where, self.comm.device))
             bad = torch.stack([b.stats[0] for _, b in batches]).amax()
-        self.device_fields = deferred_fields(self.device_counts.sum(), bad, "tensors")
+        self.device_fields = deferred_fields(torch.stack((bad, self.device_counts.sum())), self.record, "tensors")
         self.pending = batches
         self.deferred_error = lambda: first_range_error(checked, _named)
 
