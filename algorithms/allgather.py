@@ -227,7 +227,7 @@ class Allgather(Algorithm):
     #: The record (the coalesce's count and the eager slot ride in it, filled on the device), the merged
     #: union's size; top-k: the record, whether a tie straddles the k-th largest with the count above it, the merge.
     HOST_SYNCS = {"exact": 2, "topk": 3}
-    HOST_KERNELS = {"exact": 41, "topk": 29}
+    HOST_KERNELS = {"exact": 35, "topk": 29}
     eager_entries = True
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -318,7 +318,7 @@ class HashPart(Algorithm):
     #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the local
     #: selection's count (before the record, which carries its counts per owner), the record, the sizes.
     HOST_SYNCS = {"exact": 3, "topk": 3}
-    HOST_KERNELS = {"exact": 82, "topk": 75}
+    HOST_KERNELS = {"exact": 74, "topk": 73}
     applies_avg = True  # each owner divides its own sums, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
