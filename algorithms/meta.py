@@ -366,6 +366,8 @@ def _fill_on_device(row: torch.Tensor, fields: Mapping[str, torch.Tensor], slot:
     for name, value in fields.items():
         at = 8 * FIELDS.index(name)
         flat = value if value.dim() == 1 else value.reshape(-1)
+        if at + 8 * flat.numel() > HEADER_BYTES:  # shapes only: no host read
+            raise ValueError(f"device field {name!r}: {flat.numel()} values run past the record's last field")
         row[at : at + 8 * flat.numel()].view(torch.int64).copy_(flat)
     if slot is not None:  # its size was checked against the room
         flat = slot.reshape(-1)

@@ -448,6 +448,8 @@ class Batch:
         metadata record, where ``stats`` fills the fields ``error`` and
         ``count`` at once) and slices.
         """
+        if self.count != 1:
+            raise ValueError(f"padded() coalesces a batch of one tensor, not {self.count}")
         if self.k == 0:
             return self.sorted, self.vals, self.stats
         idx, sums = _padded_runs(self.sorted, self.vals, self.starts, self.n)

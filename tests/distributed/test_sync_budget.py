@@ -154,8 +154,8 @@ def _bad_range_on_one_rank(rank, world_size):
             try:
                 call()
                 out.append("ok")
-            except RemoteInputError:
-                out.append("remote")
+            except RemoteInputError as exc:  # the peer names the argument at fault (set on the host)
+                out.append("remote " + str(exc))
             except ColltuneValueError as exc:
                 out.append(str(exc))
         good = colltune.sparse_allreduce_many([(torch.tensor([1, 2]), torch.ones(2, 4), 10)] * 2)
@@ -165,7 +165,8 @@ def _bad_range_on_one_rank(rank, world_size):
 
 def test_an_index_out_of_range_is_found_by_the_one_read_and_named():
     first, second = pool(2).run(_bad_range_on_one_rank)
-    assert first[:2] == ["remote", "remote"], first
+    assert first[0].startswith("remote") and "rank 1: invalid argument 'tensors'" in first[0], first
+    assert first[1].startswith("remote") and "rank 1: invalid argument 'indices'" in first[1], first
     assert "tensors[3]" in second[0] and "index 10" in second[0], second
     assert "index 10" in second[1], second
     assert first[2] == second[2] == 16.0  # the group stays usable
