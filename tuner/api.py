@@ -16,7 +16,7 @@ Helpers for :mod:`colltune.fused`, which runs these steps for a list of
 tensors: :func:`submit_call` (the call queue), :func:`open_comm`,
 :func:`outside_compile`, :func:`canonical_op`; the checks
 :func:`check_op_and_algorithm`, :func:`group_backend`, :func:`is_sparse_coo`,
-:func:`unpack_coo`, :func:`validate_sparse`, :func:`check_dense_fits`,
+:func:`unpack_coo`, :func:`check_sparse_tensor`, :func:`check_dense_fits`,
 :func:`first_range_error`, :func:`deferred_fields`, and the errors they
 raise, :func:`argument_error` and :func:`input_error`; the decision and the
 run, :func:`resolve_request`, :func:`decided_knobs`, :func:`group_key`,
@@ -484,24 +484,14 @@ def unpack_coo(indices: Any, values: Any, size: Any) -> tuple[Any, Any, Any]:
     return rows[0], indices._values(), tuple(indices.shape)
 
 
-def validate_sparse(
-    indices: Any, values: Any, size: Any, op: Any, algorithm: Any, group: dist.ProcessGroup | None
+def check_sparse_tensor(
+    indices: Any, values: Any, size: Any, group: dist.ProcessGroup | None, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
-    """Check the arguments of ``sparse_allreduce``; return indices, values as ``[k, r]``, n and the row shape.
+    """Check one sparse tensor's arguments; return indices, values as ``[k, r]``, n and the row shape.
 
     The indices' range is checked by the coalesce (:func:`coalesce_checked`):
     on the host path from the coalesced indices' ends, on the device path
     with its one host read. No pass over the indices is made here.
-    """
-    check_op_and_algorithm(op, algorithm)
-    return check_sparse_tensor(indices, values, size, group)
-
-
-def check_sparse_tensor(
-    indices: Any, values: Any, size: Any, group: dist.ProcessGroup | None, backend: str | None = None
-) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
-    """:func:`validate_sparse` less ``op`` and ``algorithm``: one tensor's checks.
-
     ``backend`` is the group's (:func:`group_backend`) when the caller knows
     it: a fused call checks many tensors against one group.
     """
@@ -994,7 +984,8 @@ class _SparseCall:
                                  f"donate must be True or False, but got {donate!r}; pass donate=True to let the "
                                  "call reduce into the values' memory.")
         indices, values, size = unpack_coo(indices, values, size)
-        idx, vals, n, row_shape = validate_sparse(indices, values, size, op, algorithm, group)
+        check_op_and_algorithm(op, algorithm)
+        idx, vals, n, row_shape = check_sparse_tensor(indices, values, size, group)
         self.knobs_checked, self.sel, self.backend, code = resolve_request(algorithm, knobs, policy, group, name)
         if algorithm == "dense":
             check_dense_fits(n, vals.shape[1], values.dtype, comm.device)
