@@ -96,8 +96,9 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
 
     Two cores, P = 4: the shipped profile, and allgather priced 3x too low;
     one core, P = 2: the shipped profile made on two (another machine).
-    Where the profile is wrong, correction must beat the profile alone;
-    where it is right, its choices may cost at most 1% more.
+    Where the profile is wrong, correction must beat the profile alone and
+    come within 1% of the floor; where it is right, its choices may cost at
+    most 1% more.
     """
     ob = _tool()
     stored = os.path.join(ROOT, "profiles", "measurements")
@@ -107,7 +108,8 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
             run = json.load(fh)
         s = ob._summary(ob.replay(run), 50, 2)
         assert s["on"]["explore_time"] <= 0.03 and s["on"]["explore_calls"] <= 0.03, name
-        if wrong:
+        if wrong:  # within 1% of the floor that the truth's own noise leaves, and ahead of the profile alone
+            assert s["on"]["smoothed_regret_geomean"] <= 1.01 * s["floor"]["smoothed_regret_geomean"], name
             assert s["on"]["smoothed_regret_geomean"] < s["off"]["smoothed_regret_geomean"], name
         else:
             assert s["on_over_off_choices"] <= 1.01, name

@@ -85,10 +85,15 @@ def test_two_algorithms_priced_wrong_never_do_worse_than_the_profile_alone() -> 
     assert _geomean([c[2] for c in on[50:]]) < _geomean([c[2] for c in off[50:]])
 
 
-def test_a_uniformly_slower_machine_changes_no_decision_once_two_algorithms_are_measured() -> None:
+@pytest.mark.parametrize("factor", [2.5, 8.0])
+def test_a_uniformly_slower_machine_changes_no_decision_once_each_algorithm_is_measured(factor: float) -> None:
     ref = [c[0] for c in _stream(Selector(profile=PROFILE, environ={}, online=False), {}, 200)]
-    slow = _stream(Selector(profile=PROFILE, environ={}), {"dense": 2.5, "allgather": 2.5, "oktopk": 2.5}, 200)
-    settled = [(a, want) for i, ((a, src, *_), want) in enumerate(zip(slow, ref)) if i >= 3 and src != "explore"]
+    slow = _stream(Selector(profile=PROFILE, environ={}), {a: factor for a in ("dense", "allgather", "oktopk",
+                                                                                 "hashpart")}, 200)
+    # The first call is set-up; the second measures allgather; then each algorithm not measured yet, priced
+    # by the machine's ratio shrunk toward 1 (optimism), is tried once; from then on the profile's choices.
+    assert {a for a, *_ in slow[2:5]} == {"dense", "oktopk", "hashpart"}, [c[:2] for c in slow[:6]]
+    settled = [(a, want) for i, ((a, src, *_), want) in enumerate(zip(slow, ref)) if i >= 5 and src != "explore"]
     assert all(a == want for a, want in settled), settled[:10]
 
 
@@ -277,9 +282,13 @@ def test_an_algorithm_priced_too_low_does_not_make_the_unmeasured_ones_look_slow
         ratios.observe(own, "oktopk", 100.0, 100.0)
     assert ratios.factor({}, "dense") == pytest.approx(1.0)
     assert ratios.factor(own, "allgather") > 2.0
-    # A machine uniformly slower: every ratio alike, so the prior is that ratio.
+    # A machine uniformly slower: every ratio alike. The prior of an algorithm measured nowhere is that ratio
+    # shrunk toward 1 by PRIOR_CALLS (so it is tried once); one measured elsewhere starts from it whole.
     slow, own = online.Ratios(), {}
     for _ in range(5):
         slow.observe(own, "allgather", 100.0, 200.0)
         slow.observe(own, "oktopk", 100.0, 200.0)
+    n = slow.every["oktopk"].n
+    assert slow.factor({}, "dense") == pytest.approx(2.0 ** (n / (n + online.PRIOR_CALLS)))
+    slow.observe({}, "dense", 100.0, 200.0)  # measured once, at another site
     assert slow.factor({}, "dense") == pytest.approx(2.0)
