@@ -6,11 +6,11 @@ A training-like stream: ``--sites`` call sites (tensors of ``n`` rows from
 indices every call (overlap about 0.5). In every call, on the same inputs,
 one after another after a barrier (a busy moment slows all alike), once
 the fresh inputs have been touched untimed (the first call to touch them
-was about 8% slower on two cores): the forced algorithms in an order that
-rotates from call to call, ``on`` and ``off`` side by side at a rotating
-place among them, in turn first (the second of two like calls is faster
-by 10 to 40% here, so a fixed order would decide the comparison; each
-call's order is in the ``--json`` file):
+runs slower): the forced algorithms in an order that rotates from call to
+call, ``on`` and ``off`` side by side at a rotating place among them, in
+turn first (on a busy machine the second of two like calls runs faster,
+by far more than the 1% being compared, so a fixed order would decide the
+comparison; each call's order is in the ``--json`` file):
 
 * every registered algorithm, forced: the call's truth (the slowest rank's
   time of each);
@@ -48,8 +48,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import math
 import os
 import statistics
@@ -67,6 +65,7 @@ import torch.distributed as dist  # noqa: E402
 import colltune  # noqa: E402
 from colltune.cli.common import save_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
+from colltune.offline.online_report import load_run  # noqa: E402
 from colltune.select.selector import Selector  # noqa: E402
 
 SIZES = (2**14, 2**16, 2**18, 2**20)
@@ -186,10 +185,6 @@ def _smoothed(records: list[dict], window: int) -> list[dict[str, float]]:
     return [truth[id(r)] for r in records]
 
 
-def _regrets(records: list[dict], truths: list[dict[str, float]], mode: str) -> list[float]:
-    return sorted(t[r[mode]["algorithm"]] / min(t.values()) for r, t in zip(records, truths))
-
-
 def _paired(records: list[dict]) -> tuple[float, float]:
     """The log of auto's own time on over off, and its 95% half-width: the mean of the two orders' means.
 
@@ -221,28 +216,29 @@ def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
 
     The floor picks, in each call, the algorithm fastest by the site's
     forced times over :data:`FLOOR_WINDOW` calls each side: a selector
-    that knew each algorithm's time near that call. Its regret is what
-    the per-call noise of the truth itself leaves, which no selector
-    goes under on this machine.
+    that knew each algorithm's time near that call. Its regret is about
+    what the per-call noise of the truth itself leaves; its picks are
+    estimates too, so a selector may come out a little under it by luck.
     """
-    out: dict[str, Any] = {}
     after = [r for r in records if r["call"] >= settle]
     smooth = [t for r, t in zip(records, _smoothed(records, window)) if r["call"] >= settle]
     wide = [t for r, t in zip(records, _smoothed(records, FLOOR_WINDOW)) if r["call"] >= settle]
-    after_floor = [{**r, "floor": {"algorithm": min(w, key=w.__getitem__)}} for r, w in zip(after, wide)]
-    for mode in ("on", "off", "floor"):
-        explored = [r for r in records if r[mode]["source"] == "explore"] if mode != "floor" else []
-        out[mode] = {} if mode == "floor" else {
-            "explore_calls": len(explored) / len(records),
-            "explore_time": sum(r[mode]["us"] for r in explored) / sum(r[mode]["us"] for r in records),
-            "auto_us_geomean": statistics.geometric_mean([r[mode]["us"] for r in after])}
+
+    def regret(chosen: list[str]) -> dict[str, float]:
+        got: dict[str, float] = {}
         for label, truths in (("", [r["forced"] for r in after]), ("smoothed_", smooth)):
-            regret = _regrets(after_floor, truths, mode)
-            out[mode].update({
-                f"{label}regret_geomean": statistics.geometric_mean(regret),
-                f"{label}regret_p95": regret[min(len(regret) - 1, int(0.95 * len(regret)))],
-                f"{label}regret_max": regret[-1],
-            })
+            rs = sorted(t[a] / min(t.values()) for a, t in zip(chosen, truths))
+            got.update({f"{label}regret_geomean": statistics.geometric_mean(rs),
+                        f"{label}regret_p95": rs[min(len(rs) - 1, int(0.95 * len(rs)))], f"{label}regret_max": rs[-1]})
+        return got
+
+    out: dict[str, Any] = {}
+    for mode in ("on", "off"):
+        explored = [r for r in records if r[mode]["source"] == "explore"]
+        out[mode] = {"explore_calls": len(explored) / len(records),
+                     "explore_time": sum(r[mode]["us"] for r in explored) / sum(r[mode]["us"] for r in records),
+                     **regret([r[mode]["algorithm"] for r in after])}
+    out["floor"] = regret([min(w, key=w.__getitem__) for w in wide])
     mean, half = _paired(after)
     out["on_over_off"] = math.exp(mean)
     out["on_over_off_ci95"] = [math.exp(mean - half), math.exp(mean + half)]
@@ -293,14 +289,12 @@ def replay(run: dict) -> list[dict]:
     out = []
     for r in run["calls"]:
         s, i = r["site"], r["call"]
-        n = r.get("n", SIZES[s % len(SIZES)])  # files written before n, k and the union were kept
-        density = BASES[s % len(BASES)] * 2 ** (0.5 * math.sin(2 * math.pi * i / 97 + s))
-        k = r.get("k", max(1, int(n * density)))
+        n, k = r["n"], r["k"]
         counts = [k] * p
         key = ("sparse", f"site{s}", n, 1, "float32", p, 0)
         rec = {"site": s, "call": i, "forced": r["forced"]}
         for mode, sel in sels.items():
-            sel.observe_sparse(key, counts, r.get("union", k * p // 2))
+            sel.observe_sparse(key, counts, r["union"])
             models[mode].now = r["predicted"]
             c = sel.decide_sparse(key, comm=comm, backend="gloo", name=f"site{s}", size=n, row_numel=1,
                                   dtype="float32", counts=counts, indices=None, ranks_per_node=p)
@@ -345,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.replay:
         for path in args.replay:
-            with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
-                run = json.load(fh)
+            run = load_run(path)
             summary = _summary(replay(run), args.settle, args.window)
             s = run["summary"]
             wrong_then = f", wrong: {s['wrong'][0]} x{s['wrong'][1]:g}" if s.get("wrong") else ""

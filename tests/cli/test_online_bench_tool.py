@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import json
 import math
@@ -13,7 +12,7 @@ import sys
 import pytest
 
 from colltune.algorithms import names
-from colltune.offline.online_report import write_online_report
+from colltune.offline.online_report import load_run, write_online_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,7 +38,7 @@ def test_a_short_stream_times_every_contender_and_reports(tmp_path):
     assert s["same_on_every_rank"] and s["wrong"] == ["allgather", 0.33]
     assert s["on_over_off_ci95"][1] > s["on_over_off_ci95"][0] > 0 and s["on_over_off_choices"] > 0
     assert "95% confidence" in done.stdout and "the same decisions on every rank: True" in done.stdout
-    assert s["floor"]["smoothed_regret_p95"] >= 1.0 and "floor" in done.stdout
+    assert "floor" in done.stdout and set(s["floor"]) == {k for k in s["on"] if "regret" in k}
     assert all(c["n"] in (2**14, 2**16) and 1 <= c["k"] and 1 <= c["union"] <= 2 * c["k"] for c in calls)
     summary = open(write_online_report(str(out), str(tmp_path / "report"))["summary"], encoding="utf-8").read()
     assert "95% confidence" in summary and "| on | " in summary and "| off | " in summary
@@ -94,8 +93,10 @@ def test_on_over_off_weighs_both_orders_alike():
 def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile_is_wrong():
     """The runs in profiles/measurements, decided again by this selector (each algorithm its recorded time).
 
-    Two cores, P = 4: the shipped profile, and allgather priced 3x too low;
-    one core, P = 2: the shipped profile made on two (another machine).
+    Two cores, P = 4: the shipped profile, and allgather priced 3x too low
+    (twice: the 12d74b5 run is one where a single dense call at 2.7x once
+    priced Ok-Topk, measured nowhere, out of reach); one core, P = 2: the
+    shipped profile made on two (another machine).
     Where the profile is wrong, correction must beat the profile alone and
     come within 1% of the floor; where it is right, its choices may cost at
     most 1% more.
@@ -103,10 +104,8 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
     ob = _tool()
     stored = os.path.join(ROOT, "profiles", "measurements")
     for name, wrong in (("online-cpu2-p4-wrong-allgather", True), ("online-cpu2-p4-shipped", False),
-                        ("online-cpu1-p2-shipped", True)):
-        with gzip.open(os.path.join(stored, name + ".json.gz"), "rt", encoding="utf-8") as fh:
-            run = json.load(fh)
-        s = ob._summary(ob.replay(run), 50, 2)
+                        ("online-cpu1-p2-shipped", True), ("online-cpu2-p4-wrong-allgather-12d74b5", True)):
+        s = ob._summary(ob.replay(load_run(os.path.join(stored, name + ".json.gz"))), 50, 2)
         assert s["on"]["explore_time"] <= 0.03 and s["on"]["explore_calls"] <= 0.03, name
         if wrong:  # within 1% of the floor that the truth's own noise leaves, and ahead of the profile alone
             assert s["on"]["smoothed_regret_geomean"] <= 1.01 * s["floor"]["smoothed_regret_geomean"], name

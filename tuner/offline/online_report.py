@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -45,7 +46,7 @@ MAX_RUN_BYTES = 64 * 2**20
 
 
 def load_run(path: str) -> dict[str, Any]:
-    """Read a call-stream run; return it (``summary`` and ``calls``).
+    """Read a call-stream run (JSON, or gzipped JSON if the name ends in ``.gz``); return it (``summary`` and ``calls``).
 
     Raises:
         ColltuneValueError: the file is too large, not JSON, or has no calls
@@ -55,7 +56,7 @@ def load_run(path: str) -> dict[str, Any]:
     if size > MAX_RUN_BYTES:
         raise ColltuneValueError(f"--online {path!r}: {size} bytes, more than the {MAX_RUN_BYTES} a run may have.")
     try:
-        with open(path, encoding="utf-8") as fh:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
             run = json.load(fh)
     except (OSError, ValueError) as exc:
         raise ColltuneValueError(f"--online {path!r} is not a readable JSON run: {exc}") from None
@@ -160,13 +161,15 @@ def _summary_md(run: Mapping[str, Any], algorithms: Sequence[str], files: Mappin
                   "| mode | regret (geometric mean) | 95th percentile | max | smoothed: geometric mean | 95th "
                   "percentile | exploring calls | exploring time |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for mode in ("on", "off"):
+        for mode in ("on", "off", "floor"):
             m = s.get(mode) or {}
             if m:
                 smoothed = (f"{m['smoothed_regret_geomean']:.3f} | {m['smoothed_regret_p95']:.2f}"
                             if "smoothed_regret_geomean" in m else "- | -")
+                explore = (f"{100 * m['explore_calls']:.1f}% | {100 * m['explore_time']:.1f}%" if "explore_calls" in m
+                           else "- | -")
                 lines.append(f"| {mode} | {m['regret_geomean']:.3f} | {m['regret_p95']:.2f} | {m['regret_max']:.2f} "
-                             f"| {smoothed} | {100 * m['explore_calls']:.1f}% | {100 * m['explore_time']:.1f}% |")
+                             f"| {smoothed} | {explore} |")
         if "on_over_off" in s:
             ci = s.get("on_over_off_ci95")
             lines += ["", f"auto's own time, on over off (geometric mean): {s['on_over_off']:.3f}"
