@@ -9,9 +9,12 @@ metadata exchange would. Checked:
   the chosen algorithm too low or the fastest one too high, and then stays;
 * two algorithms priced wrong: never worse than the profile alone;
 * a machine uniformly slower than its profile changes no decision once
-  two algorithms have been measured;
+  each algorithm has been measured (each tried once, in the first calls);
 * exploration stays within its budgets (3% of the calls and of the time)
-  and never tries an algorithm predicted more than 2x slower;
+  and never tries an algorithm predicted more than 2x slower; a runner-up
+  confirmed slower is tried less and less, in turn with the others, and
+  a change of decision starts the waits over;
+* what a site measured long ago fades to one call's weight;
 * a policy rule, ``COLLTUNE_ALGO`` and ``online=False`` turn it off;
 * the state file round-trips, and a corrupt, truncated, huge or foreign one
   is ignored with a warning;

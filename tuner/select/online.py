@@ -24,7 +24,8 @@ never one predicted more than 2x slower), while the site's exploring has
 cost at most :data:`EXPLORE_TIME` of its measured time. An exploring call
 that changes no decision doubles the site's wait for the next one, up to
 :data:`EXPLORE_BACKOFF` times :data:`EXPLORE_EVERY`; one that changes a
-decision brings it back to :data:`EXPLORE_EVERY`.
+decision, or a site changing its choice, brings it back to
+:data:`EXPLORE_EVERY`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ PRIOR_CALLS = 1.0
 EXPLORE_EVERY = 34
 #: An exploring call that changes none of the site's decisions doubles the wait for its next one, up to this
 #: many times :data:`EXPLORE_EVERY` (once in 136 calls, 0.7%): a site whose runner-up keeps measuring slower
-#: stops paying for it, while still checking within about a hundred calls whether drift has changed that.
+#: stops paying for it, while still checking at least every 136 calls whether drift has changed that.
 EXPLORE_BACKOFF = 4
 #: Only an algorithm whose corrected prediction is within this factor of the best one is tried.
 EXPLORE_WITHIN = 1.5
@@ -217,8 +218,10 @@ class Ratios:
 
     def factors(self, own: Mapping[str, _Mean], algorithms: Iterable[str]) -> dict[str, float]:
         """:meth:`factor` of each of ``algorithms`` (the machine's ratio computed once)."""
-        machine, unmeasured = self.machine_log(), self.machine_log(shrunk=True)
-        every = self.every
+        every, algorithms = self.every, list(algorithms)
+        machine = self.machine_log()
+        # Only an algorithm no site has measured (rare once a group has run a while) needs the shrunk prior.
+        unmeasured = self.machine_log(shrunk=True) if any(a not in every for a in algorithms) else 0.0
         return {a: math.exp(_shrunk(own.get(a), _shrunk(every[a], machine) if a in every else unmeasured))
                 for a in algorithms}
 
@@ -228,19 +231,18 @@ class Ratios:
         With one algorithm measured, nothing tells a machine slower than its
         profile from that algorithm priced wrong: the others keep the
         profile's prices (0) until one of them is measured too. With two or
-        more, the smallest is the prior of an algorithm not measured yet:
-        on a machine slower than its profile every ratio is about the
-        same, while one algorithm priced too low (a large ratio) must not
-        make the others, which nothing has measured, look slow too and go
-        untried (optimism where nothing is known, as a bandit's).
+        more, the smallest is the prior of an algorithm's own ratio over
+        every site: on a machine slower than its profile every ratio is
+        about the same, while one algorithm priced too low (a large ratio)
+        must not make the others look slow too and go untried (optimism
+        where nothing is known, as a bandit's).
 
-        ``shrunk``: each algorithm's own shrunk toward 0 by :data:`PRIOR_CALLS`
-        first: the prior of an algorithm measured at no site. Unshrunk, in
-        the stored run ``profiles/measurements/online-cpu2-p4-wrong-allgather``
-        (replayed), one call of dense at 2.7x its truth (a busy moment) made
-        that the machine's ratio and priced Ok-Topk, measured nowhere, out
-        of reach for good: smoothed regret 1.092 against a floor of 1.022;
-        shrunk, 1.025.
+        ``shrunk``: each measured algorithm's ratio shrunk toward 0 by
+        :data:`PRIOR_CALLS` first: the prior of an algorithm measured at no
+        site, so that one busy call of another algorithm (a ratio measured
+        once) cannot price it out of the exploring window for good (the
+        stored run ``profiles/measurements/online-cpu2-p4-wrong-allgather-12d74b5``
+        is such a case; ``tools/online_bench.py --replay`` runs it).
         """
         logs = [_shrunk(m, 0.0) if shrunk else m.s / m.n for m in self.every.values() if m.n >= 0.5]
         return min(logs) if len(logs) >= 2 else 0.0
