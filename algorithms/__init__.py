@@ -79,10 +79,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f"colltune.algorithms.{_LAZY[name]}"), name)
     else:  # a registered algorithm's class (Dense, OkTopk...): the registry lists them, not this module
         try:
-            classes = {type(a).__name__: type(a) for a in map(get, names())} if name[:1].isupper() else {}
+            value = next((type(a) for a in map(get, names()) if type(a).__name__ == name), None) \
+                if name[:1].isupper() else None
         except ColltuneError as exc:  # a plugin that cannot load: hasattr() says no, a call says why
             raise AttributeError(f"module 'colltune.algorithms' has no attribute {name!r} ({exc})") from exc
-        value = classes.get(name)
         if value is None:
             raise AttributeError(f"module 'colltune.algorithms' has no attribute {name!r}")
     globals()[name] = value

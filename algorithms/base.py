@@ -266,7 +266,7 @@ class Algorithm(abc.ABC):
     #: not views), a ceiling its test holds the code to. The fit counts CUDA launches at P = 1 instead (one
     #: GPU), which differ per op (a sort launches several): ``tools/fit_host_cost.py`` prints how far they are
     #: from these counts on its file (0.51x to 1.82x on ``profiles/measurements/h200-per-call.json``, whose
-    #: launches came from code before e1cc8fc): an approximation.
+    #: launches came from older code than these counts): an approximation.
     HOST_KERNELS: ClassVar[dict[str, int]] = {}
     #: What the cost model prices the algorithm on in top-k mode (``topk_allreduce``): ``"selection"``,
     #: each rank's ``k`` selected entries (what a sparse algorithm moves), or ``"tensor"``, every element of

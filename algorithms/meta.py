@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 7  # 7: error before count (a deferred coalesce writes both with one copy); 6: step, plan, fb_code, fb_us
+_VERSION = 7  # the layout of FIELDS; a record of another version is refused
 
 #: The group state under which the upper layer keeps its measurement of the group's last call (an object
 #: with ``fields()`` giving ``fb_code`` and ``fb_us``, and ``arrived(codes, times)``): every record carries
@@ -98,6 +98,7 @@ EAGER_NONE, EAGER_ENTRIES, EAGER_SKETCH = 0, 1, 2
 _MAGIC_AT, _VERSION_AT, _ERROR_AT = FIELDS.index("magic"), FIELDS.index("version"), FIELDS.index("error")
 _SHARED_AT = [FIELDS.index(f) for f in SHARED_FIELDS]
 _FB_CODE_AT, _FB_US_AT = FIELDS.index("fb_code"), FIELDS.index("fb_us")
+_BYTE_AT = {f: 8 * i for i, f in enumerate(FIELDS)}  # each field's byte offset in a record
 
 _ERROR_CODES = {None: 0, "value": 1, "type": 2}
 _ERROR_KINDS = {1: "invalid", 2: "wrong type of"}
@@ -364,8 +365,7 @@ def _fill_on_device(row: torch.Tensor, fields: Mapping[str, torch.Tensor], slot:
     consecutive fields from the one named, with one copy.
     """
     for name, value in fields.items():
-        at = 8 * FIELDS.index(name)
-        flat = value if value.dim() == 1 else value.reshape(-1)
+        at, flat = _BYTE_AT[name], value.reshape(-1)
         if at + 8 * flat.numel() > HEADER_BYTES:  # shapes only: no host read
             raise ValueError(f"device field {name!r}: {flat.numel()} values run past the record's last field")
         row[at : at + 8 * flat.numel()].view(torch.int64).copy_(flat)

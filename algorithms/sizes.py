@@ -33,7 +33,7 @@ FIELDS: tuple[str, ...] = (
     "op",
     "algorithm",
     "policy",
-    "error",
+    "error",  # error then count: a deferred coalesce's [bad, count] fills both with one copy (tuner.api)
     "count",
     "shape_ndim",
     "shape_0",

@@ -790,13 +790,6 @@ _HOST_SCRATCH_RATIO = 3
 _COUNTS_MASK_BYTES = 64 << 20
 
 
-def _np_index(index_dtype: torch.dtype) -> Any:
-    """NumPy's dtype of a wire index dtype (int32 or int64; :func:`wire_index_dtype`)."""
-    if index_dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"a wire index dtype is int32 or int64, not {index_dtype}")
-    return np.int32 if index_dtype == torch.int32 else np.int64
-
-
 def pack_host(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype) -> np.ndarray:
     """Return :func:`pack` of CPU tensors as a NumPy ``uint8`` array ``[k, entry_bytes]``."""
     k = idx.numel()
@@ -808,7 +801,7 @@ def pack_host(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, v
         v = v.view(torch.int16)
     vb = v.numpy().reshape(k, vals.shape[1])
     out = np.empty((k, isz + vb.shape[1] * vb.itemsize), dtype=np.uint8)
-    out[:, :isz] = idx.numpy().astype(_np_index(index_dtype), copy=False).reshape(k, 1).view(np.uint8)
+    out[:, :isz] = idx.numpy().astype(_np_of(index_dtype), copy=False).reshape(k, 1).view(np.uint8)
     out[:, isz:] = np.ascontiguousarray(vb).view(np.uint8)
     return out
 
@@ -824,7 +817,7 @@ def unpack_host(
     k = buf.shape[0]
     isz = index_dtype.itemsize
     # Copies (not views) of the strided byte columns: fresh arrays with plain strides.
-    idx = buf[:, :isz].copy().view(_np_index(index_dtype)).reshape(k).astype(np.int64, copy=False)
+    idx = buf[:, :isz].copy().view(_np_of(index_dtype)).reshape(k).astype(np.int64, copy=False)
     raw = buf[:, isz:].copy().view(np.uint16 if value_dtype == torch.bfloat16 else _np_of(value_dtype)).reshape(k, row_numel)
     if value_dtype == torch.bfloat16:
         vals = (raw.astype(np.uint32) << 16).view(np.float32)

@@ -355,6 +355,7 @@ def _host_rank(rank, world_size):
 
 
 def test_host_cost_is_timed_on_rank_0_alone_for_every_algorithm_and_call():
+    from colltune.algorithms import get
     from colltune.offline import launch
 
     out = launch.run_local(_host_rank, 2, backend="gloo", timeout=300)
@@ -363,6 +364,8 @@ def test_host_cost_is_timed_on_rank_0_alone_for_every_algorithm_and_call():
     assert calls == {(a, n, r) for a in BUILTIN_NAMES for n, _, r in profiling.HOST_CALLS}
     for s in out[0]:
         assert s["primitive"] == "host" and s["time_us"] > 0 and s["repeats"] == 3
+        alg = get(s["algorithm"])  # the counts the fit multiplies: each algorithm's declared ones
+        assert (s["kernels"], s["syncs"]) == (alg.HOST_KERNELS["exact"], alg.HOST_SYNCS["exact"])
 
 
 def test_host_terms_recover_known_constants_and_need_a_plane():

@@ -524,7 +524,7 @@ def test_an_nccl_profile_prices_the_hosts_cost_of_a_call():
     terms = AnalyticModel(prof.primitives, network=net).terms(feats)
     for alg, t in terms.items():
         assert t["host"] == 423.0 + 63.0 * get(alg).HOST_SYNCS["exact"], alg
-    # With a per-kernel figure (the H200 file's fit): allgather launches 35 kernels and reads twice, so
+    # With a per-kernel figure (the H200 file's fit): allgather declares 35 kernels and 2 reads, so
     # 343 + 16 * 35 + 67 * 2 = 1037 us; top-k dense, its all_reduce of the accumulator, 5 kernels and 1 read.
     fitted = Network.of({**prof.meta, "host_call_us": 343, "host_kernel_us": 16, "host_sync_us": 67})
     assert get("allgather").HOST_KERNELS["exact"] == 35
