@@ -80,7 +80,7 @@ from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 from colltune.algorithms.schedule import Pricing, Step
 from colltune.model import nccl
 from colltune.model.features import DTYPE_BYTES, Features
-from colltune.model.profile import PRIMITIVES, Measurement, Primitive, Profile, measurement_to_features
+from colltune.model.profile import PRIMITIVES, Measurement, Primitive, Profile, learned_columns, measurement_to_features
 
 __all__ = [
     "ALGORITHMS",
@@ -615,8 +615,7 @@ def _measurements_of(X: Any) -> list[Measurement]:
 def _training_rows(X: Any, y: Any, algorithms: Any) -> tuple[list[Features], list[str], np.ndarray]:
     if y is None and algorithms is None:
         given = _measurements_of(X)
-        # A plugin measured in a profile is priced by its schedule: its times are not the model's columns.
-        ms = [m for m in given if m.algorithm in ALGORITHMS]
+        ms = learned_columns(given)
         if given and not ms:
             raise ColltuneValueError(
                 f"`X` holds no measurement of an algorithm the learned model predicts ({', '.join(ALGORITHMS)}), "
@@ -1290,7 +1289,7 @@ def model_for_profile(profile: Profile) -> tuple[AnalyticModel | LearnedCostMode
             return LearnedCostModel.from_dict(profile.model), "stored"
         except ColltuneValueError as exc:
             logger.warning("a profile's stored model cannot be used (%s); refitting from the measurements", exc)
-    fits = [m for m in profile.measurements if m.algorithm in ALGORITHMS]  # a plugin's times are no column
+    fits = learned_columns(profile.measurements)
     if len(fits) >= MIN_MEASUREMENTS_TO_FIT and len({m.algorithm for m in fits}) >= 2:
         try:
             import sklearn  # noqa: F401 - fitting needs it; evaluating a stored model does not

@@ -95,11 +95,13 @@ import numpy as np
 import yaml
 
 from colltune.algorithms.errors import ColltuneError, ColltuneValueError
+from colltune.algorithms.registry import BUILTIN_NAMES
 from colltune.model import yamlsafe
 from colltune.model.features import DTYPE_BYTES, Features, index_bytes_for
 from colltune.model.nccl import P2P
 
 __all__ = [
+    "learned_columns",
     "FORMAT",
     "VERSION",
     "KINDS",
@@ -891,3 +893,13 @@ def profile_from_measurements(
     prof = Profile(kind="measured", meta=dict(meta), primitives=dict(primitives),
                    measurements=list(measurements), model=dict(model) if model is not None else None)
     return _parse(prof.to_dict(), "<profile>")
+
+
+def learned_columns(measurements: Sequence[Measurement]) -> list[Measurement]:
+    """The measurements of the built-in algorithms, whose times are the learned model's columns.
+
+    A plugin's measurements stay in a profile (the report and ``simulate``
+    read them), but the learned model has no column for them: it prices a
+    plugin by its schedule.
+    """
+    return [m for m in measurements if m.algorithm in BUILTIN_NAMES]

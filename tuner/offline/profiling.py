@@ -67,6 +67,7 @@ from colltune.model.profile import (
     Measurement,
     Primitive,
     Profile,
+    learned_columns,
     load_profile,
     profile_from_measurements,
     save_profile,
@@ -1316,7 +1317,7 @@ def _profile_of_run(journal: Journal, run: _RunState, world_sizes: list[int], gr
     meta["statistic"] = statistic
     meta.update(host_terms(samples) or run.previous_host)  # a resumed run that timed nothing keeps the old terms
     model = None
-    fitted = [m for m in measurements if m.algorithm in ALGORITHMS]  # the learned model's columns: no plugin's
+    fitted = learned_columns(measurements)
     if len(fitted) >= 2:
         model = fit_model(fitted, primitives).to_dict()
     return profile_from_measurements(measurements, primitives, meta, model=model)
