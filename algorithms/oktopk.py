@@ -720,7 +720,7 @@ class OkTopk(Algorithm):
     #: the global selection's counts; the split's merge reads nothing (the owner's region stays padded,
     #: and the selection by magnitude never keeps a pad). 3 when a nudged threshold fits, 4 when none does.
     HOST_SYNCS = {"exact": 3, "topk": 4}
-    HOST_KERNELS = {"exact": 47, "topk": 61}
+    HOST_KERNELS = {"exact": 44, "topk": 59}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -686,14 +686,41 @@ def reinterpret(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unpack(
-    buf: torch.Tensor, row_numel: int, index_dtype: torch.dtype, value_dtype: torch.dtype
+    buf: torch.Tensor, row_numel: int, index_dtype: torch.dtype, value_dtype: torch.dtype, strided: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Invert :func:`pack`: return int64 indices and ``[k, row_numel]`` values in ``value_dtype``."""
+    """Invert :func:`pack`: return int64 indices and ``[k, row_numel]`` values in ``value_dtype``.
+
+    Where the entry's bytes allow it (each column a whole number of the
+    dtype's elements from an aligned start), a column is read through a
+    view of ``buf`` in its dtype, with one copy (the indices widened into
+    fresh memory; the values copied out) and no other op. With ``strided``
+    the values stay that view, not copied at all: for a caller that only
+    gathers rows from them (a sort's order, a selection), never one that
+    hands them out. Otherwise a column is copied out first.
+    """
     k = buf.shape[0]
     isz = index_dtype.itemsize
-    idx = reinterpret(buf[:, :isz], index_dtype).view(k).to(torch.int64)
-    vals = reinterpret(buf[:, isz:], value_dtype).view(k, row_numel)
+    if _viewable(buf, isz):
+        col = buf.view(index_dtype)[:, 0]
+        if index_dtype == torch.int64 or k < 2:  # still a view; or one entry, whose stride a cast keeps
+            col = col.clone(memory_format=torch.contiguous_format)
+        idx = col.to(torch.int64)
+    else:
+        idx = reinterpret(buf[:, :isz], index_dtype).view(k).to(torch.int64)
+    vsz = value_dtype.itemsize
+    if isz % vsz == 0 and _viewable(buf, vsz):
+        vals = buf.view(value_dtype)[:, isz // vsz :]
+        if not strided:
+            vals = vals.clone(memory_format=torch.contiguous_format)
+    else:
+        vals = reinterpret(buf[:, isz:], value_dtype).view(k, row_numel)
     return idx, vals
+
+
+def _viewable(buf: torch.Tensor, itemsize: int) -> bool:
+    """Whether ``uint8`` ``[k, e]`` ``buf`` has a view in a dtype of ``itemsize`` bytes: rows and start aligned."""
+    return (buf.shape[1] % itemsize == 0 and buf.stride(1) == 1 and buf.stride(0) % itemsize == 0
+            and buf.storage_offset() % itemsize == 0)
 
 
 def merge_sources(

@@ -41,6 +41,8 @@ from colltune.algorithms.sparse import (
     pack,
     pack_host,
     set_device_path,
+    unpack,
+    unpack_host,
 )
 
 from harness import pool
@@ -142,6 +144,40 @@ def test_pack_takes_any_strides_and_matches_the_host_bytes(value_dtype, index_dt
             got = pack(idx, vals, index_dtype, value_dtype)
             want = torch.from_numpy(pack_host(idx, vals, index_dtype, value_dtype))
             assert torch.equal(got, want), (name, iname)
+
+
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int16, torch.int32, torch.int64])
+def test_unpack_gives_the_host_entries_and_views_only_aligned_columns(value_dtype, index_dtype):
+    g = torch.Generator().manual_seed(9)
+    for r in (0, 1, 3, 64):
+        idx = torch.randint(0, 2**15 - 1, (7,), generator=g)
+        vals = torch.randn(7, r, generator=g).to(value_dtype)
+        packed = pack(idx, vals, index_dtype, value_dtype)
+        e = packed.shape[1]
+        # As received: alone, after one odd byte, and as rows of a wider buffer.
+        wide = torch.zeros((7, e + 3), dtype=torch.uint8)
+        wide[:, :e] = packed
+        shifted = torch.cat((torch.zeros(1, dtype=torch.uint8), packed.view(-1)))[1:].view(7, e)
+        for name, buf in (("plain", packed), ("shifted", shifted), ("rows of a wider buffer", wide[:, :e])):
+            want_idx, want_vals = unpack_host(buf.numpy(), r, index_dtype, value_dtype)
+            want = torch.from_numpy(want_vals)
+            isz, vsz = index_dtype.itemsize, value_dtype.itemsize
+            aligned = isz % vsz == 0 and e % vsz == 0 and buf.stride(0) % vsz == 0 and buf.storage_offset() % vsz == 0
+            for strided in (False, True):
+                got_idx, got_vals = unpack(buf, r, index_dtype, value_dtype, strided=strided)
+                where = (name, r, strided)
+                assert got_idx.dtype == torch.int64 and got_idx.stride() == (1,), where
+                assert got_idx.tolist() == want_idx.tolist(), where
+                assert got_vals.shape == (7, r) and got_vals.dtype == value_dtype, where
+                assert same_bits(got_vals.to(want.dtype), want), where
+                shares = got_vals.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+                assert not r or shares == (strided and aligned), where
+                if not shares:  # handed out: the strides of a fresh tensor
+                    assert got_vals.stride() == torch.empty(7, r).stride(), where
+        # One entry: a fresh tensor's strides too (a size-1 dimension keeps any stride torch gives it).
+        one_idx, one_vals = unpack(packed[:1], r, index_dtype, value_dtype)
+        assert one_idx.stride() == (1,) and one_vals.stride() == torch.empty(1, r).stride(), r
 
 
 def test_coalesce_and_merge_give_the_host_bits():
