@@ -99,13 +99,13 @@ def gather_merge_p2p(
     size: int,
     wire_dtype: torch.dtype,
     head: list[int] | None = None,
-    slots: torch.Tensor | None = None,
+    slots: np.ndarray | None = None,
     parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather coalesced entries as separate index and row messages received in place, then merge in rank order.
 
     ``head[j]`` entries of rank ``j`` already arrived packed in ``slots``
-    (``[P, cap]`` bytes, the metadata record's eager slots); only the rest
+    (``[P, cap]`` bytes, host data: the metadata record's eager slots); only the rest
     travels here. Every rank sends to every peer in one batch.
     """
     p, me = comm.world_size, comm.rank
@@ -119,12 +119,18 @@ def gather_merge_p2p(
     all_vals[at[me] : at[me + 1]] = vals
     mu = max(head)
     if mu and slots is not None:
-        e = entry_bytes(r, index_dtype, wire_dtype)
-        hidx, hvals = unpack(slots[:, : mu * e].reshape(p * mu, e), r, index_dtype, wire_dtype)
-        for j in range(p):
-            if j != me and head[j]:
-                all_idx[at[j] : at[j] + head[j]] = hidx[j * mu : j * mu + head[j]]
-                all_vals[at[j] : at[j] + head[j]] = hvals[j * mu : j * mu + head[j]]
+        # The peers' heads, picked out of the slots and put in rank order on the host (the record's read brought
+        # them there), reach their rows with one write per tensor, whatever the world size.
+        e, isz = entry_bytes(r, index_dtype, wire_dtype), index_dtype.itemsize
+        keep = np.arange(mu) < np.asarray(head)[:, None]
+        keep[me] = False
+        rows = slots[:, : mu * e].reshape(p, mu, e)[keep]
+        if rows.shape[0]:
+            pos = upload((np.asarray(at[:-1])[:, None] + np.arange(mu))[keep], comm.device)
+            hidx = upload(torch.from_numpy(np.ascontiguousarray(rows[:, :isz])), comm.device).view(index_dtype)
+            hvals = upload(torch.from_numpy(np.ascontiguousarray(rows[:, isz:])), comm.device).view(wire_dtype)
+            all_idx.index_copy_(0, pos, hidx.view(-1))
+            all_vals.index_copy_(0, pos, hvals)
     comm.all_gather_rows((all_idx, all_vals), at, max(1, p - 1), head)
     return merge_runs(all_idx.to(torch.int64), all_vals, at, size, accum_dtype(wire_dtype), parts)
 
@@ -174,6 +180,20 @@ def slot_need(counts: Any, row_numel: int, size: int, dtype: torch.dtype) -> int
     return max(counts, default=0) * entry_bytes(row_numel, wire_index_dtype(size), dtype)
 
 
+def _eager_heads(inp: SparseInput, head: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's first ``head[j]`` entries from the eager slots (host data), in rank order, unpacked on the host.
+
+    int64 indices and values in the accumulation dtype (:func:`unpack_host`).
+    """
+    p, r, mu = len(head), inp.row_numel, max(head)
+    e = entry_bytes(r, inp.index_dtype, inp.dtype)
+    idx, vals = unpack_host(inp.eager[:, : mu * e].reshape(p * mu, e), r, inp.index_dtype, inp.dtype)
+    if min(head) < mu:  # keep each rank's first head[j] entries
+        keep = (np.arange(mu) < np.asarray(head)[:, None]).reshape(-1)
+        idx, vals = idx[keep], vals[keep]
+    return idx, vals
+
+
 def _merge_eager_host(
     inp: SparseInput, head: list[int], rest: list[int], tails: np.ndarray | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,12 +204,8 @@ def _merge_eager_host(
     in one go, then put in rank order: by slices while the ranks hold a few
     hundred entries each, else in one scatter (no per-rank work).
     """
-    p, r, mu = len(head), inp.row_numel, max(head)
-    e = entry_bytes(r, inp.index_dtype, inp.dtype)
-    idx, vals = unpack_host(inp.eager.numpy()[:, : mu * e].reshape(p * mu, e), r, inp.index_dtype, inp.dtype)
-    if min(head) < mu:  # keep each rank's first head[j] entries
-        keep = (np.arange(mu) < np.asarray(head)[:, None]).reshape(-1)
-        idx, vals = idx[keep], vals[keep]
+    p, r = len(head), inp.row_numel
+    idx, vals = _eager_heads(inp, head)
     if tails is None:
         return merge_host_pieces([(idx, vals)], inp.size)
     tidx, tvals = unpack_host(tails, r, inp.index_dtype, inp.dtype)
@@ -227,7 +243,7 @@ class Allgather(Algorithm):
     #: The record (the coalesce's count and the eager slot ride in it, filled on the device), the merged
     #: union's size; top-k: the record, whether a tie straddles the k-th largest with the count above it, the merge.
     HOST_SYNCS = {"exact": 2, "topk": 3}
-    HOST_KERNELS = {"exact": 35, "topk": 29}
+    HOST_KERNELS = {"exact": 30, "topk": 28}
     eager_entries = True
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
@@ -273,7 +289,7 @@ class Allgather(Algorithm):
         if any(rest) and mode == "p2p":
             return gather_merge_p2p(
                 comm, inp.indices.to(comm.device), inp.values.to(comm.device), counts, inp.size,
-                inp.dtype, head, upload(inp.eager, comm.device), inp.parts,
+                inp.dtype, head, inp.eager, inp.parts,
             )
         mu = max(head)
         host = on_host(comm.device)
@@ -288,12 +304,17 @@ class Allgather(Algorithm):
         if host:
             tails = None if tail_buf is None else comm.all_gather_flat(tail_buf, rest, mode).numpy()
             return _merge_eager_host(inp, head, rest, tails)
+        if tail_buf is None:  # every entry came in the slots, which the record's read brought to the host:
+            # unpacked and put in rank order there, they reach the device as two arrays, ready to merge.
+            hidx, hvals = _eager_heads(inp, head)
+            return merge_runs(upload(hidx, comm.device), upload(torch.from_numpy(hvals), comm.device), offsets(counts),
+                              inp.size, accum_dtype(inp.dtype), inp.parts)
         # Every rank's head (row j * mu of the slots' block) and rest (after the block, in rank order), put in
         # rank order by one gather index: the ops do not grow with the world size.
-        block = upload(inp.eager[:, : mu * e], comm.device).reshape(p * mu, e)
+        block = upload(torch.from_numpy(inp.eager[:, : mu * e]), comm.device).reshape(p * mu, e)
         if tail_buf is not None:
             block = torch.cat((block, comm.all_gather_flat(tail_buf, rest, mode)))
-        idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype)
+        idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype, strided=True)  # rows gathered below
         if tail_buf is not None or min(head) < mu:
             tails_at = [p * mu + a for a in offsets(rest)[:-1]]
             starts = [s for j in range(p) for s in (j * mu, tails_at[j])]

@@ -58,9 +58,10 @@ class SparseInput:
         dtype: the caller's value dtype (the result is cast back to it).
         counts: entries per rank after coalescing, for every rank, in rank order.
         eager: every rank's eager slot from the metadata exchange, one
-            ``uint8`` row per rank (``[P, slot_bytes]``), holding its first
-            entries packed as :func:`colltune.algorithms.allgather.eager_slot` packs
-            them, or ``None`` when the caller did not fill the slots.
+            ``uint8`` row per rank (``[P, slot_bytes]``, host data: a NumPy
+            view of the exchanged table), holding its first entries packed
+            as :func:`colltune.algorithms.allgather.eager_slot` packs them, or
+            ``None`` when the caller did not fill the slots.
         op: ``sum`` or ``avg``; read only by algorithms that set
             :attr:`Algorithm.applies_avg`.
         payload: every rank's :meth:`Algorithm.eager_payload` from the
@@ -88,7 +89,7 @@ class SparseInput:
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     counts: tuple[int, ...]
-    eager: torch.Tensor | None = None
+    eager: np.ndarray | None = None
     op: str = "sum"
     payload: np.ndarray | None = None
     parts: Parts | None = None

@@ -157,7 +157,7 @@ def _exact_call(name: str, n: int, idx: torch.Tensor, vals: torch.Tensor) -> Cal
         need = slot_need(counts, vals.shape[1], n, torch.float32) if algo.eager_entries else 0
         meta.note_slot_use(comm, need)
         payload = slots[:, :payload_bytes] if payload_bytes else None
-        entries = torch.from_numpy(slots) if algo.eager_entries else None
+        entries = slots if algo.eager_entries else None
         inp = SparseInput(idx, vals, n, (vals.shape[1],) if vals.shape[1] > 1 else (), torch.float32, counts,
                           entries, "sum", payload)
         algo.sparse_allreduce(inp, comm, knobs)

@@ -1075,9 +1075,10 @@ class _SparseCall:
             return
         if all(isinstance(part, np.ndarray) for part in parts):  # the host path, or only host parts
             self.slot = parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[arg-type]
-        else:  # device parts: the record is filled on the device, with no read
-            self.slot = torch.cat([upload(torch.from_numpy(part), comm.device) if isinstance(part, np.ndarray)
-                                   else part.reshape(-1) for part in parts])
+        else:  # device parts: the record is filled on the device, with no read (one part goes in as it is)
+            flat = [upload(torch.from_numpy(part), comm.device) if isinstance(part, np.ndarray) else part.reshape(-1)
+                    for part in parts]
+            self.slot = flat[0] if len(flat) == 1 else torch.cat(flat)
 
     def decide(self, algorithm: str, counts: tuple[int, ...], slots: Any, name: Any) -> tuple[str, Any]:
         """Return the algorithm to run and the selector's decision (``None`` when the caller named one)."""
@@ -1104,7 +1105,7 @@ class _SparseCall:
         """Return what the algorithm receives: the local entries, every rank's counts, slots and payloads."""
         entries_at = self.payload_bytes + self.sketch_bytes
         has_entries = self.eager in (_meta.EAGER_ENTRIES, _meta.EAGER_SKETCH)
-        eager_entries = torch.from_numpy(slots[:, entries_at:]) if has_entries else None
+        eager_entries = slots[:, entries_at:] if has_entries else None
         # The payload belongs to the algorithm that made it: another one chosen meanwhile does not get it.
         mine = bool(self.payload_bytes) and algorithm == self.likely
         payload = slots[:, : self.payload_bytes] if mine else None
