@@ -121,16 +121,15 @@ def gather_merge_p2p(
     if mu and slots is not None:
         # The peers' heads, picked out of the slots and put in rank order on the host (the record's read brought
         # them there), reach their rows with one write per tensor, whatever the world size.
-        e, isz = entry_bytes(r, index_dtype, wire_dtype), index_dtype.itemsize
-        keep = np.arange(mu) < np.asarray(head)[:, None]
-        keep[me] = False
-        rows = slots[:, : mu * e].reshape(p, mu, e)[keep]
+        isz = index_dtype.itemsize
+        rows, keep = _head_rows(slots, head, entry_bytes(r, index_dtype, wire_dtype), skip=me)
         if rows.shape[0]:
             pos = upload((np.asarray(at[:-1])[:, None] + np.arange(mu))[keep], comm.device)
             hidx = upload(torch.from_numpy(np.ascontiguousarray(rows[:, :isz])), comm.device).view(index_dtype)
-            hvals = upload(torch.from_numpy(np.ascontiguousarray(rows[:, isz:])), comm.device).view(wire_dtype)
             all_idx.index_copy_(0, pos, hidx.view(-1))
-            all_vals.index_copy_(0, pos, hvals)
+            if r:  # rows of width 0 have no bytes to view
+                hvals = upload(torch.from_numpy(np.ascontiguousarray(rows[:, isz:])), comm.device).view(wire_dtype)
+                all_vals.index_copy_(0, pos, hvals)
     comm.all_gather_rows((all_idx, all_vals), at, max(1, p - 1), head)
     return merge_runs(all_idx.to(torch.int64), all_vals, at, size, accum_dtype(wire_dtype), parts)
 
@@ -180,18 +179,24 @@ def slot_need(counts: Any, row_numel: int, size: int, dtype: torch.dtype) -> int
     return max(counts, default=0) * entry_bytes(row_numel, wire_index_dtype(size), dtype)
 
 
-def _eager_heads(inp: SparseInput, head: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's first ``head[j]`` entries from the eager slots (host data), in rank order, unpacked on the host.
+def _head_rows(slots: np.ndarray, head: list[int], e: int, skip: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's first ``head[j]`` packed entries of ``e`` bytes from the eager slots (host data), in rank order.
 
-    int64 indices and values in the accumulation dtype (:func:`unpack_host`).
+    Returns the rows (``uint8`` ``[K, e]``, a fresh array) and which of the
+    ``[P, max(head)]`` places they fill (a bool mask). ``skip``: a rank
+    whose entries are left out.
     """
-    p, r, mu = len(head), inp.row_numel, max(head)
-    e = entry_bytes(r, inp.index_dtype, inp.dtype)
-    idx, vals = unpack_host(inp.eager[:, : mu * e].reshape(p * mu, e), r, inp.index_dtype, inp.dtype)
-    if min(head) < mu:  # keep each rank's first head[j] entries
-        keep = (np.arange(mu) < np.asarray(head)[:, None]).reshape(-1)
-        idx, vals = idx[keep], vals[keep]
-    return idx, vals
+    p, mu = len(head), max(head)
+    keep = np.arange(mu) < np.asarray(head)[:, None]
+    if skip is not None:
+        keep[skip] = False
+    return slots[:, : mu * e].reshape(p, mu, e)[keep], keep
+
+
+def _eager_heads(inp: SparseInput, head: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_head_rows` of every rank, unpacked on the host: int64 indices, values in the accumulation dtype."""
+    rows, _ = _head_rows(inp.eager, head, entry_bytes(inp.row_numel, inp.index_dtype, inp.dtype))
+    return unpack_host(rows, inp.row_numel, inp.index_dtype, inp.dtype)
 
 
 def _merge_eager_host(
@@ -305,21 +310,19 @@ class Allgather(Algorithm):
             tails = None if tail_buf is None else comm.all_gather_flat(tail_buf, rest, mode).numpy()
             return _merge_eager_host(inp, head, rest, tails)
         if tail_buf is None:  # every entry came in the slots, which the record's read brought to the host:
-            # unpacked and put in rank order there, they reach the device as two arrays, ready to merge.
-            hidx, hvals = _eager_heads(inp, head)
-            return merge_runs(upload(hidx, comm.device), upload(torch.from_numpy(hvals), comm.device), offsets(counts),
-                              inp.size, accum_dtype(inp.dtype), inp.parts)
+            # picked out and put in rank order there, they reach the device in one copy, as they travel.
+            got = upload(torch.from_numpy(_head_rows(inp.eager, head, e)[0]), comm.device)
+            idx_all, vals_all = unpack(got, r, index_dtype, inp.dtype, strided=True)  # the merge gathers its rows
+            return merge_runs(idx_all, vals_all, offsets(counts), inp.size, accum_dtype(inp.dtype), inp.parts)
         # Every rank's head (row j * mu of the slots' block) and rest (after the block, in rank order), put in
         # rank order by one gather index: the ops do not grow with the world size.
-        block = upload(torch.from_numpy(inp.eager[:, : mu * e]), comm.device).reshape(p * mu, e)
-        if tail_buf is not None:
-            block = torch.cat((block, comm.all_gather_flat(tail_buf, rest, mode)))
+        block = torch.cat((upload(torch.from_numpy(inp.eager[:, : mu * e]), comm.device).reshape(p * mu, e),
+                           comm.all_gather_flat(tail_buf, rest, mode)))
         idx_all, vals_all = unpack(block, r, index_dtype, inp.dtype, strided=True)  # rows gathered below
-        if tail_buf is not None or min(head) < mu:
-            tails_at = [p * mu + a for a in offsets(rest)[:-1]]
-            starts = [s for j in range(p) for s in (j * mu, tails_at[j])]
-            rows = gather_rows(starts, [n for pair in zip(head, rest) for n in pair], comm.device)
-            idx_all, vals_all = idx_all.index_select(0, rows), vals_all.index_select(0, rows)
+        tails_at = [p * mu + a for a in offsets(rest)[:-1]]
+        starts = [s for j in range(p) for s in (j * mu, tails_at[j])]
+        rows = gather_rows(starts, [n for pair in zip(head, rest) for n in pair], comm.device)
+        idx_all, vals_all = idx_all.index_select(0, rows), vals_all.index_select(0, rows)
         return merge_runs(idx_all, vals_all, offsets(counts), inp.size, accum_dtype(inp.dtype), inp.parts)
 
     def topk_allreduce(self, acc: torch.Tensor, state: Any, comm: Comm, knobs: dict[str, Any]) -> TopkOutput:

@@ -692,8 +692,8 @@ def unpack(
 
     Where the entry's bytes allow it (each column a whole number of the
     dtype's elements from an aligned start), a column is read through a
-    view of ``buf`` in its dtype, with one copy (the indices widened into
-    fresh memory; the values copied out) and no other op. With ``strided``
+    view of ``buf`` in its dtype and copied out once (the indices widened
+    into fresh memory; one entry's, or int64 ones, cloned first). With ``strided``
     the values stay that view, not copied at all: for a caller that only
     gathers rows from them (a sort's order, a selection), never one that
     hands them out. Otherwise a column is copied out first.

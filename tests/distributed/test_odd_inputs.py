@@ -229,3 +229,29 @@ def test_a_one_entry_strided_view_gives_unit_stride_results(world_size, on_devic
         for algorithm, (istride, vstride, nbytes, dense) in out.items():
             assert istride == (1,) and vstride == (1,) and nbytes == 8, (algorithm, istride, vstride)
             assert dense == [1.5 * world_size], (algorithm, dense)
+
+
+def _run_zero_width_p2p(rank, world_size, dtype):
+    import colltune
+
+    n = 1 << 16
+    idx = torch.arange(rank, n, 7 + rank)  # thousands of entries, more on rank 0: past every eager slot
+    vals = torch.ones((idx.numel(), 0), dtype=dtype)
+    out = {}
+    for device in PATHS:
+        with device_path(device):
+            for _ in range(2):  # the second call's slot is sized from the first's counts
+                res = colltune.sparse_allreduce(idx, vals, (n, 0), algorithm="allgather", knobs={"mode": "p2p"})
+            out[device] = (res.indices.clone(), tuple(res.values.shape), res.values.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_zero_width_rows_point_to_point_past_the_slot(dtype):
+    out = pool(P).run(_run_zero_width_p2p, dtype)
+    n = 1 << 16
+    union = torch.unique(torch.cat([torch.arange(r, n, 7 + r) for r in range(P)]))
+    for r, o in enumerate(out):
+        for device in PATHS:
+            idx, shape, got = o[device]
+            assert torch.equal(idx, union) and shape == (union.numel(), 0) and got == dtype, (r, device)
