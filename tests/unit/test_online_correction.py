@@ -48,15 +48,22 @@ def _decide(sel: Selector, density: float, name: str = "t") -> object:
                                   counts=counts, indices=None, ranks_per_node=8)
 
 
-def _stream(sel: Selector, truth: dict[str, float], calls: int, density: float = 1e-2) -> list:
-    """Decide ``calls`` calls at one site; each measures ``truth`` times the profile's own prediction."""
-    out = []
+def _stream(sel: Selector, truth: dict[str, float], calls: int, density: float = 1e-2,
+            busy: dict[str, float] | None = None) -> list:
+    """Decide ``calls`` calls at one site; each measures ``truth`` times the profile's own prediction.
+
+    ``busy``: an algorithm's first measured call takes this many times its time (a busy moment).
+    """
+    out, measured = [], set()
     for _ in range(calls):
         key, c = _decide(sel, density)
         if c.predicted_us is None:  # not the cost model's decision (a policy, COLLTUNE_ALGO): nothing to learn
             out.append((c.algorithm, c.source, 1.0, 1.0, None, None))
             continue
         t = c.predicted_us[c.algorithm] * truth.get(c.algorithm, 1.0)
+        if busy and c.algorithm not in measured:
+            t *= busy.get(c.algorithm, 1.0)
+        measured.add(c.algorithm)
         sel.observe_time(key, c.algorithm, c.predicted_us[c.algorithm], t, c.source == "explore")
         best = min(c.predicted_us[a] * truth.get(a, 1.0) for a in c.predicted_us)
         out.append((c.algorithm, c.source, t / best, t, dict(c.predicted_us), c.corrected_us))
@@ -79,6 +86,16 @@ def test_a_wrong_profile_converges_to_the_truly_fastest(truth: dict[str, float],
     assert all(a == fastest for a, src, *_ in after if src != "explore"), [c[:2] for c in after][:20]
     regret = [r for _, _, r, *_ in after]
     assert _geomean(regret) <= 1.03 and sorted(regret)[int(0.95 * len(regret))] <= 1.10
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 25): one busy call prices an algorithm out of the exploring "
+                   "window for good; tools/online_bench.py --wrong allgather:3 showed it live")
+@pytest.mark.parametrize("busy", [4.0, 8.0])
+def test_one_busy_call_does_not_lock_the_fastest_algorithm_out(busy: float) -> None:
+    # dense, priced 3x too high, is the fastest; its first measured call came at a busy moment. Without
+    # that call the stream settles on dense (1.002); with it, correction stays on allgather (1.78, 2.85).
+    calls = _stream(Selector(profile=PROFILE, environ={}), {"dense": 1 / 3}, 600, busy={"dense": busy})
+    assert _geomean([c[2] for c in calls[100:]]) <= 1.03
 
 
 def test_two_algorithms_priced_wrong_never_do_worse_than_the_profile_alone() -> None:
