@@ -68,7 +68,15 @@ from colltune.algorithms.knobs import Knob
 from colltune.algorithms.lazy import torch
 from colltune.algorithms.registry import register
 from colltune.algorithms.schedule import Pricing, Step
-from colltune.algorithms.sparse import cast, fresh, nth_positions, out_buffer, read_part_counts, row_numbers, upload
+from colltune.algorithms.sparse import (
+    cast,
+    fresh,
+    mask_positions,
+    out_buffer,
+    read_part_counts,
+    row_numbers,
+    upload,
+)
 
 __all__ = ["Dense"]
 
@@ -265,8 +273,8 @@ class Dense(Algorithm):
             if inp.parts is None:
                 union = present.nonzero().view(-1)
             else:  # a fused bucket: the union's size and every tensor's in one read, so the cut reads nothing
-                runs, u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
-                union = nth_positions(runs[1:], u)
+                _, u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
+                union = mask_positions(present, u)
         if not r:
             return union, buf[: union.numel(), :0]
         return union, torch.index_select(buf, 0, union, out=out_buffer((union.numel(), r), buf.dtype, buf.device))

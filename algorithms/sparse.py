@@ -59,7 +59,6 @@ __all__ = [
     "merge_runs",
     "read_part_counts",
     "run_starts",
-    "nth_positions",
     "merge_host_pieces",
     "offsets",
     "pack_host",
@@ -326,11 +325,12 @@ def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) 
     """:func:`sum_sorted_runs`, reading the run count and every part's with it in one read."""
     k = idx.numel()
     # The runs starting before each part's first position, in the one host read.
-    runs, u = read_part_counts(run_starts(idx), torch.searchsorted(idx, upload(parts.bounds, idx.device)), parts)
+    flags = run_starts(idx)
+    _, u = read_part_counts(flags, torch.searchsorted(idx, upload(parts.bounds, idx.device)), parts)
     if u == k:
         return idx, vals + 0.0  # as above
-    starts = nth_positions(runs[1:], u)  # where run j + 1 begins
-    return idx.index_select(0, starts), _segment_sums(vals, offsets=_run_offsets(starts, k))
+    offs = mask_positions(flags, u + 1)  # where each run begins, then k (past the last run)
+    return idx.index_select(0, offs[:u]), _segment_sums(vals, offsets=offs)
 
 
 def read_part_counts(flags: torch.Tensor, at: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, int]:
@@ -352,7 +352,7 @@ def _segment_sums(vals: torch.Tensor, lengths: torch.Tensor | None = None,
     """Sum ``[K, r]`` rows in consecutive runs (a run of 0 gives zeros), each from +0, in order.
 
     The runs are given by their ``lengths``, or by their ``offsets`` (each
-    run's first row, then ``K``: :func:`_run_offsets`), which saves
+    run's first row, then ``K``: :func:`mask_positions` asked for one more), which saves
     ``segment_reduce`` the running sum it makes of lengths. No atomics:
     ``torch.segment_reduce`` adds each output element's run sequentially in
     one thread (its 2-D kernel; values always go as ``[K, r]``), so the
@@ -363,11 +363,6 @@ def _segment_sums(vals: torch.Tensor, lengths: torch.Tensor | None = None,
         runs = lengths.numel() if lengths is not None else offsets.numel() - 1
         return vals.new_zeros((runs, 0))
     return torch.segment_reduce(vals, "sum", lengths=lengths, offsets=offsets, axis=0, unsafe=True)
-
-
-def _run_offsets(starts_at: torch.Tensor, k: int) -> torch.Tensor:
-    """The offsets of the runs of ``k`` rows that begin at sorted positions ``starts_at`` (``k``: an empty run)."""
-    return torch.cat((starts_at, starts_at.new_full((1,), k)))
 
 
 def upload(data: "list[int] | np.ndarray | torch.Tensor", device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -1032,8 +1027,3 @@ def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     last set element are ``mask.numel()``.
     """
     return torch.nonzero_static(mask, size=count, fill_value=mask.numel()).view(-1)
-
-
-def nth_positions(running: torch.Tensor, count: int) -> torch.Tensor:
-    """Where the running count of set flags ``running`` (non-decreasing) first reaches ``1, 2, ..., count``."""
-    return torch.searchsorted(running, torch.arange(1, count + 1, device=running.device))
