@@ -181,7 +181,7 @@ class _Mean:
 
 
 class Ratios:
-    """Measured / predicted over every site: per algorithm, and over every algorithm (the machine's).
+    """Measured / predicted over every site, per algorithm; the machine's is derived from them (:meth:`machine_log`).
 
     A site's correction of an algorithm is its own geometric mean, shrunk
     toward the algorithm's over every site, itself shrunk toward the
@@ -195,11 +195,10 @@ class Ratios:
     site learns of an algorithm informs the others.
     """
 
-    __slots__ = ("every", "machine")
+    __slots__ = ("every",)
 
     def __init__(self) -> None:
         self.every: dict[str, _Mean] = {}
-        self.machine = _Mean()
 
     def observe(self, own: dict[str, _Mean], algorithm: str, predicted_us: float, measured_us: float) -> None:
         """Add one call: ``own`` is the site's table."""
@@ -210,7 +209,6 @@ class Ratios:
                 m.fade()
         own.setdefault(algorithm, _Mean()).add(x)
         self.every.setdefault(algorithm, _Mean()).add(x)
-        self.machine.add(x)
 
     def factor(self, own: Mapping[str, _Mean], algorithm: str) -> float:
         """The site's correction of ``algorithm``'s prediction (1 with no measurement anywhere)."""
