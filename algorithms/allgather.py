@@ -124,6 +124,7 @@ def gather_merge_p2p(
         isz = index_dtype.itemsize
         rows, keep = _head_rows(slots, head, entry_bytes(r, index_dtype, wire_dtype), skip=me)
         if rows.shape[0]:
+            # Their rows' positions, as gather_rows would give them, built here from the mask the host has.
             pos = upload((np.asarray(at[:-1])[:, None] + np.arange(mu))[keep], comm.device)
             hidx = upload(torch.from_numpy(np.ascontiguousarray(rows[:, :isz])), comm.device).view(index_dtype)
             all_idx.index_copy_(0, pos, hidx.view(-1))
@@ -193,12 +194,6 @@ def _head_rows(slots: np.ndarray, head: list[int], e: int, skip: int | None = No
     return slots[:, : mu * e].reshape(p, mu, e)[keep], keep
 
 
-def _eager_heads(inp: SparseInput, head: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_head_rows` of every rank, unpacked on the host: int64 indices, values in the accumulation dtype."""
-    rows, _ = _head_rows(inp.eager, head, entry_bytes(inp.row_numel, inp.index_dtype, inp.dtype))
-    return unpack_host(rows, inp.row_numel, inp.index_dtype, inp.dtype)
-
-
 def _merge_eager_host(
     inp: SparseInput, head: list[int], rest: list[int], tails: np.ndarray | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +205,8 @@ def _merge_eager_host(
     hundred entries each, else in one scatter (no per-rank work).
     """
     p, r = len(head), inp.row_numel
-    idx, vals = _eager_heads(inp, head)
+    rows, _ = _head_rows(inp.eager, head, entry_bytes(r, inp.index_dtype, inp.dtype))
+    idx, vals = unpack_host(rows, r, inp.index_dtype, inp.dtype)
     if tails is None:
         return merge_host_pieces([(idx, vals)], inp.size)
     tidx, tvals = unpack_host(tails, r, inp.index_dtype, inp.dtype)

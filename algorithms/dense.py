@@ -273,7 +273,7 @@ class Dense(Algorithm):
             if inp.parts is None:
                 union = present.nonzero().view(-1)
             else:  # a fused bucket: the union's size and every tensor's in one read, so the cut reads nothing
-                _, u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
+                u = read_part_counts(present, upload(inp.parts.bounds, comm.device), inp.parts)
                 union = mask_positions(present, u)
         if not r:
             return union, buf[: union.numel(), :0]

@@ -326,25 +326,23 @@ def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) 
     k = idx.numel()
     # The runs starting before each part's first position, in the one host read.
     flags = run_starts(idx)
-    _, u = read_part_counts(flags, torch.searchsorted(idx, upload(parts.bounds, idx.device)), parts)
+    u = read_part_counts(flags, torch.searchsorted(idx, upload(parts.bounds, idx.device)), parts)
     if u == k:
         return idx, vals + 0.0  # as above
     offs = mask_positions(flags, u + 1)  # where each run begins, then k (past the last run)
     return idx.index_select(0, offs[:u]), _segment_sums(vals, offsets=offs)
 
 
-def read_part_counts(flags: torch.Tensor, at: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, int]:
+def read_part_counts(flags: torch.Tensor, at: torch.Tensor, parts: Parts) -> int:
     """Count the set ``flags`` before each part's first position ``at`` (``T + 1``, int64), in one host read.
 
-    Sets ``parts.sizes`` (each part's count of set flags) and returns the
-    running count ``runs`` (``runs[x]``: flags set before position ``x``,
-    ``[K + 1]`` int64, exact) and the total.
+    Sets ``parts.sizes`` (each part's count of set flags) and returns the total.
     """
-    runs = torch.zeros(flags.numel() + 1, dtype=torch.int64, device=flags.device)
+    runs = torch.zeros(flags.numel() + 1, dtype=torch.int64, device=flags.device)  # runs[x]: set before x
     torch.cumsum(flags, 0, out=runs[1:])
     seen = runs.index_select(0, at).tolist()
     parts.sizes = [b - a for a, b in zip(seen, seen[1:])]
-    return runs, seen[-1]
+    return seen[-1]
 
 
 def _segment_sums(vals: torch.Tensor, lengths: torch.Tensor | None = None,

@@ -156,10 +156,11 @@ def test_unpack_gives_the_host_entries_and_views_only_aligned_columns(value_dtyp
         packed = pack(idx, vals, index_dtype, value_dtype)
         e = packed.shape[1]
         # As received: alone, after one odd byte, and as rows of a wider buffer.
-        wide = torch.zeros((7, e + 3), dtype=torch.uint8)
-        wide[:, :e] = packed
+        wide, aligned_wide = torch.zeros((7, e + 3), dtype=torch.uint8), torch.zeros((7, e + 8), dtype=torch.uint8)
+        wide[:, :e], aligned_wide[:, :e] = packed, packed
         shifted = torch.cat((torch.zeros(1, dtype=torch.uint8), packed.view(-1)))[1:].view(7, e)
-        for name, buf in (("plain", packed), ("shifted", shifted), ("rows of a wider buffer", wide[:, :e])):
+        for name, buf in (("plain", packed), ("shifted", shifted), ("rows of a wider buffer", wide[:, :e]),
+                          ("rows of a wider buffer, aligned", aligned_wide[:, :e])):
             want_idx, want_vals = unpack_host(buf.numpy(), r, index_dtype, value_dtype)
             want = torch.from_numpy(want_vals)
             isz, vsz = index_dtype.itemsize, value_dtype.itemsize
