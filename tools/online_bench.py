@@ -65,7 +65,7 @@ import torch.distributed as dist  # noqa: E402
 import colltune  # noqa: E402
 from colltune.cli.common import save_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
-from colltune.offline.online_report import load_run  # noqa: E402
+from colltune.offline.online_report import load_run, wrong_label  # noqa: E402
 from colltune.select.selector import Selector  # noqa: E402
 
 SIZES = (2**14, 2**16, 2**18, 2**20)
@@ -110,6 +110,16 @@ def _timed(call: Any) -> tuple[Any, float]:
     return res, _slowest(time.perf_counter() - t0)
 
 
+def _order(turn: int, names: list[str]) -> list[str]:
+    """The order a call's contenders run in: the forced algorithms rotated by ``turn``, and ``on`` and ``off``
+    side by side at a place that rotates too, each first in turn, so that every place sees both orders within
+    ``2 (len(names) + 1)`` turns (with an even number of places, the order flips once per round of them)."""
+    slots = len(names) + 1
+    forced = names[turn % len(names):] + names[: turn % len(names)]
+    flip = turn % 2 if slots % 2 else (turn // slots) % 2
+    return forced[: turn % slots] + (["off", "on"] if flip else ["on", "off"]) + forced[turn % slots:]
+
+
 def _rank(rank: int, world_size: int, cfg: dict) -> dict:
     wrong = tuple(cfg["wrong"]) if cfg["wrong"] else None
     sels = {}
@@ -129,10 +139,7 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
             vals = torch.randn(idx.numel(), generator=gen)
             rec: dict[str, Any] = {"site": s, "call": i, "forced": {}}
             torch.unique(idx), vals.sum()  # touch the fresh inputs, untimed and like no contender
-            turn, slots = i + s, len(names) + 1
-            forced = names[turn % len(names):] + names[: turn % len(names)]
-            pair = ["on", "off"] if turn % 2 == 0 else ["off", "on"]  # each place, each order: every 2 x slots
-            rec["order"] = forced[: turn % slots] + pair + forced[turn % slots:]
+            rec["order"] = _order(i + s, names)
             for who in rec["order"]:
                 if who in sels:
                     sel = sels[who]
@@ -342,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             run = load_run(path)
             summary = _summary(replay(run), args.settle, args.window)
             s = run["summary"]
-            wrong_then = f", wrong: {s['wrong'][0]} x{s['wrong'][1]:g}" if s.get("wrong") else ""
-            print(f"{path}: P={s['ranks']}, profile {s['profile']}{wrong_then}")
+            print(f"{path}: P={s['ranks']}, profile {s['profile']}" + (f", {wrong_label(s['wrong'])}" if s.get("wrong")
+                                                                        else ""))
             _print(summary, args.settle, args.window)
             print(f"on's choices against off's, priced by the smoothed truth: {summary['on_over_off_choices']:.3f}")
         return 0
@@ -365,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.update(ranks=args.ranks, calls=args.calls, sites=args.sites, wrong=wrong, same_on_every_rank=same,
                    profile=args.profile or "shipped (gloo)")
     print(f"P={args.ranks}, {args.sites} sites x {args.calls} calls, profile {summary['profile']}"
-          f"{f', wrong: {wrong[0]} x{wrong[1]:g}' if wrong else ''}; regret after each site's first {args.settle}")
+          f"{f', {wrong_label(wrong)}' if wrong else ''}; regret after each site's first {args.settle}")
     _print(summary, args.settle, args.window)
     lo, hi = summary["on_over_off_ci95"]
     print(f"auto's own time, on / off (geometric mean of each call's ratio): {summary['on_over_off']:.3f} "

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 from colltune.algorithms.errors import ColltuneValueError
 from colltune.model.files import write_text_atomic
 
-__all__ = ["WINDOW", "load_run", "regret_series", "write_online_report"]
+__all__ = ["WINDOW", "load_run", "regret_series", "wrong_label", "write_online_report"]
 
 #: Calls per point of the running regret.
 WINDOW = 10
@@ -151,13 +151,17 @@ def _draw_accuracy(calls: Sequence[Mapping[str, Any]], algorithms: Sequence[str]
     plt.close(fig)
 
 
+def wrong_label(wrong: Sequence[Any] | None) -> str:
+    """How a run's ``summary["wrong"]`` (``[algorithm, factor]``, the profile made wrong; or none) reads in a title."""
+    return f"wrong: {wrong[0]} x{wrong[1]:g}" if wrong else ""
+
+
 def _summary_md(run: Mapping[str, Any], algorithms: Sequence[str], files: Mapping[str, str]) -> str:
     s = run.get("summary") or {}
     lines = ["# Online correction: a call stream", ""]
     if s:
         lines += [f"{s.get('ranks', '?')} ranks, {s.get('sites', '?')} sites x {s.get('calls', '?')} calls; profile "
-                  f"{s.get('profile', '?')}" + (f"; made wrong: {s['wrong'][0]} x{s['wrong'][1]:g}" if s.get("wrong")
-                                                 else ""), "",
+                  f"{s.get('profile', '?')}" + (f"; made {wrong_label(s['wrong'])}" if s.get("wrong") else ""), "",
                   "| mode | regret (geometric mean) | 95th percentile | max | smoothed: geometric mean | 95th "
                   "percentile | exploring calls | exploring time |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -198,7 +202,7 @@ def write_online_report(path: str, out_dir: str, run: Mapping[str, Any] | None =
     os.makedirs(out_dir, exist_ok=True)
     s = run.get("summary") or {}
     title = (f"{s.get('ranks', '?')} ranks, {s.get('sites', '?')} sites; profile {s.get('profile', '?')}"
-             + (f", wrong: {s['wrong'][0]} x{s['wrong'][1]:g}" if s.get("wrong") else ""))
+             + (f", {wrong_label(s['wrong'])}" if s.get("wrong") else ""))
     files = {"regret": os.path.join(out_dir, "online-regret.png"),
              "predicted-vs-measured": os.path.join(out_dir, "online-predicted-vs-measured.png")}
     _draw_regret(calls, files["regret"], title)
