@@ -101,7 +101,6 @@ from colltune.model.features import DTYPE_BYTES, Features, index_bytes_for
 from colltune.model.nccl import P2P
 
 __all__ = [
-    "learned_columns",
     "FORMAT",
     "VERSION",
     "KINDS",
@@ -116,6 +115,7 @@ __all__ = [
     "save_profile",
     "measurement_to_features",
     "profile_from_measurements",
+    "learned_columns",
 ]
 
 FORMAT = "colltune-profile"
@@ -896,7 +896,7 @@ def profile_from_measurements(
 
 
 def learned_columns(measurements: Sequence[Measurement]) -> list[Measurement]:
-    """The measurements of the built-in algorithms, whose times are the learned model's columns.
+    """The measurements of the built-in algorithms (``cost_model.ALGORITHMS``), the learned model's columns.
 
     A plugin's measurements stay in a profile (the report and ``simulate``
     read them), but the learned model has no column for them: it prices a
