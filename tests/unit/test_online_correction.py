@@ -12,8 +12,9 @@ metadata exchange would. Checked:
   each algorithm has been measured (each tried once, in the first calls);
 * exploration stays within its budgets (3% of the calls and of the time)
   and never tries an algorithm predicted more than 2x slower; a runner-up
-  confirmed slower is tried less and less, in turn with the others, and
-  a change of decision starts the waits over;
+  confirmed slower is tried less and less, in turn with the others (also
+  at a site alternating between two sizes decided differently), and a
+  change of decision starts the waits over;
 * what a site measured long ago fades to one call's weight;
 * a policy rule, ``COLLTUNE_ALGO`` and ``online=False`` turn it off;
 * the state file round-trips, and a corrupt, truncated, huge or foreign one
@@ -149,6 +150,19 @@ def test_every_runner_up_takes_its_turn_and_a_stale_bucket_does_not_stop_the_bac
     tried = [a for _, a in explored]
     counts = {a: tried.count(a) for a in set(tried)}
     assert len(counts) >= 2 and max(counts.values()) - min(counts.values()) <= 1, tried  # in turn, none left out
+
+
+def test_a_site_alternating_between_two_buckets_keeps_its_backoff() -> None:
+    # Density 1e-2 (allgather) and 0.2 (another algorithm) in turns of 40 calls: each bucket's decision
+    # stays what it was, so the site is not changing its mind and its exploring wait keeps doubling.
+    sel = Selector(profile=PROFILE, environ={})
+    turns = [_stream(sel, {}, 40, density=1e-2 if i % 2 == 0 else 0.2) for i in range(40)]
+    chosen = [{a for a, src, *_ in turn if src != "explore"} for turn in turns[:2]]
+    assert chosen[0] == {"allgather"} and len(chosen[1]) == 1 and chosen[1] != chosen[0], chosen
+    calls = [c for turn in turns for c in turn]
+    at = [i for i, c in enumerate(calls) if c[1] == "explore"]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert set(gaps[2:]) == {online.EXPLORE_BACKOFF * online.EXPLORE_EVERY}, gaps
 
 
 def test_an_exploring_call_that_changes_the_decision_tries_as_often_again() -> None:

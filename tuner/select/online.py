@@ -24,8 +24,8 @@ never one predicted more than 2x slower), while the site's exploring has
 cost at most :data:`EXPLORE_TIME` of its measured time. An exploring call
 that changes no decision doubles the site's wait for the next one, up to
 :data:`EXPLORE_BACKOFF` times :data:`EXPLORE_EVERY`; one that changes a
-decision, or a site changing its choice, brings it back to
-:data:`EXPLORE_EVERY`.
+decision, or a site deciding calls of the same size differently than
+before, brings it back to :data:`EXPLORE_EVERY`.
 """
 
 from __future__ import annotations

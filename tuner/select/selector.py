@@ -589,9 +589,17 @@ class _Site:
         self.samples: list[list[Any]] = []
 
 
-def _decided(site: _Site, algorithm: str) -> None:
-    """Record a decision taken afresh; a change of algorithm starts the site's exploring waits over."""
-    if site.last is not None and site.last != algorithm:
+def _decided(site: _Site, bucket: int, algorithm: str) -> None:
+    """Record a decision taken afresh in ``bucket``; a change of algorithm starts the site's exploring waits over.
+
+    The change is against the bucket's previous decision (the site's last,
+    for a bucket decided for the first time): a site whose calls alternate
+    between two buckets decided differently is not changing its mind, and
+    keeps the wait its exploring calls have earned.
+    """
+    prev = site.entries.get(bucket)
+    before = prev.choice.algorithm if prev is not None else site.last
+    if before is not None and before != algorithm:
         site.explore_gap = _online.EXPLORE_EVERY
     site.last = site.latest = algorithm
 
@@ -942,8 +950,8 @@ class Selector:
         site = self._seeded(site_key, backend)
         call = _Call(name, size, row_numel, normalize_dtype(dtype), tuple(counts), p, backend, ranks_per_node)
         choice = self._choose_sparse(site, call, comm, backend, indices, sketches)
-        _decided(site, choice.algorithm)
         bucket = _bucket(k_sum)
+        _decided(site, bucket, choice.algorithm)
         site.entries[bucket] = _Entry(choice, k_max, k_sum, choice.overlap).widened(site.entries.get(bucket))
         self._log("sparse", name, site_key, choice, comm.rank)
         return self._explored("sparse", name, site_key, choice, comm.rank)
@@ -1111,7 +1119,7 @@ class Selector:
             sparse, dense = topk_features(numel, k, p, 0.0 if overlap is None else overlap, dtype_name, ranks_per_node)
             feats = features_by_algorithm(sparse, dense)
             choice = self._from_model(model, feats, decision, site, overlap, site.overlap_source)
-        _decided(site, choice.algorithm)
+        _decided(site, 0, choice.algorithm)
         site.entries[0] = _Entry(choice, k, p * k, overlap)
         self._log("topk", name, site_key, choice, rank)
         return self._explored("topk", name, site_key, choice, rank)
