@@ -43,6 +43,7 @@ Usage::
     python tools/online_bench.py --ranks 4 --profile profiles/cpu-gloo.yaml --json online.json
     python tools/online_bench.py --replay online.json   # this selector on that run's recorded calls
     python tools/online_bench.py --replay profiles/measurements/online-*.json.gz
+    python tools/online_bench.py --replay profiles/measurements/online-*.json.gz --busy 8 --resample 8
 """
 
 from __future__ import annotations
@@ -275,7 +276,24 @@ class _Recorded:
         return {a: {} for a in self.now}
 
 
-def replay(run: dict) -> list[dict]:
+def resampled(run: dict, seed: int, within: int = 5) -> dict:
+    """``run`` with another draw of its noise: each call's forced times, all of them, those of a call of the same
+    site within ``within`` calls, drawn at random (a busy moment still slows every algorithm of a call alike)."""
+    import random
+
+    rng = random.Random(seed)
+    calls = [dict(r) for r in run["calls"]]
+    by_site: dict[Any, list[int]] = {}
+    for i, r in enumerate(calls):
+        by_site.setdefault(r["site"], []).append(i)
+    for idx in by_site.values():
+        for j, i in enumerate(idx):
+            k = idx[min(len(idx) - 1, max(0, j + rng.randint(-within, within)))]
+            calls[i]["forced"] = run["calls"][k]["forced"]
+    return {**run, "calls": calls}
+
+
+def replay(run: dict, busy: float = 1.0) -> list[dict]:
     """The recorded stream of ``run`` decided again by fresh selectors (correction on and off), on one process.
 
     Each call is priced by the profile's recorded predictions, and the
@@ -283,9 +301,20 @@ def replay(run: dict) -> list[dict]:
     time, which it learns from before the next call (on a group, the next
     exchange carries it). So the machine's noise is the recorded one and
     two versions of the selector can be compared call for call, in seconds.
+
+    ``busy``: with correction on, each site's first measured call of the
+    algorithm fastest there (by its median forced time) takes this many
+    times its time: one busy moment where it costs most.
     """
     from types import SimpleNamespace
 
+    fastest: dict[Any, str] = {}
+    if busy != 1.0:
+        times: dict[Any, dict[str, list[float]]] = {}
+        for r in run["calls"]:
+            for a, t in r["forced"].items():
+                times.setdefault(r["site"], {}).setdefault(a, []).append(t)
+        fastest = {s: min(ts, key=lambda a: statistics.median(ts[a])) for s, ts in times.items()}
     p = run["summary"]["ranks"]
     comm = SimpleNamespace(world_size=p, rank=0)
     sels, models = {}, {}
@@ -306,6 +335,10 @@ def replay(run: dict) -> list[dict]:
             c = sel.decide_sparse(key, comm=comm, backend="gloo", name=f"site{s}", size=n, row_numel=1,
                                   dtype="float32", counts=counts, indices=None, ranks_per_node=p)
             t = r["forced"][c.algorithm]
+            site = sel._sites.get(key)
+            if mode == "on" and fastest.get(s) == c.algorithm and site is not None and site.warm:
+                t *= busy
+                del fastest[s]
             if c.predicted_us is not None:
                 sel.observe_time(key, c.algorithm, c.predicted_us[c.algorithm], t, c.source == "explore")
             rec[mode] = {"algorithm": c.algorithm, "source": c.source, "us": t}
@@ -343,16 +376,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", nargs="+", default=None, metavar="RUN",
                     help="decide the calls of runs this tool wrote (--json) again with this colltune's selector, "
                     "each algorithm taking its recorded time: no ranks, seconds a run")
+    ap.add_argument("--busy", type=float, default=1.0, metavar="X",
+                    help="with --replay: each site's first measured call, with correction on, of the algorithm "
+                    "fastest there takes X times its time (one busy moment where it costs most)")
+    ap.add_argument("--resample", type=int, default=0, metavar="DRAWS",
+                    help="with --replay: also replay each run DRAWS times more, each call's forced times those of "
+                    "a call of the same site within 5, drawn at random, and print the geometric means")
     args = ap.parse_args(argv)
     if args.replay:
+        draws = []
         for path in args.replay:
             run = load_run(path)
-            summary = _summary(replay(run), args.settle, args.window)
+            summary = _summary(replay(run, args.busy), args.settle, args.window)
             s = run["summary"]
             print(f"{path}: P={s['ranks']}, profile {s['profile']}" + (f", {wrong_label(s['wrong'])}" if s.get("wrong")
-                                                                        else ""))
+                                                                        else "") + (f", busy x{args.busy:g}"
+                                                                                    if args.busy != 1.0 else ""))
             _print(summary, args.settle, args.window)
             print(f"on's choices against off's, priced by the smoothed truth: {summary['on_over_off_choices']:.3f}")
+            for seed in range(args.resample):
+                got = _summary(replay(resampled(run, seed), args.busy), args.settle, args.window)
+                draws.append([got[m]["smoothed_regret_geomean"] for m in ("on", "off", "floor")])
+        if draws:
+            gm = [math.exp(statistics.fmean(math.log(d[i]) for d in draws)) for i in range(3)]
+            print(f"{len(draws)} resampled replays, smoothed regret geometric mean: on {gm[0]:.4f}, off {gm[1]:.4f}, "
+                  f"floor {gm[2]:.4f}; on's 90th percentile {sorted(d[0] for d in draws)[int(0.9 * len(draws))]:.3f}")
         return 0
     wrong = None
     if args.wrong:

@@ -16,8 +16,12 @@ predicted as a geometric mean that forgets old calls (:data:`DECAY`) and
 is shrunk toward the algorithm's ratio over every site (itself shrunk
 toward the machine's, :meth:`Ratios.machine_log`) while it has few
 samples (:data:`PRIOR_CALLS`):
-:class:`Ratios`. Predictions are multiplied by it before the argmin. An
-algorithm the corrected model does not pick is tried now and then
+:class:`Ratios`. Predictions are multiplied by it before the argmin. A
+measurement counts at most :data:`CLIP` above what the site expected of
+the algorithm (:data:`CLIP_FIRST` for its first there) until the
+algorithm's next measurement confirms it: one busy call does not price an
+algorithm out, a real change is learned one call later. An algorithm the
+corrected model does not pick is tried now and then
 (:func:`explore_pick`): at most once in :data:`EXPLORE_EVERY` calls of a
 site, within :data:`EXPLORE_WITHIN` of the best corrected prediction (so
 never one predicted more than 2x slower), while the site's exploring has
@@ -36,6 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 __all__ = [
     "DECAY", "PRIOR_CALLS", "EXPLORE_EVERY", "EXPLORE_BACKOFF", "EXPLORE_WITHIN", "EXPLORE_TIME", "MAX_RATIO",
+    "CLIP", "CLIP_FIRST",
     "Timer", "Feedback", "Ratios", "explore_pick", "feedback", "start", "hold", "STATE_FORMAT", "STATE_VERSION",
     "MAX_STATE_BYTES", "MAX_STATE_SITES", "SAVE_EVERY", "SAMPLES_PER_SITE", "stable_key", "copy_mean", "library_version",
     "dump_state", "load_state", "sample", "measurements_from_state",
@@ -64,6 +69,16 @@ EXPLORE_WITHIN = 1.5
 EXPLORE_TIME = 0.03
 #: A measured / predicted ratio is clipped to [1 / MAX_RATIO, MAX_RATIO] (a stalled call is not a model).
 MAX_RATIO = 100.0
+#: A measurement counts at most this far above (in log) what the site expected of the algorithm, its
+#: corrected ratio: 2x. Call times have a heavy upper tail (in the stored online runs 10% of calls take
+#: over 1.5x the median of the same algorithm's calls around them, 3% over 2x, 0.7% over 3x), and one busy
+#: call taken at face value can price the fastest algorithm out of the exploring window for good. What is
+#: clipped off is kept: when the algorithm's next measurement at the site is clipped too, the smaller of the
+#: two clipped parts counts for both (a change that two calls confirm is learned; one busy call is not).
+CLIP = 0.7
+#: ... and a site's first measurement of an algorithm at most this far above its prior (1.22x): on a
+#: machine slower than its profile the second measurement confirms it.
+CLIP_FIRST = 0.2
 #: Exchanges a measurement may wait for every rank's figure (a CUDA event not done yet) before it is dropped.
 _MAX_WAIT = 8
 
@@ -163,21 +178,25 @@ def feedback(comm: Any) -> Feedback:
 
 
 class _Mean:
-    """A geometric mean that forgets: the weighted sum of log ratios and the weight."""
+    """A geometric mean that forgets: the weighted sum of log ratios and the weight.
 
-    __slots__ = ("s", "n")
+    ``excess``: what :data:`CLIP` cut off the latest log ratio added (0 when
+    it counted in full), aged with the sum.
+    """
+
+    __slots__ = ("s", "n", "excess")
 
     def __init__(self) -> None:
-        self.s, self.n = 0.0, 0.0
+        self.s, self.n, self.excess = 0.0, 0.0, 0.0
 
-    def add(self, x: float) -> None:
-        self.s, self.n = self.s * DECAY + x, self.n * DECAY + 1.0
+    def add(self, x: float, excess: float = 0.0) -> None:
+        self.s, self.n, self.excess = self.s * DECAY + x, self.n * DECAY + 1.0, excess
 
     def fade(self) -> None:
         """Age by one call without a measurement: the mean stays, its weight falls by :data:`DECAY` to one call's."""
         if self.n > 1.0:
             f = max(DECAY, 1.0 / self.n)
-            self.s, self.n = self.s * f, self.n * f
+            self.s, self.n, self.excess = self.s * f, self.n * f, self.excess * f
 
 
 class Ratios:
@@ -201,14 +220,20 @@ class Ratios:
         self.every: dict[str, _Mean] = {}
 
     def observe(self, own: dict[str, _Mean], algorithm: str, predicted_us: float, measured_us: float) -> None:
-        """Add one call: ``own`` is the site's table."""
+        """Add one call: ``own`` is the site's table; :data:`CLIP` applies."""
         r = min(MAX_RATIO, max(1.0 / MAX_RATIO, measured_us / max(predicted_us, 1e-3)))
         x = math.log(r)
+        cap = math.log(self.factor(own, algorithm)) + (CLIP if algorithm in own else CLIP_FIRST)
+        over = max(0.0, x - cap)
         for a, m in own.items():  # the site's clock: every algorithm's figures there age by one call
             if a != algorithm:
                 m.fade()
-        own.setdefault(algorithm, _Mean()).add(x)
-        self.every.setdefault(algorithm, _Mean()).add(x)
+        mine, every = own.setdefault(algorithm, _Mean()), self.every.setdefault(algorithm, _Mean())
+        back = min(mine.excess, over)  # confirmed by this call: counts for the previous one (and the pool) too
+        mine.s += back
+        every.s += back
+        mine.add(x - over + back, over - back)
+        every.add(x - over + back)
 
     def factor(self, own: Mapping[str, _Mean], algorithm: str) -> float:
         """The site's correction of ``algorithm``'s prediction (1 with no measurement anywhere)."""
@@ -244,6 +269,7 @@ class Ratios:
         """
         logs = [_shrunk(m, 0.0) if shrunk else m.s / m.n for m in self.every.values() if m.n >= 0.5]
         return min(logs) if len(logs) >= 2 else 0.0
+
 
 def _shrunk(mean: _Mean | None, prior: float) -> float:
     """The log mean of ``mean`` with :data:`PRIOR_CALLS` pseudo-calls at ``prior``."""
