@@ -278,7 +278,12 @@ class _Recorded:
 
 def resampled(run: dict, seed: int, within: int = 5) -> dict:
     """``run`` with another draw of its noise: each call's forced times, all of them, those of a call of the same
-    site within ``within`` calls, drawn at random (a busy moment still slows every algorithm of a call alike)."""
+    site within ``within`` calls, drawn at random (a busy moment still slows every algorithm of a call alike).
+
+    A call keeps its own entries and predictions, so the times it takes are of a density up to ``within``
+    calls of drift away (about 10%); near a site's first and last calls the draw, kept inside the site's
+    calls, falls on the end call more often (the first call takes its own times with chance 6/11).
+    """
     import random
 
     rng = random.Random(seed)
@@ -304,7 +309,9 @@ def replay(run: dict, busy: float = 1.0) -> list[dict]:
 
     ``busy``: with correction on, each site's first measured call of the
     algorithm fastest there (by its median forced time) takes this many
-    times its time: one busy moment where it costs most.
+    times its time: one busy moment where it costs most. Regret is priced
+    by the forced times and does not see it; the exploring time and on's
+    own time (``us``) do, as they would live.
     """
     from types import SimpleNamespace
 
@@ -336,7 +343,8 @@ def replay(run: dict, busy: float = 1.0) -> list[dict]:
                                   dtype="float32", counts=counts, indices=None, ranks_per_node=p)
             t = r["forced"][c.algorithm]
             site = sel._sites.get(key)
-            if mode == "on" and fastest.get(s) == c.algorithm and site is not None and site.warm:
+            if (mode == "on" and fastest.get(s) == c.algorithm and c.predicted_us is not None and site is not None
+                    and site.warm):
                 t *= busy
                 del fastest[s]
             if c.predicted_us is not None:

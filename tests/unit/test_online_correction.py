@@ -104,32 +104,56 @@ def test_one_busy_call_does_not_lock_the_fastest_algorithm_out(busy: float) -> N
     assert all(a == "dense" for a, src, *_ in calls[600:] if src != "explore"), [c[:2] for c in calls[600:]][:10]
 
 
+def _plain(xs: list[float]) -> float:
+    """The log mean of ``xs`` (log ratios, oldest first) with every call counted whole."""
+    m = online._Mean()
+    for x in xs:
+        m.add(x)
+    return m.s / m.n
+
+
 def test_a_busy_call_counts_clipped_and_a_change_two_calls_confirm_counts_in_full() -> None:
     ratios, own = online.Ratios(), {}
     for _ in range(30):
         ratios.observe(own, "dense", 100.0, 100.0)
     ratios.observe(own, "dense", 100.0, 800.0)  # one busy call: 8x
-    m = own["dense"]
+    m, pool = own["dense"], ratios.every["dense"]
     assert m.s == pytest.approx(online.CLIP) and m.excess == pytest.approx(math.log(8.0) - online.CLIP)
     ratios.observe(own, "dense", 100.0, 100.0)  # not confirmed: the cut part is dropped
     assert m.excess == 0.0 and m.s == pytest.approx(online.CLIP * online.DECAY)
-    # A change to 3x, confirmed call after call, is learned as fast as taking each call whole, one call later.
-    plain = online.Ratios(), {}
+    assert (pool.s, pool.n) == pytest.approx((m.s, m.n))  # the pool took the same (one site)
+    # A change to 3x: a call above the cap is cut, the next, as high, confirms it; so the mean is always at
+    # least where counting every call whole had it one call before, and there once a cut is confirmed.
     ratios, own = online.Ratios(), {}
     for _ in range(30):
         ratios.observe(own, "dense", 100.0, 100.0)
-        plain[0].every.setdefault("dense", online._Mean()).add(0.0)
-    learned, whole = [], []
-    for _ in range(12):
+    confirmed = 0
+    for i in range(1, 13):
         ratios.observe(own, "dense", 100.0, 300.0)
-        plain[0].every["dense"].add(math.log(3.0))
-        learned.append(own["dense"].s / own["dense"].n)
-        whole.append(plain[0].every["dense"].s / plain[0].every["dense"].n)
-    assert all(a >= b - 1e-9 for a, b in zip(learned[1:], whole)), (learned, whole)
-    # A site's first measurement of an algorithm counts at most CLIP_FIRST above its prior (1: nothing known).
+        got, m = own["dense"].s / own["dense"].n, own["dense"]
+        assert _plain([0.0] * 30 + [math.log(3.0)] * (i - 1)) - 1e-12 <= got, i
+        if m.excess == 0.0:
+            confirmed += 1
+            assert got == pytest.approx(_plain([0.0] * 30 + [math.log(3.0)] * i)), i
+    assert confirmed >= 5  # every second call at least
+    assert (ratios.every["dense"].s, ratios.every["dense"].n) == pytest.approx((own["dense"].s, own["dense"].n))
+    # A second call only part as high confirms only that part: both count up to where both went.
+    ratios, own = online.Ratios(), {}
+    for _ in range(30):
+        ratios.observe(own, "dense", 100.0, 100.0)
+    ratios.observe(own, "dense", 100.0, 800.0)
+    ratios.observe(own, "dense", 100.0, 250.0)
+    assert own["dense"].excess == 0.0
+    assert own["dense"].s / own["dense"].n == pytest.approx(_plain([0.0] * 30 + [math.log(2.5)] * 2))
+    # A site's first measurement of an algorithm counts at most CLIP_FIRST above its prior (1: nothing known);
+    # a second as high, even after the site ran others (the cut part aged with the mean), confirms it.
     first, own = online.Ratios(), {}
     first.observe(own, "oktopk", 100.0, 500.0)
     assert own["oktopk"].s == pytest.approx(online.CLIP_FIRST)
+    for _ in range(3):
+        first.observe(own, "dense", 100.0, 100.0)
+    first.observe(own, "oktopk", 100.0, 500.0)
+    assert own["oktopk"].s / own["oktopk"].n == pytest.approx(math.log(5.0))
 
 
 def test_two_algorithms_priced_wrong_never_do_worse_than_the_profile_alone() -> None:
@@ -353,18 +377,16 @@ def test_an_algorithm_priced_too_low_does_not_make_the_unmeasured_ones_look_slow
     assert ratios.factor({}, "dense") == pytest.approx(1.0)
     assert ratios.factor(own, "allgather") > 2.0
     # A machine uniformly slower: every ratio alike. The prior of an algorithm measured nowhere is that ratio
-    # shrunk toward 1 by PRIOR_CALLS (so it is tried once); one measured elsewhere starts from its ratio there,
-    # shrunk toward the machine's.
+    # shrunk toward 1 by PRIOR_CALLS (so it is tried once); one measured elsewhere starts from it whole.
     slow, own = online.Ratios(), {}
     for _ in range(5):
         slow.observe(own, "allgather", 100.0, 200.0)
         slow.observe(own, "oktopk", 100.0, 200.0)
-    machine = min(m.s / m.n for m in slow.every.values())
-    n = next(m.n for m in slow.every.values() if m.s / m.n == machine)
-    assert 0.8 * math.log(2.0) < machine < math.log(2.0)  # the first calls counted only CLIP_FIRST above 1
-    assert slow.factor({}, "dense") == pytest.approx(math.exp(machine * n / (n + online.PRIOR_CALLS)))
+    # Each algorithm's first call counted only CLIP_FIRST above 1; its second, as high, confirmed it whole.
+    assert all(m.s / m.n == pytest.approx(math.log(2.0)) for m in slow.every.values())
+    n = slow.every["oktopk"].n
+    assert slow.factor({}, "dense") == pytest.approx(2.0 ** (n / (n + online.PRIOR_CALLS)))
+    cap = math.log(slow.factor({}, "dense")) + online.CLIP_FIRST
+    assert cap > math.log(2.0) + 0.05  # so a first call at the machine's ratio counts whole
     slow.observe({}, "dense", 100.0, 200.0)  # measured once, at another site
-    d = slow.every["dense"]
-    assert d.s == pytest.approx(math.log(2.0))  # counted whole: within CLIP_FIRST of the machine's ratio
-    assert slow.factor({}, "dense") == pytest.approx(math.exp((d.s + online.PRIOR_CALLS * machine)
-                                                              / (d.n + online.PRIOR_CALLS)))
+    assert slow.every["dense"].s == pytest.approx(math.log(2.0)) and slow.factor({}, "dense") == pytest.approx(2.0)

@@ -28,8 +28,9 @@ never one predicted more than 2x slower), while the site's exploring has
 cost at most :data:`EXPLORE_TIME` of its measured time. An exploring call
 that changes no decision doubles the site's wait for the next one, up to
 :data:`EXPLORE_BACKOFF` times :data:`EXPLORE_EVERY`; one that changes a
-decision, or a site deciding calls of the same size differently than
-before, brings it back to :data:`EXPLORE_EVERY`.
+decision, or a site deciding calls of the same size (the same half-octave
+of entries) differently than before, brings it back to
+:data:`EXPLORE_EVERY`.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ MAX_RATIO = 100.0
 #: corrected ratio: 2x. Call times have a heavy upper tail (in the stored online runs 10% of calls take
 #: over 1.5x the median of the same algorithm's calls around them, 3% over 2x, 0.7% over 3x), and one busy
 #: call taken at face value can price the fastest algorithm out of the exploring window for good. What is
-#: clipped off is kept: when the algorithm's next measurement at the site is clipped too, the smaller of the
-#: two clipped parts counts for both (a change that two calls confirm is learned; one busy call is not).
+#: clipped off is kept: the algorithm's next measurement at the site confirms it as far as it goes as high,
+#: and both count up to there (a change that two calls confirm is learned; one busy call is not).
 CLIP = 0.7
 #: ... and a site's first measurement of an algorithm at most this far above its prior (1.22x): on a
 #: machine slower than its profile the second measurement confirms it.
@@ -180,23 +181,26 @@ def feedback(comm: Any) -> Feedback:
 class _Mean:
     """A geometric mean that forgets: the weighted sum of log ratios and the weight.
 
-    ``excess``: what :data:`CLIP` cut off the latest log ratio added (0 when
-    it counted in full), aged with the sum.
+    Of the latest log ratio added: ``excess``, what :data:`CLIP` cut off it
+    (0 when it counted whole); ``level``, what it counted as; ``weight``,
+    its weight in the sum now (1 when added, aging with the sum).
     """
 
-    __slots__ = ("s", "n", "excess")
+    __slots__ = ("s", "n", "excess", "level", "weight")
 
     def __init__(self) -> None:
-        self.s, self.n, self.excess = 0.0, 0.0, 0.0
+        self.s, self.n = 0.0, 0.0
+        self.excess, self.level, self.weight = 0.0, 0.0, 0.0
 
     def add(self, x: float, excess: float = 0.0) -> None:
-        self.s, self.n, self.excess = self.s * DECAY + x, self.n * DECAY + 1.0, excess
+        self.s, self.n = self.s * DECAY + x, self.n * DECAY + 1.0
+        self.excess, self.level, self.weight = excess, x, 1.0
 
     def fade(self) -> None:
         """Age by one call without a measurement: the mean stays, its weight falls by :data:`DECAY` to one call's."""
         if self.n > 1.0:
             f = max(DECAY, 1.0 / self.n)
-            self.s, self.n, self.excess = self.s * f, self.n * f, self.excess * f
+            self.s, self.n, self.weight = self.s * f, self.n * f, self.weight * f
 
 
 class Ratios:
@@ -224,16 +228,21 @@ class Ratios:
         r = min(MAX_RATIO, max(1.0 / MAX_RATIO, measured_us / max(predicted_us, 1e-3)))
         x = math.log(r)
         cap = math.log(self.factor(own, algorithm)) + (CLIP if algorithm in own else CLIP_FIRST)
+        back = 0.0
+        prev = own.get(algorithm)
+        if prev is not None and prev.excess > 0:  # the previous call was cut: both count up to where both went
+            common = min(x, prev.level + prev.excess)
+            back, cap = max(0.0, common - prev.level), max(cap, common)
         over = max(0.0, x - cap)
         for a, m in own.items():  # the site's clock: every algorithm's figures there age by one call
             if a != algorithm:
                 m.fade()
         mine, every = own.setdefault(algorithm, _Mean()), self.every.setdefault(algorithm, _Mean())
-        back = min(mine.excess, over)  # confirmed by this call: counts for the previous one (and the pool) too
-        mine.s += back
-        every.s += back
-        mine.add(x - over + back, over - back)
-        every.add(x - over + back)
+        if back:  # the previous call's cut part that this call confirms, at its weight now (the pool: the same)
+            mine.s += back * mine.weight
+            every.s += back * mine.weight
+        mine.add(x - over, over)
+        every.add(x - over)
 
     def factor(self, own: Mapping[str, _Mean], algorithm: str) -> float:
         """The site's correction of ``algorithm``'s prediction (1 with no measurement anywhere)."""
@@ -353,7 +362,8 @@ def stable_key(site_key: tuple) -> str:
 
 
 def copy_mean(m: _Mean) -> _Mean:
-    """A copy of one site's figures for one algorithm."""
+    """A copy of one site's figures for one algorithm: the mean and its weight (a state file keeps no more, so a
+    cut that waited to be confirmed stays cut)."""
     out = _Mean()
     out.s, out.n = m.s, m.n
     return out
