@@ -142,9 +142,10 @@ def test_a_busy_call_counts_clipped_and_a_change_two_calls_confirm_counts_in_ful
     for _ in range(30):
         ratios.observe(own, "dense", 100.0, 100.0)
     ratios.observe(own, "dense", 100.0, 800.0)
-    ratios.observe(own, "dense", 100.0, 250.0)
+    part = online.CLIP + 0.3  # above the first call's cut, below its value
+    ratios.observe(own, "dense", 100.0, 100.0 * math.exp(part))
     assert own["dense"].excess == 0.0
-    assert own["dense"].s / own["dense"].n == pytest.approx(_plain([0.0] * 30 + [math.log(2.5)] * 2))
+    assert own["dense"].s / own["dense"].n == pytest.approx(_plain([0.0] * 30 + [part] * 2))
     # A site's first measurement of an algorithm counts at most CLIP_FIRST above its prior (1: nothing known);
     # a second as high, even after the site ran others (the cut part aged with the mean), confirms it.
     first, own = online.Ratios(), {}
