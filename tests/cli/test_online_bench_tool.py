@@ -137,9 +137,11 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
     it out; the be8cb3e run found it late, at call 67 of a site) and dense
     priced 3x too low.
     Where the profile is wrong, correction must beat the profile alone and
-    come within 2% of the floor (one recorded draw of the noise: the one-core
-    run replays 1.1% over it, and resampled, `--resample 8`, on average 0.9%
-    over it, 1.1% at 2dac4a2); where it is right, its choices
+    come within 1% of the floor, 2% for two runs: the one-core run replays
+    1.2% over it (one recorded draw of the noise; resampled, `--resample 8`,
+    0.9% over it on average, 1.1% at 2dac4a2), and in the be8cb3e run, 1.3%
+    over it, the fastest algorithm is found only by exploring, its turn
+    after the other runners-up; where it is right, its choices
     may cost at most 1% more.
     """
     ob = _tool()
@@ -150,8 +152,9 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
                         ("online-cpu2-p4-allgather-priced-3x-high-be8cb3e", True)):
         s = ob._summary(ob.replay(load_run(os.path.join(stored, name + ".json.gz"))), 50, 2)
         assert s["on"]["explore_time"] <= 0.03 and s["on"]["explore_calls"] <= 0.03, name
-        if wrong:  # within 2% of the floor that the truth's own noise leaves, and ahead of the profile alone
-            assert s["on"]["smoothed_regret_geomean"] <= 1.02 * s["floor"]["smoothed_regret_geomean"], name
+        if wrong:  # near the floor that the truth's own noise leaves, and ahead of the profile alone
+            near = 1.02 if name.endswith(("cpu1-p2-shipped", "be8cb3e")) else 1.01
+            assert s["on"]["smoothed_regret_geomean"] <= near * s["floor"]["smoothed_regret_geomean"], name
             assert s["on"]["smoothed_regret_geomean"] < s["off"]["smoothed_regret_geomean"], name
         else:
             assert s["on_over_off_choices"] <= 1.01, name
@@ -160,10 +163,10 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
 def test_one_busy_call_in_the_stored_runs_does_not_lock_the_fastest_algorithm_out():
     """The stored runs replayed with one busy call: each site's first measured call of the algorithm fastest
     there takes 8x its time. Taken whole it priced that algorithm out (1.34 to 1.73 at 2dac4a2, floors 1.008
-    to 1.022); counted cut (colltune.select.online.CLIP), correction stays within 2% of the floor and ahead of
-    the profile alone. In the be8cb3e run the fastest algorithm is found only by exploring, so the busy call
-    is each site's one exploring call of it and spends the site's exploring budget for most of its 200
-    calls: there correction is only ahead of the profile alone.
+    to 1.022); counted cut (colltune.select.online.CLIP_FIRST), correction stays within 2% of the floor and
+    ahead of the profile alone. In the be8cb3e run the fastest algorithm is found only by exploring, so the
+    busy call is each site's one exploring call of it and spends the site's exploring budget for most of its
+    200 calls: there correction does as the profile alone (1.472 against 1.469), within 1%.
     """
     ob = _tool()
     stored = os.path.join(ROOT, "profiles", "measurements")

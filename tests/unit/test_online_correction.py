@@ -135,7 +135,7 @@ def test_a_busy_call_counts_clipped_and_a_change_two_calls_confirm_counts_in_ful
         if m.excess == 0.0:
             confirmed += 1
             assert got == pytest.approx(_plain([0.0] * 30 + [math.log(3.0)] * i)), i
-    assert confirmed >= 5  # every second call at least
+    assert confirmed == 11  # all but the first: each call as high as the last confirms it
     assert (ratios.every["dense"].s, ratios.every["dense"].n) == pytest.approx((own["dense"].s, own["dense"].n))
     # A second call only part as high confirms only that part: both count up to where both went.
     ratios, own = online.Ratios(), {}
@@ -149,12 +149,27 @@ def test_a_busy_call_counts_clipped_and_a_change_two_calls_confirm_counts_in_ful
     # A site's first measurement of an algorithm counts at most CLIP_FIRST above its prior (1: nothing known);
     # a second as high, even after the site ran others (the cut part aged with the mean), confirms it.
     first, own = online.Ratios(), {}
-    first.observe(own, "oktopk", 100.0, 500.0)
-    assert own["oktopk"].s == pytest.approx(online.CLIP_FIRST)
     for _ in range(3):
         first.observe(own, "dense", 100.0, 100.0)
+    cap = math.log(first.factor(own, "oktopk")) + online.CLIP_FIRST
     first.observe(own, "oktopk", 100.0, 500.0)
-    assert own["oktopk"].s / own["oktopk"].n == pytest.approx(math.log(5.0))
+    assert own["oktopk"].s == pytest.approx(cap) and own["oktopk"].excess == pytest.approx(math.log(5.0) - cap)
+    first.observe(own, "oktopk", 100.0, 500.0)  # a second measurement, so the weights are not one call's
+    first.observe(own, "oktopk", 100.0, 1500.0)  # cut: 3x what the site now expects
+    assert own["oktopk"].excess > 0
+    for _ in range(5):
+        first.observe(own, "dense", 100.0, 100.0)
+    assert own["oktopk"].weight < 1.0  # the cut call aged with the mean while the site ran dense
+    first.observe(own, "oktopk", 100.0, 1500.0)  # confirmed: both count whole, the first at its aged weight
+    m = own["oktopk"]
+    m_s, m_n = m.s, m.n
+    ref = online._Mean()
+    for x in (math.log(5.0), math.log(5.0), math.log(15.0)):
+        ref.add(x)
+    for _ in range(5):
+        ref.fade()
+    ref.add(math.log(15.0))
+    assert (m_s, m_n) == pytest.approx((ref.s, ref.n))
 
 
 def test_two_algorithms_priced_wrong_never_do_worse_than_the_profile_alone() -> None:
@@ -173,7 +188,7 @@ def test_a_uniformly_slower_machine_changes_no_decision_once_each_algorithm_is_m
     # machine's ratio shrunk toward 1 (optimism), is tried within the next few, and the second measurement of
     # each confirms the first (which counted only CLIP_FIRST above its prior); then the profile's choices.
     assert {a for a, *_ in slow[:8]} == {"allgather", "dense", "oktopk", "hashpart"}, [c[:2] for c in slow[:8]]
-    settled = [(i, a, want) for i, ((a, src, *_), want) in enumerate(zip(slow, ref)) if i >= 50 and src != "explore"]
+    settled = [(i, a, want) for i, ((a, src, *_), want) in enumerate(zip(slow, ref)) if i >= 10 and src != "explore"]
     assert all(a == want for _, a, want in settled), settled[:10]
     assert _geomean([c[2] for c in slow[5:]]) <= 1.01
 
