@@ -78,8 +78,8 @@ MAX_RATIO = 100.0
 #: and both count up to there (a change that two calls confirm is learned; one busy call is not). Replayed
 #: (``tools/online_bench.py --replay``), the stored runs with one busy call, 8x, at each site's first
 #: measurement of its fastest algorithm: six of seven at 1.012 to 1.024 smoothed regret, against 1.34 to
-#: 1.73 with nothing cut; resampled eight times each, 1.035 against 1.034 with nothing cut (2x here: 1.039).
-#: Eleven more runs recorded on the same machine agreed: nothing measurable lost where no call is busy.
+#: 1.73 with nothing cut; resampled eight times each, 1.035 against 1.034 with nothing cut (2x here: 1.039):
+#: nothing measurable lost where no call is busy.
 CLIP = 1.0
 #: ... and a site's first measurement of an algorithm at most this far above its prior (1.22x): on a
 #: machine slower than its profile the second measurement confirms it.
