@@ -44,6 +44,9 @@ Usage::
     python tools/online_bench.py --replay online.json   # this selector on that run's recorded calls
     python tools/online_bench.py --replay profiles/measurements/online-*.json.gz
     python tools/online_bench.py --replay profiles/measurements/online-*.json.gz --busy 8 --resample 8
+
+``--replay`` ends with the forced times' upper tail over the runs given: the share of calls over 1.5x, 2x
+and 3x the median of the same site's and algorithm's within 5 calls.
 """
 
 from __future__ import annotations
@@ -276,6 +279,24 @@ class _Recorded:
         return {a: {} for a in self.now}
 
 
+def tail_shares(runs: list[dict], within: int = 5, factors: tuple[float, ...] = (1.5, 2.0, 3.0)) -> dict[float, float]:
+    """The share of forced times over each of ``factors`` times the median of the same site's and algorithm's
+    forced times within ``within`` calls (itself included): how heavy the upper tail of a call's time is."""
+    over, total = dict.fromkeys(factors, 0), 0
+    for run in runs:
+        series: dict[tuple[Any, str], list[float]] = {}
+        for r in run["calls"]:
+            for a, t in r["forced"].items():
+                series.setdefault((r["site"], a), []).append(t)
+        for ts in series.values():
+            for i, t in enumerate(ts):
+                mid = statistics.median(ts[max(0, i - within) : i + within + 1])
+                total += 1
+                for x in factors:
+                    over[x] += t > x * mid
+    return {x: c / max(total, 1) for x, c in over.items()}
+
+
 def resampled(run: dict, seed: int, within: int = 5) -> dict:
     """``run`` with another draw of its noise: each call's forced times, all of them, those of a call of the same
     site within ``within`` calls, drawn at random (a busy moment still slows every algorithm of a call alike).
@@ -342,9 +363,7 @@ def replay(run: dict, busy: float = 1.0) -> list[dict]:
             c = sel.decide_sparse(key, comm=comm, backend="gloo", name=f"site{s}", size=n, row_numel=1,
                                   dtype="float32", counts=counts, indices=None, ranks_per_node=p)
             t = r["forced"][c.algorithm]
-            site = sel._sites.get(key)
-            if (mode == "on" and fastest.get(s) == c.algorithm and c.predicted_us is not None and site is not None
-                    and site.warm):
+            if mode == "on" and fastest.get(s) == c.algorithm and c.predicted_us is not None and sel._sites.get(key).warm:
                 t *= busy
                 del fastest[s]
             if c.predicted_us is not None:
@@ -392,19 +411,22 @@ def main(argv: list[str] | None = None) -> int:
                     "a call of the same site within 5, drawn at random, and print the geometric means")
     args = ap.parse_args(argv)
     if args.replay:
-        draws = []
+        draws, runs = [], []
         for path in args.replay:
             run = load_run(path)
+            runs.append(run)
             summary = _summary(replay(run, args.busy), args.settle, args.window)
             s = run["summary"]
-            print(f"{path}: P={s['ranks']}, profile {s['profile']}" + (f", {wrong_label(s['wrong'])}" if s.get("wrong")
-                                                                        else "") + (f", busy x{args.busy:g}"
-                                                                                    if args.busy != 1.0 else ""))
+            label = [f"P={s['ranks']}", f"profile {s['profile']}", wrong_label(s.get("wrong")),
+                     f"busy x{args.busy:g}" if args.busy != 1.0 else ""]
+            print(f"{path}: " + ", ".join(x for x in label if x))
             _print(summary, args.settle, args.window)
             print(f"on's choices against off's, priced by the smoothed truth: {summary['on_over_off_choices']:.3f}")
             for seed in range(args.resample):
                 got = _summary(replay(resampled(run, seed), args.busy), args.settle, args.window)
                 draws.append([got[m]["smoothed_regret_geomean"] for m in ("on", "off", "floor")])
+        tail = ", ".join(f"{x:g}x {100 * share:.1f}%" for x, share in tail_shares(runs).items())
+        print(f"forced times over the median of the same site's and algorithm's within 5 calls: {tail}")
         if draws:
             gm = [math.exp(statistics.fmean(math.log(d[i]) for d in draws)) for i in range(3)]
             print(f"{len(draws)} resampled replays, smoothed regret geometric mean: on {gm[0]:.4f}, off {gm[1]:.4f}, "

@@ -52,6 +52,16 @@ def test_a_short_stream_times_every_contender_and_reports(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "wrong: allgather x0.33, busy x4" in again.stdout and "floor" in again.stdout
     assert "on's choices" in again.stdout and "2 resampled replays" in again.stdout
+    assert "forced times over the median" in again.stdout
+
+
+def test_the_upper_tail_counts_calls_over_their_neighbours_median():
+    ob = _tool()
+    times = [100.0] * 40
+    times[10], times[20], times[30] = 160.0, 250.0, 400.0  # over 1.5x; over 2x; over 3x (the rest at the median)
+    run = {"calls": [{"site": 0, "call": i, "forced": {"dense": t, "allgather": 100.0}} for i, t in enumerate(times)]}
+    got = ob.tail_shares([run, run])  # 160 calls, 6 of them over 1.5x
+    assert got == {1.5: 6 / 160, 2.0: 4 / 160, 3.0: 2 / 160}
 
 
 def test_a_resampled_run_draws_each_calls_times_whole_from_nearby_calls_of_its_site():
@@ -126,6 +136,24 @@ def test_every_place_of_the_pair_sees_both_orders(algorithms):
         assert seen == {(at, first) for at in range(slots) for first in (True, False)}, (algorithms, start)
 
 
+#: The online runs stored in profiles/measurements, and whether each one's profile was wrong for its machine.
+STORED_RUNS = {
+    "online-cpu2-p4-wrong-allgather": True, "online-cpu2-p4-shipped": False, "online-cpu1-p2-shipped": True,
+    "online-cpu2-p4-wrong-allgather-12d74b5": True, "online-cpu2-p4-allgather-priced-3x-high": True,
+    "online-cpu2-p4-dense-priced-3x-low": True, "online-cpu2-p4-allgather-priced-3x-high-be8cb3e": True,
+}
+
+
+def _stored(name: str) -> dict:
+    return load_run(os.path.join(ROOT, "profiles", "measurements", name + ".json.gz"))
+
+
+def test_the_stored_runs_list_every_stored_run():
+    got = {f[: -len(".json.gz")] for f in os.listdir(os.path.join(ROOT, "profiles", "measurements"))
+           if f.startswith("online-") and f.endswith(".json.gz")}
+    assert got == set(STORED_RUNS)
+
+
 def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile_is_wrong():
     """The runs in profiles/measurements, decided again by this selector (each algorithm its recorded time).
 
@@ -145,12 +173,8 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
     may cost at most 1% more.
     """
     ob = _tool()
-    stored = os.path.join(ROOT, "profiles", "measurements")
-    for name, wrong in (("online-cpu2-p4-wrong-allgather", True), ("online-cpu2-p4-shipped", False),
-                        ("online-cpu1-p2-shipped", True), ("online-cpu2-p4-wrong-allgather-12d74b5", True),
-                        ("online-cpu2-p4-allgather-priced-3x-high", True), ("online-cpu2-p4-dense-priced-3x-low", True),
-                        ("online-cpu2-p4-allgather-priced-3x-high-be8cb3e", True)):
-        s = ob._summary(ob.replay(load_run(os.path.join(stored, name + ".json.gz"))), 50, 2)
+    for name, wrong in STORED_RUNS.items():
+        s = ob._summary(ob.replay(_stored(name)), 50, 2)
         assert s["on"]["explore_time"] <= 0.03 and s["on"]["explore_calls"] <= 0.03, name
         if wrong:  # near the floor that the truth's own noise leaves, and ahead of the profile alone
             near = 1.02 if name.endswith(("cpu1-p2-shipped", "be8cb3e")) else 1.01
@@ -169,11 +193,8 @@ def test_one_busy_call_in_the_stored_runs_does_not_lock_the_fastest_algorithm_ou
     200 calls: there correction does as the profile alone (1.472 against 1.469), within 1%.
     """
     ob = _tool()
-    stored = os.path.join(ROOT, "profiles", "measurements")
-    for name in ("online-cpu2-p4-wrong-allgather", "online-cpu2-p4-shipped", "online-cpu1-p2-shipped",
-                 "online-cpu2-p4-wrong-allgather-12d74b5", "online-cpu2-p4-allgather-priced-3x-high",
-                 "online-cpu2-p4-dense-priced-3x-low", "online-cpu2-p4-allgather-priced-3x-high-be8cb3e"):
-        s = ob._summary(ob.replay(load_run(os.path.join(stored, name + ".json.gz")), busy=8.0), 50, 2)
+    for name in STORED_RUNS:
+        s = ob._summary(ob.replay(_stored(name), busy=8.0), 50, 2)
         assert s["on"]["smoothed_regret_geomean"] <= 1.01 * s["off"]["smoothed_regret_geomean"], name
         if not name.endswith("be8cb3e"):
             assert s["on"]["smoothed_regret_geomean"] <= 1.02 * s["floor"]["smoothed_regret_geomean"], name

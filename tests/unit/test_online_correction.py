@@ -161,15 +161,13 @@ def test_a_busy_call_counts_clipped_and_a_change_two_calls_confirm_counts_in_ful
         first.observe(own, "dense", 100.0, 100.0)
     assert own["oktopk"].weight < 1.0  # the cut call aged with the mean while the site ran dense
     first.observe(own, "oktopk", 100.0, 1500.0)  # confirmed: both count whole, the first at its aged weight
-    m = own["oktopk"]
-    m_s, m_n = m.s, m.n
     ref = online._Mean()
     for x in (math.log(5.0), math.log(5.0), math.log(15.0)):
         ref.add(x)
     for _ in range(5):
         ref.fade()
     ref.add(math.log(15.0))
-    assert (m_s, m_n) == pytest.approx((ref.s, ref.n))
+    assert (own["oktopk"].s, own["oktopk"].n) == pytest.approx((ref.s, ref.n))
 
 
 def test_two_algorithms_priced_wrong_never_do_worse_than_the_profile_alone() -> None:

@@ -72,7 +72,8 @@ EXPLORE_TIME = 0.03
 MAX_RATIO = 100.0
 #: A measurement counts at most this far above (in log) what the site expected of the algorithm, its
 #: corrected ratio: 2.7x (e). Call times have a heavy upper tail (in the stored online runs 10% of calls take
-#: over 1.5x the median of the same algorithm's calls around them, 3% over 2x, 0.7% over 3x), and one busy
+#: over 1.5x the median of the same algorithm's calls around them, 3% over 2x, 0.6% over 3x: the last line
+#: of ``tools/online_bench.py --replay profiles/measurements/online-*.json.gz``), and one busy
 #: call taken at face value can price the fastest algorithm out of the exploring window for good. What is
 #: clipped off is kept: the algorithm's next measurement at the site confirms it as far as it goes as high,
 #: and both count up to there (a change that two calls confirm is learned; one busy call is not). Replayed
