@@ -125,11 +125,13 @@ def gather_merge_p2p(
         rows, keep = _head_rows(slots, head, entry_bytes(r, index_dtype, wire_dtype), skip=me)
         if rows.shape[0]:
             # Their rows' positions, as gather_rows would give them, built here from the mask the host has.
+            # Copies, not ascontiguousarray: a single row's column counts as contiguous in NumPy and would keep the
+            # entry's stride, which a dtype view refuses unless it is a multiple of the dtype's size.
             pos = upload((np.asarray(at[:-1])[:, None] + np.arange(mu))[keep], comm.device)
-            hidx = upload(torch.from_numpy(np.ascontiguousarray(rows[:, :isz])), comm.device).view(index_dtype)
+            hidx = upload(torch.from_numpy(rows[:, :isz].copy()), comm.device).view(index_dtype)
             all_idx.index_copy_(0, pos, hidx.view(-1))
             if r:  # rows of width 0 have no bytes to view
-                hvals = upload(torch.from_numpy(np.ascontiguousarray(rows[:, isz:])), comm.device).view(wire_dtype)
+                hvals = upload(torch.from_numpy(rows[:, isz:].copy()), comm.device).view(wire_dtype)
                 all_vals.index_copy_(0, pos, hvals)
     comm.all_gather_rows((all_idx, all_vals), at, max(1, p - 1), head)
     return merge_runs(all_idx.to(torch.int64), all_vals, at, size, accum_dtype(wire_dtype), parts)

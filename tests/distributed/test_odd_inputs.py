@@ -23,7 +23,7 @@ import torch
 from colltune.algorithms import registry
 from colltune.algorithms.sparse import device_path
 
-from harness import pool
+from harness import pool, run_ranks
 from sparse_cases import ALGORITHMS
 
 P = 2
@@ -255,3 +255,31 @@ def test_zero_width_rows_point_to_point_past_the_slot(dtype):
         for device in PATHS:
             idx, shape, got = o[device]
             assert torch.equal(idx, union) and shape == (union.numel(), 0) and got == dtype, (r, device)
+
+
+
+def _run_one_head_entry(rank, world_size, size, row, dtype):
+    import colltune
+
+    # Rank 1's entries pass the slot, so they go point to point; on a fresh group the slot (1024 bytes) holds one.
+    idx = torch.arange(size - 5, size) if rank == 1 else torch.zeros(0, dtype=torch.int64)
+    vals = torch.full((idx.numel(), row), 1.5, dtype=dtype)
+    out = {}
+    for device in PATHS:
+        with device_path(device):
+            res = colltune.sparse_allreduce(idx, vals, size, algorithm="allgather", knobs={"mode": "p2p"})
+            out[device] = (res.indices.tolist(), res.values.tolist())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("size, row, dtype", [
+    (1000, 64, torch.float64),  # int32 index and fp64 rows: 516-byte entries, not a multiple of 8
+    (1 << 40, 255, torch.float16),  # int64 index and fp16 rows: 518 bytes, not a multiple of 8
+])
+def test_one_eager_entry_whose_bytes_do_not_align_with_its_dtypes(world_size, size, row, dtype):
+    """The peers' eager entries are read through a fresh copy: one row's column keeps the entry's stride, which
+    a dtype view refuses (it raised on the ranks that received it, and the call hung on the sender)."""
+    for r, out in enumerate(run_ranks(_run_one_head_entry, world_size, size, row, dtype)):
+        for device in PATHS:
+            assert out[device] == (list(range(size - 5, size)), [[1.5] * row] * 5), (r, device)
