@@ -38,19 +38,24 @@ its inputs gets. Values the caller keeps are copied first.
 
 **16-bit values** (fp16, bf16) are summed in fp32 by default (knob
 ``wire="accum"``): each rank's duplicates are summed in fp32 (the coalesce),
-the buffer travels in fp32 and the sum is rounded to the value dtype once,
-the accuracy every other algorithm gives, so ``auto``'s choice never changes
-a result's accuracy. ``wire="value"`` exchanges the value dtype instead, as
-PyTorch's DDP reduces 16-bit gradients: half the bytes, and the cost model
-prices half. There each rank's fp32 sums are rounded to the value dtype and
-the backend rounds each of its ``P - 1`` additions to it, so an element's
-error grows with ``P`` (at most about ``P`` unit roundoffs of the magnitudes
-summed, against one). Measured against a float64 reference (rows of 16,
+the buffer travels in fp32 and the sum is rounded to the value dtype once:
+within one unit roundoff of the dtype (2^-8 for bf16, 2^-11 for fp16) of
+the summed magnitudes. The sparse algorithms sum in fp32 too but send each
+rank's sums in the value dtype (half the bytes), so they round twice:
+within two. ``auto``'s choice moves a result within those bounds, never
+past the suite's tolerance (``tests/distributed/test_sparse_allreduce.py``
+checks both bounds for every algorithm). ``wire="value"`` exchanges the
+value dtype instead, as PyTorch's DDP reduces 16-bit gradients: half the
+bytes, and the cost model prices half. There each rank's fp32 sums are
+rounded to the value dtype and the backend rounds each of its ``P - 1``
+additions to it, so an element's error grows with ``P`` (at most about
+``P`` unit roundoffs of the magnitudes summed, against one). Measured against a float64 reference (rows of 16,
 200 entries per rank on 64 rows, 40 random cases per world size, sum and
 avg) in units of the dense-reference suite's tolerance (8e-3 of the summed
 magnitudes for bf16, 1e-3 for fp16), the worst element is at most 0.49
-with fp32 on the wire at P = 2, 3, 4 and 8, and 0.87 to 1.24 with 16-bit
-on the wire, past the tolerance at P = 3 (both dtypes) and 8 (bf16).
+with fp32 on the wire at P = 2, 3, 4 and 8 (the sparse algorithms, which
+send each rank's sums in 16 bits, 0.43 to 0.96), and 0.87 to 1.24 with
+16-bit on the wire, past the tolerance at P = 3 (both dtypes) and 8 (bf16).
 That is why the default keeps fp32. Either way the result is the
 backend's ``all_reduce`` result, the same bits on every rank. With
 ``wire="value"`` values come back in the value dtype (the front door's cast

@@ -861,3 +861,31 @@ def test_dense_16_bit_wire_moves_half_the_bytes_with_the_same_bits_everywhere(wo
         assert raw(o["value", "avg"][1]) == raw((vals.float() / world_size).to(dt)), r
         sent = {w: o[w, "sum"][2]["by_primitive"]["all_reduce"]["bytes"] for w in ("accum", "value")}
         assert sent["value"] * 2 == sent["accum"], sent
+
+
+def _run_every_algorithm_16_bit(rank, world_size, c):
+    import colltune
+
+    idx, vals = make_input(c, rank, world_size)
+    return {a: colltune.sparse_allreduce(idx, vals, c["size"], algorithm=a).values for a in ALGORITHMS if a != "auto"}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_error_bounds_of_every_algorithm(world_size, dtype):
+    """16-bit rows are summed in fp32 everywhere; what differs is what travels. Dense's fp32 buffer rounds once:
+    within u of the summed magnitudes. The sparse algorithms send each rank's fp32 sums in the value dtype (half
+    the bytes) and round the total again: within 2u. Both hold whatever the order of the additions."""
+    c = case(seed=73, size=64, counts=_grow(world_size, 200, 20), row_shape=(16,), dtype=dtype)
+    dt = DTYPES[dtype]
+    ref = reference(c, world_size)
+    out = pool(world_size).run(_run_every_algorithm_16_bit, c)
+    u = _UNIT_ROUNDOFF[dt]
+    worst = {}
+    for algorithm, vals in out[0].items():
+        got = torch.zeros_like(ref["dense"])
+        got.index_copy_(0, ref["union"], vals.double())
+        worst[algorithm] = float(((got - ref["dense"]).abs() / ref["magnitude"].clamp_min(1e-300)).max()) / u
+        bound = 1 if algorithm == "dense" else 2
+        assert worst[algorithm] <= bound + 1e-3, (algorithm, worst)  # fp32's own roundings: far below 1e-3 u
+    assert worst["dense"] < max(w for a, w in worst.items() if a != "dense"), worst  # the bounds differ in fact
