@@ -106,8 +106,9 @@ class Dense(Algorithm):
     name = "dense"
     knob_specs = (
         Knob("wire", "accum", "the dtype fp16 and bf16 rows travel and are summed in: `accum` (fp32, rounded once "
-             "at the end, as every algorithm sums) or `value` (their own, as DDP reduces them: half the bytes, but "
-             "each of the P-1 additions rounded to 16 bits); 32- and 64-bit rows always travel in their own dtype",
+             "at the end; the sparse algorithms send 16 bits and round twice) or `value` (their own, as DDP reduces "
+             "them: half the bytes, but each of the P-1 additions rounded to 16 bits); 32- and 64-bit rows always "
+             "travel in their own dtype",
              choices=WIRES),
     )
     #: ``mask_all_reduce`` stays a term (priced free) so that learned models keep their feature layout.
