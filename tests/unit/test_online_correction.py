@@ -313,6 +313,30 @@ def test_feedback_delivers_the_slowest_rank_once_every_rank_reported() -> None:
     assert got == [3100.0] and fb.code is None
 
 
+def test_a_cuda_timer_marks_the_stream_of_the_call_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the marks are events on the call's device's current stream, not the thread's current device's
+    (colltune's worker thread sets none: GPU 0)."""
+    import torch
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.stream = None
+
+        def record(self, stream: object = None) -> None:
+            self.stream = stream
+
+    asked: list[object] = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: asked.append(device) or f"stream {device}")
+    device = torch.device("cuda", 3)
+    timer = online.Timer(device)
+    timer.mark()
+    bucket = timer.fork()  # a fused call's bucket: its own marks after the shared exchange
+    bucket.mark()
+    assert asked == [device, device]
+    assert [m.stream for m in bucket.marks] == ["stream cuda:3"] * 2
+
+
 def test_the_state_file_round_trips_and_the_next_run_starts_from_it(tmp_path: Path) -> None:
     path = tmp_path / "online.json"
     first = Selector(profile=PROFILE, environ={"COLLTUNE_ONLINE_STATE": str(path)})

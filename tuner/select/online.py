@@ -93,13 +93,16 @@ class Timer:
     """The time of one call's intervals on this rank: wall time on CPU, CUDA events on a GPU.
 
     Args:
-        device: the call's device; on CUDA the intervals are events on the current stream.
+        device: the call's device; on CUDA the intervals are events on its current stream, where the call's
+            kernels go (not the thread's current device's: colltune's worker thread never sets one, and an
+            event there would time nothing of the call and open a context on GPU 0).
     """
 
-    __slots__ = ("cuda", "marks")
+    __slots__ = ("cuda", "device", "marks")
 
     def __init__(self, device: Any) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         self.marks: list[Any] = []
 
     def mark(self) -> None:
@@ -108,7 +111,7 @@ class Timer:
             import torch  # a timer is made by a call, which has loaded torch: the selector itself loads none
 
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
             self.marks.append(ev)
         else:
             self.marks.append(time.perf_counter())
@@ -116,7 +119,7 @@ class Timer:
     def fork(self) -> "Timer":
         """A timer holding this one's marks so far (a fused call's exchange, shared by its buckets)."""
         t = Timer.__new__(Timer)
-        t.cuda, t.marks = self.cuda, list(self.marks)
+        t.cuda, t.device, t.marks = self.cuda, self.device, list(self.marks)
         return t
 
     def us(self) -> float | None:
