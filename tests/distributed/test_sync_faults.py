@@ -298,3 +298,34 @@ def test_the_ddp_hook_with_one_rank_unable_to_route_raises_on_every_rank() -> No
     assert out[1]["failed"].isa("PolicyError") and "colltune-policy.yaml" in out[1]["failed"].message, out[1]
     assert out[0]["failed"].isa("RemoteInputError") and "rank 1" in out[0]["failed"].message, out[0]
     assert all(o["failed"].elapsed < PROMPT_S for o in out)
+
+
+def _rank_hook_part_fails(rank: int, world_size: int) -> dict:
+    """A bucket's top-k part fails (its handle's Future raises) beside a dense part that succeeds."""
+    from colltune.train import hook
+
+    class Failed:
+        def get_future(self) -> torch.futures.Future:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_exception(ValueError("the top-k part failed"))
+            return fut
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Tower())
+    # fc2's bias (1 element) stays dense, the rest is compressed: the bucket joins both parts' Futures.
+    state = ColltuneHookState(model=ddp, density=0.5, start_compression_iter=0, min_compress_numel=2)
+    ddp.register_comm_hook(state, colltune_hook)
+    original = hook._api.topk_allreduce
+    hook._api.topk_allreduce = lambda *a, **k: Failed()
+    try:
+        x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(rank))
+        return {"failed": expect_error(lambda: ddp(x).sum().backward()),
+                "routes": sorted({d["route"] for d in state.decisions.values()})}
+    finally:
+        hook._api.topk_allreduce = original  # pool ranks live on: the next test calls the real one
+
+
+def test_the_ddp_hook_raises_the_error_of_a_failed_part() -> None:
+    for o in pool(2).run(_rank_hook_part_fails):
+        assert o["routes"] == ["dense", "topk"], o
+        assert "the top-k part failed" in o["failed"].message, o["failed"]

@@ -136,7 +136,7 @@ def test_ranks_sharing_the_gpu_over_gloo(algorithm, world_size):
         assert torch.equal(o[3], out[0][3])
 
 
-def _wrappers_on_cuda(rank, world_size, algorithm):
+def _wrappers_on_cuda(rank, world_size, algorithm, min_numel=1):
     """SparseGradSync and the DDP hook with CUDA tensors, ranks sharing the GPU over gloo."""
     import torch.nn as nn
 
@@ -163,7 +163,7 @@ def _wrappers_on_cuda(rank, world_size, algorithm):
     plain = nn.parallel.DistributedDataParallel(tower, device_ids=[0])
     hooked = nn.parallel.DistributedDataParallel(nn.Linear(16, 4).to(dev), device_ids=[0])
     hooked.module.load_state_dict(tower.state_dict())
-    state = ColltuneHookState(model=hooked, density=1.0, start_compression_iter=0, min_compress_numel=1,
+    state = ColltuneHookState(model=hooked, density=1.0, start_compression_iter=0, min_compress_numel=min_numel,
                               algorithm=algorithm)
     hooked.register_comm_hook(state, colltune_hook)
     x = torch.randn(32, 16, generator=gens[rank]).to(dev)
@@ -175,11 +175,14 @@ def _wrappers_on_cuda(rank, world_size, algorithm):
     return (emb.weight.grad.device.type, got, want, *grads, routes)
 
 
+@pytest.mark.parametrize("min_numel, routed", [(1, ["topk"]), (5, ["dense", "topk"])])
 @pytest.mark.parametrize("algorithm", ["auto", "allgather", "oktopk"])
-def test_training_wrappers_with_cuda_tensors_over_gloo(algorithm):
-    out = pool(2).run(_wrappers_on_cuda, algorithm)
+def test_training_wrappers_with_cuda_tensors_over_gloo(algorithm, min_numel, routed):
+    """With ``min_numel`` 5 the bias (4 elements) stays dense beside the compressed weight: the bucket's Future
+    joins an allreduce's and a top-k call's, and must make DDP's stream wait for both."""
+    out = pool(2).run(_wrappers_on_cuda, algorithm, min_numel)
     for device, got, want, plain, hooked, routes in out:
-        assert device == "cuda" and routes == ["topk"]  # the hook compressed (density 1 keeps every entry)
+        assert device == "cuda" and routes == routed  # the hook compressed (density 1 keeps every entry)
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
         assert torch.allclose(hooked, plain, rtol=1e-5, atol=1e-6)  # density 1: top-k keeps every entry
     assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][4], out[1][4])

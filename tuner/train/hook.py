@@ -362,12 +362,29 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
         state._used = set()
     state.maybe_increase_iter(bucket)
 
-    def done(all_done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
-        for f in all_done.value():
-            f.value()  # raises the error of a part that failed
-        return out
+    result = _future_on(out.device)
 
-    return torch.futures.collect_all(futures).then(done)
+    def done(all_done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
+        try:
+            for f in all_done.value():
+                f.wait()  # raises the error of a part that failed; on CUDA, this thread's stream waits for the part
+            result.set_result(out)  # on CUDA, an event on that stream: DDP's wait() makes its own stream wait for it
+        except BaseException as exc:  # noqa: BLE001 - DDP hears of it through the Future
+            result.set_exception(exc)
+
+    torch.futures.collect_all(futures).add_done_callback(done)
+    return result
+
+
+def _future_on(device: torch.device) -> torch.futures.Future[Any]:
+    """Return a Future that is CUDA-aware for ``device`` when it is a GPU.
+
+    A CUDA-aware Future records an event on the current stream when it
+    completes and its ``wait()`` makes the waiter's stream wait for it; a
+    plain one (what ``collect_all`` gives) completes on the host alone, so
+    DDP would read the bucket before the kernels that write it have run.
+    """
+    return torch.futures.Future(devices=[device] if device.type == "cuda" else [])
 
 
 def _dense_bucket(state: ColltuneHookState, bucket: dist.GradBucket, p: int) -> torch.futures.Future[torch.Tensor]:
@@ -485,16 +502,24 @@ def _reduce_topk(
         policy=state._routing()[2] if algo == AUTO else None,
     )
     reason = parts.routes[members[0]][1].reason
+    # Completed on colltune's worker thread once the scatter is queued there: CUDA-aware, so that its event
+    # follows the call's kernels on that thread's stream.
+    part = _future_on(out.device)
 
     def done(fut: torch.futures.Future[Any]) -> None:
-        res = fut.value()
-        parts.scatter(members, res.to_dense().view(-1), out)
-        nbytes = topk_bytes_sent(res)
-        with _STATS_LOCK:
-            state.stats.setdefault(key, TensorStats("topk", res.algorithm, reason)).record(res.algorithm, nbytes)
-            state.bytes_sent += nbytes
+        try:
+            res = fut.value()
+            parts.scatter(members, res.to_dense().view(-1), out)
+            nbytes = topk_bytes_sent(res)
+            with _STATS_LOCK:
+                state.stats.setdefault(key, TensorStats("topk", res.algorithm, reason)).record(res.algorithm, nbytes)
+                state.bytes_sent += nbytes
+            part.set_result(out)
+        except BaseException as exc:  # noqa: BLE001 - the bucket's Future raises it
+            part.set_exception(exc)
 
-    return handle.get_future().then(done)
+    handle.get_future().add_done_callback(done)
+    return part
 
 
 # DDP checks the hook's annotations against the real classes; postponed evaluation
