@@ -109,10 +109,11 @@ class AsyncHandle:
     running, so ``wait()`` on every pending handle returns promptly.
     """
 
-    __slots__ = ("_future", "_torch_future")
+    __slots__ = ("_future", "_torch_future", "_handoff")
 
-    def __init__(self, future: concurrent.futures.Future) -> None:
+    def __init__(self, future: concurrent.futures.Future, handoff: _StreamHandoff | None = None) -> None:
         self._future = future
+        self._handoff = handoff
         self._torch_future: torch.futures.Future = torch.futures.Future()
 
         def _done(f: concurrent.futures.Future) -> None:
@@ -125,8 +126,15 @@ class AsyncHandle:
         future.add_done_callback(_done)
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until the call finished; return its result or raise its error."""
-        return self._future.result(timeout)
+        """Block until the call finished; return its result or raise its error.
+
+        On a GPU the calling thread's current stream then waits for the
+        call's kernels (no host sync), so what it queues next sees the result.
+        """
+        out = self._future.result(timeout)
+        if self._handoff is not None:
+            self._handoff.join()
+        return out
 
     def is_completed(self) -> bool:
         """Return whether the call has finished."""
@@ -135,6 +143,47 @@ class AsyncHandle:
     def get_future(self) -> torch.futures.Future:
         """Return a ``torch.futures.Future`` completed with the result (for DDP hooks)."""
         return self._torch_future
+
+
+class _StreamHandoff:
+    """Stream order between the caller's thread and colltune's worker thread, for a call on a GPU.
+
+    The worker's kernels go to its current stream of the call's device (the
+    default stream), not the caller's, which may be another one (a forward
+    pass on a side stream). The caller's stream is marked when the call is
+    queued and the worker's stream waits for that mark before the call; the
+    worker's stream is marked after it, and :meth:`join` makes the caller's
+    stream wait for that. No host sync either way.
+    """
+
+    __slots__ = ("device", "queued", "finished")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.queued = torch.cuda.Event()
+        self.queued.record(torch.cuda.current_stream(device))
+        self.finished: Any = None
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the worker thread with the call's device current, after the caller's queued work."""
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(self.queued)
+            try:
+                return fn()
+            finally:
+                self.finished = torch.cuda.Event()
+                self.finished.record(stream)
+
+    def join(self) -> None:
+        """Make the calling thread's current stream of the device wait for the call's kernels."""
+        if self.finished is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.finished)
+
+
+def _on_gpu(device: Any) -> bool:
+    """Return whether ``device`` (a call's hint, or anything a bad argument gave) is a CUDA device."""
+    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -219,12 +268,14 @@ def _abandoned(cause: BaseException) -> AbandonedCallError:
     return err
 
 
-def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
+def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: Any = None) -> Any:
     """Run ``fn(wire)`` now, or queue it behind the pending calls; return its result, or a handle with ``async_op``.
 
     ``wire`` is ``group``'s :func:`~colltune.algorithms.comm.private_group`,
     made here, on the calling thread, at the call's place in the caller's
-    sequence of calls on the group.
+    sequence of calls on the group. ``device`` is where the call's tensors
+    are (``None`` when unknown): a call queued on a GPU keeps stream order
+    with the caller's thread (:class:`_StreamHandoff`).
     """
     global _executor, _pending
     wire = _run(lambda: private_group(_exchange_group(group)))
@@ -239,6 +290,7 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
         seen = _out_of_step
     if run_inline:
         return _run(lambda: fn(wire))
+    handoff = _StreamHandoff(device) if _on_gpu(device) else None
 
     def _task() -> Any:
         global _pending
@@ -248,13 +300,16 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any) -> Any:
             if cause is not None:
                 # A call queued before this one failed after this one was submitted: drop it.
                 raise _abandoned(cause)
+            if handoff is not None:
+                return handoff.run(lambda: _run(lambda: fn(wire)))
             return _run(lambda: fn(wire))
         finally:
             with _lock:
                 _pending -= 1
 
     future = _executor.submit(_task)  # type: ignore[union-attr]
-    return AsyncHandle(future) if async_op else future.result()
+    handle = AsyncHandle(future, handoff)
+    return handle if async_op else handle.wait()
 
 
 # --------------------------------------------------------------------------- topology
@@ -902,7 +957,7 @@ def sparse_allreduce(
     return submit_call(
         lambda wire: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs, name, policy, wire,
                                        donate),
-        async_op, group,
+        async_op, group, getattr(values if values is not None else indices, "device", None),
     )
 
 
@@ -1224,7 +1279,8 @@ def topk_allreduce(
     """
     op = canonical_op(op)
     return submit_call(
-        lambda wire: _topk_allreduce(tensor, state, op, group, algorithm, knobs, name, policy, wire), async_op, group
+        lambda wire: _topk_allreduce(tensor, state, op, group, algorithm, knobs, name, policy, wire), async_op, group,
+        getattr(tensor, "device", None),
     )
 
 

@@ -71,6 +71,29 @@ def test_twenty_identical_calls_give_one_bit_pattern(nccl, algorithm):
     assert len(patterns) == 1
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_async_call_from_a_side_stream_waits_for_its_inputs(nccl, fused):
+    """The inputs are written on a side stream after a long kernel; the call runs on colltune's worker thread,
+    whose stream must wait for them, and the caller's stream must wait for the result after ``wait()``."""
+    import colltune
+
+    n = 5000
+    idx = torch.arange(0, n, 3, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        vals = torch.zeros(idx.numel(), 8, device="cuda")
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning before the values are written
+        vals.fill_(2.0)
+        if fused:
+            handle = colltune.sparse_allreduce_many([(idx, vals, n)], async_op=True)
+            out = handle.wait()[0].values * 1.0
+        else:
+            out = colltune.sparse_allreduce(idx, vals, size=n, async_op=True).wait().values * 1.0
+    torch.cuda.synchronize()
+    assert bool((out == 2.0).all())
+
+
 @pytest.mark.parametrize("algorithm", names())
 def test_fused_equals_per_tensor_bit_for_bit(nccl, algorithm):
     import colltune

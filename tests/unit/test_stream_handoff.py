@@ -1,0 +1,90 @@
+"""A call queued on colltune's worker thread keeps stream order with its caller on a GPU (no GPU needed).
+
+torch.cuda's events, streams and device guard are replaced by fakes that log
+what the call asks of them, per thread: the caller's stream is marked when
+the call is queued, the worker's stream waits for that mark before the call
+runs with the call's device current, and ``wait()`` makes the caller's stream
+wait for the worker's mark after the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from colltune import api
+
+DEVICE = torch.device("cuda", 2)
+
+
+class _Stream:
+    def __init__(self, log: list, device: torch.device) -> None:
+        self.name = "worker" if threading.current_thread().name.startswith("colltune") else "caller"
+        self.log, self.device = log, device
+
+    def wait_event(self, event: "_Event") -> None:
+        self.log.append(f"{self.name} stream of {self.device} waits for {event.mark}")
+
+
+class _Event:
+    def __init__(self, log: list) -> None:
+        self.log, self.mark = log, None
+
+    def record(self, stream: _Stream) -> None:
+        self.mark = f"a mark on the {stream.name} stream of {stream.device}"
+        self.log.append("recorded " + self.mark)
+
+
+class _Cuda:
+    """What the fakes saw, in order, and the current device per thread."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.current = threading.local()
+
+    def current_device(self) -> str:
+        return getattr(self.current, "device", "cuda:0")
+
+    @contextlib.contextmanager
+    def device(self, d: torch.device):
+        before, self.current.device = self.current_device(), str(d)
+        try:
+            yield
+        finally:
+            self.current.device = before
+
+    def call(self, name: str):
+        def fn(wire):
+            self.log.append(f"{name} runs with {self.current_device()} current")
+            return name
+        return fn
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> _Cuda:
+    fake = _Cuda()
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(fake.log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _Stream(fake.log, d))
+    monkeypatch.setattr(torch.cuda, "device", fake.device)
+    return fake
+
+
+def test_an_async_call_on_a_gpu_keeps_stream_order_with_its_caller(cuda: _Cuda) -> None:
+    handle = api.submit_call(cuda.call("the call"), True, None, DEVICE)
+    assert handle.wait() == "the call"
+    assert cuda.log == [
+        "recorded a mark on the caller stream of cuda:2",
+        "worker stream of cuda:2 waits for a mark on the caller stream of cuda:2",
+        "the call runs with cuda:2 current",
+        "recorded a mark on the worker stream of cuda:2",
+        "caller stream of cuda:2 waits for a mark on the worker stream of cuda:2",
+    ]
+
+
+def test_a_call_on_the_cpu_or_inline_asks_nothing_of_cuda(cuda: _Cuda) -> None:
+    assert api.submit_call(cuda.call("inline"), False, None, DEVICE) == "inline"  # the caller's thread and stream
+    assert api.submit_call(cuda.call("on cpu"), True, None, torch.device("cpu")).wait() == "on cpu"
+    assert cuda.log == ["inline runs with cuda:0 current", "on cpu runs with cuda:0 current"]
