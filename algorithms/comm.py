@@ -914,8 +914,18 @@ def _gather_layout(twin: dist.ProcessGroup) -> int:
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where ``group``'s collectives take tensors: the current CUDA device on NCCL, else the CPU."""
+    """Where ``group``'s collectives take tensors: on NCCL the GPU the group is bound to, else the CPU.
+
+    The bound GPU is the ``device_id`` given to ``init_process_group`` (a
+    group made later, such as colltune's twin, takes the default group's),
+    else the current CUDA device: a rank that bound its GPU but never called
+    ``torch.cuda.set_device`` would otherwise gather on GPU 0 with its peers.
+    """
     if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)).lower() == "nccl":
+        for pg in (group, dist.group.WORLD):
+            bound = getattr(pg, "bound_device_id", None)
+            if bound is not None:
+                return bound
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

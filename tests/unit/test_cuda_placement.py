@@ -1,21 +1,26 @@
-"""A call queued on colltune's worker thread keeps stream order with its caller on a GPU (no GPU needed).
+"""Which GPU and which stream colltune's work goes to, checked without a GPU.
+
+A call queued on colltune's worker thread keeps stream order with its caller.
 
 torch.cuda's events, streams and device guard are replaced by fakes that log
 what the call asks of them, per thread: the caller's stream is marked when
 the call is queued, the worker's stream waits for that mark before the call
 runs with the call's device current, and ``wait()`` makes the caller's stream
-wait for the worker's mark after the call.
+wait for the worker's mark after the call. A NCCL group's own gathers go to
+the GPU it is bound to.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from colltune import api
+from colltune.algorithms import comm
 
 DEVICE = torch.device("cuda", 2)
 
@@ -88,3 +93,13 @@ def test_a_call_on_the_cpu_or_inline_asks_nothing_of_cuda(cuda: _Cuda) -> None:
     assert api.submit_call(cuda.call("inline"), False, None, DEVICE) == "inline"  # the caller's thread and stream
     assert api.submit_call(cuda.call("on cpu"), True, None, torch.device("cpu")).wait() == "on cpu"
     assert cuda.log == ["inline runs with cuda:0 current", "on cpu runs with cuda:0 current"]
+
+
+def test_a_nccl_group_gathers_on_its_bound_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``init_process_group(device_id=cuda:3)`` without ``set_device``: the group's own collectives (the
+    host layout, the training wrappers' plan check) use cuda:3, not the current device (GPU 0)."""
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(comm.torch.cuda, "current_device", lambda: 0)
+    assert comm.group_device(SimpleNamespace(bound_device_id=torch.device("cuda", 3))) == torch.device("cuda", 3)
+    assert comm.group_device(SimpleNamespace(bound_device_id=None)) == torch.device("cuda", 0)  # none bound
