@@ -237,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(summary(json.load(fh)["rows"])))
         return 0
     cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if cuda and local > torch.cuda.device_count():
-        ap.error(f"{local} ranks on this node but {torch.cuda.device_count()} GPU(s): NCCL refuses two ranks on one "
-                 "GPU; start at most one rank per GPU (torchrun --nproc-per-node)")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if cuda and gpus > 1 and local_rank >= gpus:
+        ap.error(f"local rank {local_rank} but {gpus} GPUs on this node: NCCL refuses two ranks on one GPU; start "
+                 "at most one rank per GPU (torchrun --nproc-per-node)")
+    # One visible GPU: a launcher that gives each rank its own (CUDA_VISIBLE_DEVICES), or one rank.
+    device = torch.device("cuda", local_rank if gpus > 1 else 0) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         if "RANK" in os.environ:
             dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)

@@ -117,11 +117,18 @@ class AsyncHandle:
         self._torch_future: torch.futures.Future = torch.futures.Future()
 
         def _done(f: concurrent.futures.Future) -> None:
-            exc = f.exception()
+            try:
+                exc, out = f.exception(), None
+                if exc is None:
+                    if handoff is not None:  # callbacks queue their kernels on this thread's stream: after the call's
+                        handoff.join()
+                    out = f.result()
+            except BaseException as err:  # noqa: BLE001 - the Future must complete, or a DDP hook waits for ever
+                exc = err
             if exc is not None:
                 self._torch_future.set_exception(exc)
             else:
-                self._torch_future.set_result(f.result())
+                self._torch_future.set_result(out)
 
         future.add_done_callback(_done)
 
@@ -141,7 +148,14 @@ class AsyncHandle:
         return self._future.done()
 
     def get_future(self) -> torch.futures.Future:
-        """Return a ``torch.futures.Future`` completed with the result (for DDP hooks)."""
+        """Return a ``torch.futures.Future`` completed with the result (for DDP hooks).
+
+        On a GPU its callbacks run after the completing thread's current
+        stream (colltune's worker thread's, or the caller's when the call is
+        done first) has joined the call's kernels; the Future itself is not
+        CUDA-aware, so a consumer on another stream calls :meth:`wait` (or
+        completes a CUDA-aware Future in its callback, as ``colltune_hook`` does).
+        """
         return self._torch_future
 
 
@@ -156,13 +170,17 @@ class _StreamHandoff:
     stream wait for that. No host sync either way.
     """
 
-    __slots__ = ("device", "queued", "finished")
+    __slots__ = ("device", "queued", "finished", "inputs", "result")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, inputs: Any) -> None:
         self.device = device
         self.queued = torch.cuda.Event()
         self.queued.record(torch.cuda.current_stream(device))
         self.finished: Any = None
+        #: What the call reads (its closure), kept until :meth:`join`: memory the caller's stream frees goes
+        #: back to that stream's pool, and must not be reused there before the worker's kernels have read it.
+        self.inputs = inputs
+        self.result: Any = None
 
     def run(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread with the call's device current, after the caller's queued work."""
@@ -170,15 +188,39 @@ class _StreamHandoff:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.queued)
             try:
-                return fn()
+                self.result = fn()
+                return self.result
             finally:
                 self.finished = torch.cuda.Event()
                 self.finished.record(stream)
 
     def join(self) -> None:
-        """Make the calling thread's current stream of the device wait for the call's kernels."""
-        if self.finished is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.finished)
+        """Make the calling thread's current stream of the device wait for the call's kernels.
+
+        The result's tensors, made on the worker's stream, are marked as used
+        on this one too, so that the allocator does not hand their memory to
+        the worker's stream while this one may still read them.
+        """
+        if self.finished is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.finished)
+        for t in _tensors_in(self.result):
+            if t.device == self.device:
+                t.record_stream(stream)
+        self.inputs = None
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors a call's result holds: in dataclasses (results, their delivered indices), lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    fields = getattr(value, "__dataclass_fields__", None)
+    if fields is None:
+        return []
+    return [t for name in fields for t in _tensors_in(getattr(value, name))]
 
 
 def _on_gpu(device: Any) -> bool:
@@ -279,6 +321,8 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
     """
     global _executor, _pending
     wire = _run(lambda: private_group(_exchange_group(group)))
+    # Made before the call is counted pending; a call run inline needs none (it runs on the caller's stream).
+    handoff = _StreamHandoff(device, fn) if _on_gpu(device) and (async_op or _pending) else None
     with _lock:
         if not async_op and _pending == 0:
             run_inline = True
@@ -290,7 +334,13 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
         seen = _out_of_step
     if run_inline:
         return _run(lambda: fn(wire))
-    handoff = _StreamHandoff(device) if _on_gpu(device) else None
+    if handoff is None and _on_gpu(device):  # calls became pending since the look above
+        try:
+            handoff = _StreamHandoff(device, fn)
+        except BaseException:
+            with _lock:
+                _pending -= 1
+            raise
 
     def _task() -> Any:
         global _pending

@@ -78,15 +78,47 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> _Cuda:
 
 
 def test_an_async_call_on_a_gpu_keeps_stream_order_with_its_caller(cuda: _Cuda) -> None:
-    handle = api.submit_call(cuda.call("the call"), True, None, DEVICE)
+    gate, run = threading.Event(), cuda.call("the call")
+    handle = api.submit_call(lambda wire: (gate.wait(10), run(wire))[1], True, None, DEVICE)
+    gate.set()  # the call finishes after its handle exists: its Future completes on the worker thread
     assert handle.wait() == "the call"
     assert cuda.log == [
         "recorded a mark on the caller stream of cuda:2",
         "worker stream of cuda:2 waits for a mark on the caller stream of cuda:2",
         "the call runs with cuda:2 current",
         "recorded a mark on the worker stream of cuda:2",
+        # The handle's torch Future completes on the worker thread, whose callbacks follow the call there.
+        "worker stream of cuda:2 waits for a mark on the worker stream of cuda:2",
         "caller stream of cuda:2 waits for a mark on the worker stream of cuda:2",
     ]
+
+
+def test_a_sync_call_queued_behind_an_async_one_keeps_stream_order_too(cuda: _Cuda) -> None:
+    gate = threading.Event()
+    first = api.submit_call(lambda wire: gate.wait(10), True, None, DEVICE)  # holds the worker
+    try:
+        second = threading.Thread(target=lambda: cuda.log.append(api.submit_call(cuda.call("queued"), False, None,
+                                                                                   DEVICE)))
+        second.start()
+    finally:
+        gate.set()
+    second.join(10)
+    first.wait()
+    log = cuda.log
+    ran, returned = log.index("queued runs with cuda:2 current"), log.index("queued")
+    assert log[ran - 1] == "worker stream of cuda:2 waits for a mark on the caller stream of cuda:2"
+    assert "caller stream of cuda:2 waits for a mark on the worker stream of cuda:2" in log[ran:returned]
+
+
+def test_the_tensors_of_a_result_are_found_for_the_allocator() -> None:
+    """``join`` marks every tensor a result holds as used on the caller's stream: results, lists, delivered."""
+    from colltune.algorithms.base import Delivered, SparseResult
+
+    a, b, c, d = (torch.zeros(1) for _ in range(4))
+    fused = [SparseResult(a, b, 3, "allgather"), SparseResult(c, d, 3, "dense")]
+    assert [id(t) for t in api._tensors_in(fused)] == [id(a), id(b), id(c), id(d)]
+    topk = api.TopkResult(None, a, (3,), "allgather", 1, 1, Delivered(b, c))
+    assert [id(t) for t in api._tensors_in(topk)] == [id(a), id(b), id(c)]
 
 
 def test_a_call_on_the_cpu_or_inline_asks_nothing_of_cuda(cuda: _Cuda) -> None:

@@ -314,8 +314,8 @@ def test_feedback_delivers_the_slowest_rank_once_every_rank_reported() -> None:
 
 
 def test_a_cuda_timer_marks_the_stream_of_the_call_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA the marks are events on the call's device's current stream, not the thread's current device's
-    (colltune's worker thread sets none: GPU 0)."""
+    """On CUDA the marks are events on the call's device's current stream, whatever device the thread has
+    current."""
     import torch
 
     class Event:

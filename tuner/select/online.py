@@ -94,8 +94,8 @@ class Timer:
 
     Args:
         device: the call's device; on CUDA the intervals are events on its current stream, where the call's
-            kernels go (not the thread's current device's: colltune's worker thread never sets one, and an
-            event there would time nothing of the call and open a context on GPU 0).
+            kernels go, whatever device the thread has current (an event on another device's stream would
+            time nothing of the call, and open a context there).
     """
 
     __slots__ = ("cuda", "device", "marks")

@@ -471,8 +471,9 @@ def _reduce_dense(
         stats.record("dense", nbytes)
         state.bytes_sent += nbytes
 
-    def done(fut: torch.futures.Future[Any]) -> None:
+    def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
         parts.scatter(parts.dense, fut.value()[0].div_(p), out)
+        return out  # a tensor: the child Future records its event after the scatter (None would record none)
 
     return work.get_future().then(done)
 
@@ -502,8 +503,9 @@ def _reduce_topk(
         policy=state._routing()[2] if algo == AUTO else None,
     )
     reason = parts.routes[members[0]][1].reason
-    # Completed on colltune's worker thread once the scatter is queued there: CUDA-aware, so that its event
-    # follows the call's kernels on that thread's stream.
+    # Completed once the scatter is queued, on whichever thread completes the call's Future (the worker thread,
+    # or this one if the call is done first: the handle's Future has then joined this thread's stream to the
+    # call's); CUDA-aware, so its event follows the scatter on that thread's stream.
     part = _future_on(out.device)
 
     def done(fut: torch.futures.Future[Any]) -> None:
