@@ -42,8 +42,9 @@ INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 
 #: Relative tolerance per value dtype, applied to the sum of the magnitudes of
 #: the summands at each position: about one unit in the last place of the
-#: output dtype (16-bit types are accumulated in fp32 and rounded once, so the
-#: error is at most half an ulp of the result plus a negligible fp32 error).
+#: output dtype. 16-bit types are accumulated in fp32 and rounded once by
+#: dense, twice by the sparse algorithms (each rank's sums travel in 16 bits):
+#: at most two unit roundoffs (2^-7 bf16, 2^-10 fp16), just inside.
 RTOL = {
     torch.float64: 1e-13,
     torch.float32: 2e-6,
