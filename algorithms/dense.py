@@ -49,15 +49,17 @@ value dtype instead, as PyTorch's DDP reduces 16-bit gradients: half the
 bytes, and the cost model prices half. There each rank's fp32 sums are
 rounded to the value dtype and the backend rounds each of its ``P - 1``
 additions to it, so an element's error grows with ``P`` (at most about
-``P`` unit roundoffs of the magnitudes summed, against one). Measured against a float64 reference (rows of 16,
-200 entries per rank on 64 rows, 40 random cases per world size, sum and
-avg) in units of the dense-reference suite's tolerance (8e-3 of the summed
-magnitudes for bf16, 1e-3 for fp16), the worst element is at most 0.49
-with fp32 on the wire at P = 2, 3, 4 and 8 (the sparse algorithms, which
-send each rank's sums in 16 bits, 0.43 to 0.96), and 0.87 to 1.24 with
-16-bit on the wire, past the tolerance at P = 3 (both dtypes) and 8 (bf16).
-That is why the default keeps fp32. Either way the result is the
-backend's ``all_reduce`` result, the same bits on every rank. With
+``P`` unit roundoffs of the magnitudes summed, against one). Measured
+against a float64 reference (rows of 16, 200 entries per rank on 64 rows,
+40 random cases per world size, sum and avg: ``python
+tools/accuracy16.py``) in units of the dense-reference suite's tolerance
+(8e-3 of the summed magnitudes for bf16, 1e-3 for fp16), the worst element
+is at most 0.49 with fp32 on the wire at P = 2, 3, 4 and 8 (the sparse
+algorithms, which send each rank's sums in 16 bits, 0.43 to 0.96), and
+0.82 to 1.22 with 16-bit on the wire, past the tolerance at P = 3 (both
+dtypes), 4 (bf16) and 8 (fp16). That is why the default keeps fp32.
+Either way the result is the backend's ``all_reduce`` result, the same
+bits on every rank. With
 ``wire="value"`` values come back in the value dtype (the front door's cast
 is then free; ``avg`` divides them in fp32 and rounds once, as it does the
 fp32 sum).
