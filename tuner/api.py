@@ -141,6 +141,7 @@ class AsyncHandle:
         out = self._future.result(timeout)
         if self._handoff is not None:
             self._handoff.join()
+            self._handoff.inputs = None  # the caller's stream now follows the call: its memory may be reused
         return out
 
     def is_completed(self) -> bool:
@@ -177,8 +178,9 @@ class _StreamHandoff:
         self.queued = torch.cuda.Event()
         self.queued.record(torch.cuda.current_stream(device))
         self.finished: Any = None
-        #: What the call reads (its closure), kept until :meth:`join`: memory the caller's stream frees goes
-        #: back to that stream's pool, and must not be reused there before the worker's kernels have read it.
+        #: What the call reads (its closure), kept until the caller's stream has joined the call (``wait()``):
+        #: memory the caller's stream frees goes back to that stream's pool, and must not be reused there
+        #: before the worker's kernels have read it.
         self.inputs = inputs
         self.result: Any = None
 
@@ -208,7 +210,6 @@ class _StreamHandoff:
         for t in _tensors_in(self.result):
             if t.device == self.device:
                 t.record_stream(stream)
-        self.inputs = None
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:

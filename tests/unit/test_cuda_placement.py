@@ -81,7 +81,10 @@ def test_an_async_call_on_a_gpu_keeps_stream_order_with_its_caller(cuda: _Cuda) 
     gate, run = threading.Event(), cuda.call("the call")
     handle = api.submit_call(lambda wire: (gate.wait(10), run(wire))[1], True, None, DEVICE)
     gate.set()  # the call finishes after its handle exists: its Future completes on the worker thread
+    handle.get_future().wait()  # completed on the worker thread, which joined its own stream
+    assert handle._handoff.inputs is not None  # held until the caller's stream follows the call
     assert handle.wait() == "the call"
+    assert handle._handoff.inputs is None
     assert cuda.log == [
         "recorded a mark on the caller stream of cuda:2",
         "worker stream of cuda:2 waits for a mark on the caller stream of cuda:2",
