@@ -17,6 +17,7 @@ call, what it delivered and what it got; the parent checks:
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -500,3 +501,28 @@ def test_auto_topk_calls_that_alternate_choices_keep_oktopk_bits(world_size):
         assert [r["all_to_all"] for r in slow] == [int(r["algorithm"] == "oktopk") for r in slow], rank
         for i, (f, s) in enumerate(zip(fast, slow)):
             assert {**f, "all_to_all": 0, "collectives": 0} == {**s, "all_to_all": 0, "collectives": 0}, (rank, i)
+
+
+def random_topk_cfg(seed: int) -> dict:
+    """A top-k configuration drawn at random: shape (1-d to 3-d, one element to 5000), k or a density (up to
+    every element), algorithm, op, dtype, steps, correlated or not, default or short refresh periods."""
+    r = random.Random(seed)
+    shape = r.choice([(1,), (7,), (300,), (5000,), (64, 64), (40, 25), (3, 1, 7)])
+    by_k = r.random() < 0.5
+    return topk_cfg(
+        seed=seed, shape=shape, k=r.randint(1, math.prod(shape)) if by_k else None,
+        density=None if by_k else r.choice([1e-3, 1e-2, 0.1, 0.5, 1.0]),
+        algorithm=r.choice(ALGS), op=r.choice(["sum", "avg"]), dtype=r.choice(list(DTYPES)),
+        steps=r.randint(1, 15), correlated=r.random() < 0.3,
+        state_kw=r.choice([{}, {"local_refresh": 3, "global_refresh": 2, "boundary_refresh": 5}]),
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, pytest.param(5, marks=pytest.mark.slow),
+                                        pytest.param(8, marks=pytest.mark.slow)])
+def test_topk_on_random_configurations(world_size):
+    """Every invariant :func:`check_topk` holds (error feedback, selection counts, the same bits on every rank,
+    the result the sum of what was delivered), on configurations nobody tuned to."""
+    for seed in range(100 * world_size, 100 * world_size + 12):
+        c = random_topk_cfg(seed)
+        check_topk(c, world_size, pool(world_size).run(_run_topk, c, timeout=120))
