@@ -9,7 +9,12 @@ steady-state call (after a few at the same call site):
   a tensor's contents (an upper bound: on CPU every tensor is "on the device");
 - ops: aten ops dispatched, and kernels (the ops less views);
 - nondeterministic ops: those PyTorch lists as nondeterministic on CUDA that
-  accumulate, or listed writes to one place twice (counted, not refused).
+  accumulate, or listed writes to one place twice (counted, not refused);
+- host us: the calling thread's CPU time per call (``time.thread_time``,
+  the median over 30 calls after the audit, no audit running): Python and
+  torch dispatch on this machine's CPU tensors, the proxy for what a call
+  costs the host on a GPU (kernels there run elsewhere). Noisy on a shared
+  machine: compare two commits in alternate runs.
 
 Per algorithm on n = 2^16 rows (scalars and rows of 64, k = 3000 per rank),
 per top-k algorithm (2^16 values, density 1e-3, after 7 steps), and a fused
@@ -26,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _path in (_ROOT, os.path.join(_ROOT, "tests")):
@@ -43,6 +50,8 @@ VIEWS = frozenset({"slice", "select", "view", "expand", "as_strided", "alias", "
                    "transpose", "permute", "_unsafe_view", "split_with_sizes", "split", "detach", "lift_fresh",
                    "_reshape_alias", "unbind"})
 STEADY = 3
+#: Calls timed for the host column, after the audited one.
+TIMED = 30
 
 
 def _audited(call) -> dict:
@@ -53,8 +62,13 @@ def _audited(call) -> dict:
     with audit(strict=False) as a:
         call()
     kernels = sum(c for op, c in a.ops.items() if op not in VIEWS)
+    host = []
+    for _ in range(TIMED):
+        t0 = time.thread_time()
+        call()
+        host.append(time.thread_time() - t0)
     return {"syncs": a.n_syncs, "ops": a.n_ops, "kernels": kernels, "nondeterministic": len(a.nondeterministic),
-            "which": dict(a.syncs)}
+            "host_us": round(statistics.median(host) * 1e6, 1), "which": dict(a.syncs)}
 
 
 def _rank(rank: int, world_size: int, cfg: dict) -> dict:
@@ -101,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = launch.run_local(_rank, args.world_size, {}, backend="gloo", timeout=1800)
     rows = per_rank[0]
     print(f"P={args.world_size}, device path on CPU tensors: per steady-state call (rank 0)")
-    print(f"{'call':<28} {'syncs':>5} {'ops':>5} {'kernels':>7} {'nondet.':>7}  syncs by kind")
+    print(f"{'call':<28} {'syncs':>5} {'ops':>5} {'kernels':>7} {'nondet.':>7} {'host us':>8}  syncs by kind")
     for name, r in rows.items():
-        print(f"{name:<28} {r['syncs']:>5} {r['ops']:>5} {r['kernels']:>7} {r['nondeterministic']:>7}  {r['which']}")
+        print(f"{name:<28} {r['syncs']:>5} {r['ops']:>5} {r['kernels']:>7} {r['nondeterministic']:>7} "
+              f"{r['host_us']:>8.0f}  {r['which']}")
     if args.json:
         write_json(args.json, {"world_size": args.world_size, "calls": rows})
     return 0

@@ -35,6 +35,7 @@ def test_the_audit_counts_every_call_within_what_the_algorithms_declare(tmp_path
     assert calls["fused, 26 tables"]["ops"] <= 1.5 * calls["fused, 2 tables"]["ops"]
     assert calls["fused, 26 tables"]["kernels"] == calls["fused, 2 tables"]["kernels"]
     assert 0 < calls["dense scalars"]["kernels"] < calls["dense scalars"]["ops"]
+    assert all(c["host_us"] > 0 for c in calls.values())  # the calling thread's CPU time per call
 
 
 def test_the_host_cost_fit_recovers_a_known_line(tmp_path):
