@@ -546,10 +546,10 @@ def _check_size(size: Any, row_shape: tuple[int, ...]) -> int:
                                  f"values rows have shape {row_shape}, but size {shape} says rows of shape {shape[1:]}; "
                                  f"pass size=({shape[0]}, *values.shape[1:]) or reshape values.")
         n = shape[0]
-    elif _as_int(size) is not None:
-        n = _as_int(size)
     else:
-        raise argument_error(ColltuneTypeError, "size", f"size must be an int (the number of dense rows), but got {size!r}.")
+        n = _as_int(size)
+        if n is None:
+            raise argument_error(ColltuneTypeError, "size", f"size must be an int (the number of dense rows), but got {size!r}.")
     if n < 1:
         raise argument_error(ColltuneValueError, "size", f"size must be >= 1, but got {n}.")
     if n > MAX_SIZE:
@@ -591,7 +591,8 @@ def unpack_coo(indices: Any, values: Any, size: Any) -> tuple[Any, Any, Any]:
 
 
 def check_sparse_tensor(
-    indices: Any, values: Any, size: Any, group: dist.ProcessGroup | None, backend: str | None = None
+    indices: Any, values: Any, size: Any, group: dist.ProcessGroup | None, backend: str | None = None,
+    device_checked: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
     """Check one sparse tensor's arguments; return indices, values as ``[k, r]``, n and the row shape.
 
@@ -599,7 +600,8 @@ def check_sparse_tensor(
     on the host path from the coalesced indices' ends, on the device path
     with its one host read. No pass over the indices is made here.
     ``backend`` is the group's (:func:`group_backend`) when the caller knows
-    it: a fused call checks many tensors against one group.
+    it: a fused call checks many tensors against one group, and passes the
+    device its first tensor passed as ``device_checked`` (not checked again).
     """
     _check_tensor(indices, "indices", "of int32 or int64")
     _check_tensor(values, "values", "of floats")
@@ -623,7 +625,8 @@ def check_sparse_tensor(
         raise argument_error(ColltuneValueError, "values",
                              f"indices and values must have the same length (one value row per index), but got "
                              f"{indices.shape[0]} indices and {values.shape[0]} value rows.")
-    _check_device(group, values.device, "values", backend)
+    if values.device != device_checked:
+        _check_device(group, values.device, "values", backend)
     if indices.device != values.device:
         raise argument_error(ColltuneValueError, "indices",
                              f"indices and values must be on the same device, but got {indices.device} and {values.device}.")

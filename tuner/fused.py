@@ -241,6 +241,12 @@ def plan_buckets(keys: Sequence[Any], nbytes: np.ndarray, cap: int) -> list[list
         while that bucket's largest rank stays within ``cap``; a bucket with
         no tensor yet takes any tensor, however large.
     """
+    by_key: dict[Any, list[int]] = {}
+    for t, key in enumerate(keys):
+        by_key.setdefault(key, []).append(t)
+    # Every key's tensors within the cap together (the usual case): one bucket per key, no pass per tensor.
+    if all(float(nbytes[:, members].sum(axis=1).max()) <= cap for members in by_key.values()):
+        return list(by_key.values())  # in order of their first tensor, as dicts keep insertion order
     open_: dict[Any, tuple[list[int], np.ndarray]] = {}
     done: list[list[int]] = []
     for t, key in enumerate(keys):
@@ -356,7 +362,8 @@ class _FusedCall:
         checked: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i in range(len(tensors)):
             try:
-                idx, vals, n, row_shape = check_sparse_tensor(*_item(tensors, i), group, backend)
+                idx, vals, n, row_shape = check_sparse_tensor(*_item(tensors, i), group, backend,
+                                                              checked[0][1].device if checked else None)
             except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
                 raise _named(exc, i)
             if vals.device != self.comm.device:

@@ -216,6 +216,29 @@ def test_plan_buckets():
     assert plan_buckets([], np.zeros((2, 0)), 10) == []
 
 
+def _greedy(keys, nbytes, cap):
+    """The rule plan_buckets documents, tensor by tensor."""
+    open_, done = {}, []
+    for t, key in enumerate(keys):
+        if key in open_ and (open_[key][1] + nbytes[:, t]).max() > cap:
+            done.append(open_.pop(key)[0])
+        members, load = open_.setdefault(key, ([], np.zeros(nbytes.shape[0])))
+        members.append(t)
+        load += nbytes[:, t]
+    return sorted(done + [m for m, _ in open_.values()], key=lambda m: m[0])
+
+
+def test_plan_buckets_follows_its_rule_whether_every_key_fits_or_not():
+    """One bucket per key where each key's tensors fit together (no pass per tensor), else tensor by tensor."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        t, p = int(rng.integers(1, 30)), int(rng.integers(1, 5))
+        keys = [("f", int(k)) for k in rng.integers(0, 3, t)]
+        nbytes = rng.integers(0, 100, (p, t)).astype(float)
+        for cap in (1, 50, 300, 3000):
+            assert plan_buckets(keys, nbytes, cap) == _greedy(keys, nbytes, cap), (keys, nbytes, cap)
+
+
 def test_index_spaces_never_pass_int64():
     f32 = (1, torch.float32)
     big = 2**62
