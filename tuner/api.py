@@ -141,7 +141,6 @@ class AsyncHandle:
         out = self._future.result(timeout)
         if self._handoff is not None:
             self._handoff.join()
-            self._handoff.inputs = None  # the caller's stream now follows the call: its memory may be reused
         return out
 
     def is_completed(self) -> bool:
@@ -178,14 +177,18 @@ class _StreamHandoff:
         self.queued = torch.cuda.Event()
         self.queued.record(torch.cuda.current_stream(device))
         self.finished: Any = None
-        #: What the call reads (its closure), kept until the caller's stream has joined the call (``wait()``):
-        #: memory the caller's stream frees goes back to that stream's pool, and must not be reused there
-        #: before the worker's kernels have read it.
+        #: The tensors the call reads, made on the caller's stream (:func:`_tensors_in` finds them).
         self.inputs = inputs
         self.result: Any = None
 
     def run(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the worker thread with the call's device current, after the caller's queued work."""
+        """Run ``fn`` on the worker thread with the call's device current, after the caller's queued work.
+
+        The inputs are then marked as used on the worker's stream: memory the
+        caller frees goes back to its own stream's pool, and the allocator
+        holds it until the worker's kernels queued so far have run, whenever
+        and on whichever thread the last reference goes.
+        """
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.queued)
@@ -195,6 +198,10 @@ class _StreamHandoff:
             finally:
                 self.finished = torch.cuda.Event()
                 self.finished.record(stream)
+                for t in _tensors_in(self.inputs):
+                    if t.device == self.device:
+                        t.record_stream(stream)
+                self.inputs = None
 
     def join(self) -> None:
         """Make the calling thread's current stream of the device wait for the call's kernels.
@@ -213,9 +220,10 @@ class _StreamHandoff:
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors a call's result holds: in dataclasses (results, their delivered indices), lists and tuples."""
+    """The dense tensors a call's arguments or result hold: in lists, tuples and dataclasses (results, their
+    delivered indices); a sparse COO tensor's indices and values."""
     if isinstance(value, torch.Tensor):
-        return [value]
+        return [value._indices(), value._values()] if value.layout == torch.sparse_coo else [value]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors_in(v)]
     fields = getattr(value, "__dataclass_fields__", None)
@@ -311,19 +319,20 @@ def _abandoned(cause: BaseException) -> AbandonedCallError:
     return err
 
 
-def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: Any = None) -> Any:
+def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: Any = None, inputs: Any = None) -> Any:
     """Run ``fn(wire)`` now, or queue it behind the pending calls; return its result, or a handle with ``async_op``.
 
     ``wire`` is ``group``'s :func:`~colltune.algorithms.comm.private_group`,
     made here, on the calling thread, at the call's place in the caller's
     sequence of calls on the group. ``device`` is where the call's tensors
-    are (``None`` when unknown): a call queued on a GPU keeps stream order
+    are (``None`` when unknown), ``inputs`` the tensors it reads (a list or
+    tuple of them, or of tuples): a call queued on a GPU keeps stream order
     with the caller's thread (:class:`_StreamHandoff`).
     """
     global _executor, _pending
     wire = _run(lambda: private_group(_exchange_group(group)))
     # Made before the call is counted pending; a call run inline needs none (it runs on the caller's stream).
-    handoff = _StreamHandoff(device, fn) if _on_gpu(device) and (async_op or _pending) else None
+    handoff = _StreamHandoff(device, inputs) if _on_gpu(device) and (async_op or _pending) else None
     with _lock:
         if not async_op and _pending == 0:
             run_inline = True
@@ -337,7 +346,7 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
         return _run(lambda: fn(wire))
     if handoff is None and _on_gpu(device):  # calls became pending since the look above
         try:
-            handoff = _StreamHandoff(device, fn)
+            handoff = _StreamHandoff(device, inputs)
         except BaseException:
             with _lock:
                 _pending -= 1
@@ -1011,7 +1020,7 @@ def sparse_allreduce(
     return submit_call(
         lambda wire: _sparse_allreduce(indices, values, size, op, group, algorithm, knobs, name, policy, wire,
                                        donate),
-        async_op, group, getattr(values if values is not None else indices, "device", None),
+        async_op, group, getattr(values if values is not None else indices, "device", None), (indices, values),
     )
 
 
@@ -1334,7 +1343,7 @@ def topk_allreduce(
     op = canonical_op(op)
     return submit_call(
         lambda wire: _topk_allreduce(tensor, state, op, group, algorithm, knobs, name, policy, wire), async_op, group,
-        getattr(tensor, "device", None),
+        getattr(tensor, "device", None), (tensor,),
     )
 
 

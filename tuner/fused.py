@@ -183,7 +183,7 @@ def submit_many(
     op = canonical_op(op)
     return submit_call(
         lambda wire: _fused(tensors, op, group, algorithm, knobs, name, policy, bucket_cap_mb, wire, check),
-        async_op, group, getattr(_first_tensor(tensors), "device", None),
+        async_op, group, getattr(_first_tensor(tensors), "device", None), tensors,
     )
 
 

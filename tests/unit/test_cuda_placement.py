@@ -81,10 +81,8 @@ def test_an_async_call_on_a_gpu_keeps_stream_order_with_its_caller(cuda: _Cuda) 
     gate, run = threading.Event(), cuda.call("the call")
     handle = api.submit_call(lambda wire: (gate.wait(10), run(wire))[1], True, None, DEVICE)
     gate.set()  # the call finishes after its handle exists: its Future completes on the worker thread
-    handle.get_future().wait()  # completed on the worker thread, which joined its own stream
-    assert handle._handoff.inputs is not None  # held until the caller's stream follows the call
     assert handle.wait() == "the call"
-    assert handle._handoff.inputs is None
+    assert handle._handoff.inputs is None  # marked as used on the worker's stream after the call, then let go
     assert cuda.log == [
         "recorded a mark on the caller stream of cuda:2",
         "worker stream of cuda:2 waits for a mark on the caller stream of cuda:2",
@@ -113,8 +111,9 @@ def test_a_sync_call_queued_behind_an_async_one_keeps_stream_order_too(cuda: _Cu
     assert "caller stream of cuda:2 waits for a mark on the worker stream of cuda:2" in log[ran:returned]
 
 
-def test_the_tensors_of_a_result_are_found_for_the_allocator() -> None:
-    """``join`` marks every tensor a result holds as used on the caller's stream: results, lists, delivered."""
+def test_the_tensors_of_inputs_and_results_are_found_for_the_allocator() -> None:
+    """The handoff marks every tensor a call reads as used on the worker's stream, and every tensor its result
+    holds as used on the caller's: in lists, tuples, results, delivered indices, sparse COO tensors."""
     from colltune.algorithms.base import Delivered, SparseResult
 
     a, b, c, d = (torch.zeros(1) for _ in range(4))
@@ -122,6 +121,9 @@ def test_the_tensors_of_a_result_are_found_for_the_allocator() -> None:
     assert [id(t) for t in api._tensors_in(fused)] == [id(a), id(b), id(c), id(d)]
     topk = api.TopkResult(None, a, (3,), "allgather", 1, 1, Delivered(b, c))
     assert [id(t) for t in api._tensors_in(topk)] == [id(a), id(b), id(c)]
+    coo = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, 3), (4, 3), check_invariants=True)
+    found = api._tensors_in([(a, b, 3), coo, 7])
+    assert found[:2] == [a, b] and [t.shape for t in found[2:]] == [(1, 2), (2, 3)]
 
 
 def test_a_call_on_the_cpu_or_inline_asks_nothing_of_cuda(cuda: _Cuda) -> None:
