@@ -26,10 +26,12 @@ Exact mode (``sparse_allreduce``):
    ``all_to_all`` (exact sizes), as ``gather_mode`` says; every rank sorts
    the union (``P`` sorted runs of disjoint indices) by index.
 
-Values travel in the caller's dtype both ways, as in the other algorithms:
-16-bit values are summed in fp32 and rounded once, when the shares travel,
-which is the rounding the front door's cast back would make. So the result
-is the allgather algorithm's, bit for bit, on every rank.
+Values travel in the caller's dtype both ways, as in allgather and Ok-Topk:
+16-bit values are summed in fp32 and rounded twice, each rank's sums on
+their way to the owners and the owners' sums when the shares travel (the
+second is the rounding the front door's cast back would make). The owners
+add in rank order, as allgather's merge does, so the result is the
+allgather algorithm's, bit for bit, on every rank.
 
 Why a hash balances under skew: after the local coalesce each rank holds
 an index at most once, so however hot an index is (a Zipf head), it puts at
