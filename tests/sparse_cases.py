@@ -52,6 +52,10 @@ RTOL = {
     torch.bfloat16: 8e-3,
 }
 
+#: The unit roundoff of each 16-bit dtype (half its machine epsilon): a rounding changes a value by at most this
+#: fraction of it.
+UNIT_ROUNDOFF = {dt: torch.finfo(dt).eps / 2 for dt in (torch.bfloat16, torch.float16)}
+
 #: Every registered algorithm, then the front door's own choice: the dense-reference suites run each.
 ALGORITHMS = (*algorithms.names(), "auto")
 

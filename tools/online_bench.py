@@ -46,7 +46,10 @@ Usage::
     python tools/online_bench.py --replay profiles/measurements/online-*.json.gz --busy 8 --resample 8
 
 ``--replay`` ends with the forced times' upper tail over the runs given: the share of calls over 1.5x, 2x
-and 3x the median of the same site's and algorithm's within 5 calls.
+and 3x the median of the same site's and algorithm's within 5 calls. ``--clip`` replays with other caps on a
+call's measurement (``--clip inf`` cuts nothing)::
+
+    python tools/online_bench.py --replay profiles/measurements/online-*.json.gz --busy 8 --clip inf
 """
 
 from __future__ import annotations
@@ -220,6 +223,9 @@ def _paired(records: list[dict]) -> tuple[float, float]:
 
 #: The floor's truth: each forced time the median over the site's calls within this many (25 calls).
 FLOOR_WINDOW = 12
+#: The calls either side of a call that share its time's neighbourhood: the upper tail's median
+#: (:func:`tail_shares`) and a resampled call's draw (:func:`resampled`).
+NEAR = 5
 
 
 def _summary(records: list[dict], settle: int, window: int) -> dict[str, Any]:
@@ -279,25 +285,22 @@ class _Recorded:
         return {a: {} for a in self.now}
 
 
-def tail_shares(runs: list[dict], within: int = 5, factors: tuple[float, ...] = (1.5, 2.0, 3.0)) -> dict[float, float]:
+def tail_shares(runs: list[dict], within: int = NEAR,
+                factors: tuple[float, ...] = (1.5, 2.0, 3.0)) -> dict[float, float]:
     """The share of forced times over each of ``factors`` times the median of the same site's and algorithm's
-    forced times within ``within`` calls (itself included): how heavy the upper tail of a call's time is."""
+    forced times within ``within`` calls (itself included, :func:`_smoothed`): how heavy the upper tail of a
+    call's time is."""
     over, total = dict.fromkeys(factors, 0), 0
     for run in runs:
-        series: dict[tuple[Any, str], list[float]] = {}
-        for r in run["calls"]:
+        for r, truth in zip(run["calls"], _smoothed(run["calls"], within)):
             for a, t in r["forced"].items():
-                series.setdefault((r["site"], a), []).append(t)
-        for ts in series.values():
-            for i, t in enumerate(ts):
-                mid = statistics.median(ts[max(0, i - within) : i + within + 1])
                 total += 1
                 for x in factors:
-                    over[x] += t > x * mid
+                    over[x] += t > x * truth[a]
     return {x: c / max(total, 1) for x, c in over.items()}
 
 
-def resampled(run: dict, seed: int, within: int = 5) -> dict:
+def resampled(run: dict, seed: int, within: int = NEAR) -> dict:
     """``run`` with another draw of its noise: each call's forced times, all of them, those of a call of the same
     site within ``within`` calls, drawn at random (a busy moment still slows every algorithm of a call alike).
 
@@ -363,10 +366,11 @@ def replay(run: dict, busy: float = 1.0) -> list[dict]:
             c = sel.decide_sparse(key, comm=comm, backend="gloo", name=f"site{s}", size=n, row_numel=1,
                                   dtype="float32", counts=counts, indices=None, ranks_per_node=p)
             t = r["forced"][c.algorithm]
-            if mode == "on" and fastest.get(s) == c.algorithm and c.predicted_us is not None and sel._sites.get(key).warm:
-                t *= busy
-                del fastest[s]
             if c.predicted_us is not None:
+                # The site's first measured call (a warm site's, as observe_time counts them) of its fastest.
+                if mode == "on" and fastest.get(s) == c.algorithm and sel._sites.get(key).warm:
+                    t *= busy
+                    del fastest[s]
                 sel.observe_time(key, c.algorithm, c.predicted_us[c.algorithm], t, c.source == "explore")
             rec[mode] = {"algorithm": c.algorithm, "source": c.source, "us": t}
         out.append(rec)
@@ -408,8 +412,19 @@ def main(argv: list[str] | None = None) -> int:
                     "fastest there takes X times its time (one busy moment where it costs most)")
     ap.add_argument("--resample", type=int, default=0, metavar="DRAWS",
                     help="with --replay: also replay each run DRAWS times more, each call's forced times those of "
-                    "a call of the same site within 5, drawn at random, and print the geometric means")
+                    f"a call of the same site within {NEAR}, drawn at random, and print the geometric means")
+    ap.add_argument("--clip", metavar="LOG[:FIRST]",
+                    help="with --replay: decide with online correction's CLIP (and CLIP_FIRST) set to these natural "
+                    "logs instead of the installed ones; inf cuts nothing (how the caps were chosen)")
     args = ap.parse_args(argv)
+    if args.clip:
+        from colltune.select import online
+
+        try:
+            caps = [float(x) for x in args.clip.split(":")]
+        except ValueError:
+            ap.error(f"--clip takes LOG or LOG:FIRST, natural logs (inf for no cap), not {args.clip!r}")
+        online.CLIP, online.CLIP_FIRST = caps[0], caps[-1] if len(caps) > 1 else online.CLIP_FIRST
     if args.replay:
         draws, runs = [], []
         for path in args.replay:
@@ -426,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 got = _summary(replay(resampled(run, seed), args.busy), args.settle, args.window)
                 draws.append([got[m]["smoothed_regret_geomean"] for m in ("on", "off", "floor")])
         tail = ", ".join(f"{x:g}x {100 * share:.1f}%" for x, share in tail_shares(runs).items())
-        print(f"forced times over the median of the same site's and algorithm's within 5 calls: {tail}")
+        print(f"forced times over the median of the same site's and algorithm's within {NEAR} calls: {tail}")
         if draws:
             gm = [math.exp(statistics.fmean(math.log(d[i]) for d in draws)) for i in range(3)]
             print(f"{len(draws)} resampled replays, smoothed regret geometric mean: on {gm[0]:.4f}, off {gm[1]:.4f}, "

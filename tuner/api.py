@@ -120,9 +120,9 @@ class AsyncHandle:
             try:
                 exc, out = f.exception(), None
                 if exc is None:
-                    if handoff is not None:  # callbacks queue their kernels on this thread's stream: after the call's
-                        handoff.join()
                     out = f.result()
+                    if handoff is not None:  # callbacks queue their kernels on this thread's stream: after the call's
+                        handoff.join(out)
             except BaseException as err:  # noqa: BLE001 - the Future must complete, or a DDP hook waits for ever
                 exc = err
             if exc is not None:
@@ -140,7 +140,7 @@ class AsyncHandle:
         """
         out = self._future.result(timeout)
         if self._handoff is not None:
-            self._handoff.join()
+            self._handoff.join(out)
         return out
 
     def is_completed(self) -> bool:
@@ -170,7 +170,7 @@ class _StreamHandoff:
     stream wait for that. No host sync either way.
     """
 
-    __slots__ = ("device", "queued", "finished", "inputs", "result")
+    __slots__ = ("device", "queued", "finished", "inputs")
 
     def __init__(self, device: torch.device, inputs: Any) -> None:
         self.device = device
@@ -179,7 +179,6 @@ class _StreamHandoff:
         self.finished: Any = None
         #: The tensors the call reads, made on the caller's stream (:func:`_tensors_in` finds them).
         self.inputs = inputs
-        self.result: Any = None
 
     def run(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread with the call's device current, after the caller's queued work.
@@ -193,8 +192,7 @@ class _StreamHandoff:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.queued)
             try:
-                self.result = fn()
-                return self.result
+                return fn()
             finally:
                 self.finished = torch.cuda.Event()
                 self.finished.record(stream)
@@ -203,18 +201,18 @@ class _StreamHandoff:
                         t.record_stream(stream)
                 self.inputs = None
 
-    def join(self) -> None:
+    def join(self, result: Any) -> None:
         """Make the calling thread's current stream of the device wait for the call's kernels.
 
-        The result's tensors, made on the worker's stream, are marked as used
-        on this one too, so that the allocator does not hand their memory to
-        the worker's stream while this one may still read them.
+        The call's ``result``'s tensors, made on the worker's stream, are
+        marked as used on this one too, so that the allocator does not hand
+        their memory to the worker's stream while this one may still read them.
         """
         if self.finished is None:
             return
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self.finished)
-        for t in _tensors_in(self.result):
+        for t in _tensors_in(result):
             if t.device == self.device:
                 t.record_stream(stream)
 
@@ -331,8 +329,6 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
     """
     global _executor, _pending
     wire = _run(lambda: private_group(_exchange_group(group)))
-    # Made before the call is counted pending; a call run inline needs none (it runs on the caller's stream).
-    handoff = _StreamHandoff(device, inputs) if _on_gpu(device) and (async_op or _pending) else None
     with _lock:
         if not async_op and _pending == 0:
             run_inline = True
@@ -342,15 +338,14 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
                 _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colltune")
             _pending += 1
         seen = _out_of_step
-    if run_inline:
+    if run_inline:  # on the caller's thread and stream: no handoff
         return _run(lambda: fn(wire))
-    if handoff is None and _on_gpu(device):  # calls became pending since the look above
-        try:
-            handoff = _StreamHandoff(device, inputs)
-        except BaseException:
-            with _lock:
-                _pending -= 1
-            raise
+    try:
+        handoff = _StreamHandoff(device, inputs) if _on_gpu(device) else None
+    except BaseException:
+        with _lock:
+            _pending -= 1
+        raise
 
     def _task() -> Any:
         global _pending
@@ -368,8 +363,12 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
                 _pending -= 1
 
     future = _executor.submit(_task)  # type: ignore[union-attr]
-    handle = AsyncHandle(future, handoff)
-    return handle if async_op else handle.wait()
+    if async_op:
+        return AsyncHandle(future, handoff)
+    out = future.result()
+    if handoff is not None:
+        handoff.join(out)
+    return out
 
 
 # --------------------------------------------------------------------------- topology
@@ -600,8 +599,7 @@ def unpack_coo(indices: Any, values: Any, size: Any) -> tuple[Any, Any, Any]:
 
 
 def check_sparse_tensor(
-    indices: Any, values: Any, size: Any, group: dist.ProcessGroup | None, backend: str | None = None,
-    device_checked: torch.device | None = None,
+    indices: Any, values: Any, size: Any, group: dist.ProcessGroup | None, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
     """Check one sparse tensor's arguments; return indices, values as ``[k, r]``, n and the row shape.
 
@@ -609,8 +607,7 @@ def check_sparse_tensor(
     on the host path from the coalesced indices' ends, on the device path
     with its one host read. No pass over the indices is made here.
     ``backend`` is the group's (:func:`group_backend`) when the caller knows
-    it: a fused call checks many tensors against one group, and passes the
-    device its first tensor passed as ``device_checked`` (not checked again).
+    it: a fused call checks many tensors against one group.
     """
     _check_tensor(indices, "indices", "of int32 or int64")
     _check_tensor(values, "values", "of floats")
@@ -634,8 +631,7 @@ def check_sparse_tensor(
         raise argument_error(ColltuneValueError, "values",
                              f"indices and values must have the same length (one value row per index), but got "
                              f"{indices.shape[0]} indices and {values.shape[0]} value rows.")
-    if values.device != device_checked:
-        _check_device(group, values.device, "values", backend)
+    _check_device(group, values.device, "values", backend)
     if indices.device != values.device:
         raise argument_error(ColltuneValueError, "indices",
                              f"indices and values must be on the same device, but got {indices.device} and {values.device}.")

@@ -362,8 +362,7 @@ class _FusedCall:
         checked: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i in range(len(tensors)):
             try:
-                idx, vals, n, row_shape = check_sparse_tensor(*_item(tensors, i), group, backend,
-                                                              checked[0][1].device if checked else None)
+                idx, vals, n, row_shape = check_sparse_tensor(*_item(tensors, i), group, backend)
             except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
                 raise _named(exc, i)
             if vals.device != self.comm.device:

@@ -162,12 +162,12 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
     priced Ok-Topk, measured nowhere, out of reach); one core, P = 2: the
     shipped profile made on two (another machine); P = 4, allgather priced
     3x too high (twice: in the first, live, one busy call taken whole locked
-    it out; the be8cb3e run found it late, at call 67 of a site) and dense
+    it out; the be8cb3e run found it late) and dense
     priced 3x too low.
     Where the profile is wrong, correction must beat the profile alone and
     come within 1% of the floor, 2% for two runs: the one-core run replays
     1.2% over it (one recorded draw of the noise; resampled, `--resample 8`,
-    0.9% over it on average, 1.1% at 2dac4a2), and in the be8cb3e run, 1.3%
+    0.9% over it on average), and in the be8cb3e run, 1.3%
     over it, the fastest algorithm is found only by exploring, its turn
     after the other runners-up; where it is right, its choices
     may cost at most 1% more.
@@ -186,8 +186,8 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
 
 def test_one_busy_call_in_the_stored_runs_does_not_lock_the_fastest_algorithm_out():
     """The stored runs replayed with one busy call: each site's first measured call of the algorithm fastest
-    there takes 8x its time. Taken whole it priced that algorithm out (1.34 to 1.73 at 2dac4a2, floors 1.008
-    to 1.022); counted cut (colltune.select.online.CLIP_FIRST), correction stays within 2% of the floor and
+    there takes 8x its time. Taken whole (``--clip inf``) it keeps the stored live lock-out at 1.277, as the
+    profile alone; counted cut (colltune.select.online.CLIP_FIRST), correction stays within 2% of the floor and
     ahead of the profile alone. In the be8cb3e run the fastest algorithm is found only by exploring, so the
     busy call is each site's one exploring call of it and spends the site's exploring budget for most of its
     200 calls: there correction does as the profile alone (1.472 against 1.469), within 1%.
@@ -198,3 +198,18 @@ def test_one_busy_call_in_the_stored_runs_does_not_lock_the_fastest_algorithm_ou
         assert s["on"]["smoothed_regret_geomean"] <= 1.01 * s["off"]["smoothed_regret_geomean"], name
         if not name.endswith("be8cb3e"):
             assert s["on"]["smoothed_regret_geomean"] <= 1.02 * s["floor"]["smoothed_regret_geomean"], name
+
+
+def test_with_nothing_cut_one_busy_call_locks_the_stored_live_run_out(monkeypatch):
+    """What ``--clip inf`` replays: the cap is what keeps the busy call of the stored live lock-out from pricing
+    the fastest algorithm out (as the profile alone); a bad ``--clip`` is refused."""
+    from colltune.select import online
+
+    ob = _tool()
+    monkeypatch.setattr(online, "CLIP", math.inf)
+    monkeypatch.setattr(online, "CLIP_FIRST", math.inf)
+    s = ob._summary(ob.replay(_stored("online-cpu2-p4-allgather-priced-3x-high"), busy=8.0), 50, 2)
+    assert s["on"]["smoothed_regret_geomean"] > 1.2 and s["on"]["smoothed_regret_geomean"] >= 0.99 * s["off"][
+        "smoothed_regret_geomean"]
+    with pytest.raises(SystemExit):
+        ob.main(["--replay", "x.json.gz", "--clip", "2x"])

@@ -33,10 +33,12 @@ import torch
 from colltune.algorithms import names
 
 from harness import run_ranks
+from sparse_cases import UNIT_ROUNDOFF, raw
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: Relative tolerance of the summed magnitudes: two unit roundoffs for 16-bit values (see dense.py).
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2 * 2.0**-11 + 1e-6, torch.bfloat16: 2 * 2.0**-8 + 1e-5}
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2 * UNIT_ROUNDOFF[torch.float16] + 1e-6,
+       torch.bfloat16: 2 * UNIT_ROUNDOFF[torch.bfloat16] + 1e-5}
 #: ... plus, where a result is subnormal (fp16 below 2^-14, as an avg over five ranks gets), two roundings of
 #: half its fixed spacing: a relative bound does not hold there.
 TINY = {torch.float64: 0.0, torch.float32: 0.0, torch.float16: 2.0**-24, torch.bfloat16: 0.0}
@@ -99,10 +101,6 @@ def family(seed: int) -> tuple[int, int, int]:
     return seed, seed + 7777, seed + 9999
 
 
-def _bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
 def _calls(rank: int, world_size: int, seeds: list[int]) -> dict:
     import colltune
     from colltune.algorithms.sparse import device_path
@@ -121,8 +119,8 @@ def _calls(rank: int, world_size: int, seeds: list[int]) -> dict:
                     single = [colltune.sparse_allreduce(i, v, n, op=c["op"], algorithm=algorithm) for i, v, n in items]
                 out[seed, algorithm, device] = {
                     "runs": [(r.indices, r.values) for r in runs],
-                    "fused": [(_bits(f.indices), _bits(f.values)) for f in fused],
-                    "single": [(_bits(s.indices), _bits(s.values)) for s in single],
+                    "fused": [(raw(f.indices), raw(f.values)) for f in fused],
+                    "single": [(raw(s.indices), raw(s.values)) for s in single],
                 }
     return out
 
@@ -141,16 +139,16 @@ def _check(world_size: int, seeds: list[int]) -> None:
                 assert vals.dtype == c["dtype"] and tuple(vals.shape) == (union.numel(), *c["row"]), where
                 err = (vals.double() - sums).abs()
                 assert bool((err <= TOL[c["dtype"]] * mags + TINY[c["dtype"]]).all()), (where, float(err.max()))
-                mine = [(_bits(i), _bits(v)) for i, v in got["runs"]]
+                mine = [(raw(i), raw(v)) for i, v in got["runs"]]
                 assert mine[0] == mine[1], f"{where}: a repeat differs"
                 assert got["fused"] == got["single"], f"{where}: a fused call differs from its single calls"
                 for r in range(1, world_size):
                     theirs = out[r][seed, algorithm, device]
-                    assert [(_bits(i), _bits(v)) for i, v in theirs["runs"]] == mine, f"{where}: rank {r} differs"
+                    assert [(raw(i), raw(v)) for i, v in theirs["runs"]] == mine, f"{where}: rank {r} differs"
                     assert theirs["fused"] == got["fused"], f"{where}: rank {r}'s fused call differs"
             if algorithm != "dense" or world_size <= 2:
                 host, dev = out[0][seed, algorithm, False]["runs"][0], out[0][seed, algorithm, True]["runs"][0]
-                assert _bits(host[1]) == _bits(dev[1]), f"seed {seed} {algorithm}: the device path's bits differ"
+                assert raw(host[1]) == raw(dev[1]), f"seed {seed} {algorithm}: the device path's bits differ"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

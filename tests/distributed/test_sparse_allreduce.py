@@ -15,7 +15,17 @@ import torch.distributed as dist
 from colltune.algorithms import registry
 
 from harness import pool
-from sparse_cases import ALGORITHMS, DTYPES, assert_close_to_reference, case, make_input, overlap, raw, reference
+from sparse_cases import (
+    ALGORITHMS,
+    DTYPES,
+    UNIT_ROUNDOFF,
+    assert_close_to_reference,
+    case,
+    make_input,
+    overlap,
+    raw,
+    reference,
+)
 
 FAST_SIZES = [1, 2, 3, 4]
 ALL_SIZES = FAST_SIZES + [pytest.param(8, marks=pytest.mark.slow)]
@@ -836,8 +846,6 @@ def _run_wire(rank, world_size, c):
     return out
 
 
-#: The unit roundoff of each 16-bit dtype: a rounding changes a value by at most this fraction of it.
-_UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -856,7 +864,7 @@ def test_dense_16_bit_wire_moves_half_the_bytes_with_the_same_bits_everywhere(wo
         idx, vals, _ = o["value", "sum"]
         got = torch.zeros_like(ref["dense"])
         got.index_copy_(0, idx, vals.double())
-        assert bool(((got - ref["dense"]).abs() <= world_size * _UNIT_ROUNDOFF[dt] * ref["magnitude"]).all()), r
+        assert bool(((got - ref["dense"]).abs() <= world_size * UNIT_ROUNDOFF[dt] * ref["magnitude"]).all()), r
         # avg divides the 16-bit sum in fp32 and rounds once: the same bits as dividing the returned sum.
         assert raw(o["value", "avg"][1]) == raw((vals.float() / world_size).to(dt)), r
         sent = {w: o[w, "sum"][2]["by_primitive"]["all_reduce"]["bytes"] for w in ("accum", "value")}
@@ -880,7 +888,7 @@ def test_16_bit_error_bounds_of_every_algorithm(world_size, dtype):
     dt = DTYPES[dtype]
     ref = reference(c, world_size)
     out = pool(world_size).run(_run_every_algorithm_16_bit, c)
-    u = _UNIT_ROUNDOFF[dt]
+    u = UNIT_ROUNDOFF[dt]
     worst = {}
     for algorithm, vals in out[0].items():
         assert all(raw(o[algorithm]) == raw(vals) for o in out), algorithm  # the same bits on every rank

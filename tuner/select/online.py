@@ -77,10 +77,11 @@ MAX_RATIO = 100.0
 #: call taken at face value can price the fastest algorithm out of the exploring window for good. What is
 #: clipped off is kept: the algorithm's next measurement at the site confirms it as far as it goes as high,
 #: and both count up to there (a change that two calls confirm is learned; one busy call is not). Replayed
-#: (``tools/online_bench.py --replay``), the stored runs with one busy call, 8x, at each site's first
-#: measurement of its fastest algorithm: six of seven at 1.012 to 1.024 smoothed regret, against 1.34 to
-#: 1.73 with nothing cut; resampled eight times each, 1.035 against 1.034 with nothing cut (2x here: 1.039):
-#: nothing measurable lost where no call is busy.
+#: (``tools/online_bench.py --replay profiles/measurements/online-*.json.gz --busy 8``), the stored runs with
+#: one busy call, 8x, at each site's first measurement of its fastest algorithm: six of seven at 1.012 to
+#: 1.024 smoothed regret; with nothing cut (``--clip inf``) the stored live lock-out stays at 1.277. Resampled
+#: eight times each (``--resample 8``): 1.035, against 1.036 with nothing cut and 1.038 at 2x
+#: (``--clip 0.6931:0.2``): nothing measurable lost where no call is busy.
 CLIP = 1.0
 #: ... and a site's first measurement of an algorithm at most this far above its prior (1.22x): on a
 #: machine slower than its profile the second measurement confirms it.
@@ -192,7 +193,8 @@ class _Mean:
     Of the latest log ratio added: ``excess``, what :data:`CLIP` (or
     :data:`CLIP_FIRST`) cut off it (0 when it counted whole); ``level``,
     what it counted as; ``weight``, its weight in the sum now (1 when added,
-    aging with the sum).
+    aging with the sum). A site's means use the three to confirm a cut call
+    (:meth:`Ratios.observe`); the pool's keep them unread.
     """
 
     __slots__ = ("s", "n", "excess", "level", "weight")
@@ -236,7 +238,7 @@ class Ratios:
         """Add one call: ``own`` is the site's table; :data:`CLIP` applies."""
         r = min(MAX_RATIO, max(1.0 / MAX_RATIO, measured_us / max(predicted_us, 1e-3)))
         x = math.log(r)
-        cap = math.log(self.factor(own, algorithm)) + (CLIP if algorithm in own else CLIP_FIRST)
+        cap = self._log_factors(own, (algorithm,))[algorithm] + (CLIP if algorithm in own else CLIP_FIRST)
         back = 0.0
         prev = own.get(algorithm)
         if prev is not None and prev.excess > 0:  # the previous call was cut: both count up to where both went
@@ -260,12 +262,15 @@ class Ratios:
 
     def factors(self, own: Mapping[str, _Mean], algorithms: Iterable[str]) -> dict[str, float]:
         """:meth:`factor` of each of ``algorithms`` (the machine's ratio computed once)."""
+        return {a: math.exp(v) for a, v in self._log_factors(own, algorithms).items()}
+
+    def _log_factors(self, own: Mapping[str, _Mean], algorithms: Iterable[str]) -> dict[str, float]:
+        """The logs of :meth:`factors` (what :meth:`observe` caps a measurement against)."""
         every, algorithms = self.every, list(algorithms)
         machine = self.machine_log()
         # Only an algorithm no site has measured (rare once a group has run a while) needs the shrunk prior.
         unmeasured = self.machine_log(shrunk=True) if any(a not in every for a in algorithms) else 0.0
-        return {a: math.exp(_shrunk(own.get(a), _shrunk(every[a], machine) if a in every else unmeasured))
-                for a in algorithms}
+        return {a: _shrunk(own.get(a), _shrunk(every[a], machine) if a in every else unmeasured) for a in algorithms}
 
     def machine_log(self, shrunk: bool = False) -> float:
         """The machine's log ratio: the smallest of the measured algorithms' own, once two or more are measured.

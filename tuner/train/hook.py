@@ -365,14 +365,11 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
     result = _future_on(out.device)
 
     def done(all_done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
-        try:
-            for f in all_done.value():
-                f.wait()  # raises the error of a part that failed; on CUDA, this thread's stream waits for the part
-            result.set_result(out)  # on CUDA, an event on that stream: DDP's wait() makes its own stream wait for it
-        except BaseException as exc:  # noqa: BLE001 - DDP hears of it through the Future
-            result.set_exception(exc)
+        for f in all_done.value():
+            f.wait()  # raises the error of a part that failed; on CUDA, this thread's stream waits for the part
 
-    torch.futures.collect_all(futures).add_done_callback(done)
+    # On CUDA, completing is an event on this thread's stream: DDP's wait() makes its own stream wait for it.
+    torch.futures.collect_all(futures).add_done_callback(lambda all_done: _settle(result, done, all_done, out))
     return result
 
 
@@ -385,6 +382,16 @@ def _future_on(device: torch.device) -> torch.futures.Future[Any]:
     DDP would read the bucket before the kernels that write it have run.
     """
     return torch.futures.Future(devices=[device] if device.type == "cuda" else [])
+
+
+def _settle(fut: torch.futures.Future[Any], work: Any, done: torch.futures.Future[Any], out: torch.Tensor) -> None:
+    """Run ``work(done)``, then complete ``fut`` with ``out``, or with the error ``work`` raised: a Future
+    DDP waits on must complete either way."""
+    try:
+        work(done)
+        fut.set_result(out)
+    except BaseException as exc:  # noqa: BLE001 - DDP hears of it through the Future
+        fut.set_exception(exc)
 
 
 def _dense_bucket(state: ColltuneHookState, bucket: dist.GradBucket, p: int) -> torch.futures.Future[torch.Tensor]:
@@ -509,18 +516,14 @@ def _reduce_topk(
     part = _future_on(out.device)
 
     def done(fut: torch.futures.Future[Any]) -> None:
-        try:
-            res = fut.value()
-            parts.scatter(members, res.to_dense().view(-1), out)
-            nbytes = topk_bytes_sent(res)
-            with _STATS_LOCK:
-                state.stats.setdefault(key, TensorStats("topk", res.algorithm, reason)).record(res.algorithm, nbytes)
-                state.bytes_sent += nbytes
-            part.set_result(out)
-        except BaseException as exc:  # noqa: BLE001 - the bucket's Future raises it
-            part.set_exception(exc)
+        res = fut.value()
+        parts.scatter(members, res.to_dense().view(-1), out)
+        nbytes = topk_bytes_sent(res)
+        with _STATS_LOCK:
+            state.stats.setdefault(key, TensorStats("topk", res.algorithm, reason)).record(res.algorithm, nbytes)
+            state.bytes_sent += nbytes
 
-    handle.get_future().add_done_callback(done)
+    handle.get_future().add_done_callback(lambda fut: _settle(part, done, fut, out))
     return part
 
 
