@@ -37,6 +37,7 @@ import logging
 import operator
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
@@ -237,6 +238,9 @@ def _on_gpu(device: Any) -> bool:
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _pending = 0
+#: The latest call queued on the worker (weakly: not to keep its result): when it is done, so is every call
+#: queued before it. The worker holds the Future until the call has run, so a dead reference means done.
+_last: weakref.ref[concurrent.futures.Future] | None = None
 _lock = threading.Lock()
 #: Calls of this process that failed out of step with the other ranks, and the latest such failure.
 _out_of_step = 0
@@ -327,7 +331,7 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
     tuple of them, or of tuples): a call queued on a GPU keeps stream order
     with the caller's thread (:class:`_StreamHandoff`).
     """
-    global _executor, _pending
+    global _executor, _pending, _last
     wire = _run(lambda: private_group(_exchange_group(group)))
     with _lock:
         if not async_op and _pending == 0:
@@ -362,13 +366,29 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
             with _lock:
                 _pending -= 1
 
-    future = _executor.submit(_task)  # type: ignore[union-attr]
+    with _lock:
+        future = _executor.submit(_task)  # type: ignore[union-attr]
+        _last = weakref.ref(future)
     if async_op:
         return AsyncHandle(future, handoff)
     out = future.result()
     if handoff is not None:
         handoff.join(out)
     return out
+
+
+def drain() -> None:
+    """Return once colltune's worker thread has finished every call queued so far, failed ones included.
+
+    Their results and errors stay with their handles. A thread that is about
+    to issue collectives of its own on a GPU calls this first where their
+    order against colltune's queued ones must be the same on every rank
+    (NCCL asks for that of communicators used from several threads).
+    """
+    with _lock:
+        last = _last() if _last is not None else None
+    if last is not None:
+        concurrent.futures.wait([last])
 
 
 # --------------------------------------------------------------------------- topology

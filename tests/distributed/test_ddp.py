@@ -175,6 +175,92 @@ def _hook_run(rank: int, world_size: int, cfg: dict) -> dict:
             "delivered": delivered, "averaged": averaged, "residual": residual}
 
 
+#: The torch.distributed collectives colltune and the hook issue from Python.
+_COLLECTIVES = ("all_reduce", "all_to_all_single", "batch_isend_irecv", "broadcast", "all_gather_into_tensor",
+                "all_gather_single")
+
+
+def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
+    """Record the thread and group of every collective the hook issues in compressed steps, and whether the
+    worker was idle when the hook returned for the last bucket."""
+    import threading
+
+    from colltune import api
+    from colltune.algorithms import comm
+
+    model = _net(False)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=cfg["find_unused"])
+    plain = nn.parallel.DistributedDataParallel(_net(False))
+    state = ColltuneHookState(model=ddp if cfg["bind"] else None, density=0.05, start_compression_iter=1,
+                              algorithm=cfg["algorithm"], policy=parse_policy(KEEP_FC1_DENSE, "inline.yaml"))
+    issued: list = []
+    idle_after_last: list = []
+
+    def hook(st, bucket):
+        compressing = st.compressing
+        fut = colltune_hook(st, bucket)
+        if bucket.is_last() and compressing:
+            idle_after_last.append(api._pending == 0)
+        return fut
+
+    ddp.register_comm_hook(state, hook)
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            group = args[0][0].group if name == "batch_isend_irecv" else kwargs.get("group")
+            issued.append((threading.current_thread().name, group is None or group is dist.group.WORLD,
+                           api._pending == 0))
+            return fn(*args, **kwargs)
+        return call
+
+    exact = []
+    try:
+        for step in range(4):
+            ids, bag, y = _batch(rank, step)
+            plain.zero_grad()
+            nn.functional.mse_loss(plain(ids, bag), y).backward()
+            if step == 1:  # compressed from here on
+                for name, fn in saved.items():
+                    setattr(dist, name, recording(name, fn))
+                comm._all_gather_single.cache_clear()
+            ddp.zero_grad()
+            nn.functional.mse_loss(ddp(ids, bag), y).backward()
+            exact.append(torch.equal(model.fc1.weight.grad, plain.module.fc1.weight.grad))
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), plain.module.parameters()):
+                    p.sub_(0.1 * q.grad)
+                    q.sub_(0.1 * q.grad)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        comm._all_gather_single.cache_clear()
+    return {"issued": issued, "idle_after_last": idle_after_last, "drains": state._ddp_collective_after,
+            "exact": exact, "compressed": sorted(state.topk_states)}
+
+
+def _hook_plans(rank: int, world_size: int, what: str) -> dict:
+    """Rank 1 routes its buckets differently (``mismatch``) or cannot route them (``broken``); record each step."""
+    ddp = nn.parallel.DistributedDataParallel(_net(False))
+    if what == "mismatch":
+        policy: object = parse_policy(KEEP_FC1_DENSE, "inline.yaml") if rank == 1 else None
+    else:
+        policy = "no-such-dir/policy.yaml" if rank == 1 else None
+    state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=1, policy=policy)
+    ddp.register_comm_hook(state, colltune_hook)
+    steps = []
+    for step in range(2):
+        ids, bag, y = _batch(rank, step)
+        try:
+            nn.functional.mse_loss(ddp(ids, bag), y).backward()
+            steps.append(None)
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            steps.append((type(exc).__name__, str(exc)))
+    alive = torch.ones(1)
+    dist.all_reduce(alive)  # the group still works
+    return {"steps": steps, "alive": float(alive)}
+
+
 def _train(model, opt, step_fn, steps, first):
     losses = []
     for step in range(first, first + steps):
@@ -355,6 +441,38 @@ def test_sync_checkpoint_resume_and_policy():
         assert r["routes"]["fc2.weight"] == ("topk", "allgather")
         assert r["routes"]["emb.weight"] == ("sparse", "oktopk")
         assert "fc2.weight" in r["residuals"] and "fc1.weight" not in r["residuals"]
+
+
+@pytest.mark.parametrize("find_unused, bind, algorithm", [(False, True, "allgather"), (True, True, "oktopk"),
+                                                          (False, False, "allgather")])
+def test_hook_issues_a_compressed_step_from_one_thread_on_one_group(find_unused, bind, algorithm):
+    # NCCL asks that communicators used from several threads see their collectives in the same order on every
+    # rank. In a compressed step every collective of the hook (the parts of every bucket, the one kept dense
+    # included, and the plan's check) goes through colltune's private twin in one queue, none through DDP's
+    # group; and where DDP issues a collective of its own
+    # after the last bucket (find_unused_parameters, or no DDP model known), the hook returns from the last
+    # bucket once the worker has issued the step's collectives.
+    cfg = {"find_unused": find_unused, "bind": bind, "algorithm": algorithm}
+    for r in pool(2).run(_hook_order, cfg, timeout=90):
+        assert r["compressed"] and (all(r["exact"]) or not bind), r["exact"]  # fc1 pinned dense: exact average
+        assert len(r["issued"]) > 6, r["issued"]
+        for thread, on_ddp_group, worker_idle in r["issued"]:
+            # On the twin; from the caller's thread only while the worker is idle (the first call, a plan's check).
+            assert not on_ddp_group and (thread.startswith("colltune") or worker_idle), r["issued"]
+        assert r["drains"] == (find_unused or not bind)
+        if r["drains"]:
+            assert r["idle_after_last"] == [True] * 3, r["idle_after_last"]  # the three compressed steps
+
+
+def test_hook_ranks_that_route_differently_all_raise():
+    out = pool(2).run(_hook_plans, "mismatch", timeout=60)
+    for r in out:
+        assert r["steps"][0] is None and r["alive"] == 2.0  # the warm-up step is dense
+        assert r["steps"][1][0] == "RankMismatchError" and "routed their gradients differently" in r["steps"][1][1]
+    out = pool(2).run(_hook_plans, "broken", timeout=60)
+    assert out[1]["steps"][1][0] == "PolicyError" and "no-such-dir/policy.yaml" in out[1]["steps"][1][1]
+    assert out[0]["steps"][1][0] == "RemoteInputError" and "rank 1 could not route" in out[0]["steps"][1][1]
+    assert all(r["alive"] == 2.0 and r["steps"][0] is None for r in out)
 
 
 def test_hook_checkpoint_resume():

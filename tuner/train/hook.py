@@ -98,6 +98,12 @@ class ColltuneHookState:
             rules match them and checkpoints key states by them. Without it,
             parameters are named by bucket and shape (``bucket0.3[512x256]``),
             and a bucket that DDP rebuilds starts with a fresh residual.
+            The DDP model itself also tells the hook whether DDP issues a
+            collective of its own after the last bucket (it does with
+            ``find_unused_parameters=True``, unless ``static_graph``): then,
+            or when no DDP model is known, the hook's call for the last
+            bucket returns once colltune's worker has issued the step's
+            collectives, so that on every rank they come first.
         density: fraction of each compressed bucket part every rank sends.
         start_compression_iter: plain dense allreduce for this many steps
             first (residuals would otherwise start from noisy early gradients).
@@ -138,6 +144,7 @@ class ColltuneHookState:
         "_policy_arg",
         "_used",
         "_checked",
+        "_ddp_collective_after",
     )
 
     def __init__(
@@ -177,6 +184,8 @@ class ColltuneHookState:
         self._numels: dict[str, int] = {}
         self._used: set[str] = set()
         self._checked: set[str] = set()
+        #: Whether DDP may issue a collective of its own right after the last bucket (not known: it may).
+        self._ddp_collective_after = True
         if model is not None:
             self.bind(model)
 
@@ -187,6 +196,9 @@ class ColltuneHookState:
         so a policy rule written for ``mlp.0.weight`` matches however DDP wraps it.
         """
         named = _unwrapped_names(model)
+        ddps = [m for m in model.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
+        # DDP allreduces its map of used parameters after the last bucket when it finds unused ones each step.
+        self._ddp_collective_after = not ddps or any(m.find_unused_parameters and not m.static_graph for m in ddps)
         self._names = {id(p): n for n, p in named}
         self._order = {id(p): i for i, (_, p) in enumerate(named)}
         self._numels = {n: p.numel() for n, p in named}
@@ -334,8 +346,10 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
     through :func:`colltune.topk_allreduce` with their
     :class:`~colltune.algorithms.state.TopkState` (what is not sent stays in its
     residual). DDP hands over gradients that are not pre-divided: they are
-    averaged here (``avg``). Both run asynchronously (the top-k calls on
-    colltune's worker thread, over the group's private twin): the Future
+    averaged here (``avg``). Both run asynchronously on colltune's worker
+    thread, over the group's private twin, in the order the buckets come:
+    one communicator, one issuing thread, the same order on every rank (what
+    NCCL asks of communicators used from several threads). The Future
     completes when they do, and DDP hands over the next buckets meanwhile.
 
     Args:
@@ -360,6 +374,10 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
         for key in [k for k in state.topk_states if k not in state._used]:
             del state.topk_states[key]  # its parameters moved to other buckets (residuals already taken)
         state._used = set()
+        if state._ddp_collective_after:
+            # DDP allreduces its map of used parameters on the group right after the last bucket: on every rank
+            # it must come after this step's parts, which the worker thread issues on the twin.
+            _api.drain()
     state.maybe_increase_iter(bucket)
 
     result = _future_on(out.device)
@@ -426,7 +444,7 @@ class _BucketParts:
         try:
             self.routes = _bucket_routes(state, params, idx)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the plan's check: they must hear of it
-            check_same_plan(None, state.process_group, f"colltune_hook (bucket {idx})", error=exc)
+            _check_plan(state, None, bucket, error=exc)
             raise
         self.slices: list[tuple[int, int]] = []
         offset = 0
@@ -444,7 +462,7 @@ class _BucketParts:
         plan_key = "|".join(self.routes[i][0] for i in order)
         if plan_key not in state._checked:
             plan = [plan_key, [self.routes[i][1].plan() for i in order]]
-            check_same_plan(plan, state.process_group, f"colltune_hook (bucket {idx})")
+            _check_plan(state, plan, bucket)
             state._checked.add(plan_key)
         for name, r in self.routes:
             state.decisions[name] = {"route": r.route, "algorithm": r.algorithm, "reason": r.reason}
@@ -465,12 +483,43 @@ class _BucketParts:
             pos += b - a
 
 
+def _check_plan(state: ColltuneHookState, plan: Any, bucket: dist.GradBucket, error: Exception | None = None) -> None:
+    """:func:`check_same_plan` for ``bucket`` on the private twin, behind the parts already queued, as every
+    collective of a compressed step; ``error`` (this rank could not route the bucket) is raised after it."""
+    what = f"colltune_hook (bucket {bucket.index()})"
+
+    def exchange(wire: Any) -> Exception | None:
+        try:
+            check_same_plan(plan, wire, what, error=error)
+        except Exception as exc:
+            if exc is error:
+                return exc  # returned, not raised: the worker would count it as a rank falling out of step
+            raise
+        return None
+
+    # On a GPU the worker runs it with the bucket's device current, where the twin's communicator is.
+    raised = _api.submit_call(exchange, False, state.process_group, device=bucket.buffer().device)
+    if raised is not None:
+        raise raised
+
+
+def _all_reduce(flat: torch.Tensor, wire: Any) -> torch.Tensor:
+    dist.all_reduce(flat, group=wire)
+    return flat
+
+
 def _reduce_dense(
     state: ColltuneHookState, parts: _BucketParts, out: torch.Tensor, p: int
 ) -> torch.futures.Future[Any]:
-    """Average the parts kept dense with one asynchronous allreduce; return its Future."""
+    """Average the parts kept dense with one allreduce, queued behind the bucket's earlier parts; return its Future.
+
+    It runs on colltune's worker thread and private twin, as the top-k parts
+    do, so that every collective of a compressed step goes through one
+    communicator, issued from one thread in the same order on every rank.
+    """
     flat = parts.gather(parts.dense).clone()
-    work = dist.all_reduce(flat, group=state.process_group, async_op=True)
+    handle = _api.submit_call(lambda wire: _all_reduce(flat, wire), True, state.process_group,
+                              device=flat.device, inputs=(flat,))
     nbytes = ring_bytes(flat.numel(), flat.element_size(), p)
     stats = state.stats.setdefault(f"bucket{parts.buffer_index}/dense", TensorStats("dense", "dense"))
     stats.reason = "kept dense: " + "; ".join(sorted({parts.routes[i][1].reason for i in parts.dense}))
@@ -478,11 +527,10 @@ def _reduce_dense(
         stats.record("dense", nbytes)
         state.bytes_sent += nbytes
 
-    def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        parts.scatter(parts.dense, fut.value()[0].div_(p), out)
-        return out  # a tensor: the child Future records its event after the scatter (None would record none)
+    def done(fut: torch.futures.Future[Any]) -> None:
+        parts.scatter(parts.dense, fut.value().div_(p), out)
 
-    return work.get_future().then(done)
+    return _part_future(handle, done, out)
 
 
 def _reduce_topk(
@@ -510,10 +558,6 @@ def _reduce_topk(
         policy=state._routing()[2] if algo == AUTO else None,
     )
     reason = parts.routes[members[0]][1].reason
-    # Completed once the scatter is queued, on whichever thread completes the call's Future (the worker thread,
-    # or this one if the call is done first: the handle's Future has then joined this thread's stream to the
-    # call's); CUDA-aware, so its event follows the scatter on that thread's stream.
-    part = _future_on(out.device)
 
     def done(fut: torch.futures.Future[Any]) -> None:
         res = fut.value()
@@ -523,6 +567,18 @@ def _reduce_topk(
             state.stats.setdefault(key, TensorStats("topk", res.algorithm, reason)).record(res.algorithm, nbytes)
             state.bytes_sent += nbytes
 
+    return _part_future(handle, done, out)
+
+
+def _part_future(handle: Any, done: Any, out: torch.Tensor) -> torch.futures.Future[Any]:
+    """Return the Future of one bucket part: completed once ``done`` (its scatter into ``out``) is queued.
+
+    ``done`` runs on whichever thread completes the call's Future (the worker
+    thread, or this one if the call is done first: the handle's Future has
+    then joined this thread's stream to the call's); the part's Future is
+    CUDA-aware, so its event follows the scatter on that thread's stream.
+    """
+    part = _future_on(out.device)
     handle.get_future().add_done_callback(lambda fut: _settle(part, done, fut, out))
     return part
 
