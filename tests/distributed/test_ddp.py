@@ -16,8 +16,11 @@ plain ``DistributedDataParallel`` computes on the same data:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import threading
+from typing import Iterator
 
 import pytest
 import torch
@@ -175,35 +178,18 @@ def _hook_run(rank: int, world_size: int, cfg: dict) -> dict:
             "delivered": delivered, "averaged": averaged, "residual": residual}
 
 
-#: The torch.distributed collectives colltune and the hook issue from Python.
+#: The torch.distributed collectives colltune and the training wrappers issue from Python.
 _COLLECTIVES = ("all_reduce", "all_to_all_single", "batch_isend_irecv", "broadcast", "all_gather_into_tensor",
                 "all_gather_single")
 
 
-def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
-    """Record the thread and group of every collective the hook issues in compressed steps, and whether the
-    worker was idle when the hook returned for the last bucket."""
-    import threading
-
+@contextlib.contextmanager
+def _recorded_collectives() -> Iterator[list]:
+    """Record ``(thread name, on the default group, colltune's worker idle)`` for every collective issued."""
     from colltune import api
     from colltune.algorithms import comm
 
-    model = _net(False)
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=cfg["find_unused"])
-    plain = nn.parallel.DistributedDataParallel(_net(False))
-    state = ColltuneHookState(model=ddp if cfg["bind"] else None, density=0.05, start_compression_iter=1,
-                              algorithm=cfg["algorithm"], policy=parse_policy(KEEP_FC1_DENSE, "inline.yaml"))
     issued: list = []
-    idle_after_last: list = []
-
-    def hook(st, bucket):
-        compressing = st.compressing
-        fut = colltune_hook(st, bucket)
-        if bucket.is_last() and compressing:
-            idle_after_last.append(api._pending == 0)
-        return fut
-
-    ddp.register_comm_hook(state, hook)
     saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
     def recording(name, fn):
@@ -214,16 +200,51 @@ def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
             return fn(*args, **kwargs)
         return call
 
-    exact = []
+    for name, fn in saved.items():
+        setattr(dist, name, recording(name, fn))
+    comm._all_gather_single.cache_clear()
     try:
+        yield issued
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        comm._all_gather_single.cache_clear()
+
+
+def _in_one_order(issued: list) -> bool:
+    """Whether every collective ran on colltune's worker thread, or on the caller's while the worker was idle:
+    then every rank issues them in one order."""
+    return all(thread.startswith("colltune") or idle for thread, _, idle in issued)
+
+
+def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
+    """Record the thread and group of every collective the hook issues in compressed steps, and whether the
+    worker was idle when the hook returned for the last bucket."""
+    from colltune import api
+
+    model = _net(False)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=cfg["find_unused"])
+    plain = nn.parallel.DistributedDataParallel(_net(False))
+    state = ColltuneHookState(model=ddp if cfg["bind"] else None, density=0.05, start_compression_iter=1,
+                              algorithm=cfg["algorithm"], policy=parse_policy(KEEP_FC1_DENSE, "inline.yaml"))
+    idle_after_last: list = []
+
+    def hook(st, bucket):
+        compressing = st.compressing
+        fut = colltune_hook(st, bucket)
+        if bucket.is_last() and compressing:
+            idle_after_last.append(api._pending == 0)
+        return fut
+
+    ddp.register_comm_hook(state, hook)
+    exact = []
+    with contextlib.ExitStack() as stack:
         for step in range(4):
             ids, bag, y = _batch(rank, step)
             plain.zero_grad()
             nn.functional.mse_loss(plain(ids, bag), y).backward()
             if step == 1:  # compressed from here on
-                for name, fn in saved.items():
-                    setattr(dist, name, recording(name, fn))
-                comm._all_gather_single.cache_clear()
+                issued = stack.enter_context(_recorded_collectives())
             ddp.zero_grad()
             nn.functional.mse_loss(ddp(ids, bag), y).backward()
             exact.append(torch.equal(model.fc1.weight.grad, plain.module.fc1.weight.grad))
@@ -231,12 +252,24 @@ def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
                 for p, q in zip(model.parameters(), plain.module.parameters()):
                     p.sub_(0.1 * q.grad)
                     q.sub_(0.1 * q.grad)
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-        comm._all_gather_single.cache_clear()
     return {"issued": issued, "idle_after_last": idle_after_last, "drains": state._ddp_collective_after,
             "exact": exact, "compressed": sorted(state.topk_states)}
+
+
+def _sync_order(rank: int, world_size: int, dense: str) -> dict:
+    """An asynchronous SparseGradSync step with dense (or top-k) and sparse gradients: the threads of its
+    collectives, and its gradients against a synchronous step's."""
+    grads = []
+    for async_op in (False, True):
+        model = _net(True)
+        ids, bag, y = _batch(rank, 0)
+        nn.functional.mse_loss(model(ids, bag), y).backward()
+        sync = SparseGradSync(model, dense=dense, density=0.5)
+        with _recorded_collectives() as issued:
+            sync.synchronize(async_op=async_op)
+            sync.wait()
+        grads.append({n: _dense_grad(p) for n, p in model.named_parameters()})
+    return {"issued": issued, "same": all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])}
 
 
 def _hook_plans(rank: int, world_size: int, what: str) -> dict:
@@ -456,12 +489,21 @@ def test_hook_issues_a_compressed_step_from_one_thread_on_one_group(find_unused,
     for r in pool(2).run(_hook_order, cfg, timeout=90):
         assert r["compressed"] and (all(r["exact"]) or not bind), r["exact"]  # fc1 pinned dense: exact average
         assert len(r["issued"]) > 6, r["issued"]
-        for thread, on_ddp_group, worker_idle in r["issued"]:
-            # On the twin; from the caller's thread only while the worker is idle (the first call, a plan's check).
-            assert not on_ddp_group and (thread.startswith("colltune") or worker_idle), r["issued"]
+        # On the twin; from the caller's thread only while the worker is idle (the first call, a plan's check).
+        assert not any(on_ddp_group for _, on_ddp_group, _ in r["issued"]) and _in_one_order(r["issued"]), r["issued"]
         assert r["drains"] == (find_unused or not bind)
         if r["drains"]:
             assert r["idle_after_last"] == [True] * 3, r["idle_after_last"]  # the three compressed steps
+
+
+@pytest.mark.parametrize("dense", ["allreduce", "topk"])
+def test_an_asynchronous_sync_step_issues_its_collectives_in_one_order(dense):
+    # The dense (or top-k) gradients' collectives go first, on the caller's thread, then the sparse calls are
+    # queued on the worker: the same order on every rank, and the same gradients as a synchronous step.
+    for r in pool(2).run(_sync_order, dense, timeout=90):
+        assert r["same"]
+        assert any(thread.startswith("colltune") for thread, _, _ in r["issued"]), r["issued"]
+        assert _in_one_order(r["issued"]), r["issued"]
 
 
 def test_hook_ranks_that_route_differently_all_raise():

@@ -412,9 +412,14 @@ class SparseGradSync:
         elif check.error is not None:
             raise check.error
         assert step is not None
-        launched = self._launch_sparse(step.sparse, async_op, check if p > 1 else None)
+        # Asynchronous, the dense and top-k gradients go first, on this thread, and the sparse calls are queued
+        # after them: every rank issues the step's collectives in one order (NCCL asks it of communicators used
+        # from several threads). Synchronous, the sparse calls go first: the step's check may ride in them.
+        launched = [] if async_op else self._launch_sparse(step.sparse, False, check if p > 1 else None)
         step_bytes = sum(self._sync_topk(*item) for item in step.topk)
         step_bytes += self._sync_dense(step.dense, p)
+        if async_op:
+            launched = self._launch_sparse(step.sparse, True, check if p > 1 else None)
         self.step += 1
         self._pending = (launched, step_bytes)
         if not async_op:
@@ -578,10 +583,11 @@ class SparseGradSync:
         dist.all_reduce(flat, group=self.group)
         flat[:numel].div_(p)
         nbytes = ring_bytes(flat.numel(), flat.element_size(), p)
+        present = flat[numel:].tolist()  # one host read for the bucket's flags
         pos = 0
         for i, (name, param) in enumerate(bucket):
             n = param.numel()
-            if flat[numel + i] > 0:
+            if present[i] > 0:
                 view = flat[pos : pos + n].view_as(param)
                 if param.grad is None or param.grad.is_sparse:
                     param.grad = view.clone()
