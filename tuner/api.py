@@ -956,7 +956,7 @@ def check_with_peers(group: dist.ProcessGroup | None, hint: torch.Tensor | None,
         when another rank's check carried one; :class:`~colltune.RankMismatchError`
         when ranks are at different steps or route them differently.
     """
-    submit_call(lambda wire: _check_alone(group, hint, check, wire), False, group)
+    submit_call(lambda wire: _check_alone(group, hint, check, wire), False, group, getattr(hint, "device", None))
 
 
 def _check_alone(group: Any, hint: Any, check: CallerCheck, wire: Any) -> None:

@@ -580,7 +580,8 @@ class SparseGradSync:
                 flat[pos : pos + param.numel()] = (g.to_dense() if g.is_sparse else g).reshape(-1)
                 flat[numel + i] = 1
             pos += param.numel()
-        dist.all_reduce(flat, group=self.group)
+        # On colltune's twin, behind any call still queued there (inline when none is): one order on every rank.
+        _api.submit_call(lambda wire: dist.all_reduce(flat, group=wire), False, self.group, flat.device, (flat,))
         flat[:numel].div_(p)
         nbytes = ring_bytes(flat.numel(), flat.element_size(), p)
         present = flat[numel:].tolist()  # one host read for the bucket's flags
