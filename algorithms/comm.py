@@ -793,7 +793,8 @@ def _make_twin(group: Any) -> dist.ProcessGroup:
 _TWIN, _RANKS_PER_NODE, _TWIN_FAILED = "comm.private_group", "comm.ranks_per_node", "comm.private_group.failed"
 
 
-def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def private_group(group: dist.ProcessGroup | None,
+                  before_setup: Callable[[], None] | None = None) -> dist.ProcessGroup | None:
     """Return the private twin of ``group`` (``None``: the default group) that colltune's collectives run on.
 
     Made on the first call on the group, on the calling thread, so that
@@ -819,6 +820,9 @@ def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     default group) is a new group and gets a fresh set-up. The error is
     raised by the call itself, ``async_op=True`` included (as PyTorch
     raises NCCL's set-up errors), not by ``wait()``.
+    ``before_setup``, when given, runs first whenever the twin is to be
+    made: the caller's chance to let collectives it queued on other twins
+    go first.
 
     Raises:
         CollectiveError: the set-up failed in the backend now (``__cause__``
@@ -840,6 +844,8 @@ def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return None
     twin = None
     if dist.get_world_size(parent) > 1:
+        if before_setup is not None:
+            before_setup()
         try:
             twin = _make_twin(parent)
             weakref.finalize(parent, _destroy, twin)  # a destroyed group takes its twin along

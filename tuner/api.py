@@ -238,6 +238,8 @@ def _on_gpu(device: Any) -> bool:
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _pending = 0
+#: ``active`` is set on colltune's worker thread.
+_worker = threading.local()
 #: The latest call queued on the worker (weakly: not to keep its result): when it is done, so is every call
 #: queued before it. The worker holds the Future until the call has run, so a dead reference means done.
 _last: weakref.ref[concurrent.futures.Future] | None = None
@@ -332,7 +334,8 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
     with the caller's thread (:class:`_StreamHandoff`).
     """
     global _executor, _pending, _last
-    wire = _run(lambda: private_group(_exchange_group(group)))
+    # Making a twin is a collective on the caller's thread: the calls queued on other groups' go first.
+    wire = _run(lambda: private_group(_exchange_group(group), before_setup=drain))
     with _lock:
         if not async_op and _pending == 0:
             run_inline = True
@@ -353,6 +356,7 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
 
     def _task() -> Any:
         global _pending
+        _worker.active = True
         try:
             with _lock:
                 cause = _out_of_step_by if _out_of_step != seen else None
@@ -383,8 +387,12 @@ def drain() -> None:
     Their results and errors stay with their handles. A thread that is about
     to issue collectives of its own on a GPU calls this first where their
     order against colltune's queued ones must be the same on every rank
-    (NCCL asks for that of communicators used from several threads).
+    (NCCL asks for that of communicators used from several threads). On
+    the worker thread itself it returns at once: the calls queued before
+    the running one are done, and those after it wait for it.
     """
+    if getattr(_worker, "active", False):
+        return
     with _lock:
         last = _last() if _last is not None else None
     if last is not None:

@@ -329,3 +329,32 @@ def test_the_ddp_hook_raises_the_error_of_a_failed_part() -> None:
     for o in pool(2).run(_rank_hook_part_fails):
         assert o["routes"] == ["dense", "topk"], o
         assert "the top-k part failed" in o["failed"].message, o["failed"]
+
+
+def _rank_hook_dense_part_fails(rank: int, world_size: int) -> dict:
+    """A bucket's dense part fails on colltune's worker, ahead of the top-k part queued behind it."""
+    from colltune.train import hook
+
+    def failing(flat: torch.Tensor, wire: object) -> torch.Tensor:
+        raise ValueError("the dense part failed")
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Tower())
+    state = ColltuneHookState(model=ddp, density=0.5, start_compression_iter=0, min_compress_numel=2)
+    ddp.register_comm_hook(state, colltune_hook)
+    original = hook._all_reduce
+    hook._all_reduce = failing
+    try:
+        x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(rank))
+        failed = expect_error(lambda: ddp(x).sum().backward())
+    finally:
+        hook._all_reduce = original
+    after = torch.full((3,), float(rank))
+    torch.distributed.all_reduce(after)  # the group still works
+    return {"failed": failed, "after": after}
+
+
+def test_the_ddp_hook_raises_the_error_of_a_failed_dense_part() -> None:
+    for o in pool(2).run(_rank_hook_dense_part_fails):
+        assert "the dense part failed" in o["failed"].message and o["failed"].elapsed < PROMPT_S, o["failed"]
+        assert o["after"].tolist() == [1.0, 1.0, 1.0]

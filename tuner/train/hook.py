@@ -346,11 +346,13 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
     through :func:`colltune.topk_allreduce` with their
     :class:`~colltune.algorithms.state.TopkState` (what is not sent stays in its
     residual). DDP hands over gradients that are not pre-divided: they are
-    averaged here (``avg``). Both run asynchronously on colltune's worker
-    thread, over the group's private twin, in the order the buckets come:
-    one communicator, one issuing thread, the same order on every rank (what
-    NCCL asks of communicators used from several threads). The Future
-    completes when they do, and DDP hands over the next buckets meanwhile.
+    averaged here (``avg``). Both go through colltune's queue over the
+    group's private twin, asynchronously on its worker thread, in the order
+    the buckets come (so does the check that ranks route alike, at each new
+    bucket layout: inline when nothing is queued). So every collective of a
+    compressed step has one order on every rank, as NCCL asks of
+    communicators used from several threads. The Future completes when the
+    parts do, and DDP hands over the next buckets meanwhile.
 
     Args:
         state: the hook's :class:`ColltuneHookState`.
@@ -425,6 +427,7 @@ def _dense_bucket(state: ColltuneHookState, bucket: dist.GradBucket, p: int) -> 
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buffer)
         return fut
+    _api.drain()  # on DDP's group from this thread: colltune calls still queued go first on every rank
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     return work.get_future().then(lambda f: f.value()[0].div_(p))
 

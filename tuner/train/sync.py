@@ -386,7 +386,9 @@ class SparseGradSync:
                 returns. Until then the sparse gradients are still this
                 rank's own: call :meth:`wait` before anything reads or
                 changes them (``GradScaler.unscale_``, ``clip_grad_norm_``),
-                or the result overwrites the change and ranks clip apart.
+                or the result overwrites the change and ranks clip apart;
+                on NCCL, :meth:`wait` too before a collective of your own
+                (see :meth:`attach_to_backward`).
 
         Every rank checks, in the step's first metadata exchange, that all
         ranks are at the same step and route alike, and hears of any rank's
@@ -687,6 +689,10 @@ class SparseGradSync:
                 ``async_op``): it runs on colltune's own group and thread,
                 beside DDP's last buckets and whatever the loop does before
                 ``optimizer.step()``, which waits for it (so does :meth:`wait`).
+                On NCCL, a collective the loop issues meanwhile (a loss
+                all-reduced for logging) may reach the GPU before colltune's
+                on one rank and after them on another, which NCCL does not
+                promise to complete: :meth:`wait` before it.
 
         Returns:
             A handle whose ``remove()`` detaches the synchronizer again.
@@ -862,6 +868,7 @@ def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_
             seen.add(id(t))
             tensors.append((name, t))
     plan = [[n, list(t.shape), dtype_name(t.dtype) if t.is_floating_point() else str(t.dtype)] for n, t in tensors]
+    _api.drain()  # on the group from this thread: colltune's queued calls go first on every rank
     check_same_plan(["init_sync", plan], group, "SparseGradSync(init_sync=True)")
     src = 0 if group is None else dist.get_global_rank(group, 0)
     buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
