@@ -333,10 +333,13 @@ def test_the_ddp_hook_raises_the_error_of_a_failed_part() -> None:
 
 def _rank_hook_dense_part_fails(rank: int, world_size: int) -> dict:
     """A bucket's dense part fails on colltune's worker, ahead of the top-k part queued behind it."""
+    from colltune.algorithms.errors import ColltuneValueError
     from colltune.train import hook
 
     def failing(flat: torch.Tensor, wire: object) -> torch.Tensor:
-        raise ValueError("the dense part failed")
+        # A colltune error, which every rank raises at the same call: the ranks stay in step, and the top-k part
+        # queued behind runs on each of them (any other error would drop it, or not, as the queue's timing falls).
+        raise ColltuneValueError("the dense part failed")
 
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(Tower())
