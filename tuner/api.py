@@ -334,7 +334,7 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
     with the caller's thread (:class:`_StreamHandoff`).
     """
     global _executor, _pending, _last
-    # Making a twin is a collective on the caller's thread: the calls queued on other groups' go first.
+    # Making a twin is a collective on the caller's thread: the calls queued on other groups' twins go first.
     wire = _run(lambda: private_group(_exchange_group(group), before_setup=drain))
     with _lock:
         if not async_op and _pending == 0:
