@@ -47,9 +47,9 @@ Usage::
 
 ``--replay`` ends with the forced times' upper tail over the runs given: the share of calls over 1.5x, 2x
 and 3x the median of the same site's and algorithm's within 5 calls. ``--clip`` replays with other caps on a
-call's measurement (``--clip inf`` cuts nothing)::
+call's measurement (``--clip inf`` lifts ``CLIP``, ``--clip inf:inf`` ``CLIP_FIRST`` too: nothing cut)::
 
-    python tools/online_bench.py --replay profiles/measurements/online-*.json.gz --busy 8 --clip inf
+    python tools/online_bench.py --replay profiles/measurements/online-*.json.gz --busy 8 --clip inf:inf
 """
 
 from __future__ import annotations
@@ -415,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"a call of the same site within {NEAR}, drawn at random, and print the geometric means")
     ap.add_argument("--clip", metavar="LOG[:FIRST]",
                     help="with --replay: decide with online correction's CLIP (and CLIP_FIRST) set to these natural "
-                    "logs instead of the installed ones; inf cuts nothing (how the caps were chosen)")
+                    "logs instead of the installed ones (FIRST omitted: the installed CLIP_FIRST); inf:inf cuts nothing "
+                    "(how the caps were chosen)")
     args = ap.parse_args(argv)
     if args.clip:
         from colltune.select import online

@@ -222,7 +222,7 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     """The dense tensors a call's arguments or result hold: in lists, tuples and dataclasses (results, their
     delivered indices); a sparse COO tensor's indices and values."""
     if isinstance(value, torch.Tensor):
-        return [value._indices(), value._values()] if value.layout == torch.sparse_coo else [value]
+        return [value._indices(), value._values()] if is_sparse_coo(value) else [value]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors_in(v)]
     fields = getattr(value, "__dataclass_fields__", None)
@@ -238,7 +238,7 @@ def _on_gpu(device: Any) -> bool:
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _pending = 0
-#: ``active`` is set on colltune's worker thread.
+#: ``active`` is set on colltune's worker thread (when the executor starts it).
 _worker = threading.local()
 #: The latest call queued on the worker (weakly: not to keep its result): when it is done, so is every call
 #: queued before it. The worker holds the Future until the call has run, so a dead reference means done.
@@ -342,7 +342,8 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
         else:
             run_inline = False
             if _executor is None:
-                _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colltune")
+                _executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="colltune", initializer=lambda: setattr(_worker, "active", True))
             _pending += 1
         seen = _out_of_step
     if run_inline:  # on the caller's thread and stream: no handoff
@@ -356,7 +357,6 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
 
     def _task() -> Any:
         global _pending
-        _worker.active = True
         try:
             with _lock:
                 cause = _out_of_step_by if _out_of_step != seen else None
@@ -381,6 +381,11 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
     return out
 
 
+def _on_worker() -> bool:
+    """Whether this is colltune's worker thread."""
+    return getattr(_worker, "active", False)
+
+
 def drain() -> None:
     """Return once colltune's worker thread has finished every call queued so far, failed ones included.
 
@@ -391,7 +396,7 @@ def drain() -> None:
     the worker thread itself it returns at once: the calls queued before
     the running one are done, and those after it wait for it.
     """
-    if getattr(_worker, "active", False):
+    if _on_worker():
         return
     with _lock:
         last = _last() if _last is not None else None

@@ -186,8 +186,8 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
 
 def test_one_busy_call_in_the_stored_runs_does_not_lock_the_fastest_algorithm_out():
     """The stored runs replayed with one busy call: each site's first measured call of the algorithm fastest
-    there takes 8x its time. Taken whole (``--clip inf``) it keeps the stored live lock-out at 1.277, as the
-    profile alone; counted cut (colltune.select.online.CLIP_FIRST), correction stays within 2% of the floor and
+    there takes 8x its time. With only the first measurement capped (``--clip inf``) it keeps the stored live
+    lock-out at 1.277, as the profile alone; counted cut (colltune.select.online.CLIP_FIRST), correction stays within 2% of the floor and
     ahead of the profile alone. In the be8cb3e run the fastest algorithm is found only by exploring, so the
     busy call is each site's one exploring call of it and spends the site's exploring budget for most of its
     200 calls: there correction does as the profile alone (1.472 against 1.469), within 1%.
@@ -201,7 +201,7 @@ def test_one_busy_call_in_the_stored_runs_does_not_lock_the_fastest_algorithm_ou
 
 
 def test_with_nothing_cut_one_busy_call_locks_the_stored_live_run_out(monkeypatch):
-    """What ``--clip inf`` replays: the cap is what keeps the busy call of the stored live lock-out from pricing
+    """What ``--clip inf:inf`` replays: the cap is what keeps the busy call of the stored live lock-out from pricing
     the fastest algorithm out (as the profile alone); a bad ``--clip`` is refused."""
     from colltune.select import online
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from colltune.algorithms import registry
 from colltune.algorithms.sparse import device_path
@@ -257,17 +258,18 @@ def test_zero_width_rows_point_to_point_past_the_slot(dtype):
             assert torch.equal(idx, union) and shape == (union.numel(), 0) and got == dtype, (r, device)
 
 
-
 def _run_one_head_entry(rank, world_size, size, row, dtype):
     import colltune
 
     # Rank 1's entries pass the slot, so they go point to point; on a fresh group the slot (1024 bytes) holds one.
+    # Each path gets a group of its own: a call sizes the group's next slots from its counts.
     idx = torch.arange(size - 5, size) if rank == 1 else torch.zeros(0, dtype=torch.int64)
     vals = torch.full((idx.numel(), row), 1.5, dtype=dtype)
     out = {}
     for device in PATHS:
+        group = dist.new_group(list(range(world_size)))
         with device_path(device):
-            res = colltune.sparse_allreduce(idx, vals, size, algorithm="allgather", knobs={"mode": "p2p"})
+            res = colltune.sparse_allreduce(idx, vals, size, group=group, algorithm="allgather", knobs={"mode": "p2p"})
             out[device] = (res.indices.tolist(), res.values.tolist())
     return out
 

@@ -846,8 +846,6 @@ def _run_wire(rank, world_size, c):
     return out
 
 
-
-
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_dense_16_bit_wire_moves_half_the_bytes_with_the_same_bits_everywhere(world_size, dtype):
@@ -875,7 +873,11 @@ def _run_every_algorithm_16_bit(rank, world_size, c):
     import colltune
 
     idx, vals = make_input(c, rank, world_size)
-    return {a: colltune.sparse_allreduce(idx, vals, c["size"], algorithm=a).values for a in ALGORITHMS if a != "auto"}
+    out = {}
+    for a in registry.names():
+        res = colltune.sparse_allreduce(idx, vals, c["size"], algorithm=a)
+        out[a] = (res.indices, res.values)
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -890,8 +892,9 @@ def test_16_bit_error_bounds_of_every_algorithm(world_size, dtype):
     out = pool(world_size).run(_run_every_algorithm_16_bit, c)
     u = UNIT_ROUNDOFF[dt]
     worst = {}
-    for algorithm, vals in out[0].items():
-        assert all(raw(o[algorithm]) == raw(vals) for o in out), algorithm  # the same bits on every rank
+    for algorithm, (idx, vals) in out[0].items():
+        assert torch.equal(idx, ref["union"]), algorithm
+        assert all(raw(o[algorithm][1]) == raw(vals) for o in out), algorithm  # the same bits on every rank
         got = torch.zeros_like(ref["dense"])
         got.index_copy_(0, ref["union"], vals.double())
         worst[algorithm] = float(((got - ref["dense"]).abs() / ref["magnitude"].clamp_min(1e-300)).max()) / u

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -281,16 +282,22 @@ class Tower(nn.Module):
         return self.fc2(torch.relu(self.fc1(x))).squeeze(1)
 
 
-def _rank_hook_bad_policy(rank: int, world_size: int) -> dict:
-    """The DDP hook with a policy file that one rank cannot read: every rank's backward raises."""
+def _hooked_tower(rank: int, **options: Any) -> tuple[ColltuneHookState, Callable[[], Any]]:
+    """A DDP ``Tower`` under the colltune hook, compressing from the first step, and a call that runs one step's
+    backward and returns what :func:`expect_error` reports of it."""
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(Tower())
-    bad = rank == world_size - 1
-    policy = "/nonexistent/colltune-policy.yaml" if bad else None
-    state = ColltuneHookState(model=ddp, density=0.5, start_compression_iter=0, min_compress_numel=1, policy=policy)
+    state = ColltuneHookState(model=ddp, density=0.5, start_compression_iter=0, **options)
     ddp.register_comm_hook(state, colltune_hook)
     x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(rank))
-    return {"failed": expect_error(lambda: ddp(x).sum().backward())}
+    return state, lambda: expect_error(lambda: ddp(x).sum().backward())
+
+
+def _rank_hook_bad_policy(rank: int, world_size: int) -> dict:
+    """The DDP hook with a policy file that one rank cannot read: every rank's backward raises."""
+    bad = rank == world_size - 1
+    _, step = _hooked_tower(rank, min_compress_numel=1, policy="/nonexistent/colltune-policy.yaml" if bad else None)
+    return {"failed": step()}
 
 
 def test_the_ddp_hook_with_one_rank_unable_to_route_raises_on_every_rank() -> None:
@@ -310,17 +317,12 @@ def _rank_hook_part_fails(rank: int, world_size: int) -> dict:
             fut.set_exception(ValueError("the top-k part failed"))
             return fut
 
-    torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(Tower())
     # fc2's bias (1 element) stays dense, the rest is compressed: the bucket joins both parts' Futures.
-    state = ColltuneHookState(model=ddp, density=0.5, start_compression_iter=0, min_compress_numel=2)
-    ddp.register_comm_hook(state, colltune_hook)
+    state, step = _hooked_tower(rank, min_compress_numel=2)
     original = hook._api.topk_allreduce
     hook._api.topk_allreduce = lambda *a, **k: Failed()
     try:
-        x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(rank))
-        return {"failed": expect_error(lambda: ddp(x).sum().backward()),
-                "routes": sorted({d["route"] for d in state.decisions.values()})}
+        return {"failed": step(), "routes": sorted({d["route"] for d in state.decisions.values()})}
     finally:
         hook._api.topk_allreduce = original  # pool ranks live on: the next test calls the real one
 
@@ -334,24 +336,20 @@ def test_the_ddp_hook_raises_the_error_of_a_failed_part() -> None:
 def _rank_hook_dense_part_fails(rank: int, world_size: int) -> dict:
     """A bucket's dense part fails on colltune's worker, ahead of the top-k part queued behind it."""
     from colltune.algorithms.errors import ColltuneValueError
-    from colltune.train import hook
+    from colltune.train import common
 
     def failing(flat: torch.Tensor, wire: object) -> torch.Tensor:
         # A colltune error, which every rank raises at the same call: the ranks stay in step, and the top-k part
         # queued behind runs on each of them (any other error would drop it, or not, as the queue's timing falls).
         raise ColltuneValueError("the dense part failed")
 
-    torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(Tower())
-    state = ColltuneHookState(model=ddp, density=0.5, start_compression_iter=0, min_compress_numel=2)
-    ddp.register_comm_hook(state, colltune_hook)
-    original = hook._all_reduce
-    hook._all_reduce = failing
+    _, step = _hooked_tower(rank, min_compress_numel=2)
+    original = common._sum_into
+    common._sum_into = failing
     try:
-        x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(rank))
-        failed = expect_error(lambda: ddp(x).sum().backward())
+        failed = step()
     finally:
-        hook._all_reduce = original
+        common._sum_into = original
     after = torch.full((3,), float(rank))
     torch.distributed.all_reduce(after)  # the group still works
     return {"failed": failed, "after": after}

@@ -5,6 +5,7 @@ Calls run without a process group (locally), on colltune's worker thread.
 
 from __future__ import annotations
 
+import gc
 import threading
 
 from colltune import api
@@ -17,8 +18,10 @@ def test_drain_returns_once_every_queued_call_has_run() -> None:
     drained = threading.Event()
     waiter = threading.Thread(target=lambda: (api.drain(), drained.set()))
     waiter.start()
-    assert not drained.wait(0.2)  # the worker is held: drain waits
-    gate.set()
+    try:
+        assert not drained.wait(0.2)  # the worker is held: drain waits
+    finally:
+        gate.set()  # never leave the process's worker held for the tests after this one
     waiter.join(10)
     assert drained.is_set() and ran == ["second"] and second.is_completed() and first.is_completed()
 
@@ -44,6 +47,11 @@ def test_drain_on_the_worker_thread_returns_at_once() -> None:
     assert inner.wait(10) == "drained" and behind.wait(10) == "behind" and holder.wait(10)
 
 
-def test_drain_with_nothing_queued_returns() -> None:
+def test_drain_after_the_last_handle_is_dropped_returns() -> None:
+    # The latest call is held weakly: once its handle is gone and it has run, drain has nothing to wait for.
+    handle = api.submit_call(lambda wire: "done", True, None)
+    assert handle.wait(10) == "done"
+    del handle
+    gc.collect()
     api.drain()
     assert api.submit_call(lambda wire: "inline", False, None) == "inline"

@@ -29,9 +29,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 
 from colltune import algorithms as _algorithms
+from colltune import api as _api
 from colltune.algorithms.comm import group_device
 from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError, RankMismatchError, RemoteInputError
 from colltune.algorithms.sparse import upload
@@ -176,6 +178,22 @@ def check_same_plan(plan: Any, group: dist.ProcessGroup | None, what: str, error
             f"or models); this rank's plan is {json.dumps(plan)[:500]}. Give every rank the same model, "
             "options, policy file and environment."
         )
+
+
+def all_reduce_queued(flat: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool) -> Any:
+    """Sum ``flat`` over ``group`` in place, on colltune's queue over the group's private twin.
+
+    Behind the calls still queued there (inline when none is), so that it
+    keeps one order with colltune's calls on every rank, as NCCL asks of
+    communicators used from several threads. Returns ``flat``, or with
+    ``async_op`` a handle whose result it is.
+    """
+    return _api.submit_call(lambda wire: _sum_into(flat, wire), async_op, group, flat.device, (flat,))
+
+
+def _sum_into(flat: torch.Tensor, wire: Any) -> torch.Tensor:
+    dist.all_reduce(flat, group=wire)
+    return flat
 
 
 def ring_bytes(numel: int, itemsize: int, world_size: int) -> int:

@@ -37,6 +37,7 @@ from colltune.train.common import (
     Route,
     TensorStats,
     TopkAlgorithm,
+    all_reduce_queued,
     backend_name,
     check_choice,
     check_density,
@@ -506,11 +507,6 @@ def _check_plan(state: ColltuneHookState, plan: Any, bucket: dist.GradBucket, er
         raise raised
 
 
-def _all_reduce(flat: torch.Tensor, wire: Any) -> torch.Tensor:
-    dist.all_reduce(flat, group=wire)
-    return flat
-
-
 def _reduce_dense(
     state: ColltuneHookState, parts: _BucketParts, out: torch.Tensor, p: int
 ) -> torch.futures.Future[Any]:
@@ -521,8 +517,7 @@ def _reduce_dense(
     communicator, issued from one thread in the same order on every rank.
     """
     flat = parts.gather(parts.dense).clone()
-    handle = _api.submit_call(lambda wire: _all_reduce(flat, wire), True, state.process_group,
-                              device=flat.device, inputs=(flat,))
+    handle = all_reduce_queued(flat, state.process_group, async_op=True)
     nbytes = ring_bytes(flat.numel(), flat.element_size(), p)
     stats = state.stats.setdefault(f"bucket{parts.buffer_index}/dense", TensorStats("dense", "dense"))
     stats.reason = "kept dense: " + "; ".join(sorted({parts.routes[i][1].reason for i in parts.dense}))

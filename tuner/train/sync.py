@@ -49,6 +49,7 @@ from colltune.train.common import (
     Route,
     TensorStats,
     TopkAlgorithm,
+    all_reduce_queued,
     backend_name,
     check_choice,
     check_density,
@@ -417,11 +418,13 @@ class SparseGradSync:
         # Asynchronous, the dense and top-k gradients go first, on this thread, and the sparse calls are queued
         # after them: every rank issues the step's collectives in one order (NCCL asks it of communicators used
         # from several threads). Synchronous, the sparse calls go first: the step's check may ride in them.
-        launched = [] if async_op else self._launch_sparse(step.sparse, False, check if p > 1 else None)
+        carry = check if p > 1 else None
+        if not async_op:
+            launched = self._launch_sparse(step.sparse, False, carry)
         step_bytes = sum(self._sync_topk(*item) for item in step.topk)
         step_bytes += self._sync_dense(step.dense, p)
         if async_op:
-            launched = self._launch_sparse(step.sparse, True, check if p > 1 else None)
+            launched = self._launch_sparse(step.sparse, True, carry)
         self.step += 1
         self._pending = (launched, step_bytes)
         if not async_op:
@@ -582,8 +585,7 @@ class SparseGradSync:
                 flat[pos : pos + param.numel()] = (g.to_dense() if g.is_sparse else g).reshape(-1)
                 flat[numel + i] = 1
             pos += param.numel()
-        # On colltune's twin, behind any call still queued there (inline when none is): one order on every rank.
-        _api.submit_call(lambda wire: dist.all_reduce(flat, group=wire), False, self.group, flat.device, (flat,))
+        all_reduce_queued(flat, self.group, async_op=False)
         flat[:numel].div_(p)
         nbytes = ring_bytes(flat.numel(), flat.element_size(), p)
         present = flat[numel:].tolist()  # one host read for the bucket's flags
