@@ -223,8 +223,11 @@ def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
     from colltune import api
 
     model = _net(False)
+    # Delayed: DDP all-reduces the bag's gradient from a hook on the embedding's, after the tower's buckets.
+    delayed = {"delay_all_reduce_named_params": [("bag.weight", model.bag.weight)],
+               "param_to_hook_all_reduce": model.emb.weight, "bucket_cap_mb": 0.004} if cfg.get("delay") else {}
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=cfg["find_unused"],
-                                              static_graph=cfg.get("static_graph", False))
+                                              static_graph=cfg.get("static_graph", False), **delayed)
     plain = nn.parallel.DistributedDataParallel(_net(False))
     state = ColltuneHookState(model=ddp if cfg["bind"] else None, density=0.05, start_compression_iter=1,
                               algorithm=cfg["algorithm"], policy=parse_policy(KEEP_FC1_DENSE, "inline.yaml"))
@@ -254,7 +257,7 @@ def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
                     p.sub_(0.1 * q.grad)
                     q.sub_(0.1 * q.grad)
     return {"issued": issued, "idle_after_last": idle_after_last, "drains": state._ddp_collective_after,
-            "exact": exact, "compressed": sorted(state.topk_states)}
+            "drains_within": state._ddp_collective_within, "exact": exact, "compressed": sorted(state.topk_states)}
 
 
 def _sync_order(rank: int, world_size: int, dense: str) -> dict:
@@ -470,24 +473,30 @@ def test_sync_checkpoint_resume_and_policy():
         assert "fc2.weight" in r["residuals"] and "fc1.weight" not in r["residuals"]
 
 
-@pytest.mark.parametrize("find_unused, static_graph, bind, algorithm", [
-    (False, False, True, "allgather"), (True, False, True, "oktopk"), (True, True, True, "allgather"),
-    (False, False, False, "allgather"),
+@pytest.mark.parametrize("find_unused, static_graph, bind, algorithm, delay", [
+    (False, False, True, "allgather", False), (True, False, True, "oktopk", False),
+    (True, True, True, "allgather", False), (False, False, False, "allgather", False),
+    (False, False, True, "allgather", True),
 ])
-def test_hook_issues_a_compressed_step_from_one_thread_on_one_group(find_unused, static_graph, bind, algorithm):
+def test_hook_issues_a_compressed_step_from_one_thread_on_one_group(find_unused, static_graph, bind, algorithm, delay):
     # NCCL asks that communicators used from several threads see their collectives in the same order on every
     # rank. In a compressed step every collective of the hook (the parts of every bucket, the one kept dense
     # included, and the plan's check) goes through colltune's private twin in one queue, none through DDP's
     # group; and where DDP issues a collective of its own
     # after the last bucket (find_unused_parameters, or no DDP model known), the hook returns from the last
-    # bucket once the worker has issued the step's collectives.
-    cfg = {"find_unused": find_unused, "static_graph": static_graph, "bind": bind, "algorithm": algorithm}
+    # bucket once the worker has issued the step's collectives; where it issues one between buckets (the
+    # delayed all-reduce of delay_all_reduce_named_params), from every bucket.
+    cfg = {"find_unused": find_unused, "static_graph": static_graph, "bind": bind, "algorithm": algorithm,
+           "delay": delay}
     for r in pool(2).run(_hook_order, cfg, timeout=90):
         assert r["compressed"] and (all(r["exact"]) or not bind), r["exact"]  # fc1 pinned dense: exact average
         assert len(r["issued"]) > 6, r["issued"]
-        # On the twin; from the caller's thread only while the worker is idle (the first call, a plan's check).
-        assert not any(on_ddp_group for _, on_ddp_group, _ in r["issued"]) and _in_one_order(r["issued"]), r["issued"]
+        # On the twin; from the caller's thread only while the worker is idle (the first call, a plan's check,
+        # and DDP's delayed all-reduce: once per compressed step).
+        on_ddp_group = [idle for _, on_ddp, idle in r["issued"] if on_ddp]
+        assert on_ddp_group == [True] * (3 if delay else 0) and _in_one_order(r["issued"]), r["issued"]
         assert r["drains"] == ((find_unused and not static_graph) or not bind)
+        assert r["drains_within"] == delay
         if r["drains"]:
             assert r["idle_after_last"] == [True] * 3, r["idle_after_last"]  # the three compressed steps
 

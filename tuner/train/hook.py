@@ -104,7 +104,11 @@ class ColltuneHookState:
             ``find_unused_parameters=True``, unless ``static_graph``): then,
             or when no DDP model is known, the hook's call for the last
             bucket returns once colltune's worker has issued the step's
-            collectives, so that on every rank they come first.
+            collectives, so that on every rank they come first. With
+            ``delay_all_reduce_named_params`` DDP all-reduces those
+            parameters from a gradient hook, between any two buckets: then
+            the hook's call for every bucket returns once the worker has
+            issued its parts.
         density: fraction of each compressed bucket part every rank sends.
         start_compression_iter: plain dense allreduce for this many steps
             first (residuals would otherwise start from noisy early gradients).
@@ -146,6 +150,7 @@ class ColltuneHookState:
         "_used",
         "_checked",
         "_ddp_collective_after",
+        "_ddp_collective_within",
     )
 
     def __init__(
@@ -187,6 +192,8 @@ class ColltuneHookState:
         self._checked: set[str] = set()
         #: Whether DDP may issue a collective of its own right after the last bucket (not known: it may).
         self._ddp_collective_after = True
+        #: Whether DDP issues one between buckets: its delayed all-reduce (``delay_all_reduce_named_params``).
+        self._ddp_collective_within = False
         if model is not None:
             self.bind(model)
 
@@ -200,6 +207,8 @@ class ColltuneHookState:
         ddps = [m for m in model.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
         # DDP allreduces its map of used parameters after the last bucket when it finds unused ones each step.
         self._ddp_collective_after = not ddps or any(m.find_unused_parameters and not m.static_graph for m in ddps)
+        # DDP all-reduces its delay_all_reduce_named_params from a gradient hook, wherever in backward it fires.
+        self._ddp_collective_within = any(getattr(m, "_delay_all_reduce_params", None) for m in ddps)
         self._names = {id(p): n for n, p in named}
         self._order = {id(p): i for i, (_, p) in enumerate(named)}
         self._numels = {n: p.numel() for n, p in named}
@@ -373,14 +382,16 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
         futures.append(_reduce_dense(state, parts, out, p))
     for (algo, knobs, _), members in parts.topk.items():
         futures.append(_reduce_topk(state, parts, out, members, algo, knobs))
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         for key in [k for k in state.topk_states if k not in state._used]:
             del state.topk_states[key]  # its parameters moved to other buckets (residuals already taken)
         state._used = set()
-        if state._ddp_collective_after:
-            # DDP allreduces its map of used parameters on the group right after the last bucket: on every rank
-            # it must come after this step's parts, which the worker thread issues on the twin.
-            _api.drain()
+    if state._ddp_collective_within or (last and state._ddp_collective_after):
+        # DDP all-reduces on the group from this thread next (its map of used parameters right after the last
+        # bucket; delayed parameters whenever their hook fires): on every rank that must come after the parts
+        # queued so far, which the worker thread issues on the twin.
+        _api.drain()
     state.maybe_increase_iter(bucket)
 
     result = _future_on(out.device)
