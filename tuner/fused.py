@@ -550,14 +550,16 @@ class _FusedCall:
         """
         device = out_idx.device
         if len(members) > 1:
-            bounds = upload(at, device)
             if parts is not None and parts.sizes is not None:
                 sizes = parts.sizes
-                per = upload(sizes, device)
+                both = upload([*at[:-1], *sizes], device)  # each tensor's offset, then its share: one copy
+                starts, per = both[: len(sizes)], both[len(sizes) :]
             else:
+                bounds = upload(at, device)
                 per = torch.diff(torch.searchsorted(out_idx, bounds))
                 sizes = per.tolist()
-            shift = torch.repeat_interleave(bounds[:-1], per, output_size=out_idx.numel())
+                starts = bounds[:-1]
+            shift = torch.repeat_interleave(starts, per, output_size=out_idx.numel())
             idxs = torch.split(out_idx - shift, sizes)
         else:
             sizes, idxs = [out_idx.numel()], (out_idx,)
