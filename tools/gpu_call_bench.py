@@ -24,18 +24,32 @@ Usage (one GPU)::
     python tools/gpu_call_bench.py --log-n 16 20 24 --density 1e-4 1e-3 1e-2 --topk
     python tools/gpu_call_bench.py --fused --floor    # a fused call over 26 DLRM-like gradients; the machine's floor
     python tools/gpu_call_bench.py --summary profiles/measurements/h200-per-call.json   # a stored run's table
+    python tools/gpu_call_bench.py --log-n 20 --density 1e-3 --rows 0 --rounds 5 --trace traces   # where host time goes
 
 A run ends with the summary per contender over the exact rows: ms, syncs
 and kernels per call, and the median of each input's ratio to densify +
 ``all_reduce`` in the same run.
 
+``--trace DIR`` also profiles a few steady-state calls of every contender
+of the first input (and of the fused call with ``--fused``) with
+``torch.profiler``: a Chrome trace per contender (open it in Perfetto), the
+ops table by self host time, and in ``DIR/host.json`` and on standard
+output where a call's host time goes, per call: aten ops (their own time,
+views and allocations included), the CUDA runtime (launches, copies,
+syncs: their counts too), and the rest, Python, out of the call's wall
+time measured without the profiler.
+
 On a machine without CUDA it runs on the CPU over gloo (for tests; syncs
-and launches are then not counted).
+and launches are then not counted); ``--device-path`` has CPU tensors take
+the code path CUDA tensors take, so that ``--trace`` shows its host time
+on any machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
 import inspect
 import json
 import os
@@ -55,6 +69,7 @@ import torch.distributed as dist  # noqa: E402
 
 import colltune  # noqa: E402
 from colltune.algorithms import names  # noqa: E402
+from colltune.algorithms.sparse import device_path  # noqa: E402
 from colltune.algorithms.state import TopkState  # noqa: E402
 from colltune.cli.common import write_json  # noqa: E402
 
@@ -122,6 +137,12 @@ def _time(contenders: dict, device: torch.device, rounds: int, warmup: int) -> d
 
 
 def _sparse_row(n: int, row: tuple[int, ...], density: float, device: torch.device, args) -> dict:
+    k, contenders = _sparse_contenders(n, row, density, device)
+    return {"n": n, "row": list(row), "density": density, "k": k, **_time(contenders, device, args.rounds, args.warmup)}
+
+
+def _sparse_contenders(n: int, row: tuple[int, ...], density: float, device: torch.device) -> tuple[int, dict]:
+    """An input's entries per rank and its contenders: ``all_reduce``, densify + ``all_reduce``, each algorithm."""
     g = torch.Generator().manual_seed(n + len(row))
     k = max(1, int(density * n))
     idx = torch.randint(0, n, (k,), generator=g).to(device)
@@ -137,7 +158,7 @@ def _sparse_row(n: int, row: tuple[int, ...], density: float, device: torch.devi
     for algorithm in (*names(), "auto"):
         contenders[algorithm] = (lambda a: lambda: colltune.sparse_allreduce(idx, vals, size=n, algorithm=a,
                                                                             name=f"bench-{a}"))(algorithm)
-    return {"n": n, "row": list(row), "density": density, "k": k, **_time(contenders, device, args.rounds, args.warmup)}
+    return k, contenders
 
 
 def _topk_row(n: int, density: float, device: torch.device, args) -> dict:
@@ -157,12 +178,15 @@ FUSED_TABLES = [10**6] * 6 + [10**5] * 10 + [10**3] * 10
 
 def _fused_row(device: torch.device, args) -> dict:
     """One ``sparse_allreduce_many`` over the 26 gradients, 8192 Zipf(1.05) ids each, per algorithm."""
+    return {"fused_tables": len(FUSED_TABLES), **_time(_fused_contenders(device), device, args.rounds, args.warmup)}
+
+
+def _fused_contenders(device: torch.device) -> dict:
     rng = np.random.default_rng(0)
     tables = [(torch.from_numpy((rng.zipf(1.05, 8192) - 1) * 2654435761 % n).to(device),
                torch.randn(8192, 64).to(device), n) for n in FUSED_TABLES]
-    contenders = {a: (lambda a: lambda: colltune.sparse_allreduce_many(tables, algorithm=a))(a)
-                  for a in ("auto", "allgather", "dense")}
-    return {"fused_tables": len(tables), **_time(contenders, device, args.rounds, args.warmup)}
+    return {a: (lambda a: lambda: colltune.sparse_allreduce_many(tables, algorithm=a))(a)
+            for a in ("auto", "allgather", "dense")}
 
 
 def _floor_row(device: torch.device, args) -> dict:
@@ -179,6 +203,71 @@ def _floor_row(device: torch.device, args) -> dict:
 
     return {"floor": True, "launch_us": median_us(launches, 100), "read_us": median_us(lambda: x.item()),
             "all_reduce_1_us": median_us(lambda: dist.all_reduce(x))}
+
+
+#: How many profiled calls ``--trace`` takes per contender, after as many untimed ones.
+TRACE_CALLS = 10
+
+
+def _host_split(averages, calls: int) -> dict:
+    """Sort a profile's events into host time per call: aten ops' own time, the CUDA runtime's, and counts."""
+    ops_us = runtime_us = 0.0
+    runtime: dict[str, float] = {}
+    top: dict[str, dict] = {}
+    for e in averages:
+        if e.key.startswith("aten::"):
+            ops_us += e.self_cpu_time_total / calls
+            top[e.key] = {"us": e.self_cpu_time_total / calls, "count": e.count / calls}
+        elif e.key.startswith("cuda") or e.key.startswith("cu"):  # cudaLaunchKernel, cudaMemcpyAsync, cuLaunchKernel...
+            runtime_us += e.self_cpu_time_total / calls
+            runtime[e.key] = e.count / calls
+    heaviest = dict(sorted(top.items(), key=lambda kv: -kv[1]["us"])[:12])
+    return {"aten_us": ops_us, "runtime_us": runtime_us, "runtime_calls": runtime, "ops": heaviest}
+
+
+def _trace(contenders: dict, device: torch.device, directory: str, label: str) -> dict:
+    """Profile :data:`TRACE_CALLS` steady-state calls of each contender; write its Chrome trace and ops table
+    under ``directory``; return where each one's host time goes (:func:`_host_split`) beside its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(directory, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    out = {}
+    for name, fn in contenders.items():
+        for _ in range(TRACE_CALLS):
+            fn()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(TRACE_CALLS):  # host-bound: the device keeps up with small calls
+            fn()
+        _sync(device)
+        wall_us = (time.perf_counter() - t0) * 1e6 / TRACE_CALLS
+        with profile(activities=activities) as prof:
+            for _ in range(TRACE_CALLS):
+                fn()
+            _sync(device)
+        stem = os.path.join(directory, f"{label}-{name}".replace("+", "-plus-"))
+        prof.export_chrome_trace(stem + ".json")
+        with open(stem + ".json", "rb") as src, gzip.open(stem + ".json.gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(stem + ".json")
+        averages = prof.key_averages()
+        with open(stem + ".txt", "w") as fh:
+            fh.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        split = _host_split(averages, TRACE_CALLS)
+        split["wall_us"] = wall_us
+        split["other_us"] = max(0.0, wall_us - split["aten_us"] - split["runtime_us"])
+        out[name] = split
+    return out
+
+
+def _print_trace(label: str, traced: dict) -> None:
+    print(f"# where host time goes, {label}: us per call (aten ops' own time, CUDA runtime, the rest: Python)")
+    for name, got in traced.items():
+        calls = ", ".join(f"{k} {v:g}" for k, v in got["runtime_calls"].items() if v)
+        heavy = ", ".join(f"{k[6:]} {v['us']:.0f}" for k, v in list(got["ops"].items())[:4])
+        print(f"  {name:20s} wall {got['wall_us']:7.0f}  aten {got['aten_us']:6.0f}  runtime {got['runtime_us']:6.0f}  "
+              f"rest {got['other_us']:6.0f}  | {heavy}" + (f" | {calls}" if calls else ""), flush=True)
 
 
 def _span(xs: list[int]) -> str:
@@ -229,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused", action="store_true", help="also a fused call over 26 DLRM-like gradients")
     ap.add_argument("--floor", action="store_true", help="also the machine's floor: a launch, a read, a tiny all_reduce")
     ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help="also profile the first input's contenders (and the fused call's, with --fused): Chrome "
+                         "traces, ops tables and DIR/host.json, where each call's host time goes")
+    ap.add_argument("--device-path", action="store_true",
+                    help="without CUDA: CPU tensors take the device code path (colltune.algorithms.sparse.device_path)")
     ap.add_argument("--summary", metavar="FILE", default=None,
                     help="print the summary of a file this tool wrote, and nothing else (no GPU needed)")
     args = ap.parse_args(argv)
@@ -253,7 +347,20 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     print(f"# {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}, "
-          f"P = {dist.get_world_size()}, medians of {args.rounds} rounds", flush=True)
+          f"P = {dist.get_world_size()}, medians of {args.rounds} rounds"
+          + (", the device path on CPU tensors" if args.device_path and not cuda else ""), flush=True)
+    with device_path() if args.device_path else contextlib.nullcontext():
+        rows = _measure(args, device)
+    if args.json:
+        write_json(args.json, {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
+                               "torch": torch.__version__,
+                               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "rows": rows})
+    dist.destroy_process_group()
+    return 0
+
+
+def _measure(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Time every input the options ask for, print its row, the summary and any traces; return the rows."""
     rows = []
     for log_n in args.log_n:
         for width in args.rows:
@@ -269,12 +376,20 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(make(device, args))
             _print(rows[-1])
     print("\n".join(summary(rows)), flush=True)
-    if args.json:
-        write_json(args.json, {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
-                               "torch": torch.__version__,
-                               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "rows": rows})
-    dist.destroy_process_group()
-    return 0
+    if args.trace:
+        first = rows[0] if rows and "n" in rows[0] else None
+        traced = {}
+        if first is not None:
+            label = f"n{first['n']}-row{'x'.join(map(str, first['row'])) or 1}-d{first['density']:g}"
+            traced[label] = _trace(_sparse_contenders(first["n"], tuple(first["row"]), first["density"], device)[1],
+                                   device, args.trace, label)
+        if args.fused:
+            traced["fused"] = _trace(_fused_contenders(device), device, args.trace, "fused")
+        for label, got in traced.items():
+            _print_trace(label, got)
+        write_json(os.path.join(args.trace, "host.json"), {"device": str(device), "torch": torch.__version__,
+                                                           "calls": TRACE_CALLS, "inputs": traced})
+    return rows
 
 
 if __name__ == "__main__":

@@ -46,3 +46,21 @@ def test_the_summary_of_the_stored_h200_file_gives_the_readme_table():
         kernels = rest.split("kernels ")[1].split(",")[0]  # "17 to 40", or "0" where every call launched as many
         row = f"| {label.get(name, name)} | {ms} | {syncs} | {kernels} | {ratio} |"
         assert row in readme, row  # the algorithm's own row, every cell
+
+
+def test_trace_splits_each_calls_host_time_on_the_device_path(tmp_path):
+    # --device-path: CPU tensors take CUDA's code path, so the trace shows the ops a GPU call dispatches.
+    traces = tmp_path / "traces"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "gpu_call_bench.py"), "--log-n", "10", "--density", "1e-2",
+           "--rows", "0", "--rounds", "2", "--warmup", "1", "--device-path", "--trace", str(traces)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "the device path on CPU tensors" in done.stdout and "where host time goes" in done.stdout
+    host = json.loads((traces / "host.json").read_text())
+    (label, per), = host["inputs"].items()
+    assert set(per) == {"all_reduce", "densify+all_reduce", *names(), "auto"}
+    for name, got in per.items():
+        assert got["wall_us"] > 0 and got["other_us"] >= 0, (name, got)
+        assert (traces / f"{label}-{name.replace('+', '-plus-')}.json.gz").stat().st_size > 0
+        assert (traces / f"{label}-{name.replace('+', '-plus-')}.txt").read_text().count("aten::") >= (name != "all_reduce")
+    assert per["dense"]["aten_us"] > 0 and "aten::sort" in per["dense"]["ops"]  # the coalesce's sort, on the device path
