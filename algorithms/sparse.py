@@ -393,7 +393,8 @@ class Batch:
     needs is :attr:`stats`, ``[any index out of range (0 or 1), unique count
     of tensor 0, of tensor 1, ...]``, a small int64 tensor the caller reads
     once (or sends in the metadata record) and hands, less its first
-    element, to :meth:`finish`, which slices the results without another read.
+    element, to :meth:`finish`, which sums the runs without another read;
+    :meth:`span` then slices tensors' results out of the union.
 
     Args:
         items: ``(indices, values, size)`` per tensor: 1-D integer indices,
@@ -448,15 +449,15 @@ class Batch:
         idx, sums = _padded_runs(self.sorted, self.vals, self.starts, self.n)
         return idx, sums, self.stats
 
-    def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Return each tensor's sorted unique int64 indices and summed rows, as views of the batch's union.
+    def finish(self, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the batch's union: its sorted unique int64 indices and their summed rows, tensor after tensor.
 
-        The indices are in the batch's index space (for a batch of one, the
-        tensor's own); a caller takes several tensors' in their own spaces
-        through :meth:`span`. ``counts`` are the unique counts of
-        :attr:`stats` as the host learned them; a batch with an index out of
-        range is the caller's error to raise first. Nothing more is read or
-        uploaded.
+        The indices are in the batch's index space: for a batch of one, the
+        tensor's own, so the union is its result; a caller takes tensors'
+        in their own spaces through :meth:`span`. ``counts`` are the unique
+        counts of :attr:`stats` as the host learned them; a batch with an
+        index out of range is the caller's error to raise first. Nothing
+        more is read or uploaded.
         """
         u, k = sum(counts), self.k
         if u == k:
@@ -466,7 +467,7 @@ class Batch:
             uniq, sums = self.sorted.index_select(0, offs[:u]), _segment_sums(self.vals, offsets=offs)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
         self.union, self.sums, self.parts = uniq, sums, offsets(counts)
-        return list(zip(torch.split(uniq, counts), torch.split(sums, counts)))
+        return uniq, sums
 
     def span(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After :meth:`finish`: tensors ``first..last`` (positions in the batch) as one, laid end to end from 0.

@@ -539,9 +539,15 @@ def _check_tensor(t: Any, argument: str, what: str) -> None:
                              f"{str(t.layout).replace('torch.', '')}; {hint}.")
 
 
+#: ``(backend, device)`` pairs :func:`_check_device` passed: a call's tensors are checked in a set lookup.
+_DEVICES_OK: set[tuple[str, torch.device]] = set()
+
+
 def _check_device(group: Any, device: torch.device, argument: str, backend: str | None = None) -> None:
     """Raise unless the group's backend (``backend`` when the caller knows it) moves tensors on ``device``
     (and the device holds data)."""
+    if backend is not None and (backend, device) in _DEVICES_OK:
+        return
     if device.type == "meta":
         raise argument_error(ColltuneValueError, argument, f"{argument} is on the meta device, which holds no data; "
                              f"pass a tensor with values (on cpu, or cuda with NCCL).")
@@ -554,6 +560,7 @@ def _check_device(group: Any, device: torch.device, argument: str, backend: str 
                              f"move it with {argument}.to({allowed[0]!r}) or use a group whose backend moves {device.type}.")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argument_error(ColltuneValueError, argument, f"{argument} is on {device}, but CUDA is not available here.")
+    _DEVICES_OK.add((backend, device))
 
 
 _dtype_name = _meta.dtype_name
@@ -577,6 +584,8 @@ def _as_int(x: Any) -> int | None:
 
 def _check_size(size: Any, row_shape: tuple[int, ...]) -> int:
     """Return ``n`` from ``size`` (an int or a shape ``(n, *row_shape)``)."""
+    if type(size) is int and 1 <= size <= MAX_SIZE:  # the usual case, in one test
+        return size
     if isinstance(size, (tuple, list, torch.Size)):
         shape = tuple(_as_int(s) for s in size)
         if not shape or any(s is None for s in shape):
@@ -704,7 +713,7 @@ def coalesce_checked(indices: torch.Tensor, values: torch.Tensor, n: int, acc: t
     stats = batch.stats.tolist()
     if stats[0]:
         raise first_range_error([(indices, values, n)])
-    return batch.finish(stats[1:])[0]
+    return batch.finish(stats[1:])
 
 
 def first_range_error(

@@ -207,7 +207,7 @@ def _fused(tensors: Any, op: Any, group: Any, algorithm: Any, knobs: Any, name: 
     counts = call.exchange(error)
     if call.timer is not None:
         call.timer.mark()  # the exchange, which every bucket's measurement includes (its prediction does)
-    results: list[SparseResult | None] = [None] * len(call.idx)
+    results: list[SparseResult | None] = [None] * len(call.desc)
     for members in plan_buckets(call.spaces, call.entry_bytes * counts, call.cap):
         for t, res in zip(members, call.run_bucket(members, counts, algorithm, op, name)):
             results[t] = res
@@ -295,10 +295,10 @@ def _check_cap(cap_mb: Any) -> int:
 def _item(tensors: Sequence[Any], i: int) -> tuple[Any, Any, Any]:
     """Return item ``i`` of the list as ``(indices, values, size)``, checked as ``sparse_allreduce`` checks them."""
     item = tensors[i]
-    if is_sparse_coo(item):
-        return unpack_coo(item, None, None)
     if isinstance(item, (list, tuple)) and len(item) == 3:
         return unpack_coo(*item)
+    if is_sparse_coo(item):
+        return unpack_coo(item, None, None)
     raise argument_error(ColltuneTypeError, "tensors",
                          f"each item must be a sparse COO tensor or a tuple (indices, values, size), but got "
                          f"{type(item).__name__}{f' of length {len(item)}' if isinstance(item, (list, tuple)) else ''}.")
@@ -318,8 +318,8 @@ class _FusedCall:
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
-        #: Each tensor's coalesced indices and rows; a batched tensor's indices are its rows of the batch's
-        #: union, in the batch's index space (:meth:`run_bucket` takes its buckets from the batch).
+        #: Each tensor's coalesced indices and rows, on the host path; on the device path each tensor is a span
+        #: of its batch's union (:attr:`batched`), where :meth:`run_bucket` takes its buckets from.
         self.idx: list[torch.Tensor] = []
         self.vals: list[torch.Tensor] = []
         #: Per tensor, whether its coalesced values and indices are the call's own (share no memory with the
@@ -420,12 +420,14 @@ class _FusedCall:
         self.finish(batches, [stats[a + 1 : b] for a, b in zip(at, at[1:])])
 
     def finish(self, batches: list[tuple[list[int], Batch]], counts: list[list[int]]) -> None:
-        """Finish every batch with its tensors' unique counts; each tensor's result goes to its place in the list."""
-        done: list[Any] = [None] * len(self.desc)
+        """Finish every batch with its tensors' unique counts; each tensor is then a span of its batch's union
+        (:meth:`run_bucket` takes its buckets from there) and its count is in :attr:`counts`."""
+        self.counts = np.zeros(len(self.desc), dtype=np.int64)
         for (members, batch), per in zip(batches, counts):
-            for j, (t, got) in enumerate(zip(members, batch.finish(per))):
-                done[t], self.batched[t] = got, (batch, j)
-        self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
+            batch.finish(per)
+            self.counts[members] = per
+            for j, t in enumerate(members):
+                self.batched[t] = (batch, j)
 
     def defer(self, batches: list[tuple[list[int], Batch]], checked: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """Leave the counts on the device: they ride in the record's slot (with their sum and the range check in
@@ -448,14 +450,17 @@ class _FusedCall:
         if self.pending is None:
             return
         self.finish(self.pending, [[int(mine[t]) for t in members] for members, _ in self.pending])
-        self.counts, self.pending = np.asarray(mine, dtype=np.int64), None
+        self.pending = None
 
     def fill_record(self, op: str, algorithm: str, code: int) -> None:
         """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""
         t = len(self.desc)
-        # This rank's counts per tensor (a deferred coalesce's are still on the device: placeholders).
-        self.counts = (np.zeros(t, dtype=np.int64) if self.pending is not None
-                       else np.array([i.numel() for i in self.idx], dtype=np.int64))
+        # This rank's counts per tensor (a deferred coalesce's are still on the device: placeholders; a finished
+        # batch's are set).
+        if self.pending is not None:
+            self.counts = np.zeros(t, dtype=np.int64)
+        elif not self.batched:
+            self.counts = np.array([i.numel() for i in self.idx], dtype=np.int64)
         in_slot = 8 * t <= _meta.slot_bytes(self.comm)
         self.record.update(
             size=t,
