@@ -312,6 +312,20 @@ _NO_GROUP = _NoGroup()
 #: Ok-Topk's boundaries per size). Weakly keyed, so a destroyed group's state
 #: goes with it; every rank of a group changes it at the same calls.
 _GROUP_STATE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+#: Per process group object, what never changes for it: this rank's rank, the size, the backend (lower case).
+_GROUP_FACTS: weakref.WeakKeyDictionary[Any, tuple[int, int, str]] = weakref.WeakKeyDictionary()
+
+
+def group_facts(group: dist.ProcessGroup | None) -> tuple[int, int, str]:
+    """Return this rank's rank in ``group`` (``-1`` outside it), its size and its backend in lower case, read from
+    ``torch.distributed`` once per group object (``None``: the default group). Needs an initialized default group."""
+    key = group if group is not None else dist.group.WORLD
+    facts = _GROUP_FACTS.get(key)
+    if facts is None:
+        rank = dist.get_rank(group)
+        facts = (rank, dist.get_world_size(group), str(dist.get_backend(group)).lower()) if rank >= 0 else (rank, 0, "")
+        _GROUP_FACTS[key] = facts
+    return facts
 
 
 class Comm:
@@ -355,11 +369,9 @@ class Comm:
         #: Whether the record is summed as a table instead (:func:`record_by_all_reduce`): by backend and size alone.
         self.reduce_record = False
         if dist.is_available() and dist.is_initialized():
-            self.rank = dist.get_rank(group)
-            self.world_size = dist.get_world_size(group)
-            backend = str(dist.get_backend(group))
-            self.direct_record = self.world_size > 2 and backend.lower() in DIRECT_BACKENDS
-            self.reduce_record = record_by_all_reduce(self.world_size, backend.lower() not in DIRECT_BACKENDS)
+            self.rank, self.world_size, backend = group_facts(group)
+            self.direct_record = self.world_size > 2 and backend in DIRECT_BACKENDS
+            self.reduce_record = record_by_all_reduce(self.world_size, backend not in DIRECT_BACKENDS)
             if direct is None:
                 # At P = 2 the ring is one exchange already, and the backend's own call is cheaper. Host
                 # path only: gloo's point-to-point calls hand the backend raw host memory, and the device

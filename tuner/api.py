@@ -50,7 +50,15 @@ from colltune import algorithms
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.allgather import eager_slot, slot_need
 from colltune.algorithms.base import Delivered, Prepared, SparseInput, SparseResult, TopkOutput
-from colltune.algorithms.comm import Comm, Traffic, group_serial, group_timeout, private_group, ranks_per_node
+from colltune.algorithms.comm import (
+    Comm,
+    Traffic,
+    group_facts,
+    group_serial,
+    group_timeout,
+    private_group,
+    ranks_per_node,
+)
 from colltune.algorithms.errors import (
     AbandonedCallError,
     CollectiveError,
@@ -485,11 +493,12 @@ def group_backend(group: Any) -> str:
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise argument_error(ColltuneTypeError, "group",
                              f"group must be a torch.distributed.ProcessGroup or None, but got {type(group).__name__}.")
-    if group is not None and dist.get_rank(group) < 0:
+    rank, _, backend = group_facts(group)
+    if rank < 0:
         raise argument_error(ColltuneValueError, "group",
                              f"this rank ({dist.get_rank()}) is not a member of the group it passed; call "
                              "collectives only on the ranks of their group, as torch.distributed requires.")
-    return str(dist.get_backend(group)).lower()
+    return backend
 
 
 def _comm_device(group: Any, hint: Any) -> torch.device:
@@ -901,7 +910,7 @@ def open_comm(group: Any, hint: Any, wire: Any) -> Comm:
 
     Raises only for a rank outside ``group``, which no other rank waits for.
     """
-    if isinstance(group, dist.ProcessGroup) and dist.is_initialized() and dist.get_rank(group) < 0:
+    if isinstance(group, dist.ProcessGroup) and dist.is_initialized() and group_facts(group)[0] < 0:
         group_backend(group)  # raises the error that names the group
     return Comm(_exchange_group(group), _comm_device(group, hint), wire=wire)
 
