@@ -317,12 +317,21 @@ _GROUP_FACTS: weakref.WeakKeyDictionary[Any, tuple[int, int, str]] = weakref.Wea
 
 
 def group_facts(group: dist.ProcessGroup | None) -> tuple[int, int, str]:
-    """Return this rank's rank in ``group`` (``-1`` outside it), its size and its backend in lower case, read from
-    ``torch.distributed`` once per group object (``None``: the default group). Needs an initialized default group."""
-    key = group if group is not None else dist.group.WORLD
+    """Return this rank's rank in ``group`` (``-1`` outside it), its size and its backend in lower case (``None``:
+    the default group). Needs an initialized default group.
+
+    The size and backend are read from ``torch.distributed`` once per group
+    object. The rank of a group passed in is asked every time: it is what
+    raises torch's own error for a group destroyed since (a default group
+    made anew is another object).
+    """
+    if group is None:
+        key, rank = dist.group.WORLD, None
+    else:
+        key, rank = group, dist.get_rank(group)
     facts = _GROUP_FACTS.get(key)
     if facts is None:
-        rank = dist.get_rank(group)
+        rank = dist.get_rank(group) if rank is None else rank
         facts = (rank, dist.get_world_size(group), str(dist.get_backend(group)).lower()) if rank >= 0 else (rank, 0, "")
         _GROUP_FACTS[key] = facts
     return facts

@@ -548,7 +548,8 @@ def _check_tensor(t: Any, argument: str, what: str) -> None:
                              f"{str(t.layout).replace('torch.', '')}; {hint}.")
 
 
-#: ``(backend, device)`` pairs :func:`_check_device` passed: a call's tensors are checked in a set lookup.
+#: ``(backend, device)`` pairs :func:`_check_device` passed: a call's tensors are checked in a set lookup (whether
+#: CUDA is available does not change within a process).
 _DEVICES_OK: set[tuple[str, torch.device]] = set()
 
 

@@ -494,3 +494,21 @@ def test_ranks_that_pass_different_groups_raise_at_the_group_timeout() -> None:
         assert o["raised"].raised, f"rank {r} returned {o['raised'].returned}"
         assert o["raised"].elapsed < timeout_s + FAST_S, f"rank {r} took {o['raised'].elapsed:.1f} s"
         assert o["after_world"], f"rank {r}: the default group went wrong after the case"
+
+
+def _rank_destroyed_group(rank: int, world_size: int) -> dict:
+    import colltune
+
+    g = dist.new_group(list(range(world_size)))
+    before = _recovery(rank, world_size, g)  # the group's rank, size and backend are now known to colltune
+    dist.destroy_process_group(g)
+    raised = expect_error(colltune.sparse_allreduce, _indices(rank), _values(rank), SIZE, group=g, algorithm="allgather")
+    return {"before": before, "raised": raised, "after_world": _recovery(rank, world_size, None)}
+
+
+def test_a_call_on_a_destroyed_group_raises_torchs_error_on_every_rank() -> None:
+    """What colltune knows of a group it used does not outlive the group: torch says it is gone, at once."""
+    for r, o in enumerate(pool(2).run(_rank_destroyed_group, timeout=60)):
+        assert o["before"] and o["after_world"], (r, o)
+        assert o["raised"].raised and "not registered" in o["raised"].message, (r, o["raised"])
+        assert o["raised"].elapsed < FAST_S, (r, o["raised"])
