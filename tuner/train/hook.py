@@ -106,9 +106,9 @@ class ColltuneHookState:
             bucket returns once colltune's worker has issued the step's
             collectives, so that on every rank they come first. With
             ``delay_all_reduce_named_params`` DDP all-reduces those
-            parameters from a gradient hook, between any two buckets: then
-            the hook's call for every bucket returns once the worker has
-            issued its parts.
+            parameters from a gradient hook, between any two buckets: given
+            that DDP model (not its module), the hook's call for every bucket
+            returns once the worker has run its parts.
         density: fraction of each compressed bucket part every rank sends.
         start_compression_iter: plain dense allreduce for this many steps
             first (residuals would otherwise start from noisy early gradients).
@@ -207,7 +207,8 @@ class ColltuneHookState:
         ddps = [m for m in model.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
         # DDP allreduces its map of used parameters after the last bucket when it finds unused ones each step.
         self._ddp_collective_after = not ddps or any(m.find_unused_parameters and not m.static_graph for m in ddps)
-        # DDP all-reduces its delay_all_reduce_named_params from a gradient hook, wherever in backward it fires.
+        # DDP all-reduces its delay_all_reduce_named_params from a gradient hook, wherever in backward it fires
+        # (a private attribute of DDP, as of torch 2.13; a DDP without it counts as delaying none).
         self._ddp_collective_within = any(getattr(m, "_delay_all_reduce_params", None) for m in ddps)
         self._names = {id(p): n for n, p in named}
         self._order = {id(p): i for i, (_, p) in enumerate(named)}
