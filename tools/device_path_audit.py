@@ -16,12 +16,14 @@ steady-state call (after a few at the same call site):
   costs the host on a GPU (kernels there run elsewhere). Noisy on a shared
   machine: compare two commits in alternate runs.
 
-Per algorithm on n = 2^16 rows (scalars and rows of 64, k = 3000 per rank),
+Per algorithm on n = 2^16 rows (scalars and rows of 64, k = 3000 per rank;
+``--k`` sets it: at small k the host column is the call's own overhead),
 per top-k algorithm (2^16 values, density 1e-3, after 7 steps), and a fused
 call over 2 and over 26 tables. Usage::
 
     python tools/device_path_audit.py             # P = 2
     python tools/device_path_audit.py -P 3 --json audit.json
+    python tools/device_path_audit.py -P 1 --k 65          # host us: per-call overhead, little data
 
 Run on an earlier commit (with this file and ``tests/dispatch_audit.py``
 copied in) to compare.
@@ -87,8 +89,8 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
     with device_path():
         for algorithm in (*names(), "auto"):
             for row in ((), (64,)):
-                idx = torch.randint(0, n, (3000,), generator=g)
-                vals = torch.randn((3000, *row), generator=g)
+                idx = torch.randint(0, n, (cfg["k"],), generator=g)
+                vals = torch.randn((cfg["k"], *row), generator=g)
                 out[f"{algorithm} {'rows of 64' if row else 'scalars'}"] = _audited(
                     lambda a=algorithm, i=idx, v=vals: colltune.sparse_allreduce(i, v, size=n, algorithm=a, name=a))
         for algorithm in names():
@@ -108,11 +110,14 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", "-P", type=int, default=2, help="local gloo ranks (default 2)")
+    ap.add_argument("--k", type=int, default=3000, help="entries per rank of the single calls (default 3000)")
     ap.add_argument("--json", metavar="FILE", help="write rank 0's counts here")
     args = ap.parse_args(argv)
     if args.world_size < 1:
         ap.error("--world-size must be >= 1")
-    per_rank = launch.run_local(_rank, args.world_size, {}, backend="gloo", timeout=1800)
+    if args.k < 1:
+        ap.error("--k must be >= 1")
+    per_rank = launch.run_local(_rank, args.world_size, {"k": args.k}, backend="gloo", timeout=1800)
     rows = per_rank[0]
     print(f"P={args.world_size}, device path on CPU tensors: per steady-state call (rank 0)")
     print(f"{'call':<28} {'syncs':>5} {'ops':>5} {'kernels':>7} {'nondet.':>7} {'host us':>8}  syncs by kind")
