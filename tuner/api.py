@@ -1101,7 +1101,7 @@ def _sparse_allreduce(
     timer = online.start(comm, call.sel)
     records, slots = _meta.exchange(comm, call.record, error, call.slot, device_fields=call.device_fields,
                                     deferred_error=call.deferred_error)
-    counts = tuple(rec["count"] for rec in records)
+    counts = tuple(records.column("count")) if isinstance(records, _meta.Records) else (records[0]["count"],)
     call.settle(counts)
     algorithm, decision = call.decide(algorithm, counts, slots, name)
     inp = call.sparse_input(counts, slots, op, algorithm)
