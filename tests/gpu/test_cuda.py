@@ -253,3 +253,23 @@ def test_profile_on_nccl_measures_the_host_terms(tmp_path):
     assert meta["host_call_us"] + meta["host_kernel_us"] + meta["host_sync_us"] > 0, meta
     assert "small calls" in meta["host_source"]
     assert Network.of(meta).prices_host
+
+
+def test_the_trace_splits_a_cuda_calls_host_time(tmp_path):
+    """``tools/gpu_call_bench.py --trace``: per contender, launches counted and the parts adding up on a GPU."""
+    import json
+    import subprocess
+    import sys
+
+    traces = tmp_path / "traces"
+    argv = [sys.executable, str(TOOLS / "gpu_call_bench.py"), "--log-n", "12", "--density", "1e-2", "--rows", "0",
+            "--rounds", "2", "--warmup", "1", "--trace", str(traces)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (label, per), = json.loads((traces / "host.json").read_text())["inputs"].items()
+    for name in ("densify+all_reduce", *names()):
+        got = per[name]
+        assert got["runtime_calls"].get("cudaLaunchKernel", 0) + got["runtime_calls"].get("cuLaunchKernel", 0) > 0, got
+        assert got["aten_us"] > 0 and got["runtime_us"] > 0, (name, got)
+        assert abs(got["aten_us"] + got["runtime_us"] + got["other_us"] - got["profiled_wall_us"]) < 1e-6 * got["profiled_wall_us"] + 1e-3
+        assert (traces / f"{label}-{name.replace('+', '-plus-')}.json.gz").stat().st_size > 0
