@@ -740,9 +740,9 @@ def merge_sources(
             torch.empty(0, dtype=torch.int64, device=device),
             torch.empty((0, row_numel), dtype=acc, device=device),
         )
-    if len(sources) == 1:
+    if len(sources) == 1:  # each row 0 + v in acc, as v + 0.0 gives it (addition commutes), a fresh tensor
         i, v = sources[0]
-        return i, torch.zeros((), dtype=acc, device=device) + v.to(acc)
+        return i, v.to(acc) + 0.0
     total = sum(i.numel() for i, _ in sources)
     if on_host(device):
         return _merge_host(sources, size, total, acc)
