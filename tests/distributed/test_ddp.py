@@ -454,6 +454,38 @@ def test_hook_rebuilt_buckets_lose_nothing():
         assert torch.allclose(got + r0["residual"][name], want, rtol=1e-5, atol=1e-6), name
 
 
+def _hook_options_change(rank: int, world_size: int) -> dict:
+    """Compress every parameter, then raise min_compress_numel past them all: each bucket's routes follow."""
+    model = _net(False)
+    plain = nn.parallel.DistributedDataParallel(_net(False))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=0, min_compress_numel=1,
+                              algorithm="allgather")
+    ddp.register_comm_hook(state, colltune_hook)
+    routes, exact = [], []
+    for step in range(4):
+        if step == 2:
+            state.min_compress_numel = 10**9  # every parameter dense from here
+        ids, bag, y = _batch(rank, step)
+        for m in (plain, ddp):
+            m.zero_grad()
+            nn.functional.mse_loss(m(ids, bag), y).backward()
+        routes.append(state.decisions["emb.weight"]["route"])
+        exact.append(all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.module.parameters())))
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), plain.module.parameters()):
+                p.sub_(0.1 * q.grad)
+                q.sub_(0.1 * q.grad)
+    return {"routes": routes, "exact": exact}
+
+
+def test_hook_routes_follow_the_states_options():
+    # A bucket's routes are made once per layout and options: an option changed between steps re-routes it.
+    for r in pool(2).run(_hook_options_change, timeout=90):
+        assert r["routes"] == ["topk", "topk", "dense", "dense"], r
+        assert r["exact"] == [False, False, True, True], r  # dense: DDP's own average, bit for bit
+
+
 def test_hook_policy_keeps_parameter_dense():
     cfg = {"density": 0.05, "warmup": 1, "algorithm": "oktopk", "steps": 3, "policy": KEEP_FC1_DENSE}
     out = pool(2).run(_hook_run, cfg, timeout=90)

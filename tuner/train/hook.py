@@ -151,6 +151,7 @@ class ColltuneHookState:
         "_checked",
         "_ddp_collective_after",
         "_ddp_collective_within",
+        "_plans",
     )
 
     def __init__(
@@ -190,6 +191,8 @@ class ColltuneHookState:
         self._numels: dict[str, int] = {}
         self._used: set[str] = set()
         self._checked: set[str] = set()
+        #: Per bucket layout and routing options, what its parameters route to (:class:`_BucketPlan`).
+        self._plans: dict[tuple, _BucketPlan] = {}
         #: Whether DDP may issue a collective of its own right after the last bucket (not known: it may).
         self._ddp_collective_after = True
         #: Whether DDP issues one between buckets: its delayed all-reduce (``delay_all_reduce_named_params``).
@@ -213,6 +216,7 @@ class ColltuneHookState:
         self._names = {id(p): n for n, p in named}
         self._order = {id(p): i for i, (_, p) in enumerate(named)}
         self._numels = {n: p.numel() for n, p in named}
+        self._plans = {}  # names and order changed
 
     # -- policy
     def _routing(self) -> tuple[Policy, Overrides, Any]:
@@ -279,6 +283,7 @@ class ColltuneHookState:
         self.decisions = {k: dict(v) for k, v in d["decisions"].items()} if d["policy_digest"] == policy.digest else {}
         self._used = set()
         self._checked = set()
+        self._plans = {}  # each plan is checked with the peers again
 
     def __getstate__(self) -> dict[str, Any]:
         out = self.state_dict()
@@ -445,20 +450,24 @@ def _dense_bucket(state: ColltuneHookState, bucket: dist.GradBucket, p: int) -> 
     return work.get_future().then(lambda f: f.value()[0].div_(p))
 
 
-class _BucketParts:
-    """A compressed bucket's parameters: their routes and slices, the dense ones and the top-k groups.
+#: Bucket layouts whose plans a hook state keeps (DDP builds its buckets once, and rebuilds them once).
+MAX_PLANS = 64
+
+
+class _BucketPlan:
+    """What one bucket layout routes to: its parameters' routes and slices, the dense ones and the top-k groups.
 
     Parts are taken in the model's parameter order; top-k parts with the
-    same algorithm and knobs travel together. The plan is checked to be the
-    same on every rank the first time it is seen.
+    same algorithm and knobs travel together. Made once per layout and
+    routing options (:func:`_plan_key`), checked to be the same on every
+    rank when first made.
     """
 
-    def __init__(self, state: ColltuneHookState, bucket: dist.GradBucket) -> None:
-        self.buffer = bucket.buffer()
-        self.buffer_index = idx = bucket.index()
-        params = list(bucket.parameters())
+    __slots__ = ("routes", "slices", "dense", "topk", "decisions")
+
+    def __init__(self, state: ColltuneHookState, bucket: dist.GradBucket, params: list[torch.Tensor]) -> None:
         try:
-            self.routes = _bucket_routes(state, params, idx)
+            self.routes = _bucket_routes(state, params, bucket.index())
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the plan's check: they must hear of it
             _check_plan(state, None, bucket, error=exc)
             raise
@@ -480,8 +489,33 @@ class _BucketParts:
             plan = [plan_key, [self.routes[i][1].plan() for i in order]]
             _check_plan(state, plan, bucket)
             state._checked.add(plan_key)
-        for name, r in self.routes:
-            state.decisions[name] = {"route": r.route, "algorithm": r.algorithm, "reason": r.reason}
+        self.decisions = {name: {"route": r.route, "algorithm": r.algorithm, "reason": r.reason}
+                          for name, r in self.routes}
+
+
+def _plan_key(state: ColltuneHookState, index: int, params: list[torch.Tensor]) -> tuple:
+    """What a bucket's routes depend on: its parameters (as the bound model names them) and the routing options."""
+    return (index, tuple((id(p), p.numel()) for p in params), state.density, state.min_compress_numel,
+            state.algorithm, state.process_group)
+
+
+class _BucketParts:
+    """A compressed bucket in this step: its buffer and its layout's :class:`_BucketPlan`."""
+
+    def __init__(self, state: ColltuneHookState, bucket: dist.GradBucket) -> None:
+        self.buffer = bucket.buffer()
+        self.buffer_index = bucket.index()
+        params = list(bucket.parameters())
+        key = _plan_key(state, self.buffer_index, params)
+        plan = state._plans.get(key)
+        if plan is None:
+            plan = _BucketPlan(state, bucket, params)
+            if len(state._plans) >= MAX_PLANS:
+                state._plans.clear()
+            state._plans[key] = plan
+        self.routes, self.slices, self.dense, self.topk = plan.routes, plan.slices, plan.dense, plan.topk
+        for name, d in plan.decisions.items():
+            state.decisions[name] = dict(d)
 
     def gather(self, members: list[int]) -> torch.Tensor:
         """Return the members' gradients as one flat tensor (a view for a single member)."""
