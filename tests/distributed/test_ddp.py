@@ -486,6 +486,29 @@ def test_hook_routes_follow_the_states_options():
         assert r["exact"] == [False, False, True, True], r  # dense: DDP's own average, bit for bit
 
 
+def _sync_options_change(rank: int, world_size: int) -> list:
+    """SparseGradSync's routes before and after its options change between steps."""
+    model = _net(True)
+    sync = SparseGradSync(model, dense="topk", density=0.05, min_compress_numel=1, start_compression_iter=0)
+    seen = []
+    for step in range(3):
+        if step == 1:
+            sync.min_compress_numel = 10**9  # the dense parameters are all-reduced from here
+        if step == 2:
+            sync.dense = "allreduce"
+        ids, bag, y = _batch(rank, step)
+        model.zero_grad()
+        nn.functional.mse_loss(model(ids, bag), y).backward()
+        sync.synchronize()
+        seen.append(sync.routes()["fc1.weight"])
+    return seen
+
+
+def test_sync_routes_follow_its_options():
+    for seen in pool(2).run(_sync_options_change, timeout=90):
+        assert seen == [("topk", "auto"), ("dense", "dense"), ("dense", "dense")], seen
+
+
 def test_hook_policy_keeps_parameter_dense():
     cfg = {"density": 0.05, "warmup": 1, "algorithm": "oktopk", "steps": 3, "policy": KEEP_FC1_DENSE}
     out = pool(2).run(_hook_run, cfg, timeout=90)

@@ -283,7 +283,7 @@ class SparseGradSync:
         self.last_bytes = 0
         self._params = _tracked_parameters(model)
         self._routes: dict[str, Route] | None = None
-        self._routes_compressing: bool | None = None
+        self._routes_for: tuple | None = None  # whether compressing, and the options the routes depend on
         self._routes_code = 0  # a code of the routes, for the step's check
         self._policy_arg: Any = None
         self._synced = False
@@ -308,7 +308,9 @@ class SparseGradSync:
     def _compute_routes(self) -> dict[str, Route]:
         """Route every tracked parameter for the current step (local: no communication)."""
         compressing = self.compressing
-        if self._routes is not None and self._routes_compressing == compressing:
+        made_for = (compressing, self.algorithm, self.dense, self.density, self.min_compress_numel,
+                    self.topk_algorithm, id(self.policy))
+        if self._routes is not None and self._routes_for == made_for:
             return self._routes
         policy, overrides, self._policy_arg = resolve_policy(self.policy)
         p, backend = group_size(self.group), backend_name(self.group)
@@ -336,7 +338,7 @@ class SparseGradSync:
         }
         for n, r in routes.items():
             logger.debug("SparseGradSync: %s -> %s %s (%s)", n, r.route, r.algorithm, r.reason)
-        self._routes, self._routes_compressing = routes, compressing
+        self._routes, self._routes_for = routes, made_for
         shapes = {name: (tuple(param.shape), dtype_name(param.dtype)) for name, param, _ in self._params}
         self._routes_code = _meta.digest([[n, r.plan(), shapes[n]] for n, r in routes.items()])
         return routes
