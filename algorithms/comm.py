@@ -312,8 +312,7 @@ _NO_GROUP = _NoGroup()
 #: Ok-Topk's boundaries per size). Weakly keyed, so a destroyed group's state
 #: goes with it; every rank of a group changes it at the same calls.
 _GROUP_STATE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-#: Per process group object, what never changes for it: this rank's rank, the size, the backend (lower case).
-_GROUP_FACTS: weakref.WeakKeyDictionary[Any, tuple[int, int, str]] = weakref.WeakKeyDictionary()
+_FACTS = "comm.facts"
 
 
 def group_facts(group: dist.ProcessGroup | None) -> tuple[int, int, str]:
@@ -321,20 +320,18 @@ def group_facts(group: dist.ProcessGroup | None) -> tuple[int, int, str]:
     the default group). Needs an initialized default group.
 
     The size and backend are read from ``torch.distributed`` once per group
-    object. The rank of a group passed in is asked every time: it is what
-    raises torch's own error for a group destroyed since (a default group
-    made anew is another object).
+    object (kept as the group's state). The rank of a group passed in is
+    asked every time: it is what raises torch's own error for a group
+    destroyed since (a default group made anew is another object).
     """
-    if group is None:
-        key, rank = dist.group.WORLD, None
-    else:
-        key, rank = group, dist.get_rank(group)
-    facts = _GROUP_FACTS.get(key)
-    if facts is None:
-        rank = dist.get_rank(group) if rank is None else rank
-        facts = (rank, dist.get_world_size(group), str(dist.get_backend(group)).lower()) if rank >= 0 else (rank, 0, "")
-        _GROUP_FACTS[key] = facts
-    return facts
+    if group is not None:
+        dist.get_rank(group)
+
+    def read() -> tuple[int, int, str]:
+        rank = dist.get_rank(group)
+        return (rank, dist.get_world_size(group), str(dist.get_backend(group)).lower()) if rank >= 0 else (rank, 0, "")
+
+    return _group_state(group if group is not None else dist.group.WORLD, _FACTS, read)  # type: ignore[return-value]
 
 
 class Comm:

@@ -296,9 +296,9 @@ def exchange(
             table shows it, while the other ranks raise :class:`RemoteInputError`.
 
     Returns:
-        ``(records, slots)``: every rank's record (a :class:`Records`, or a
-        list on a single rank), and every rank's slot as one ``uint8``
-        NumPy array of shape ``[P, slot_bytes]``, a view of the table read
+        ``(records, slots)``: every rank's record (:class:`Records`), and
+        every rank's slot as one ``uint8`` NumPy array of shape
+        ``[P, slot_bytes]``, a view of the table read
         from the device with the records in one read: host data, which a
         reader takes without another read (``None`` on a single rank,
         where nothing is exchanged).
@@ -311,7 +311,7 @@ def exchange(
     if comm.world_size == 1:
         if local_error is not None:
             raise local_error
-        return [dict(record, magic=_MAGIC, version=_VERSION, error=0)], None
+        return _OneRecord(dict(record, magic=_MAGIC, version=_VERSION, error=0)), None
     record = dict(record, kind=_kind_on_path(record.get("kind", -1), comm.host))
     fb = comm.group_state(FEEDBACK_KEY)
     if fb is not None:
@@ -421,6 +421,23 @@ class Records(Sequence[dict[str, int]]):
     def column(self, name: str) -> list[int]:
         """Return field ``name`` of every rank, in rank order."""
         return self.table[:, FIELDS.index(name)].tolist()
+
+
+class _OneRecord(Records):
+    """The records of a call on a single rank, where nothing is gathered: its own record, kept as the dict it is
+    (a field it lacks reads -1, as a packed one does); :attr:`table` is made only if something asks for it."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: dict[str, int]) -> None:
+        self.record = record
+
+    @property  # type: ignore[override]
+    def table(self) -> np.ndarray:
+        return np.array([[int(self.record.get(f, -1)) for f in FIELDS]], dtype=np.int64)
+
+    def column(self, name: str) -> list[int]:
+        return [int(self.record.get(name, -1))]
 
 
 def _pack_or_error(

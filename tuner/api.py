@@ -107,6 +107,14 @@ for _dtype in VALUE_DTYPES:
 # --------------------------------------------------------------------------- async
 
 
+def _joined(future: concurrent.futures.Future, handoff: _StreamHandoff | None, timeout: float | None = None) -> Any:
+    """Return a queued call's result once the calling thread's stream has joined its kernels (on a GPU)."""
+    out = future.result(timeout)
+    if handoff is not None:
+        handoff.join(out)
+    return out
+
+
 class AsyncHandle:
     """The pending result of a call made with ``async_op=True``.
 
@@ -128,10 +136,8 @@ class AsyncHandle:
         def _done(f: concurrent.futures.Future) -> None:
             try:
                 exc, out = f.exception(), None
-                if exc is None:
-                    out = f.result()
-                    if handoff is not None:  # callbacks queue their kernels on this thread's stream: after the call's
-                        handoff.join(out)
+                if exc is None:  # callbacks queue their kernels on this thread's stream: after the call's
+                    out = _joined(f, handoff)
             except BaseException as err:  # noqa: BLE001 - the Future must complete, or a DDP hook waits for ever
                 exc = err
             if exc is not None:
@@ -147,10 +153,7 @@ class AsyncHandle:
         On a GPU the calling thread's current stream then waits for the
         call's kernels (no host sync), so what it queues next sees the result.
         """
-        out = self._future.result(timeout)
-        if self._handoff is not None:
-            self._handoff.join(out)
-        return out
+        return _joined(self._future, self._handoff, timeout)
 
     def is_completed(self) -> bool:
         """Return whether the call has finished."""
@@ -381,12 +384,7 @@ def submit_call(fn: Callable[[Any], Any], async_op: bool, group: Any, device: An
     with _lock:
         future = _executor.submit(_task)  # type: ignore[union-attr]
         _last = weakref.ref(future)
-    if async_op:
-        return AsyncHandle(future, handoff)
-    out = future.result()
-    if handoff is not None:
-        handoff.join(out)
-    return out
+    return AsyncHandle(future, handoff) if async_op else _joined(future, handoff)
 
 
 def _on_worker() -> bool:
@@ -556,12 +554,12 @@ _DEVICES_OK: set[tuple[str, torch.device]] = set()
 def _check_device(group: Any, device: torch.device, argument: str, backend: str | None = None) -> None:
     """Raise unless the group's backend (``backend`` when the caller knows it) moves tensors on ``device``
     (and the device holds data)."""
-    if backend is not None and (backend, device) in _DEVICES_OK:
-        return
     if device.type == "meta":
         raise argument_error(ColltuneValueError, argument, f"{argument} is on the meta device, which holds no data; "
                              f"pass a tensor with values (on cpu, or cuda with NCCL).")
     backend = group_backend(group) if backend is None else backend
+    if (backend, device) in _DEVICES_OK:
+        return
     allowed = _BACKEND_DEVICES.get(backend)
     if allowed is not None and device.type not in allowed:
         where = " or ".join(allowed)
@@ -1101,7 +1099,7 @@ def _sparse_allreduce(
     timer = online.start(comm, call.sel)
     records, slots = _meta.exchange(comm, call.record, error, call.slot, device_fields=call.device_fields,
                                     deferred_error=call.deferred_error)
-    counts = tuple(records.column("count")) if isinstance(records, _meta.Records) else (records[0]["count"],)
+    counts = tuple(records.column("count"))
     call.settle(counts)
     algorithm, decision = call.decide(algorithm, counts, slots, name)
     inp = call.sparse_input(counts, slots, op, algorithm)

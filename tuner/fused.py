@@ -404,6 +404,7 @@ class _FusedCall:
                     raise _named(exc, t)
             self.idx, self.vals = [i for i, _ in done], [v for _, v in done]
             self.own = [(not shares_storage(cv, v), not shares_storage(ci, i)) for (ci, cv), (i, v, _) in zip(done, checked)]
+            self.counts = np.array([i.numel() for i in self.idx], dtype=np.int64)
             return
         groups: dict[tuple[int, torch.dtype, int], list[int]] = {}
         for t, space in enumerate(self.spaces):
@@ -443,6 +444,7 @@ class _FusedCall:
             bad = torch.stack([b.stats[0] for _, b in batches]).amax()
         self.device_fields = deferred_fields(torch.stack((bad, self.device_counts.sum())), self.record, "tensors")
         self.pending = batches
+        self.counts = np.zeros(len(self.desc), dtype=np.int64)  # placeholders until settle() finishes the batches
         self.deferred_error = lambda: first_range_error(checked, _named)
 
     def settle(self, mine: np.ndarray) -> None:
@@ -455,12 +457,6 @@ class _FusedCall:
     def fill_record(self, op: str, algorithm: str, code: int) -> None:
         """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""
         t = len(self.desc)
-        # This rank's counts per tensor (a deferred coalesce's are still on the device: placeholders; a finished
-        # batch's are set).
-        if self.pending is not None:
-            self.counts = np.zeros(t, dtype=np.int64)
-        elif not self.batched:
-            self.counts = np.array([i.numel() for i in self.idx], dtype=np.int64)
         in_slot = 8 * t <= _meta.slot_bytes(self.comm)
         self.record.update(
             size=t,
