@@ -53,5 +53,6 @@ def test_drain_after_the_last_handle_is_dropped_returns() -> None:
     assert handle.wait(10) == "done"
     del handle
     gc.collect()
+    assert api._last is not None and api._last() is None  # not kept alive by colltune
     api.drain()
     assert api.submit_call(lambda wire: "inline", False, None) == "inline"

@@ -459,8 +459,9 @@ class _BucketPlan:
 
     Parts are taken in the model's parameter order; top-k parts with the
     same algorithm and knobs travel together. Made once per layout and
-    routing options (:func:`_plan_key`), checked to be the same on every
-    rank when first made.
+    routing options (:func:`_plan_key`); checked to be the same on every
+    rank the first time its parameters' names are seen together (a plan
+    made again for other options, which every rank sets alike, is not).
     """
 
     __slots__ = ("routes", "slices", "dense", "topk", "decisions")
@@ -514,8 +515,7 @@ class _BucketParts:
                 state._plans.clear()
             state._plans[key] = plan
         self.routes, self.slices, self.dense, self.topk = plan.routes, plan.slices, plan.dense, plan.topk
-        for name, d in plan.decisions.items():
-            state.decisions[name] = dict(d)
+        state.decisions.update(plan.decisions)  # state_dict() copies them on the way out
 
     def gather(self, members: list[int]) -> torch.Tensor:
         """Return the members' gradients as one flat tensor (a view for a single member)."""

@@ -308,8 +308,7 @@ class SparseGradSync:
     def _compute_routes(self) -> dict[str, Route]:
         """Route every tracked parameter for the current step (local: no communication)."""
         compressing = self.compressing
-        made_for = (compressing, self.algorithm, self.dense, self.density, self.min_compress_numel,
-                    self.topk_algorithm, id(self.policy))
+        made_for = (compressing, self.algorithm, id(self.policy), *self._options())
         if self._routes is not None and self._routes_for == made_for:
             return self._routes
         policy, overrides, self._policy_arg = resolve_policy(self.policy)
