@@ -115,7 +115,12 @@ def count_launches(fn, device: torch.device) -> int | None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         _sync(device)
-    return sum(e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for e in prof.events())
+    return sum(_is_launch(e.name) for e in prof.events())
+
+
+def _is_launch(name: str) -> bool:
+    """Whether a profiler event of the CUDA runtime or driver launches a kernel."""
+    return name.startswith(("cudaLaunchKernel", "cuLaunchKernel"))
 
 
 def _time(contenders: dict, device: torch.device, rounds: int, warmup: int) -> dict:
@@ -136,9 +141,11 @@ def _time(contenders: dict, device: torch.device, rounds: int, warmup: int) -> d
             for name, ts in times.items()}
 
 
-def _sparse_row(n: int, row: tuple[int, ...], density: float, device: torch.device, args) -> dict:
+def _sparse_row(n: int, row: tuple[int, ...], density: float, device: torch.device, args) -> tuple[dict, dict]:
+    """One input's row of the table, and its contenders (for ``--trace``)."""
     k, contenders = _sparse_contenders(n, row, density, device)
-    return {"n": n, "row": list(row), "density": density, "k": k, **_time(contenders, device, args.rounds, args.warmup)}
+    timed = _time(contenders, device, args.rounds, args.warmup)
+    return {"n": n, "row": list(row), "density": density, "k": k, **timed}, contenders
 
 
 def _sparse_contenders(n: int, row: tuple[int, ...], density: float, device: torch.device) -> tuple[int, dict]:
@@ -176,9 +183,11 @@ def _topk_row(n: int, density: float, device: torch.device, args) -> dict:
 FUSED_TABLES = [10**6] * 6 + [10**5] * 10 + [10**3] * 10
 
 
-def _fused_row(device: torch.device, args) -> dict:
-    """One ``sparse_allreduce_many`` over the 26 gradients, 8192 Zipf(1.05) ids each, per algorithm."""
-    return {"fused_tables": len(FUSED_TABLES), **_time(_fused_contenders(device), device, args.rounds, args.warmup)}
+def _fused_row(device: torch.device, args) -> tuple[dict, dict]:
+    """One ``sparse_allreduce_many`` over the 26 gradients, 8192 Zipf(1.05) ids each, per algorithm; and its
+    contenders (for ``--trace``)."""
+    contenders = _fused_contenders(device)
+    return {"fused_tables": len(FUSED_TABLES), **_time(contenders, device, args.rounds, args.warmup)}, contenders
 
 
 def _fused_contenders(device: torch.device) -> dict:
@@ -230,7 +239,8 @@ def _host_split(averages, calls: int) -> dict:
             runtime_us += e.self_cpu_time_total / calls
             runtime[e.key] = e.count / calls
     heaviest = dict(sorted(top.items(), key=lambda kv: -kv[1]["us"])[:12])
-    return {"aten_us": ops_us, "runtime_us": runtime_us, "runtime_calls": runtime, "ops": heaviest}
+    return {"aten_us": ops_us, "runtime_us": runtime_us, "runtime_calls": runtime, "ops": heaviest,
+            "launches": sum(n for key, n in runtime.items() if _is_launch(key))}
 
 
 def _trace(contenders: dict, device: torch.device, directory: str, label: str) -> dict:
@@ -377,29 +387,31 @@ def main(argv: list[str] | None = None) -> int:
 def _measure(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """Time every input the options ask for, print its row, the summary and any traces; return the rows."""
     rows = []
+    to_trace: dict[str, dict] = {}  # --trace: the first input's contenders and the fused call's, as timed
     for log_n in args.log_n:
         for width in args.rows:
             for density in args.density:
-                rows.append(_sparse_row(1 << log_n, (width,) if width else (), density, device, args))
-                _print(rows[-1])
+                row, contenders = _sparse_row(1 << log_n, (width,) if width else (), density, device, args)
+                rows.append(row)
+                _print(row)
+                if args.trace and not to_trace:
+                    to_trace[f"n{row['n']}-row{'x'.join(map(str, row['row'])) or 1}-d{row['density']:g}"] = contenders
     if args.topk:
         for log_n in args.topk_log_n:
             rows.append(_topk_row(1 << log_n, 1e-3, device, args))
             _print(rows[-1])
-    for wanted, make in ((args.fused, _fused_row), (args.floor, _floor_row)):
-        if wanted:
-            rows.append(make(device, args))
-            _print(rows[-1])
+    if args.fused:
+        row, contenders = _fused_row(device, args)
+        rows.append(row)
+        _print(row)
+        if args.trace:
+            to_trace["fused"] = contenders
+    if args.floor:
+        rows.append(_floor_row(device, args))
+        _print(rows[-1])
     print("\n".join(summary(rows)), flush=True)
     if args.trace:
-        first = rows[0] if rows and "n" in rows[0] else None
-        traced = {}
-        if first is not None:
-            label = f"n{first['n']}-row{'x'.join(map(str, first['row'])) or 1}-d{first['density']:g}"
-            traced[label] = _trace(_sparse_contenders(first["n"], tuple(first["row"]), first["density"], device)[1],
-                                   device, args.trace, label)
-        if args.fused:
-            traced["fused"] = _trace(_fused_contenders(device), device, args.trace, "fused")
+        traced = {label: _trace(contenders, device, args.trace, label) for label, contenders in to_trace.items()}
         for label, got in traced.items():
             _print_trace(label, got)
         write_json(os.path.join(args.trace, "host.json"), {"device": str(device), "torch": torch.__version__,

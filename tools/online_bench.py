@@ -423,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             caps = [float(x) for x in args.clip.split(":")]
+            if len(caps) > 2:
+                raise ValueError(args.clip)
         except ValueError:
             ap.error(f"--clip takes LOG or LOG:FIRST, natural logs (inf for no cap), not {args.clip!r}")
         online.CLIP, online.CLIP_FIRST = caps[0], caps[-1] if len(caps) > 1 else online.CLIP_FIRST

@@ -53,7 +53,8 @@ def test_trace_splits_each_calls_host_time_on_the_device_path(tmp_path):
     traces = tmp_path / "traces"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "gpu_call_bench.py"), "--log-n", "10", "--density", "1e-2",
            "--rows", "0", "--rounds", "2", "--warmup", "1", "--device-path", "--trace", str(traces)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # --device-path is for CPU tensors
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=no_gpu)
     assert done.returncode == 0, done.stderr
     assert "the device path on CPU tensors" in done.stdout and "where host time goes" in done.stdout
     host = json.loads((traces / "host.json").read_text())

@@ -201,15 +201,20 @@ def test_one_busy_call_in_the_stored_runs_does_not_lock_the_fastest_algorithm_ou
 
 
 def test_with_nothing_cut_one_busy_call_locks_the_stored_live_run_out(monkeypatch):
-    """What ``--clip inf:inf`` replays: the cap is what keeps the busy call of the stored live lock-out from pricing
-    the fastest algorithm out (as the profile alone); a bad ``--clip`` is refused."""
+    """What ``--clip inf`` and ``--clip inf:inf`` replay: the cap on the first measurement is what keeps the busy
+    call of the stored live lock-out from pricing the fastest algorithm out (as the profile alone); a bad
+    ``--clip`` is refused."""
     from colltune.select import online
 
     ob = _tool()
     monkeypatch.setattr(online, "CLIP", math.inf)
-    monkeypatch.setattr(online, "CLIP_FIRST", math.inf)
-    s = ob._summary(ob.replay(_stored("online-cpu2-p4-allgather-priced-3x-high"), busy=8.0), 50, 2)
-    assert s["on"]["smoothed_regret_geomean"] > 1.2 and s["on"]["smoothed_regret_geomean"] >= 0.99 * s["off"][
-        "smoothed_regret_geomean"]
-    with pytest.raises(SystemExit):
-        ob.main(["--replay", "x.json.gz", "--clip", "2x"])
+    run = _stored("online-cpu2-p4-allgather-priced-3x-high")
+    for first_capped in (True, False):  # --clip inf (the README's 1.277), then --clip inf:inf
+        if not first_capped:
+            monkeypatch.setattr(online, "CLIP_FIRST", math.inf)
+        s = ob._summary(ob.replay(run, busy=8.0), 50, 2)
+        assert s["on"]["smoothed_regret_geomean"] > 1.2 and s["on"]["smoothed_regret_geomean"] >= 0.99 * s["off"][
+            "smoothed_regret_geomean"], first_capped
+    for bad in ("2x", "1:2:3"):
+        with pytest.raises(SystemExit):
+            ob.main(["--replay", "x.json.gz", "--clip", bad])
