@@ -16,6 +16,12 @@ from colltune.algorithms import names
 _TOOL = Path(__file__).resolve().parents[2] / "tools" / "dlrm.py"
 
 
+def _failed(proc: subprocess.CompletedProcess) -> str:
+    """What a failed run printed: a native crash's own lines first (they come early, from a rank's thread)."""
+    native = [ln for ln in proc.stderr.splitlines() if "terminate called" in ln or "what():" in ln]
+    return "\n".join(native) + "\n" + proc.stdout[-2000:] + proc.stderr[-8000:]
+
+
 def test_tiny_bench_prints_every_field_and_the_modes_agree(tmp_path):
     out = tmp_path / "dlrm.json"
     cmd = [sys.executable, str(_TOOL), "--ranks", "2", "--bench", "--steps", "3", "--skip", "1", "--dense-steps", "2",
@@ -23,7 +29,7 @@ def test_tiny_bench_prints_every_field_and_the_modes_agree(tmp_path):
            "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failed(proc)
     printed = proc.stdout
     for mode in ("ddp-dense", "ddp-sparse", "colltune-per-table", "colltune-fused"):
         assert f"-- {mode}: median step" in printed
@@ -128,7 +134,7 @@ def test_none_modes_run_on_cpu_and_report_the_fused_call(tmp_path):
            "--steps", "3", "--skip", "1", "--scale", "0.001", "--batch", "64", "--bot-mlp", "16", "--top-mlp", "16",
            "--log-every", "0", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failed(proc)
     for mode in ("none", "none+fused-call", "colltune-fused"):
         assert f"-- {mode}: median step" in proc.stdout, mode
     assert "the fused call's own cost (none+fused-call: one sparse_allreduce_many per step)" in proc.stdout

@@ -59,6 +59,14 @@ def _case_fails_at_two(rank, world_size, case):
     return case
 
 
+def _rank_aborts_natively(rank, world_size):
+    if rank == 1:
+        os.abort()  # what a native crash does: a backend's thread calling std::terminate
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
 def _rank_dies_hard(rank, world_size):
     if rank == 1:
         os._exit(3)
@@ -125,6 +133,16 @@ def test_a_rank_that_dies_without_traceback_is_reported():
         run_ranks(_rank_dies_hard, 2, timeout=60)
     msg = str(info.value)
     assert "rank 1: died with exit code 3 and no Python traceback" in msg, msg
+
+
+def test_a_rank_dead_of_a_fatal_signal_is_reported_with_its_stacks():
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_rank_aborts_natively, 2, timeout=60)
+    msg = str(info.value)
+    assert "rank 1: died with signal SIGABRT and no Python traceback" in msg, msg
+    # Where every thread of the rank was when it died, not only that it died.
+    stacks = msg.split("---- Python stacks of rank 1 when it died with signal SIGABRT ----", 1)[1]
+    assert "_rank_aborts_natively" in stacks, msg
 
 
 def test_expect_error_reports_every_rank():

@@ -224,11 +224,14 @@ def setup_rank(
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set or parallel work started: harmless
         pass
-    if hasattr(signal, "SIGUSR1"):
-        import faulthandler
+    import faulthandler
 
-        stacks = open(rank_path(workdir, rank, "stacks.txt"), "w")
-        _KEEP_OPEN.append(stacks)  # faulthandler writes to its descriptor until the process ends
+    stacks = open(rank_path(workdir, rank, "stacks.txt"), "w")
+    _KEEP_OPEN.append(stacks)  # faulthandler writes to its descriptor until the process ends
+    # A native crash (an abort in a backend's thread, a segfault) leaves no Python traceback: the stacks of
+    # every thread at that moment say what the rank was doing.
+    faulthandler.enable(file=stacks, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -302,7 +305,7 @@ class Outcome:
     errors: dict = field(default_factory=dict)  # rank -> error record (see write_error)
     exitcodes: dict = field(default_factory=dict)  # rank -> exit code
     killed: list = field(default_factory=list)  # ranks killed by the parent
-    stacks: dict = field(default_factory=dict)  # rank -> stack dump of a killed rank
+    stacks: dict = field(default_factory=dict)  # rank -> stack dump of a killed rank, or of one dead of a signal
     reason: str = ""  # why ranks were killed
     cause: BaseException | None = None  # the unpickled exception of the first real error, if any
 
@@ -334,11 +337,18 @@ def kill_ranks(procs: dict, workdir: str, outcome: Outcome, reason: str) -> None
             p.kill()
             outcome.killed.append(rank)
         p.join(5)
-        try:
-            with open(rank_path(workdir, rank, "stacks.txt")) as f:
-                outcome.stacks[rank] = f.read()
-        except OSError:
-            pass
+        _read_stacks(outcome, workdir, rank)
+
+
+def _read_stacks(outcome: Outcome, workdir: str, rank: int) -> None:
+    """Record the stacks ``rank`` dumped (killed by the parent, or dead of a fatal signal), if any."""
+    try:
+        with open(rank_path(workdir, rank, "stacks.txt")) as f:
+            text = f.read()
+    except OSError:
+        return
+    # faulthandler ends a fatal signal's dump with the list of loaded extension modules: noise here.
+    outcome.stacks[rank] = "\n".join(ln for ln in text.splitlines() if not ln.startswith("Extension modules:"))
 
 
 def read_errors(workdir: str, world_size: int) -> dict[int, dict]:
@@ -382,7 +392,9 @@ def short_repr(obj: Any, limit: int = 200) -> str:
 
 
 def failure_report(outcome: Outcome, what: str, *, killed_as: str = "killed", label_errors: bool = False) -> str:
-    """Build the failure message: the first real error first, then one line per rank, then the stacks of killed ranks.
+    """Build the failure message: the first real error first, then one line per rank, then the stacks dumped.
+
+    Stacks are those of the ranks killed, and of the ranks dead of a fatal signal (a native crash).
 
     ``killed_as`` is how a killed rank is described; with ``label_errors`` each
     failed rank's line says whether its error is secondary and shows the message's repr.
@@ -415,7 +427,8 @@ def failure_report(outcome: Outcome, what: str, *, killed_as: str = "killed", la
             lines.append(f"rank {rank}: ok")
     for rank, stack in sorted(outcome.stacks.items()):
         if stack.strip():
-            lines.append(f"---- Python stacks of rank {rank} when it was killed ----")
+            when = "was killed" if rank in outcome.killed else f"died with {signal_name(outcome.exitcodes.get(rank))}"
+            lines.append(f"---- Python stacks of rank {rank} when it {when} ----")
             lines.append(stack.strip()[-6000:])
     return "\n".join(lines)
 
@@ -463,6 +476,9 @@ def launch_ranks(
                     p.kill()
                 p.join(5)
         outcome.exitcodes = {r: p.exitcode for r, p in procs.items()}
+        for r, code in outcome.exitcodes.items():
+            if code is not None and code < 0 and r not in outcome.killed:
+                _read_stacks(outcome, workdir, r)
         _collect(outcome, workdir, world_size)
     return outcome
 
