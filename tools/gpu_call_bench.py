@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import inspect
 import json
 import os
@@ -269,10 +268,7 @@ def _trace(contenders: dict, device: torch.device, directory: str, label: str) -
             _sync(device)
             profiled_us = (time.perf_counter() - t0) * 1e6 / TRACE_CALLS
         stem = os.path.join(directory, f"{label}-{name}".replace("+", "-plus-"))
-        prof.export_chrome_trace(stem + ".json")
-        with open(stem + ".json", "rb") as src, gzip.open(stem + ".json.gz", "wb") as dst:
-            dst.write(src.read())
-        os.remove(stem + ".json")
+        prof.export_chrome_trace(stem + ".json.gz")  # torch compresses it
         averages = prof.key_averages()
         with open(stem + ".txt", "w") as fh:
             fh.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")

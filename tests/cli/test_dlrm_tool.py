@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,13 @@ from colltune.algorithms import names
 _TOOL = Path(__file__).resolve().parents[2] / "tools" / "dlrm.py"
 
 
+#: A native crash's own lines: C++'s uncaught exception (gloo's), and glibc's heap checks ("malloc(): ...").
+_NATIVE = re.compile(r"terminate called|what\(\):|^(malloc|free|realloc|munmap_chunk|double free|corrupted)")
+
+
 def _failed(proc: subprocess.CompletedProcess) -> str:
     """What a failed run printed: a native crash's own lines first (they come early, from a rank's thread)."""
-    native = [ln for ln in proc.stderr.splitlines() if "terminate called" in ln or "what():" in ln]
+    native = [ln for ln in proc.stderr.splitlines() if _NATIVE.search(ln)]
     return "\n".join(native) + "\n" + proc.stdout[-2000:] + proc.stderr[-8000:]
 
 

@@ -486,6 +486,18 @@ def test_hook_routes_follow_the_states_options():
         assert r["exact"] == [False, False, True, True], r  # dense: DDP's own average, bit for bit
 
 
+def test_hook_plan_key_follows_a_parameters_dtype():
+    # A policy matches on dtype: a parameter converted in place (the same object) gets its routes made again.
+    from colltune.train import hook
+
+    state = ColltuneHookState(density=0.05)
+    param = nn.Parameter(torch.zeros(4))
+    before = hook._plan_key(state, 0, [param])
+    assert hook._plan_key(state, 0, [param]) == before
+    param.data = param.data.half()
+    assert hook._plan_key(state, 0, [param]) != before
+
+
 def _sync_options_change(rank: int, world_size: int) -> list:
     """SparseGradSync's routes before and after its options change between steps."""
     model = _net(True)

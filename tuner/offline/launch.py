@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
@@ -224,8 +225,6 @@ def setup_rank(
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set or parallel work started: harmless
         pass
-    import faulthandler
-
     stacks = open(rank_path(workdir, rank, "stacks.txt"), "w")
     _KEEP_OPEN.append(stacks)  # faulthandler writes to its descriptor until the process ends
     # A native crash (an abort in a backend's thread, a segfault) leaves no Python traceback: the stacks of

@@ -495,8 +495,9 @@ class _BucketPlan:
 
 
 def _plan_key(state: ColltuneHookState, index: int, params: list[torch.Tensor]) -> tuple:
-    """What a bucket's routes depend on: its parameters (as the bound model names them) and the routing options."""
-    return (index, tuple((id(p), p.numel()) for p in params), state.density, state.min_compress_numel,
+    """What a bucket's routes depend on: its parameters (as the bound model names them, their sizes and dtypes: a
+    policy matches on both) and the routing options."""
+    return (index, tuple((id(p), p.numel(), p.dtype) for p in params), state.density, state.min_compress_numel,
             state.algorithm, state.process_group)
 
 
