@@ -244,9 +244,9 @@ class Allgather(Algorithm):
     )
     TERMS = ("metadata", "entries_gather", "merge")
     #: The record (the coalesce's count and the eager slot ride in it, filled on the device), the merged
-    #: union's size; top-k: the record, whether a tie straddles the k-th largest with the count above it, the merge.
-    HOST_SYNCS = {"exact": 2, "topk": 3}
-    HOST_KERNELS = {"exact": 30, "topk": 28}
+    #: union's size; top-k: the record and the merge (the local top-k reads nothing: :meth:`Magnitudes.top_k`).
+    HOST_SYNCS = {"exact": 2, "topk": 2}
+    HOST_KERNELS = {"exact": 30, "topk": 32}
     eager_entries = True
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -59,10 +59,10 @@ the record (the coalesce's count and the counts per owner ride in it), the
 read of the counts per owner from the gathered slots (already in host
 memory on a GPU: the audit counts it as a read), and the owners' reduced
 sizes. The owner's merge reads nothing (its unique count travels, still on
-the device, in the sizes' gather). Top-k mode: the local selection's count
-(made before the record, which carries its counts per owner:
-:meth:`HashPart.topk_prepare`), the record and the sizes; an ``all_to_all``
-of the counts (a fourth read) only where ``8 P`` bytes do not fit the slot.
+the device, in the sizes' gather). Top-k mode: the record and the sizes (the
+local selection, made before the record, which carries its counts per
+owner, reads nothing: :meth:`HashPart.topk_prepare`); an ``all_to_all`` of
+the counts (a third read) only where ``8 P`` bytes do not fit the slot.
 """
 
 from __future__ import annotations
@@ -317,10 +317,10 @@ class HashPart(Algorithm):
         "unpack_sort",
     )
     #: Exact: the record (the coalesce's count and the counts per owner ride in it), the counts' read from the
-    #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the local
-    #: selection's count (before the record, which carries its counts per owner), the record, the sizes.
-    HOST_SYNCS = {"exact": 3, "topk": 3}
-    HOST_KERNELS = {"exact": 70, "topk": 70}
+    #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the record
+    #: (carrying the local selection's counts per owner; the selection reads nothing) and the sizes.
+    HOST_SYNCS = {"exact": 3, "topk": 2}
+    HOST_KERNELS = {"exact": 70, "topk": 74}
     applies_avg = True  # each owner divides its own sums, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

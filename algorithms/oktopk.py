@@ -114,7 +114,7 @@ class _Selection:
 
     __slots__ = ("lidx", "threshold", "step", "local_refresh")
 
-    def __init__(self, lidx: torch.Tensor, threshold: float, step: int, local_refresh: int) -> None:
+    def __init__(self, lidx: torch.Tensor, threshold: "float | torch.Tensor", step: int, local_refresh: int) -> None:
         self.lidx, self.threshold, self.step, self.local_refresh = lidx, threshold, step, local_refresh
 
 
@@ -538,33 +538,39 @@ def _gather_regions_p2p(
     return out_idx.to(torch.int64), out_vals
 
 
-def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm, total_bound: int | None = None) -> float:
-    """Return the exact ``k``-th largest of the union of every rank's non-negative ``mags``.
+def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm, total_bound: int | None = None) -> torch.Tensor:
+    """Return the exact ``k``-th largest of the union of every rank's non-negative ``mags``: a 0-dim float32 tensor.
 
     A most-significant-digit radix select over the float32 bit patterns
     (which order like the values when non-negative): four rounds, each an
-    ``all_reduce`` of a 256-bin histogram. Returns 0.0 when fewer than ``k``
-    values exist in total. ``total_bound``, the same on every rank, bounds
-    the number of values over all ranks; below ``2**31`` the histograms
-    travel as int32 (half the bytes).
+    ``all_reduce`` of a 256-bin histogram. Each round's digit is picked
+    where the values are, so nothing is read back: the result stays on the
+    device. It is 0 when fewer than ``k`` values exist in total.
+    ``total_bound``, the same on every rank, bounds the number of values
+    over all ranks; below ``2**31`` the histograms travel as int32 (half the
+    bytes).
     """
     hist_dtype = torch.int32 if total_bound is not None and total_bound < 2**31 else torch.int64
-    bits = mags.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
-    prefix, remaining = 0, k
+    bits = mags.to(torch.float32).contiguous().view(torch.int32).to(torch.int64).to(comm.device)
+    prefix = torch.zeros((), dtype=torch.int64, device=comm.device)
+    remaining = torch.full((), k, dtype=torch.int64, device=comm.device)
+    enough = None
     for shift in (24, 16, 8, 0):
-        if shift < 24:
-            bits = bits[(bits >> (shift + 8)) == (prefix >> (shift + 8))]
-        hist = torch.bincount((bits >> shift) & 255, minlength=256).to(device=comm.device, dtype=hist_dtype)
+        digits = (bits >> shift) & 255
+        if shift < 24:  # values off the prefix so far count in a 257th bin, dropped
+            digits = torch.where((bits >> (shift + 8)) == (prefix >> (shift + 8)), digits, 256)
+        hist = torch.bincount(digits, minlength=257)[:256].to(hist_dtype)
         with comm.meta():
             comm.all_reduce(hist)
-        counts = hist.flip(0).cumsum(0).tolist()  # counts[i]: values with digit >= 255 - i
-        if shift == 24 and counts[-1] < k:
-            return 0.0
-        pos = next(i for i, c in enumerate(counts) if c >= remaining)
-        digit = 255 - pos
-        remaining -= counts[pos - 1] if pos > 0 else 0
-        prefix |= digit << shift
-    return torch.tensor([prefix], dtype=torch.int32).view(torch.float32).item()
+        counts = hist.flip(0).cumsum(0).to(torch.int64)  # counts[i]: values with digit >= 255 - i
+        if enough is None:
+            enough = counts[-1] >= k
+        pos = torch.searchsorted(counts, remaining).clamp(max=255)  # the first i with counts[i] >= remaining
+        below = counts.index_select(0, (pos - 1).clamp(min=0).view(1)).view(())  # not counts[t]: that reads t
+        remaining = remaining - torch.where(pos > 0, below, 0)
+        prefix = prefix | ((255 - pos) << shift)
+    value = prefix.to(torch.int32).view(torch.float32)
+    return torch.where(enough, value, torch.zeros((), dtype=torch.float32, device=comm.device))
 
 
 def _split_step(c: Pricing, per_peer_entries: float, messages_per_peer: float, flight: int) -> Step:
@@ -716,9 +722,11 @@ class OkTopk(Algorithm):
     )
     #: Exact: the record (the coalesce's count and the region counts ride in it; the slots are read with
     #: it), the split's merge, the reduced regions' sizes. Top-k: the local selection's counts (every
-    #: nudged threshold at once; a second read when none fits and the exact one is computed), the record,
-    #: the global selection's counts; the split's merge reads nothing (the owner's region stays padded,
-    #: and the selection by magnitude never keeps a pad). 3 when a nudged threshold fits, 4 when none does.
+    #: nudged threshold at once; none when the exact k largest are taken: their threshold stays on the
+    #: device, read with the next call's counts), the record, the global selection's counts; the split's
+    #: merge reads nothing (the owner's region stays padded, and the selection by magnitude never keeps a
+    #: pad). 3 when a nudged global threshold fits; 4 when none does (the exact one is found on the device
+    #: and its counts read); 2 on refreshes of both thresholds.
     HOST_SYNCS = {"exact": 3, "topk": 4}
     HOST_KERNELS = {"exact": 44, "topk": 59}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
@@ -883,27 +891,26 @@ class OkTopk(Algorithm):
         return sel.lidx, sel.threshold, counts
 
     @staticmethod
-    def _local_selection(mag: Magnitudes, state: Any, k: int, band: tuple[int, int]) -> tuple[torch.Tensor, float]:
-        """Return the local entries at or above the threshold, and the threshold.
+    def _local_selection(
+        mag: Magnitudes, state: Any, k: int, band: tuple[int, int]
+    ) -> tuple[torch.Tensor, "float | torch.Tensor"]:
+        """Return the local entries selected, and their threshold.
 
-        The threshold: the last one nudged into the band, else the exact
-        one. ``state`` is only read: the caller commits the threshold.
+        The entries at or above the last threshold nudged into the band,
+        else the exact ``k`` largest (:meth:`~Magnitudes.top_k`: on a device
+        their threshold stays there, and the next call reads it with its
+        counts). ``state`` is only read: the caller commits the threshold.
         """
         lo, hi = band
-        th = state.local_threshold
-        exact = th is None or state.step % state.local_refresh == 0
-        if not exact:
-            cands = [th * (1 + state.nudge) ** j for j in range(-LOCAL_NUDGES, LOCAL_NUDGES + 1)]
-            counts = mag.counts(cands).tolist()  # every candidate in one read
+        th = state.local_threshold_held()
+        if th is not None and state.step % state.local_refresh != 0:
+            factors = [(1 + state.nudge) ** j for j in range(-LOCAL_NUDGES, LOCAL_NUDGES + 1)]
+            cands, counts = Magnitudes.read_around(*mag.counts_around(th, factors))  # every candidate in one read
             fits = [j for j, c in enumerate(counts) if lo <= c <= hi]
             if fits:
                 best = min(fits, key=lambda j: (abs(j - LOCAL_NUDGES), j))
-                th, count = cands[best], counts[best]
-            else:
-                exact = True
-        if exact:
-            th, count = mag.kth_largest_counted(k)
-        return mag.indices(th, count), th
+                return mag.indices(cands[best], counts[best]), cands[best]
+        return mag.top_k(k)
 
     def _global_selection(
         self, comm: Comm, rmag: Magnitudes, state: Any, k: int, band: tuple[int, int], n: int
@@ -917,26 +924,32 @@ class OkTopk(Algorithm):
         candidate whose total lies in the band, closest to k, wins (the same
         on every rank: the same totals, the same floats). If none does, the
         exact threshold replaces it on this very call, so the gather never
-        exceeds the band.
+        exceeds the band. The exact one is found on the device
+        (:func:`radix_kth_largest`) and stays there: its counts' exchange
+        is the one read, and the next call's nudged candidates come back
+        with their counts.
         """
         lo, hi = band
-        gth = state.global_threshold
-        exact = gth is None or state.global_exact_due or state.step % state.global_refresh == 0
-        if not exact:
-            cands = [gth * (1 + state.nudge) ** (j / 2) for j in range(-GLOBAL_NUDGES, GLOBAL_NUDGES + 1)]
-            table = self._counts(comm, rmag.counts(cands))
+        gth = state.global_threshold_held()
+        if gth is not None and not state.global_exact_due and state.step % state.global_refresh != 0:
+            factors = [(1 + state.nudge) ** (j / 2) for j in range(-GLOBAL_NUDGES, GLOBAL_NUDGES + 1)]
+            cands, counts = rmag.counts_around(gth, factors)
+            table = self._counts(comm, counts if isinstance(cands, list) else torch.cat((counts, cands.view(torch.int64))))
+            if not isinstance(cands, list):  # the same candidates on every rank: this rank's copy
+                cands, table = table[comm.rank, len(factors) :].view(np.float64).tolist(), table[:, : len(factors)]
             totals = table.sum(axis=0).tolist()
             fits = [j for j, t in enumerate(totals) if lo <= t <= hi]
             if fits:
                 best = min(fits, key=lambda j: (abs(totals[j] - k), abs(j - GLOBAL_NUDGES)))
-                gth, sizes = cands[best], table[:, best].tolist()
-            else:
-                exact = True
-        if exact:
-            # Each owner's region may be padded to the entries it received (zeros, never selected): the
-            # values over every owner are at most every rank's selection, at most P n (the same on every rank).
-            gth = radix_kth_largest(rmag.tensor(), k, comm, comm.world_size * n)
-            sizes = self._counts(comm, rmag.counts([gth]))[:, 0].tolist()
+                state.global_exact_due = False
+                state.global_threshold = cands[best]
+                sizes = table[:, best].tolist()
+                return rmag.indices(cands[best], sizes[comm.rank]), sizes
+        # Each owner's region may be padded to the entries it received (zeros, never selected): the
+        # values over every owner are at most every rank's selection, at most P n (the same on every rank).
+        exact = radix_kth_largest(rmag.tensor(), k, comm, comm.world_size * n)
+        gth = float(exact) if on_host(exact) else exact  # a read on the host costs nothing
+        sizes = self._counts(comm, rmag.counts([gth]))[:, 0].tolist()
         state.global_exact_due = False
         state.global_threshold = gth
         return rmag.indices(gth, sizes[comm.rank]), sizes

@@ -920,7 +920,16 @@ class Magnitudes:
         else:
             self.mag = torch.nan_to_num(flat.abs(), nan=math.inf, posinf=math.inf)
 
-    def _mask(self, threshold: float) -> Any:
+    def _held(self, threshold: "float | torch.Tensor") -> "float | torch.Tensor":
+        """A threshold where this selection compares it: a float on the host, else left a tensor, on this device."""
+        if not isinstance(threshold, torch.Tensor):
+            return threshold
+        return float(threshold) if self.host else threshold.to(self.mag.device)
+
+    def _mask(self, threshold: "float | torch.Tensor") -> Any:
+        threshold = self._held(threshold)
+        if isinstance(threshold, torch.Tensor):  # on the device: not read, the rule at 0 applied there
+            return (self.mag >= threshold) & (self.mag > 0)
         return self.mag >= threshold if threshold > 0 else self.mag > 0
 
     def tensor(self) -> torch.Tensor:
@@ -952,10 +961,44 @@ class Magnitudes:
         n = self.mag.numel()
         if len(thresholds) < 2 or min(thresholds) <= 0 or n == 0:  # a threshold of 0 selects the nonzero values
             return torch.stack([torch.count_nonzero(self._mask(t)) for t in thresholds])
-        th = upload(torch.tensor(thresholds, dtype=torch.float64).to(self.mag.dtype), self.mag.device)
-        per = max(1, _COUNTS_MASK_BYTES // n)
-        parts = [(self.mag.unsqueeze(0) >= th[i : i + per].unsqueeze(1)).sum(1) for i in range(0, len(thresholds), per)]
+        return self._counts_at_least(upload(torch.tensor(thresholds, dtype=torch.float64), self.mag.device))
+
+    def _counts_at_least(self, thresholds: torch.Tensor) -> torch.Tensor:
+        """How many magnitudes are at least each of float64 ``thresholds`` (rounded to the magnitudes' dtype), on the device."""
+        th = thresholds.to(self.mag.dtype)
+        per = max(1, _COUNTS_MASK_BYTES // max(self.mag.numel(), 1))
+        parts = [(self.mag.unsqueeze(0) >= th[i : i + per].unsqueeze(1)).sum(1) for i in range(0, th.numel(), per)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def counts_around(
+        self, threshold: "float | torch.Tensor", factors: list[float]
+    ) -> "tuple[list[float] | torch.Tensor, np.ndarray | torch.Tensor]":
+        """The thresholds ``threshold * f`` for each of ``factors``, and how many values each selects (:meth:`count`).
+
+        Nothing is read: the counts are as :meth:`counts` leaves them. A
+        ``threshold`` still on the device (a 0-dim tensor, as :meth:`top_k`
+        and the exact global threshold leave it) makes the thresholds there
+        too, as float64, for the caller to read with the counts
+        (:meth:`read_around`). A threshold of 0 selects the nonzero values.
+        """
+        threshold = self._held(threshold)
+        if not isinstance(threshold, torch.Tensor):
+            cands = [threshold * f for f in factors]
+            return cands, self.counts(cands)
+        cands_t = threshold.double() * upload(torch.tensor(factors, dtype=torch.float64), self.mag.device)
+        counts = self._counts_at_least(cands_t)
+        # At 0 the rule is "above 0": the values at least 0 less the zeros (NaN counts as infinite, never 0).
+        return cands_t, counts - torch.where(cands_t == 0, (self.mag == 0).sum(), 0)
+
+    @staticmethod
+    def read_around(
+        cands: "list[float] | torch.Tensor", counts: "np.ndarray | torch.Tensor"
+    ) -> tuple[list[float], list[int]]:
+        """Read what :meth:`counts_around` returned: the thresholds as floats and their counts, in one read."""
+        if isinstance(cands, list):
+            return cands, [int(c) for c in counts.tolist()]
+        both = torch.cat((counts, cands.view(torch.int64))).cpu().numpy()
+        return both[len(cands) :].view(np.float64).tolist(), both[: len(cands)].tolist()
 
     def indices(self, threshold: float, count: int | None = None) -> torch.Tensor:
         """Sorted int64 positions of the values selected at ``threshold``.
@@ -969,52 +1012,35 @@ class Magnitudes:
             return mask_positions(self._mask(threshold), count)
         return self._mask(threshold).nonzero().view(-1)
 
-    def kth_largest(self, k: int) -> float:
-        """The ``k``-th largest value, exactly (``1 <= k <= numel``)."""
-        if self.host:
-            return float(np.partition(self.mag, self.mag.size - k)[self.mag.size - k])
-        return float(torch.topk(self.mag, k, sorted=False).values.min())
+    def top_k(self, k: int) -> "tuple[torch.Tensor, float | torch.Tensor]":
+        """Sorted int64 positions of the ``k`` largest values (``1 <= k <= numel``), and the ``k``-th largest.
 
-    def kth_largest_counted(self, k: int) -> tuple[float, int]:
-        """The ``k``-th largest value and how many values it selects (:meth:`count`), in one read on the device."""
-        if self.host:
-            th = self.kth_largest(k)
-            return th, self.count(th)
-        vals = torch.topk(self.mag, k, sorted=False).values
-        th = vals.min()
-        # The selection's rule at th (at least th, and above 0), counted with one pass over the tensor: every
-        # value above th is among the k, and those equal to it are anywhere; at th = 0, every positive value
-        # is among the k.
-        count = torch.where(th > 0, (vals > th).sum() + (self.mag == th).sum(), (vals > 0).sum())
-        th_host, count_host = torch.stack((th.double(), count.double())).tolist()
-        return th_host, int(count_host)
-
-    def top_k_indices(self, k: int) -> torch.Tensor:
-        """Sorted int64 positions of the ``k`` largest values (``1 <= k <= numel``); ties: the lowest positions.
-
-        All values above the ``k``-th largest, then as many of those equal
-        to it as complete ``k``, first positions first.
+        Of values tied at the ``k``-th largest, those at the lowest positions
+        complete ``k``. On the device path nothing is read: the ``k``-th
+        largest stays there as a 0-dim tensor (a float on the host).
         """
         if self.host:
             th = np.partition(self.mag, self.mag.size - k)[self.mag.size - k]
             above = np.flatnonzero(self.mag > th)
             out = np.concatenate((above, np.flatnonzero(self.mag == th)[: k - above.size])).astype(np.int64, copy=False)
             out.sort()
-            return torch.from_numpy(out)
+            return torch.from_numpy(out), float(th)
         n = self.mag.numel()
         if k == n:
-            return torch.arange(n, device=self.mag.device)
-        # torch.topk's positions are the answer unless a value equal to the k-th largest was left out (which of
-        # those it keeps is unspecified): then as many as k needs, first positions first. The k + 1 largest tell
-        # with no pass of their own: a tie straddles the cut exactly when the (k + 1)-th equals the k-th.
-        vals, pos = torch.topk(self.mag, k + 1, sorted=False)
-        last, th = torch.topk(vals, 2, largest=False).values  # the (k + 1)-th largest, the k-th
-        above = vals > th  # every value above the k-th largest is among the k + 1
-        tie, count = torch.stack((last == th, above.sum())).tolist()  # the one host read
-        if not tie:  # the k + 1 less the (k + 1)-th
-            return pos.index_select(0, mask_positions(vals >= th, k)).sort().values
-        tied = mask_positions(self.mag == th, k - count)  # the first k - count of those tied
-        return torch.cat((pos.index_select(0, mask_positions(above, count)), tied)).sort().values
+            return torch.arange(n, device=self.mag.device), self.mag.min()
+        vals, pos = torch.topk(self.mag, k, sorted=False)
+        th = vals.min()
+        # Every value above the k-th largest is among torch.topk's k; which of those equal to it it keeps is
+        # unspecified. So: the ones above it, then the first of the equal ones in the whole tensor, as many as
+        # complete k (there are always enough), picked by a mask of static size: no count read back.
+        above = vals > th
+        tied = mask_positions(self.mag == th, k)
+        keep = torch.cat((above, torch.arange(k, device=vals.device) < k - above.sum()))
+        return torch.cat((pos, tied)).index_select(0, mask_positions(keep, k)).sort().values, th
+
+    def top_k_indices(self, k: int) -> torch.Tensor:
+        """Sorted int64 positions of the ``k`` largest values (``1 <= k <= numel``); ties: the lowest positions."""
+        return self.top_k(k)[0]
 
 
 def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:

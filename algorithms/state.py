@@ -161,8 +161,8 @@ class TopkState:
         "peers_in_flight",
         "boundaries",
         "residual",
-        "local_threshold",
-        "global_threshold",
+        "_local_threshold",
+        "_global_threshold",
         "step",
         "last_local_count",
         "last_global_count",
@@ -207,12 +207,43 @@ class TopkState:
         self.peers_in_flight = _check_int("peers_in_flight", peers_in_flight)
         self.boundaries = BoundaryState(boundary_refresh)
         self.residual: torch.Tensor | None = None
-        self.local_threshold: float | None = None
-        self.global_threshold: float | None = None
+        self._local_threshold: float | torch.Tensor | None = None
+        self._global_threshold: float | torch.Tensor | None = None
         self.step = 0
         self.last_local_count = 0
         self.last_global_count = 0
         self.global_exact_due = True
+
+    @property
+    def local_threshold(self) -> float | None:
+        """Ok-Topk's last local threshold in top-k mode, or ``None`` before its first call.
+
+        A call that selects the exact ``k`` largest on a GPU leaves the
+        threshold there, and the next call reads it with its own counts;
+        reading it here first waits for the GPU.
+        """
+        return _as_float(self._local_threshold)
+
+    @local_threshold.setter
+    def local_threshold(self, value: float | torch.Tensor | None) -> None:
+        self._local_threshold = value
+
+    @property
+    def global_threshold(self) -> float | None:
+        """Ok-Topk's last global threshold in top-k mode, or ``None``; held on a GPU as :attr:`local_threshold` is."""
+        return _as_float(self._global_threshold)
+
+    @global_threshold.setter
+    def global_threshold(self, value: float | torch.Tensor | None) -> None:
+        self._global_threshold = value
+
+    def local_threshold_held(self) -> float | torch.Tensor | None:
+        """The local threshold as held: a 0-dim tensor while it is still on the device, else as :attr:`local_threshold`."""
+        return self._local_threshold
+
+    def global_threshold_held(self) -> float | torch.Tensor | None:
+        """The global threshold as held (see :meth:`local_threshold_held`)."""
+        return self._global_threshold
 
     def k_for(self, numel: int) -> int:
         """Return the number of entries to select from a tensor of ``numel`` elements."""
@@ -280,3 +311,8 @@ class TopkState:
     def __repr__(self) -> str:
         target = f"k={self.k}" if self.k is not None else f"density={self.density}"
         return f"TopkState({target}, step={self.step}, local_threshold={self.local_threshold})"
+
+
+def _as_float(th: float | torch.Tensor | None) -> float | None:
+    """A threshold as a float (a 0-dim tensor is read), or ``None``."""
+    return th if th is None or isinstance(th, float) else float(th)

@@ -236,12 +236,18 @@ def test_magnitudes_select_the_same_entries_on_both_paths(dtype):
         dev = Magnitudes(acc)
     assert host.host and not dev.host
     assert same_bits(host.tensor(), dev.tensor())
-    for k in (1, 2, 3, 4, 50, 1000, 4000):
-        th = host.kth_largest(k)
-        assert th == dev.kth_largest(k), k
-        assert torch.equal(host.top_k_indices(k), dev.top_k_indices(k)), k
-        assert host.top_k_indices(k).numel() == k
+    factors = [0.5, 0.95, 1.0, 1.05, 2.0]
+    for k in (1, 2, 3, 4, 50, 1000, 3985, 4000):  # 3985: fewer than k nonzero values, the k-th largest is 0
+        (hidx, th), (didx, held) = host.top_k(k), dev.top_k(k)
+        assert isinstance(th, float) and held.shape == () and th == float(held), k  # the device's stays there
+        assert torch.equal(hidx, didx) and hidx.numel() == k, k
         assert torch.equal(host.indices(th), dev.indices(th)) and host.count(th) == dev.count(th), k
+        assert torch.equal(dev.indices(held, dev.count(th)), dev.indices(th)), k  # compared where it is
+        # Nudged from the held threshold, on the device, read once: the host's floats and counts.
+        want = Magnitudes.read_around(*host.counts_around(th, factors))
+        assert Magnitudes.read_around(*dev.counts_around(held, factors)) == want, k
+        assert Magnitudes.read_around(*host.counts_around(held, factors)) == want, k  # the host reads it first
+        assert want[1] == [host.count(t) for t in want[0]], k
     # Distinct values: no tie at the cut, the device path takes torch.topk's positions as they are.
     distinct = (torch.randperm(4000, generator=g) + 1).to(dtype)
     host = Magnitudes(distinct)
@@ -251,7 +257,7 @@ def test_magnitudes_select_the_same_entries_on_both_paths(dtype):
         assert torch.equal(host.top_k_indices(k), dev.top_k_indices(k)), k
     host = Magnitudes(acc)
     # NaN and the infinities are the largest: the first three selected, NaN among them.
-    assert host.top_k_indices(3).tolist() == [5, 900, 3999] and host.kth_largest(3) == math.inf
+    assert host.top_k_indices(3).tolist() == [5, 900, 3999] and host.top_k(3)[1] == math.inf
     assert host.top_k_indices(1).tolist() == [5]  # ties (NaN, +-inf) go to the lowest position
 
 

@@ -24,7 +24,7 @@ from harness import pool
 
 #: Host syncs per steady-state call, at most: what each algorithm declares (and the cost model prices).
 SYNC_CEILING = {name: get(name).HOST_SYNCS["exact"] for name in names()} | {"auto": get("allgather").HOST_SYNCS["exact"]}
-#: A top-k call; Ok-Topk's includes a second read of its local selection when no nudged threshold fits.
+#: A top-k call; Ok-Topk's includes a second read of its global selection when no nudged threshold fits.
 TOPK_SYNC_CEILING = {name: get(name).HOST_SYNCS["topk"] for name in names()}
 #: The team's budget for a steady top-k call: one whose reused thresholds still fit (the call audited below).
 TOPK_SYNC_BUDGET = 3
@@ -105,6 +105,41 @@ def _topk_calls(rank, world_size, algorithm):
 def test_topk_host_syncs_stay_within_the_ceiling(algorithm):
     for syncs, which in pool(2).run(_topk_calls, algorithm):
         assert syncs <= min(TOPK_SYNC_CEILING[algorithm], TOPK_SYNC_BUDGET), (algorithm, which)
+
+
+def _oktopk_topk_misses(rank, world_size):
+    import colltune
+    from colltune.algorithms.state import TopkState
+
+    g = torch.Generator().manual_seed(rank)
+    state = TopkState(density=1e-3, local_refresh=16, global_refresh=16)
+    out = {}
+    with device_path():
+        for step in range(17):
+            grad = torch.randn(1 << 15, generator=g)
+            case = {5: "steady", 7: "local miss", 11: "both miss", 16: "refresh"}.get(step)
+            if case == "local miss":  # the reused local threshold 30x too high: no nudge of it fits
+                state.local_threshold = state.local_threshold * 30
+            if case == "both miss":  # the gradient 30x larger: neither reused threshold fits
+                grad = grad * 30
+            with audit() as a:
+                colltune.topk_allreduce(grad, state, algorithm="oktopk")
+            if case is not None:
+                out[case] = (a.n_syncs, dict(a.syncs), sum(a.collectives.values()))
+    return out
+
+
+def test_oktopk_topk_reads_its_exact_thresholds_with_later_reads():
+    """A missed local threshold costs no read (the exact k largest are taken on the device, their threshold read
+    with the next call's counts); a missed global one costs one (the exact one is found on the device by the radix
+    select's four all_reduces, then its counts are read); a refresh of both reads only the record and the counts."""
+    for out in pool(2).run(_oktopk_topk_misses):
+        assert out["local miss"][0] <= TOPK_SYNC_BUDGET, out["local miss"]
+        assert out["both miss"][0] <= TOPK_SYNC_CEILING["oktopk"] == TOPK_SYNC_BUDGET + 1, out["both miss"]
+        steady = out["steady"][2]
+        assert out["local miss"][2] == steady, out  # and no collective more
+        assert out["both miss"][2] > steady and out["refresh"][2] > steady, out  # the radix select ran
+        assert out["refresh"][0] <= 2, out["refresh"]
 
 
 def _fused_calls(rank, world_size, tables, algorithm="allgather"):

@@ -337,6 +337,33 @@ def test_oktopk_nudges_a_drifting_global_threshold_without_exact_selects(world_s
         assert len(exact_steps) <= 3, f"rank {r}: exact global selects at calls {exact_steps}"
 
 
+def _radix_cases(rank, world_size):
+    from colltune.algorithms.comm import Comm
+    from colltune.algorithms.oktopk import radix_kth_largest
+
+    g = torch.Generator().manual_seed(7)  # every rank draws every rank's values: each knows the union
+    mags = [torch.randn(300 + 50 * r, generator=g).abs().round(decimals=2) for r in range(world_size)]  # ties
+    for r, m in enumerate(mags):
+        m[: 40 + r] = 0.0
+        m[100 + r] = float("inf")
+    union = torch.cat(mags)
+    comm = Comm(None, torch.device("cpu"))
+    out = []
+    for k in (1, 2, 17, union.numel() // 2, union.numel() - 30, union.numel(), union.numel() + 5):
+        want = float(torch.topk(union, k).values.min()) if k <= union.numel() else 0.0
+        got = radix_kth_largest(mags[rank], k, comm, union.numel())
+        out.append((k, want, got.dtype, tuple(got.shape), float(got)))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_radix_select_finds_the_kth_largest_of_the_union_on_the_device(world_size):
+    """The exact global threshold, left where it was found as a 0-dim tensor: ties, zeros, infinity, too few values."""
+    for rank_out in pool(world_size).run(_radix_cases):
+        for k, want, dtype, shape, got in rank_out:
+            assert dtype == torch.float32 and shape == () and got == want, (k, want, got)
+
+
 def _run_state_roundtrip(rank, world_size, c):
     import colltune
 
