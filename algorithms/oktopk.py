@@ -543,23 +543,26 @@ def radix_kth_largest(mags: torch.Tensor, k: int, comm: Comm, total_bound: int |
 
     A most-significant-digit radix select over the float32 bit patterns
     (which order like the values when non-negative): four rounds, each an
-    ``all_reduce`` of a 256-bin histogram. Each round's digit is picked
-    where the values are, so nothing is read back: the result stays on the
+    ``all_reduce`` of a 256-bin histogram of the values that match the
+    digits picked so far. The bit patterns are sorted once, so a round's
+    histogram is a ``searchsorted`` of its 257 bin edges (no ``bincount``,
+    which reads its input's range back on CUDA), and its digit is picked
+    where the values are: nothing is read back, the result stays on the
     device. It is 0 when fewer than ``k`` values exist in total.
     ``total_bound``, the same on every rank, bounds the number of values
     over all ranks; below ``2**31`` the histograms travel as int32 (half the
     bytes).
     """
     hist_dtype = torch.int32 if total_bound is not None and total_bound < 2**31 else torch.int64
-    bits = mags.to(torch.float32).contiguous().view(torch.int32).to(torch.int64).to(comm.device)
+    bits = mags.to(torch.float32).contiguous().view(torch.int32).to(comm.device).sort().values.to(torch.int64)
+    edges = torch.arange(257, dtype=torch.int64, device=comm.device)
     prefix = torch.zeros((), dtype=torch.int64, device=comm.device)
     remaining = torch.full((), k, dtype=torch.int64, device=comm.device)
     enough = None
     for shift in (24, 16, 8, 0):
-        digits = (bits >> shift) & 255
-        if shift < 24:  # values off the prefix so far count in a 257th bin, dropped
-            digits = torch.where((bits >> (shift + 8)) == (prefix >> (shift + 8)), digits, 256)
-        hist = torch.bincount(digits, minlength=257)[:256].to(hist_dtype)
+        # Bin d holds the values in [prefix + d << shift, prefix + (d + 1) << shift): the digit picked so far
+        # above, digit d here. Sorted, each bin is a run between two searchsorted positions.
+        hist = torch.searchsorted(bits, prefix + (edges << shift)).diff().to(hist_dtype)
         with comm.meta():
             comm.all_reduce(hist)
         counts = hist.flip(0).cumsum(0).to(torch.int64)  # counts[i]: values with digit >= 255 - i
@@ -899,7 +902,11 @@ class OkTopk(Algorithm):
         The entries at or above the last threshold nudged into the band,
         else the exact ``k`` largest (:meth:`~Magnitudes.top_k`: on a device
         their threshold stays there, and the next call reads it with its
-        counts). ``state`` is only read: the caller commits the threshold.
+        counts). Where fewer than ``k`` values are nonzero the ``k`` include
+        zeros, as TopkA's selection does: they travel and are summed, and
+        the global selection never keeps them (leaving them out would take
+        a read of how many there are). ``state`` is only read: the caller
+        commits the threshold.
         """
         lo, hi = band
         th = state.local_threshold_held()

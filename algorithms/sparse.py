@@ -924,7 +924,7 @@ class Magnitudes:
         """A threshold where this selection compares it: a float on the host, else left a tensor, on this device."""
         if not isinstance(threshold, torch.Tensor):
             return threshold
-        return float(threshold) if self.host else threshold.to(self.mag.device)
+        return float(threshold) if self.host else upload(threshold, self.mag.device)
 
     def _mask(self, threshold: "float | torch.Tensor") -> Any:
         threshold = self._held(threshold)
@@ -936,11 +936,11 @@ class Magnitudes:
         """The magnitudes as a flat tensor (sharing memory on the host)."""
         return torch.from_numpy(self.mag) if self.host else self.mag
 
-    def mask(self, threshold: float) -> torch.Tensor:
+    def mask(self, threshold: "float | torch.Tensor") -> torch.Tensor:
         """A bool tensor: which values are selected at ``threshold``."""
         return torch.from_numpy(self._mask(threshold)) if self.host else self._mask(threshold)
 
-    def count(self, threshold: float) -> int:
+    def count(self, threshold: "float | torch.Tensor") -> int:
         """How many values are selected at ``threshold``."""
         if self.host:
             return int(np.count_nonzero(self._mask(threshold)))
@@ -1000,7 +1000,7 @@ class Magnitudes:
         both = torch.cat((counts, cands.view(torch.int64))).cpu().numpy()
         return both[len(cands) :].view(np.float64).tolist(), both[: len(cands)].tolist()
 
-    def indices(self, threshold: float, count: int | None = None) -> torch.Tensor:
+    def indices(self, threshold: "float | torch.Tensor", count: int | None = None) -> torch.Tensor:
         """Sorted int64 positions of the values selected at ``threshold``.
 
         With ``count`` (how many there are, as :meth:`count` said) the device

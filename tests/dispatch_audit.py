@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 SYNC_OPS = frozenset({
     "_local_scalar_dense", "nonzero", "unique_consecutive", "_unique", "_unique2", "unique_dim",
     "unique_dim_consecutive", "masked_select", "_assert_async",
+    "bincount", "histc",  # on CUDA both read their input's range (min and max) back to size or check the bins
 })
 
 #: aten ops that accumulate through atomics on CUDA: never on colltune's path.

@@ -125,6 +125,38 @@ def test_host_syncs_per_call_at_p1(nccl, algorithm):
     assert 1 <= count <= get(ran).HOST_SYNCS["exact"], (ran, count)
 
 
+@pytest.mark.parametrize("algorithm", names())
+def test_topk_host_syncs_per_call_at_p1(nccl, algorithm):
+    """A top-k call reads at most what the algorithm declares: steady, and refreshing Ok-Topk's thresholds (its exact
+    local top-k and radix select read nothing, so a refresh reads less than a steady call)."""
+    import colltune
+
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(1 << 22, generator=g).cuda() for _ in range(2)]
+    state = colltune.TopkState(density=1e-3, local_refresh=8, global_refresh=8)
+    for step in range(6):
+        colltune.topk_allreduce(grads[step % 2], state, algorithm=algorithm)
+    steady = _syncs(lambda: colltune.topk_allreduce(grads[0], state, algorithm=algorithm))  # step 6
+    colltune.topk_allreduce(grads[1], state, algorithm=algorithm)
+    refresh = _syncs(lambda: colltune.topk_allreduce(grads[0], state, algorithm=algorithm))  # step 8
+    assert steady <= get(algorithm).HOST_SYNCS["topk"] and refresh <= steady, (algorithm, steady, refresh)
+
+
+def test_top_k_on_cuda_takes_the_hosts_entries_without_a_read():
+    """Ties at the k-th largest go to the lowest positions on the GPU as on the host; the threshold stays there."""
+    from colltune.algorithms.sparse import Magnitudes
+
+    g = torch.Generator().manual_seed(6)
+    acc = torch.randn(1 << 16, generator=g).round(decimals=1)  # many ties
+    acc[::7] = 0.0
+    host, dev = Magnitudes(acc), Magnitudes(acc.cuda())
+    for k in (1, 100, 5000, 60000, 1 << 16):  # 60000: past the nonzero values, the k-th largest is 0
+        (hidx, th), (didx, held) = host.top_k(k), dev.top_k(k)
+        assert held.is_cuda and th == float(held) and torch.equal(hidx, didx.cpu()), k
+    count = _syncs(lambda: dev.top_k(5000))
+    assert count == 0, count
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "allgather", "dense"])
 def test_a_fused_call_over_26_tables_reads_at_most_twice(nccl, algorithm):
     """The issue's fused budget, 2 host syncs for the whole list (1 measured at P = 1 on one H200)."""
