@@ -308,8 +308,11 @@ class DDPSyncTimer:
     it), measured from an event at the step's start (:meth:`begin`).
     """
 
-    def __init__(self, emb_params: list[nn.Parameter], device: torch.device | None = None) -> None:
+    def __init__(self, emb_params: list[nn.Parameter], device: torch.device | None = None,
+                 one_sparse_in_flight: bool = False) -> None:
         self.ids = {id(p) for p in emb_params}
+        self.one_sparse_in_flight = one_sparse_in_flight
+        self._last_sparse: torch.futures.Future | None = None
         self.intervals: list[tuple[float, float]] = []
         self.device = device if device is not None and device.type == "cuda" else None
         self._ref: Any = None
@@ -325,13 +328,28 @@ class DDPSyncTimer:
         self.intervals, self._events = [], []
         self._ref = self._event() if self.device is not None else None
 
+    def _allreduce(self, bucket: Any) -> torch.futures.Future:
+        """DDP's ``allreduce_hook``; with ``one_sparse_in_flight``, a sparse bucket's once the one before it is done.
+
+        DDP starts every sparse gradient's allreduce as it comes, and gloo
+        runs two at once on its worker threads. With torch 2.13 that
+        corrupts the heap now and then (``tools/ddp_sparse_stress.py``
+        reproduces it with DDP alone); one at a time, it did not.
+        """
+        if not (self.one_sparse_in_flight and bucket.buffer().is_sparse):
+            return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+        if self._last_sparse is not None:
+            self._last_sparse.wait()
+        self._last_sparse = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+        return self._last_sparse
+
     @staticmethod
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none given
         if not any(id(p) in state.ids for p in bucket.parameters()):
-            return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+            return state._allreduce(bucket)
         if state.device is not None:
             start = state._event()
-            fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+            fut = state._allreduce(bucket)
 
             def done_on_gpu(f: torch.futures.Future) -> torch.Tensor:
                 state._events.append((start, state._event()))
@@ -339,7 +357,7 @@ class DDPSyncTimer:
 
             return fut.then(done_on_gpu)
         t0 = time.perf_counter()
-        fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+        fut = state._allreduce(bucket)
 
         def done(f: torch.futures.Future) -> torch.Tensor:
             state.intervals.append((t0, time.perf_counter()))
@@ -382,7 +400,7 @@ def _build(mode: str, cfg: dict, device: torch.device) -> tuple[nn.Module, DLRM,
     elif mode in DDP_MODES:
         # init_sync=False: every rank built the same weights from the same seed (saves a 1.3 GB broadcast).
         net = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, init_sync=False, **ddp_kw)
-        timer = DDPSyncTimer(list(model.emb.parameters()), device)
+        timer = DDPSyncTimer(list(model.emb.parameters()), device, cfg["one_sparse_in_flight"])
         net.register_comm_hook(timer, DDPSyncTimer.hook)  # type: ignore[operator]
     else:
         model.dense = nn.parallel.DistributedDataParallel(model.dense, init_sync=False, **ddp_kw)  # type: ignore[assignment]
@@ -424,7 +442,8 @@ class Run:
                  device: torch.device = torch.device("cpu")) -> None:
         self.mode, self.cfg, self.data, self.rank, self.p, self.device = mode, cfg, data, rank, p, device
         self.net, self.model, self.opt, self.sync, self.timer = _build(mode, cfg, device)
-        self.impl = _impl(mode, self.sync)
+        self.impl = _impl(mode, self.sync) + (", one sparse allreduce in flight at a time"
+                                              if mode == "ddp-sparse" and cfg["one_sparse_in_flight"] else "")
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.times: list[float] = []
         self.sync_times: list[float] = []
@@ -820,6 +839,10 @@ def parse_args(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=5, help="print every this many steps (0: only summaries)")
     ap.add_argument("--json", default=None, help="write the runs and the summary to this file")
+    ap.add_argument("--one-sparse-in-flight", action="store_true",
+                    help="ddp-sparse: start each sparse allreduce once the one before it is done (DDP starts them as "
+                         "they come, and gloo runs two at once, which with torch 2.13 corrupts the heap now and then: "
+                         "tools/ddp_sparse_stress.py)")
     a = ap.parse_args(argv)
     cfg = {k.replace("-", "_"): v for k, v in vars(a).items()}
     cfg["backend"], cfg["notes"] = resolve_backend(ap, a.device, a.backend, _local_ranks(a.ranks))

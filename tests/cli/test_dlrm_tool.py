@@ -29,15 +29,18 @@ def _failed(proc: subprocess.CompletedProcess) -> str:
 
 def test_tiny_bench_prints_every_field_and_the_modes_agree(tmp_path):
     out = tmp_path / "dlrm.json"
+    # One sparse allreduce in flight at a time: DDP's own way (two at once on gloo's threads) corrupts the heap
+    # now and then with torch 2.13 (tools/ddp_sparse_stress.py), and this test is not about that.
     cmd = [sys.executable, str(_TOOL), "--ranks", "2", "--bench", "--steps", "3", "--skip", "1", "--dense-steps", "2",
            "--scale", "0.001", "--batch", "128", "--bot-mlp", "32", "--top-mlp", "32", "--log-every", "1",
-           "--json", str(out)]
+           "--one-sparse-in-flight", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, _failed(proc)
     printed = proc.stdout
     for mode in ("ddp-dense", "ddp-sparse", "colltune-per-table", "colltune-fused"):
         assert f"-- {mode}: median step" in printed
+    assert "sparse gradients, one sparse allreduce in flight at a time]" in printed
     for field in ("loss", "step", "sync", "MiB/step", "colltune-fused vs the faster DDP mode",
                   "sparse sync time, colltune-per-table / colltune-fused", "largest loss gap", "peak RSS"):
         assert field in printed, field
