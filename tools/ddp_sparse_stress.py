@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import signal
 import sys
+import tempfile
 import time
 
 import torch
@@ -89,10 +90,9 @@ def wait_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the 
     return fut
 
 
-def rank_main(rank: int, world_size: int, steps: int, port: int, hook: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(rank: int, world_size: int, steps: int, store: str, hook: str, abort_after: int | None) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     sizes = [int(n) for n in torch.randint(10, 20000, (TABLES,), generator=torch.Generator().manual_seed(0))]
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(Model(sizes))
@@ -104,7 +104,9 @@ def rank_main(rank: int, world_size: int, steps: int, port: int, hook: str) -> N
         model.register_comm_hook(None, wait_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank + 1)
-    for _ in range(steps):
+    for step in range(steps):
+        if rank == 1 and step == abort_after:
+            os.abort()
         loss = model(torch.randn(BATCH, 13, generator=g), [torch.randint(0, n, (BATCH,), generator=g) for n in sizes])
         opt.zero_grad(set_to_none=True)
         loss.pow(2).mean().backward()
@@ -112,26 +114,25 @@ def rank_main(rank: int, world_size: int, steps: int, port: int, hook: str) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def one_run(world_size: int, steps: int, hook: str, abort_after: int | None = None) -> str | None:
+    """Run once; return ``None`` when every rank finished, else how the ranks that failed ended.
 
-
-def one_run(world_size: int, steps: int, hook: str) -> str | None:
-    """Run once; return ``None`` when every rank finished, else how the first rank to fail ended."""
-    ctx = mp.start_processes(rank_main, args=(world_size, steps, _free_port(), hook), nprocs=world_size,
-                             join=False, start_method="spawn")
-    try:
-        while not ctx.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        if exc.signal_name:
-            return f"rank {exc.error_index} died with signal {exc.signal_name}"
-        return f"rank {exc.error_index} exited with code {exc.exit_code}"
-    except mp.ProcessRaisedException as exc:
-        return f"rank {exc.error_index} raised: {str(exc).strip().splitlines()[-1]}"
-    return None
+    A rank that dies takes its peers down with it (their collectives fail,
+    or ``join`` ends them with SIGTERM), so the ranks dead of another signal
+    are named first; else the first error ``join`` saw.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(rank_main, args=(world_size, steps, os.path.join(tmp, "store"), hook, abort_after),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        try:
+            while not ctx.join():
+                pass
+            return None
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+            first = str(exc).strip().splitlines()[-1]
+    died = [f"rank {i} died with signal {signal.Signals(-proc.exitcode).name}" for i, proc in enumerate(ctx.processes)
+            if proc.exitcode is not None and proc.exitcode < 0 and -proc.exitcode != signal.SIGTERM]
+    return ", ".join(died) if died else first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,13 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="DDP's allreduce: its own (ddp, default), or a comm hook that averages as DDP's allreduce_hook "
                          "does and hands gloo a copy of each sparse gradient (copy), starts each sparse allreduce once "
                          "the one before it is done (one-in-flight), or waits for every allreduce (wait)")
+    ap.add_argument("--abort-after", type=int, default=None, help=argparse.SUPPRESS)  # the test: rank 1 aborts
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.steps < 1 or args.runs < 1:
         ap.error("--ranks must be at least 2, --steps and --runs at least 1")
     died = 0
     for run in range(1, args.runs + 1):
         t0 = time.perf_counter()
-        failure = one_run(args.ranks, args.steps, args.hook)
+        failure = one_run(args.ranks, args.steps, args.hook, args.abort_after)
         died += failure is not None
         outcome = failure or f"{args.steps} steps"
         print(f"run {run}: {outcome} in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -33,6 +33,15 @@ def test_runs_finish_and_are_counted(hook):
     assert not re.search(r"^\s*(import|from) colltune", _TOOL.read_text(), re.M)  # DDP alone: no colltune
 
 
+def test_a_rank_that_dies_is_named_with_its_signal():
+    """A rank aborting mid-run (the hidden ``--abort-after``) is reported as the runs that die of the race are."""
+    proc = _run("--runs", "1", "--steps", "5", "--hook", "one-in-flight", "--abort-after", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("run 1: rank 1 died with signal SIGABRT in "), lines
+    assert lines[1].startswith("--hook one-in-flight: 1 of 1 runs died"), lines
+
+
 def test_bad_arguments_are_refused():
     proc = _run("--ranks", "1")
     assert proc.returncode == 2 and "--ranks must be at least 2" in proc.stderr

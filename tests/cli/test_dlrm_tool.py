@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,38 @@ def test_none_modes_run_on_cpu_and_report_the_fused_call(tmp_path):
     assert runs["none"] == runs["none+fused-call"]
     assert set(s["loss_gaps"]["pairs"]) == {"none vs none+fused-call"}
     assert s["modes"]["none+fused-call"]["algorithms"]["dense.*"].startswith("none")
+
+
+def test_one_sparse_in_flight_starts_a_sparse_allreduce_once_the_one_before_is_done(monkeypatch, load_tool):
+    """``--one-sparse-in-flight``: a sparse bucket's allreduce waits for the previous sparse one; dense ones never."""
+    tool = load_tool("dlrm")
+    started: list[torch.futures.Future] = []
+
+    def pending_allreduce(_state, _bucket):  # type: ignore[no-untyped-def]
+        started.append(torch.futures.Future())
+        return started[-1]
+
+    monkeypatch.setattr(tool.default_hooks, "allreduce_hook", pending_allreduce)
+
+    class Bucket:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def buffer(self) -> torch.Tensor:
+            return self.t
+
+    sparse, dense = Bucket(torch.ones(3).to_sparse()), Bucket(torch.ones(3))
+    free = tool.DDPSyncTimer([])
+    free._allreduce(sparse), free._allreduce(sparse)
+    assert len(started) == 2  # DDP's own way: both in flight
+    started.clear()
+    timer = tool.DDPSyncTimer([], one_sparse_in_flight=True)
+    timer._allreduce(sparse), timer._allreduce(dense)
+    assert len(started) == 2  # a dense bucket is not held back
+    second = threading.Thread(target=timer._allreduce, args=(sparse,))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and len(started) == 2  # the first sparse one is still in flight
+    started[0].set_result([torch.ones(3)])
+    second.join(10)
+    assert not second.is_alive() and len(started) == 3
