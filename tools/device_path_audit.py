@@ -18,8 +18,10 @@ steady-state call (after a few at the same call site):
 
 Per algorithm on n = 2^16 rows (scalars and rows of 64, k = 3000 per rank;
 ``--k`` sets it: at small k the host column is the call's own overhead),
-per top-k algorithm (2^16 values, density 1e-3, after 7 steps), and a fused
-call over 2 and over 26 tables. Usage::
+per top-k algorithm (2^16 values, density 1e-3, after 7 steps), top-k
+Ok-Topk's calls off the steady state (a refresh of both thresholds, a
+missed local threshold, a gradient 30x larger: one call each, no host
+column), and a fused call over 2 and over 26 tables. Usage::
 
     python tools/device_path_audit.py             # P = 2
     python tools/device_path_audit.py -P 3 --json audit.json
@@ -100,10 +102,36 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
             grad = torch.randn(n, generator=g)
             with_audit = _audited(lambda a=algorithm, s=state: colltune.topk_allreduce(grad, s, algorithm=a))
             out[f"top-k {algorithm}"] = with_audit
+        out.update(_oktopk_topk_events(g, n))
         for tables in (2, 26):
             tensors = [(torch.randint(0, 1000 + 100 * t, (200,), generator=g), torch.randn(200, 16, generator=g),
                         1000 + 100 * t) for t in range(tables)]
             out[f"fused, {tables} tables"] = _audited(lambda ts=tensors: colltune.sparse_allreduce_many(ts))
+    return out
+
+
+def _oktopk_topk_events(g: torch.Generator, n: int) -> dict:
+    """Top-k Ok-Topk's calls off the steady state, each counted once: a refresh of both thresholds (every 4th
+    call here), a reused local threshold no nudge of which fits (set 30x too high), and a gradient 30x larger
+    (neither reused threshold fits). No host column: one call, under the audit."""
+    from dispatch_audit import audit
+
+    import colltune
+    from colltune.algorithms.state import TopkState
+
+    state = TopkState(density=1e-3, local_refresh=4, global_refresh=4)
+    events = {5: "local miss", 6: "30x gradient", 8: "refresh"}
+    out = {}
+    for step in range(9):
+        grad = torch.randn(n, generator=g) * (30 if events.get(step) == "30x gradient" else 1)
+        if events.get(step) == "local miss":
+            state.local_threshold = state.local_threshold * 30
+        with audit(strict=False) as a:
+            colltune.topk_allreduce(grad, state, algorithm="oktopk")
+        if step in events:
+            out[f"top-k oktopk, {events[step]}"] = {
+                "syncs": a.n_syncs, "ops": a.n_ops, "kernels": sum(c for op, c in a.ops.items() if op not in VIEWS),
+                "nondeterministic": len(a.nondeterministic), "host_us": None, "which": dict(a.syncs)}
     return out
 
 
@@ -122,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"P={args.world_size}, device path on CPU tensors: per steady-state call (rank 0)")
     print(f"{'call':<28} {'syncs':>5} {'ops':>5} {'kernels':>7} {'nondet.':>7} {'host us':>8}  syncs by kind")
     for name, r in rows.items():
+        host = "-" if r["host_us"] is None else f"{r['host_us']:.0f}"
         print(f"{name:<28} {r['syncs']:>5} {r['ops']:>5} {r['kernels']:>7} {r['nondeterministic']:>7} "
-              f"{r['host_us']:>8.0f}  {r['which']}")
+              f"{host:>8}  {r['which']}")
     if args.json:
         write_json(args.json, {"world_size": args.world_size, "calls": rows})
     return 0
