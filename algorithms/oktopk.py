@@ -937,26 +937,25 @@ class OkTopk(Algorithm):
         with their counts.
         """
         lo, hi = band
-        gth = state.global_threshold_held()
+        gth, chosen = state.global_threshold_held(), None
         if gth is not None and not state.global_exact_due and state.step % state.global_refresh != 0:
             factors = [(1 + state.nudge) ** (j / 2) for j in range(-GLOBAL_NUDGES, GLOBAL_NUDGES + 1)]
             cands, counts = rmag.counts_around(gth, factors)
-            table = self._counts(comm, counts if isinstance(cands, list) else torch.cat((counts, cands.view(torch.int64))))
-            if not isinstance(cands, list):  # the same candidates on every rank: this rank's copy
-                cands, table = table[comm.rank, len(factors) :].view(np.float64).tolist(), table[:, : len(factors)]
+            table = self._counts(comm, Magnitudes.around_row(cands, counts))
+            cands, _ = Magnitudes.from_row(cands, table[comm.rank])  # the same candidates on every rank
+            table = table[:, : len(factors)]
             totals = table.sum(axis=0).tolist()
             fits = [j for j, t in enumerate(totals) if lo <= t <= hi]
             if fits:
                 best = min(fits, key=lambda j: (abs(totals[j] - k), abs(j - GLOBAL_NUDGES)))
-                state.global_exact_due = False
-                state.global_threshold = cands[best]
-                sizes = table[:, best].tolist()
-                return rmag.indices(cands[best], sizes[comm.rank]), sizes
-        # Each owner's region may be padded to the entries it received (zeros, never selected): the
-        # values over every owner are at most every rank's selection, at most P n (the same on every rank).
-        exact = radix_kth_largest(rmag.tensor(), k, comm, comm.world_size * n)
-        gth = float(exact) if on_host(exact) else exact  # a read on the host costs nothing
-        sizes = self._counts(comm, rmag.counts([gth]))[:, 0].tolist()
+                chosen = cands[best], table[:, best].tolist()
+        if chosen is None:
+            # Each owner's region may be padded to the entries it received (zeros, never selected): the values
+            # over every owner are at most every rank's selection, at most P n (the same on every rank).
+            exact = radix_kth_largest(rmag.tensor(), k, comm, comm.world_size * n)
+            gth = float(exact) if on_host(exact) else exact  # a read on the host costs nothing
+            chosen = gth, self._counts(comm, rmag.counts([gth]))[:, 0].tolist()
+        gth, sizes = chosen
         state.global_exact_due = False
         state.global_threshold = gth
         return rmag.indices(gth, sizes[comm.rank]), sizes

@@ -991,14 +991,24 @@ class Magnitudes:
         return cands_t, counts - torch.where(cands_t == 0, (self.mag == 0).sum(), 0)
 
     @staticmethod
+    def around_row(cands: "list[float] | torch.Tensor", counts: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
+        """What :meth:`counts_around` returned as one int64 row to read or gather: the counts, then, for thresholds
+        made on the device, their float64 bits."""
+        return counts if isinstance(cands, list) else torch.cat((counts, cands.view(torch.int64)))
+
+    @staticmethod
+    def from_row(cands: "list[float] | torch.Tensor", row: np.ndarray) -> tuple[list[float], list[int]]:
+        """The thresholds as floats and their counts, from a read :meth:`around_row` (int64, on the host)."""
+        m = len(cands)
+        return (cands if isinstance(cands, list) else row[m : 2 * m].view(np.float64).tolist()), row[:m].tolist()
+
+    @staticmethod
     def read_around(
         cands: "list[float] | torch.Tensor", counts: "np.ndarray | torch.Tensor"
     ) -> tuple[list[float], list[int]]:
         """Read what :meth:`counts_around` returned: the thresholds as floats and their counts, in one read."""
-        if isinstance(cands, list):
-            return cands, [int(c) for c in counts.tolist()]
-        both = torch.cat((counts, cands.view(torch.int64))).cpu().numpy()
-        return both[len(cands) :].view(np.float64).tolist(), both[: len(cands)].tolist()
+        row = Magnitudes.around_row(cands, counts)
+        return Magnitudes.from_row(cands, np.asarray(row.cpu() if isinstance(row, torch.Tensor) else row))
 
     def indices(self, threshold: "float | torch.Tensor", count: int | None = None) -> torch.Tensor:
         """Sorted int64 positions of the values selected at ``threshold``.

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 TABLES, WIDTH, BATCH = 26, 16, 128
 HOOKS = ("ddp", "copy", "one-in-flight", "wait")
@@ -54,16 +55,12 @@ class Model(nn.Module):
         return self.top(torch.cat([self.bottom(dense)] + [bag(i.view(-1, 1)) for bag, i in zip(self.bags, ids)], 1))
 
 
-def _average(t: torch.Tensor) -> torch.futures.Future:
-    """Start DDP's allreduce of ``t``, averaged over the group, as its ``allreduce_hook`` does."""
+def copy_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none given
+    """``allreduce_hook`` (the bucket averaged over the group), a sparse gradient handed to gloo as a copy."""
+    t = bucket.buffer()
+    t = t.clone() if t.is_sparse else t
     t.div_(dist.get_world_size())
     return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
-
-
-def copy_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none given
-    """``allreduce_hook``, with a sparse gradient handed to gloo as a copy that no other thread holds."""
-    t = bucket.buffer()
-    return _average(t.clone() if t.is_sparse else t)
 
 
 class OneInFlight:
@@ -74,18 +71,17 @@ class OneInFlight:
 
     @staticmethod
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none given
-        t = bucket.buffer()
-        if not t.is_sparse:
-            return _average(t)
+        if not bucket.buffer().is_sparse:
+            return default_hooks.allreduce_hook(None, bucket)
         if state.last is not None:
             state.last.wait()
-        state.last = _average(t)
+        state.last = default_hooks.allreduce_hook(None, bucket)
         return state.last
 
 
 def wait_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none given
     """``allreduce_hook``, waited for in the hook: one collective at a time, none beside the backward pass."""
-    fut = _average(bucket.buffer())
+    fut = default_hooks.allreduce_hook(None, bucket)
     fut.wait()
     return fut
 
