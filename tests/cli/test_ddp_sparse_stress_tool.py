@@ -2,7 +2,9 @@
 
 Only the hooks that keep one sparse allreduce in flight run here: with
 DDP's own way a run dies now and then (the torch bug the tool
-reproduces), and a test must not depend on that.
+reproduces). With them a run dies far more rarely, but it can (once in
+the suite, under load, a 10-step run), so the test checks that every run
+is accounted for, finished or dead of a named signal, not that none died.
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ def test_runs_finish_and_are_counted(hook):
     proc = _run("--runs", "2", "--steps", "10", "--hook", hook)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert [ln.split(" in ")[0] for ln in lines[:2]] == ["run 1: 10 steps", "run 2: 10 steps"], lines
-    assert lines[2].startswith(f"--hook {hook}: 0 of 2 runs died (torch "), lines
+    died = 0
+    for i, line in enumerate(lines[:2], 1):
+        ok = line.startswith(f"run {i}: 10 steps in ")
+        died += not ok
+        assert ok or re.match(rf"run {i}: rank \d died with signal SIG[A-Z]+ in ", line), lines
+    assert lines[2].startswith(f"--hook {hook}: {died} of 2 runs died (torch "), lines
     assert not re.search(r"^\s*(import|from) colltune", _TOOL.read_text(), re.M)  # DDP alone: no colltune
 
 
