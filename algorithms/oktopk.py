@@ -203,8 +203,10 @@ def split_reduce(
             ``all_to_all`` exchanges the counts).
         padded: on the device path, read nothing: the region may come
             padded with zero rows past its ``u`` entries
-            (:func:`~colltune.algorithms.sparse.sum_sorted_runs_padded`),
-            for a caller that selects among them by magnitude.
+            (:func:`~colltune.algorithms.sparse.sum_sorted_runs_padded`)
+            indexed the region's upper cut, for a caller that selects among
+            them by magnitude or counts its entries on the device
+            (:func:`_gather_regions`' ``end``).
 
     Returns:
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
@@ -315,12 +317,17 @@ def _gather_regions(
     peers_in_flight: int = 8,
     last: list[int] | None = None,
     parts: Parts | None = None,
+    end: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """All-gather every owner's reduced region, each sparse or dense by SparCML's rule; return it and the sizes.
 
     With ``parts`` (a fused bucket) each owner's count per part travels
     with its size, so ``parts.sizes`` (each tensor's share of the union) is
     known in the read of the sizes and the bucket's cut reads nothing.
+    With ``end`` (the region's upper cut) this owner's region may come
+    padded past its entries with rows indexed ``end``
+    (:func:`split_reduce`'s ``padded``): its count, never read before,
+    travels in its size, counted on the device, so the merge reads nothing.
 
     ``mode``: ``p2p`` sends each region to every peer point to point, its
     indices and rows received straight into their place in the result (no
@@ -347,9 +354,10 @@ def _gather_regions(
         mode == "auto" and p > 1 and point_to_point and last is not None and len(last) == p
         and not split_layout(r, wire_dtype) and not any(_dense_regions(last, lengths, ebytes, rowbytes, dense_ratio))
     ):
-        return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight, parts)
+        return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight, parts, end)
     with comm.meta():
-        sizes = _read_sizes(comm.gather_small(_size_head(ridx, parts)).view(p, -1), parts)
+        sizes = _read_sizes(comm.gather_small(_size_head(ridx, parts, end)).view(p, -1), parts)
+    ridx, rvals = ridx[: sizes[me]], rvals[: sizes[me]]  # the padding, if any, stays here
     dense = _dense_regions(sizes, lengths, ebytes, rowbytes, dense_ratio)
     nbytes = [
         lengths[j] * rowbytes + (lengths[j] + 7) // 8 if dense[j] else sizes[j] * ebytes for j in range(p)
@@ -442,6 +450,7 @@ def _gather_regions_eager(
     wire_dtype: torch.dtype,
     peers_in_flight: int,
     parts: Parts | None = None,
+    end: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Gather packed regions without a separate exchange of their sizes.
 
@@ -453,18 +462,19 @@ def _gather_regions_eager(
     the counts. So a call whose sizes are near the last call's makes one
     exchange instead of two; the padding costs at most a sixteenth of the
     entries plus a few. Every message lands in place in one buffer, whose
-    counts and entries are then read in one operation each.
+    counts and entries are then read in one operation each. A region
+    padded past ``end`` (:func:`_gather_regions`) fills the room with its
+    padding too, which the receivers skip by the counts.
     """
     p, me = comm.world_size, comm.rank
     r = rvals.shape[1]
     e = entry_bytes(r, index_dtype, wire_dtype)
-    head = _size_head(ridx, parts)
+    head = _size_head(ridx, parts, end)
     h = -(-8 * head.numel() // e)
     caps = [eager_region_capacity(c) for c in last]
     at = offsets([h + c for c in caps])  # owner j's message: rows [at[j], at[j+1])
     blob = pack(ridx, rvals, index_dtype, wire_dtype)
-    u = blob.shape[0]
-    first = min(u, caps[me])
+    first = min(blob.shape[0], caps[me])  # padded past ``end``: more rows than entries, skipped by the counts
     msgs = fresh((at[-1], e), torch.uint8, comm.device)
     mine = msgs[at[me] : at[me + 1]]
     mine.zero_()
@@ -477,7 +487,7 @@ def _gather_regions_eager(
     if not any(rest):
         gidx, gvals = unpack(msgs.index_select(0, _entry_rows(at, h, sizes, comm.device)), r, index_dtype, wire_dtype)
         return gidx, gvals, sizes
-    tails = {me: blob[first:]}  # some region outgrew its room: its owner sends the rest to everyone
+    tails = {me: blob[first : max(first, sizes[me])]}  # some region outgrew its room: its owner sends the rest
     for j in range(p):
         if j != me:
             tails[j] = torch.empty((rest[j], e), dtype=torch.uint8, device=comm.device)
@@ -490,12 +500,19 @@ def _gather_regions_eager(
     return gidx, gvals, sizes
 
 
-def _size_head(ridx: torch.Tensor, parts: Parts | None) -> torch.Tensor:
-    """An owner's size as it travels (int64 on the device): its count, then with ``parts`` its count per part."""
-    u = upload([ridx.numel()], ridx.device)
-    if parts is None:
-        return u
-    return torch.cat((u, _count_between(ridx, parts.bounds)))
+def _size_head(ridx: torch.Tensor, parts: Parts | None, end: int | None = None) -> torch.Tensor:
+    """An owner's size as it travels (int64 on the device): its count, then with ``parts`` its count per part.
+
+    With ``end`` the region may be padded past its entries with indices
+    ``end``: its count is the entries below ``end``, and each part's counts
+    only those (bounds past ``end`` are taken at ``end``). No read either way.
+    """
+    if end is None:
+        u = upload([ridx.numel()], ridx.device)
+        return u if parts is None else torch.cat((u, _count_between(ridx, parts.bounds)))
+    bounds = [end] if parts is None else [end, *(min(b, end) for b in parts.bounds)]
+    at = torch.searchsorted(ridx, upload(bounds, ridx.device))
+    return at if parts is None else torch.cat((at[:1], torch.diff(at[1:])))
 
 
 def _read_sizes(heads: torch.Tensor, parts: Parts | None) -> list[int]:
@@ -724,14 +741,15 @@ class OkTopk(Algorithm):
         "region_reduce", "threshold_all_reduce", "sizes_all_gather", "balance_p2p", "union_gather", "unpack",
     )
     #: Exact: the record (the coalesce's count and the region counts ride in it; the slots are read with
-    #: it), the split's merge, the reduced regions' sizes. Top-k: the local selection's counts (every
+    #: it), the reduced regions' sizes (the split's merge reads nothing: the owner's region stays padded on
+    #: the device, and its count travels with its size). Top-k: the local selection's counts (every
     #: nudged threshold at once; none when the exact k largest are taken: their threshold stays on the
     #: device, read with the next call's counts), the record, the global selection's counts; the split's
     #: merge reads nothing (the owner's region stays padded, and the selection by magnitude never keeps a
     #: pad). 3 when a nudged global threshold fits; 4 when none does (the exact one is found on the device
     #: and its counts read); 2 on refreshes of both thresholds.
-    HOST_SYNCS = {"exact": 3, "topk": 4}
-    HOST_KERNELS = {"exact": 44, "topk": 59}
+    HOST_SYNCS = {"exact": 2, "topk": 4}
+    HOST_KERNELS = {"exact": 50, "topk": 59}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:
@@ -799,9 +817,12 @@ class OkTopk(Algorithm):
         counts = None if st.bounds.due(inp.size, p) else _meta.send_recv_counts(inp.payload, comm.rank)
         with comm.meta():
             cuts = st.bounds.get(idx, inp.size, comm)
+        # On the device path the owner's merge reads nothing: its region stays padded, its count travels
+        # with its size in the regions' gather (one read for both).
+        padded = not on_host(idx)
         ridx, rvals = split_reduce(
             comm, idx, inp.values.to(comm.device), cuts, inp.size, inp.dtype, inp.acc_dtype, knobs["peers_in_flight"],
-            counts,
+            counts, padded,
         )
         _meta.note_payload(comm)  # the counts ride in the next records (the slot makes room for them)
         early = inp.op == "avg" and p > 1 and inp.dtype == inp.acc_dtype
@@ -809,7 +830,7 @@ class OkTopk(Algorithm):
             rvals.div_(p)  # the owner's rows only: the same bits as dividing the gathered sum
         gidx, gvals, st.last = _gather_regions(
             comm, ridx, rvals, cuts, inp.size, inp.dtype, knobs["dense_fallback_ratio"], knobs["gather_mode"],
-            knobs["peers_in_flight"], st.last, inp.parts,
+            knobs["peers_in_flight"], st.last, inp.parts, cuts[comm.rank + 1] if padded else None,
         )
         gvals = gvals.to(inp.acc_dtype)
         if inp.op == "avg" and p > 1 and not early:
