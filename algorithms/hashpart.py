@@ -82,6 +82,7 @@ from colltune.algorithms.schedule import Pricing, Step
 from colltune.algorithms.sparse import (
     Batch,
     Magnitudes,
+    Parts,
     accum_dtype,
     merge_host_pieces,
     on_host,
@@ -89,6 +90,7 @@ from colltune.algorithms.sparse import (
     pack_host,
     unpack,
     unpack_host,
+    upload,
     wire_index_dtype,
 )
 
@@ -153,6 +155,7 @@ def hash_reduce(
     share_dtype: torch.dtype | None = None,
     mode: str = "auto",
     owners: tuple[torch.Tensor, torch.Tensor] | None = None,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum coalesced entries over the group, each index by its owner; return the sorted union and its sums.
 
@@ -172,6 +175,9 @@ def hash_reduce(
             (:meth:`Comm.all_gather_flat`).
         owners: on the device path, :func:`sorted_owners` of ``idx`` (or of
             ``idx`` followed by padding), when already computed.
+        parts: a fused call's tensors laid end to end in ``idx``: on the
+            device path each one's share of the union comes with the owners'
+            sizes, in their one read (``parts.sizes``).
 
     Returns:
         Sorted unique int64 indices (the union over ranks) and ``[u, r]``
@@ -181,7 +187,7 @@ def hash_reduce(
     share = wire_dtype if share_dtype is None else share_dtype
     if on_host(comm.device):
         return _hash_reduce_host(comm, idx, vals, size, wire_dtype, counts, divide, share, mode)
-    return _hash_reduce_device(comm, idx, vals, size, wire_dtype, counts, divide, share, mode, owners)
+    return _hash_reduce_device(comm, idx, vals, size, wire_dtype, counts, divide, share, mode, owners, parts)
 
 
 def sorted_owners(indices: torch.Tensor, size: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,6 +261,7 @@ def _hash_reduce_device(
     share_dtype: torch.dtype,
     mode: str,
     owners: tuple[torch.Tensor, torch.Tensor] | None = None,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`hash_reduce` in torch operations that run on CUDA: no atomics, one host read (the sizes)."""
     p, me, dev = comm.world_size, comm.rank, comm.device
@@ -276,11 +283,16 @@ def _hash_reduce_device(
     # rows in rank order, each run summed from +0 (the bits of merge_sources); the unique count stays on the
     # device until the sizes' gather reads every owner's at once.
     pidx, psums, stats = Batch([(ridx, rvals, size)], acc).padded()  # every run summed from +0
-    unique = stats[1]
+    head = stats[1:]
+    if parts is not None:  # each part's count in this owner's merge (padding lies past every part)
+        head = torch.cat((head, torch.diff(torch.searchsorted(pidx, upload(parts.bounds, dev)))))
     if divide and p > 1:
         psums.div_(p)
     with comm.meta():
-        shares = comm.gather_small(unique.reshape(1)).tolist()
+        table = comm.gather_small(head).view(p, head.numel()).tolist()
+    shares = [row[0] for row in table]
+    if parts is not None:
+        parts.sizes = [sum(col) for col in zip(*table)][1:]
     u = shares[me]
     flat = comm.all_gather_flat(pack(pidx[:u], psums[:u], index_dtype, share_dtype), shares, mode)
     gidx, gvals = unpack(flat, r, index_dtype, share_dtype)
@@ -385,7 +397,7 @@ class HashPart(Algorithm):
         counts = _meta.send_recv_counts(inp.payload, me) if p > 1 else None
         out = hash_reduce(
             comm, inp.indices, inp.values, inp.size, inp.dtype, counts=counts, divide=inp.op == "avg",
-            mode=knobs["gather_mode"], owners=inp.work,
+            mode=knobs["gather_mode"], owners=inp.work, parts=inp.parts,
         )
         _meta.note_payload(comm)  # the counts ride in the next records (from P = 64 the slot makes room for them)
         return out
