@@ -421,6 +421,8 @@ class Batch:
         self.sorted, order = torch.sort(raw, stable=True)
         self.vals = vals.index_select(0, order)
         self.starts = run_starts(self.sorted)
+        #: Where each run begins, padded to ``k + 1`` with ``k``, once :meth:`padded_indices` found them.
+        self._runs_at: torch.Tensor | None = None
         if t == 1:
             bad = (self.sorted[0] < 0) | (self.sorted[-1] >= self.n) if k else torch.zeros((), dtype=torch.bool, device=device)
             self.stats = torch.stack((bad, self.starts.sum()))  # promoted to int64
@@ -449,6 +451,20 @@ class Batch:
         idx, sums = _padded_runs(self.sorted, self.vals, self.starts, self.n)
         return idx, sums, self.stats
 
+    def padded_indices(self) -> torch.Tensor:
+        """Before :meth:`finish`: the union's sorted unique indices, padded to ``k`` with the batch's size; no read.
+
+        The indices an algorithm counts its record payload from before the
+        host knows the union's size
+        (:meth:`~colltune.algorithms.base.Algorithm.eager_payload`): the
+        first ``u`` are :meth:`finish`'s union, in the same places, the rest
+        past every real index. :meth:`finish` reuses the run positions found here.
+        """
+        if self._runs_at is None:
+            self._runs_at = mask_positions(self.starts, self.k + 1)  # past the run count, position k
+        pad = self.sorted.new_full((1,), self.at[-1])
+        return torch.cat((self.sorted, pad)).index_select(0, self._runs_at[: self.k])
+
     def finish(self, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the batch's union: its sorted unique int64 indices and their summed rows, tensor after tensor.
 
@@ -463,7 +479,8 @@ class Batch:
         if u == k:
             uniq, sums = self.sorted, self.vals + 0.0  # each from +0
         else:
-            offs = mask_positions(self.starts, u + 1)  # the u runs' first rows, then k (their end)
+            # The u runs' first rows, then k (their end).
+            offs = mask_positions(self.starts, u + 1) if self._runs_at is None else self._runs_at[: u + 1]
             uniq, sums = self.sorted.index_select(0, offs[:u]), _segment_sums(self.vals, offsets=offs)
         #: The union in the batch's index space and its rows, and where each tensor's part starts.
         self.union, self.sums, self.parts = uniq, sums, offsets(counts)

@@ -11,7 +11,10 @@ tables those fixed costs are most of the time. The fused call
    that disagree all raise, naming the first tensor that differs), the op,
    the algorithm, the policy and the bucket capacity; every rank's entry
    count per tensor rides in the record's slot (a gather of its own only
-   when ``8 T`` bytes exceed the largest slot the group allows);
+   when ``8 T`` bytes exceed the largest slot the group allows), then, for
+   each index space (below), the payload of the algorithm likeliest to
+   reduce it, as a single call's record carries it (Ok-Topk's counts per
+   region, hashpart's per owner);
 3. groups the tensors into buckets, in list order, from data every rank
    holds: tensors of one row width and dtype share a bucket until its
    largest rank's entries would exceed ``bucket_cap_mb``, or its index
@@ -50,7 +53,7 @@ import torch.distributed as dist
 
 from colltune.algorithms import get as get_algorithm
 from colltune.algorithms import meta as _meta
-from colltune.algorithms.base import SparseInput, SparseResult
+from colltune.algorithms.base import Algorithm, Prepared, SparseInput, SparseResult
 from colltune.algorithms.comm import Comm, ranks_per_node
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError, RankMismatchError
 from colltune.algorithms.sizes import slot_limit
@@ -334,11 +337,18 @@ class _FusedCall:
         self.counts = np.zeros(0, dtype=np.int64)
         self.cap = 1
         self.record: dict[str, int] = {"kind": _meta.name_code(_KIND_FUSED)}
-        self.slot: np.ndarray | None = None
+        self.slot: np.ndarray | torch.Tensor | None = None
+        #: Per space likely to run as one bucket (its tensors' positions): the algorithm whose payload rides in
+        #: the record for it, where it lies in the slot, and that algorithm's own work (:meth:`bucket_payloads`).
+        self.payloads: dict[tuple[int, ...], tuple[str, int, int, Any]] = {}
+        self.slots: np.ndarray | None = None
+        #: On the host path, a space's coalesced indices laid end to end for its payload, kept for its bucket.
+        self.joined: dict[tuple[int, ...], torch.Tensor] = {}
         self.knobs: Any = None
         self.sel: Any = None
         self.backend: str | None = None
         self.group: Any = None
+        self.name: str | None = None
         #: On the device path, per tensor: its coalesce batch and its place there.
         self.batched: dict[int, tuple[Batch, int]] = {}
         #: A deferred coalesce (device path, P > 1): the batches, finished once the record tells the counts.
@@ -358,7 +368,7 @@ class _FusedCall:
                                  f"{type(tensors).__name__}; for one tensor call colltune.sparse_allreduce.")
         check_op_and_algorithm(op, algorithm)  # also for an empty list
         backend = group_backend(group)  # a bad group is the group's error, not the first tensor's
-        cap, self.group = _check_cap(cap_mb), group
+        cap, self.group, self.name = _check_cap(cap_mb), group, name
         checked: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i in range(len(tensors)):
             try:
@@ -455,9 +465,14 @@ class _FusedCall:
         self.pending = None
 
     def fill_record(self, op: str, algorithm: str, code: int) -> None:
-        """Fill the record's fields and, where they fit, every tensor's entry count in the slot."""
-        t = len(self.desc)
-        in_slot = 8 * t <= _meta.slot_bytes(self.comm)
+        """Fill the record's fields and, where they fit, every tensor's entry count in the slot, then payloads."""
+        t, comm = len(self.desc), self.comm
+        cap = _meta.slot_bytes(comm)
+        in_slot = 8 * t <= cap
+        parts: list[np.ndarray | torch.Tensor] = []
+        if in_slot and comm.world_size > 1:
+            parts = [self.counts.view(np.uint8) if self.pending is None else self.device_counts.view(torch.uint8),
+                     *self.bucket_payloads(algorithm, 8 * t, cap)]
         self.record.update(
             size=t,
             row_shape=_meta.digest([(n, shape, _meta.dtype_name(d)) for n, shape, d in self.desc]),
@@ -467,10 +482,69 @@ class _FusedCall:
             policy=code,
             count=int(self.counts.sum()),
             eager=_COUNTS_IN_SLOT if in_slot else _COUNTS_NONE,
-            payload=8 * t if in_slot else 0,
+            payload=sum(int(part.numel() if isinstance(part, torch.Tensor) else part.size) for part in parts),
         )
-        if in_slot and self.comm.world_size > 1:
-            self.slot = self.counts.view(np.uint8) if self.pending is None else self.device_counts.view(torch.uint8)
+        if len(parts) == 1 or all(isinstance(part, np.ndarray) for part in parts):
+            self.slot = parts[0] if len(parts) == 1 else (np.concatenate(parts) if parts else None)
+        else:  # device parts: the record is filled on the device, with no read
+            self.slot = torch.cat([upload(torch.from_numpy(part), comm.device) if isinstance(part, np.ndarray)
+                                   else part.reshape(-1) for part in parts])
+
+    def bucket_payloads(self, algorithm: str, start: int, cap: int) -> list[np.ndarray | torch.Tensor]:
+        """Return each space's record payload from the algorithm likeliest to reduce it, laid from byte ``start``.
+
+        A space's tensors make one bucket whenever they fit the cap
+        (:func:`plan_buckets`, the usual case). For each space, the algorithm
+        the caller named or its bucket's site last chose gives its
+        :meth:`~colltune.algorithms.base.Algorithm.eager_payload` (Ok-Topk's
+        counts per region, hashpart's per owner) from the space's union,
+        while it fits the slot; it reaches the run only if that bucket forms
+        and runs that algorithm (:meth:`run_bucket`), saving it a collective
+        and a read of its own. What is carried depends only on what every
+        rank shares (the list, the group's history, the slot's size), so
+        every rank lays the same payloads.
+        """
+        out: list[np.ndarray | torch.Tensor] = []
+        for members, idx in self.space_indices():
+            size = sum(self.desc[t][0] for t in members)
+            likely = algorithm if self.sel is None else self.sel.last_choice(self.site(members, size))
+            algo = None if likely is None else get_algorithm(likely)
+            if algo is None or algo.eager_entries or type(algo).eager_payload is Algorithm.eager_payload:
+                continue  # no payload to make: the union's indices are not laid out for nothing
+            own = algo.eager_payload(
+                idx(), size, self.comm, None if self.sel is not None else self.knobs, cap - start)
+            work = None
+            if isinstance(own, Prepared):
+                own, work = own.payload, own.work
+            if own is None:
+                continue
+            nbytes = int(own.numel() if isinstance(own, torch.Tensor) else own.size)
+            self.payloads[tuple(members)] = (likely, start, start + nbytes, work)
+            out.append(own)
+            start += nbytes
+        return out
+
+    def space_indices(self) -> list[tuple[list[int], Any]]:
+        """Per index space, its tensors and a function giving their union's sorted indices in the space.
+
+        On the device path the batch's union padded with the space's size
+        (the counts are not read yet); on the host path the coalesced tensors
+        laid end to end, kept for the bucket's run (:attr:`joined`).
+        """
+        if self.pending is not None:
+            return [(members, batch.padded_indices) for members, batch in self.pending]
+        spaces: dict[tuple[int, torch.dtype, int], list[int]] = {}
+        for t, space in enumerate(self.spaces):
+            spaces.setdefault(space, []).append(t)
+
+        def joined(members: list[int]) -> torch.Tensor:
+            if len(members) == 1:
+                return self.idx[members[0]]
+            at = offsets([self.desc[t][0] for t in members])
+            self.joined[tuple(members)] = idx = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
+            return idx
+
+        return [(members, lambda members=members: joined(members)) for members in spaces.values()]
 
     def exchange(self, error: BaseException | None) -> np.ndarray:
         """Exchange the records; return every rank's entry count per tensor (``[P, T]`` int64)."""
@@ -487,13 +561,15 @@ class _FusedCall:
             return self.counts.reshape(1, t)
         if records[0]["eager"] == _COUNTS_IN_SLOT:
             counts = np.ascontiguousarray(slots[:, : 8 * t]).view(np.int64)  # type: ignore[index]
+            self.slots = slots
         else:
             with comm.meta():
                 row = upload(self.counts, comm.device) if self.pending is None else self.device_counts
                 counts = comm.gather_small(row).view(comm.world_size, t).cpu().numpy()
         self.settle(counts[comm.rank])
         # Room for the counts in the next records, where the slot may grow to hold them (else no use).
-        _meta.note_slot_use(comm, 8 * t if 8 * t <= slot_limit(comm.world_size) else 0)
+        need = max(8 * t, records[0]["payload"])  # the counts, and the payloads that rode with them
+        _meta.note_slot_use(comm, need if need <= slot_limit(comm.world_size) else 0)
         return counts
 
     def run_bucket(self, members: list[int], counts: np.ndarray, algorithm: str, op: str,
@@ -508,14 +584,14 @@ class _FusedCall:
         elif len(members) == 1:
             idx, vals = self.idx[members[0]], self.vals[members[0]]
         else:
-            idx = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
+            idx = self.joined.get(tuple(members))
+            if idx is None:
+                idx = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
             vals = torch.cat([self.vals[t] for t in members])
         bucket_counts = tuple(int(c) for c in counts[:, members].sum(axis=1))
         knobs, decision = self.knobs, None
         if self.sel is not None:
-            # A site per bucket, as (kind, name, n, row, dtype, P, group): the bucket's tensors name it.
-            label = f"{name or 'fused'}[{members[0]}..{members[-1]}]" if len(members) > 1 else f"{name or 'fused'}[{members[0]}]"
-            site = (_KIND_FUSED, (label, tuple(members)), at[-1], r, dtype, comm.world_size, group_key(self.group))
+            site = self.site(members, at[-1])
             decision = self.sel.decide_sparse(
                 site, comm=comm, backend=self.backend, name=name, size=at[-1], row_numel=r, dtype=dtype,
                 counts=bucket_counts, indices=idx, ranks_per_node=ranks_per_node(comm.group))
@@ -525,7 +601,12 @@ class _FusedCall:
             parts.sizes = [int(c) for c in counts[0, members]]
         # Laid end to end, or taken from a batch: new memory; a host-path tensor alone: as its coalesce left it.
         owned, owned_indices = self.own[members[0]] if len(members) == 1 and self.own else (True, True)
-        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op, None, parts, owned, owned_indices)
+        # The payload belongs to the algorithm that made it, for the bucket it was made for.
+        carried = self.payloads.get(tuple(members))
+        mine = carried is not None and carried[0] == algorithm and self.slots is not None
+        inp = SparseInput(idx, vals, at[-1], (r,), dtype, bucket_counts, None, op,
+                          self.slots[:, carried[1] : carried[2]] if mine else None,  # type: ignore[index]
+                          parts, owned, owned_indices, work=carried[3] if mine else None)  # type: ignore[index]
         # The call's measurement is its bucket predicted slowest: only that bucket's run is timed.
         predicted = None if decision is None else (decision.predicted_us or {}).get(decision.algorithm)
         timed = (self.timer is not None and predicted is not None
@@ -541,6 +622,13 @@ class _FusedCall:
         if self.sel is not None:
             self.sel.observe_sparse(site, bucket_counts, out_idx.numel())
         return self.cut(members, at, out_idx, out_vals, algorithm, decision, parts)
+
+    def site(self, members: list[int], size: int) -> tuple:
+        """Return a bucket's site, as (kind, name, n, row, dtype, P, group): the bucket's tensors name it."""
+        name = self.name
+        label = f"{name or 'fused'}[{members[0]}..{members[-1]}]" if len(members) > 1 else f"{name or 'fused'}[{members[0]}]"
+        r, dtype = self.keys[members[0]]
+        return (_KIND_FUSED, (label, tuple(members)), size, r, dtype, self.comm.world_size, group_key(self.group))
 
     def cut(self, members: list[int], at: list[int], out_idx: torch.Tensor, out_vals: torch.Tensor,
             algorithm: str, decision: Any, parts: Parts | None = None) -> list[SparseResult]:
