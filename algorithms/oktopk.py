@@ -210,7 +210,9 @@ def split_reduce(
 
     Returns:
         The owner's coalesced region: sorted int64 indices and ``[u, r]``
-        values in ``acc``, summed over source ranks in rank order.
+        values in ``acc``, summed over source ranks in rank order (with
+        ``padded``, on the device path, followed by pad rows up to the
+        entries received).
 
     Wide rows (:func:`~colltune.algorithms.sparse.split_layout`) travel as two messages per peer, the
     indices and the value rows, each sent from a slice of the input and
@@ -789,7 +791,7 @@ class OkTopk(Algorithm):
 
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
-    ) -> np.ndarray | torch.Tensor | None:
+    ) -> Prepared | None:
         """This rank's entry count per region (``P`` int64), while the boundaries are cached.
 
         On the device path the counts stay on the device (the record is filled
@@ -799,24 +801,27 @@ class OkTopk(Algorithm):
         split needs no ``all_to_all`` of counts. ``None`` when the group has
         no boundaries for this size yet (or, with ``knobs``, none for their
         refresh period), when a refresh is due (the cuts are not known
-        before it), or when ``P`` counts do not fit.
+        before it), or when ``P`` counts do not fit. The cuts the counts were
+        cut by go with them (:class:`~colltune.algorithms.base.Prepared`'s
+        work): a fused call's buckets of one size share the boundaries,
+        and one bucket's refresh may move them before another runs.
         """
         p = comm.world_size
         st = _exact_entry(comm, size, None if knobs is None else knobs["boundary_refresh"])
         cuts = None if st is None or 8 * p > capacity else st.bounds.cached(size, p)
         if cuts is None:
             return None
-        return _region_payload(indices, cuts)
+        return Prepared(_region_payload(indices, cuts), tuple(cuts))
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         st = self._state(comm, inp.size, knobs)
         idx = inp.indices.to(comm.device)
         p = comm.world_size
-        # The payload's counts were cut by these boundaries if they are still cached (the same state, no
-        # refresh due); a state made afresh for other knobs refreshes, and the counts travel again.
-        counts = None if st.bounds.due(inp.size, p) else _meta.send_recv_counts(inp.payload, comm.rank)
         with comm.meta():
             cuts = st.bounds.get(idx, inp.size, comm)
+        # The payload's counts hold if they were cut by these boundaries (a refresh, or a state made afresh for
+        # other knobs, moves them: the counts travel again). The cuts are the same on every rank.
+        counts = _meta.send_recv_counts(inp.payload, comm.rank) if inp.work == tuple(cuts) else None
         # On the device path the owner's merge reads nothing: its region stays padded, its count travels
         # with its size in the regions' gather (one read for both).
         padded = not on_host(idx)

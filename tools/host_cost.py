@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from colltune import algorithms  # noqa: E402
 from colltune.algorithms import meta  # noqa: E402
 from colltune.algorithms.allgather import eager_slot, slot_need  # noqa: E402
-from colltune.algorithms.base import SparseInput  # noqa: E402
+from colltune.algorithms.base import Prepared, SparseInput  # noqa: E402
 from colltune.algorithms.comm import Comm  # noqa: E402
 from colltune.algorithms.state import TopkState  # noqa: E402
 from colltune.cli.common import save_json  # noqa: E402
@@ -146,11 +146,13 @@ def _exact_call(name: str, n: int, idx: torch.Tensor, vals: torch.Tensor) -> Cal
 
     def call(comm: StubComm) -> None:
         cap = meta.slot_bytes(comm)
-        slot, payload_bytes, eager = None, 0, meta.EAGER_NONE
+        slot, payload_bytes, eager, work = None, 0, meta.EAGER_NONE, None
         if algo.eager_entries:
             slot, eager = eager_slot(idx, vals, n, torch.float32, cap), meta.EAGER_ENTRIES
         else:
             slot = algo.eager_payload(idx, n, comm, knobs, cap)
+            if isinstance(slot, Prepared):
+                slot, work = slot.payload, slot.work
             payload_bytes = 0 if slot is None else int(slot.size)
         records, slots = meta.exchange(comm, dict(record, eager=eager, payload=payload_bytes), None, slot)
         counts = tuple(rec["count"] for rec in records)
@@ -159,7 +161,7 @@ def _exact_call(name: str, n: int, idx: torch.Tensor, vals: torch.Tensor) -> Cal
         payload = slots[:, :payload_bytes] if payload_bytes else None
         entries = slots if algo.eager_entries else None
         inp = SparseInput(idx, vals, n, (vals.shape[1],) if vals.shape[1] > 1 else (), torch.float32, counts,
-                          entries, "sum", payload)
+                          entries, "sum", payload, work=work)
         algo.sparse_allreduce(inp, comm, knobs)
 
     return call

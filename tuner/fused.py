@@ -56,7 +56,7 @@ from colltune.algorithms import meta as _meta
 from colltune.algorithms.base import Algorithm, Prepared, SparseInput, SparseResult
 from colltune.algorithms.comm import Comm, ranks_per_node
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError, RankMismatchError
-from colltune.algorithms.sizes import slot_limit
+from colltune.algorithms.sizes import payload_reserve, slot_limit
 from colltune.algorithms.sparse import (
     Batch,
     Parts,
@@ -568,8 +568,10 @@ class _FusedCall:
                 counts = comm.gather_small(row).view(comm.world_size, t).cpu().numpy()
         self.settle(counts[comm.rank])
         # Room for the counts in the next records, where the slot may grow to hold them (else no use).
-        need = max(8 * t, records[0]["payload"])  # the counts, and the payloads that rode with them
-        _meta.note_slot_use(comm, need if need <= slot_limit(comm.world_size) else 0)
+        # The counts and the payloads that rode with them, less the room the group holds for payloads already.
+        need = 8 * t + max(0, records[0]["payload"] - 8 * t - payload_reserve(comm.world_size))
+        limit = slot_limit(comm.world_size)
+        _meta.note_slot_use(comm, min(need, limit) if 8 * t <= limit else 0)
         return counts
 
     def run_bucket(self, members: list[int], counts: np.ndarray, algorithm: str, op: str,

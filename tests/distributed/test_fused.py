@@ -112,6 +112,32 @@ def test_fused_avg(world_size):
     _check(cases, world_size, pool(world_size).run(_run_both, cases, "auto", 25.0))
 
 
+def _same_size_spaces(rank, world_size, cases, device):
+    items = _inputs(cases, rank, world_size)
+    out = []
+    with device_path(device):
+        for _ in range(5):
+            res = colltune.sparse_allreduce_many(items, algorithm="oktopk", knobs={"boundary_refresh": 2})
+            out.append([(raw(r.indices), raw(r.values), r.indices, r.values) for r in res])
+    return out
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_spaces_of_one_size_run_on_the_boundaries_their_counts_were_cut_by(device):
+    # Ok-Topk keeps its boundaries per size, so these three spaces (three row shapes or dtypes, one size) share
+    # them: with a refresh every 2 calls, one bucket's refresh moves them before the next bucket runs, and
+    # the counts that bucket's payload carries (cut before the call) no longer hold; it exchanges its own.
+    grow = [40, 55, 70]
+    cases = [case(seed=400, size=500, counts=grow), case(seed=401, size=500, counts=grow, row_shape=(4,)),
+             case(seed=402, size=500, counts=grow, dtype="float64")]
+    out = pool(3).run(_same_size_spaces, cases, device)
+    for r, calls in enumerate(out):
+        for c_i, call in enumerate(calls):
+            for t, ((idx_bits, val_bits, idx, vals), c) in enumerate(zip(call, cases)):
+                assert (idx_bits, val_bits) == out[0][c_i][t][:2], f"rank {r} call {c_i} tensors[{t}] differs from rank 0"
+                assert_close_to_reference(vals, idx, reference(c, 3), vals.dtype, f"call {c_i} [{t}]")
+
+
 def _run_many_tables(rank, world_size, t, calls):
     # More tensors than the first record's slot holds counts for: a gather of its own, then a grown slot.
     cases = [case(seed=200 + i, size=20 + i, counts=[i % 4 + r for r in range(world_size)]) for i in range(t)]

@@ -213,9 +213,9 @@ def test_oktopk_payload_fits_the_slot_at_1024_ranks():
     idx = torch.arange(0, 1 << 20, 97, dtype=torch.int64)
     assert algo.eager_payload(idx, 1 << 20, comm, algo.knobs, meta.slot_bytes(comm)) is None  # no room yet
     meta.note_payload(comm)
-    payload = algo.eager_payload(idx, 1 << 20, comm, algo.knobs, meta.slot_bytes(comm))
-    assert payload is not None and payload.size == 8 * 1024
-    assert int(payload.view(np.int64).sum()) == idx.numel()
+    prepared = algo.eager_payload(idx, 1 << 20, comm, algo.knobs, meta.slot_bytes(comm))
+    assert prepared is not None and prepared.payload.size == 8 * 1024 and prepared.work == tuple(st.bounds.cuts)
+    assert int(prepared.payload.view(np.int64).sum()) == idx.numel()
 
 
 def _simulate_balance(sizes_: list[int]) -> list[tuple[int, int]]:
