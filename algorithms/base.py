@@ -217,9 +217,10 @@ class Prepared:
         payload: this rank's bytes for the record's eager slot (flat
             ``uint8``; on the device path a device tensor, written into the
             record there).
-        work: the algorithm's own pre-exchange work (Ok-Topk: its local
-            selection; hashpart: its entries' owners, sorted), handed back to
-            it unread by the front door.
+        work: the algorithm's own pre-exchange work (Ok-Topk: the cuts its
+            counts were cut by, or in top-k its local selection; hashpart:
+            its entries' owners, sorted, with the indices in top-k), handed
+            back to it unread by the front door.
         gathered: every rank's payload after the exchange (``[P, payload
             bytes]`` ``uint8``, host data), set by the front door before
             :meth:`Algorithm.topk_allreduce` receives it.
