@@ -332,7 +332,7 @@ class HashPart(Algorithm):
     #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the record
     #: (carrying the local selection's counts per owner; the selection reads nothing) and the sizes.
     HOST_SYNCS = {"exact": 3, "topk": 2}
-    HOST_KERNELS = {"exact": 70, "topk": 74}
+    HOST_KERNELS = {"exact": 68, "topk": 74}
     applies_avg = True  # each owner divides its own sums, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -424,7 +424,12 @@ class Batch:
         #: Where each run begins, padded to ``k + 1`` with ``k``, once :meth:`padded_indices` found them.
         self._runs_at: torch.Tensor | None = None
         if t == 1:
-            bad = (self.sorted[0] < 0) | (self.sorted[-1] >= self.n) if k else torch.zeros((), dtype=torch.bool, device=device)
+            if k and self.n:
+                # An index lies outside [0, n) exactly when its floor quotient by n is not 0; sorted, the first
+                # and the last tell (one kernel and a reduction, where two comparisons and an or took three).
+                bad = torch.div(self.sorted[:: max(k - 1, 1)], self.n, rounding_mode="floor").any()
+            else:  # no entries: none out of range; entries of a tensor of no rows: all of them
+                bad = torch.full((), bool(k), dtype=torch.bool, device=device)
             self.stats = torch.stack((bad, self.starts.sum()))  # promoted to int64
         else:
             runs = torch.zeros(k + 1, dtype=torch.int64, device=device)

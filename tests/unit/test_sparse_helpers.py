@@ -155,6 +155,22 @@ def test_counts_at_many_thresholds_equal_one_count_each(dtype, monkeypatch):
         assert mag.counts([0.0, 1.0]).tolist() == [int((vals != 0).sum()), int((vals.abs() >= 1).sum()) + 7]
 
 
+@pytest.mark.parametrize("indices, n, bad", [
+    ([3, 1, 3], 8, 0), ([7], 8, 0), ([0, 7, 7], 8, 0), ([], 8, 0), ([2**62 - 1, 0], 2**62, 0),
+    ([-1, 2], 8, 1), ([0, 8], 8, 1), ([8], 8, 1), ([-5], 8, 1), ([0], 0, 1), ([5, 2**62, 1], 2**62, 1),
+    ([-(2**63), 3], 8, 1),
+])
+def test_a_batch_flags_an_index_out_of_range_with_its_count(indices, n, bad):
+    """The coalesce's stats ``[bad, count]``: the range flag (from the first and last sorted index) is exactly 0 or 1,
+    as the record's error field takes it, and the count is the number of distinct indices."""
+    import colltune.algorithms.sparse as sparse
+
+    with sparse.device_path():
+        idx = torch.tensor(indices, dtype=torch.int64)
+        stats = sparse.Batch([(idx, torch.ones(len(indices), 2), n)], torch.float32).stats
+    assert stats.dtype == torch.int64 and stats.tolist() == [bad, len(set(indices))]
+
+
 def test_top_k_selection_takes_tensors_that_require_grad():
     mag = torch.rand(100, requires_grad=True)
     idx, th = Magnitudes(mag).top_k(7)
