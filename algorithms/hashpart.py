@@ -84,13 +84,14 @@ from colltune.algorithms.sparse import (
     Magnitudes,
     Parts,
     accum_dtype,
+    count_between,
     merge_host_pieces,
     on_host,
     pack,
     pack_host,
+    read_sizes,
     unpack,
     unpack_host,
-    upload,
     wire_index_dtype,
 )
 
@@ -285,14 +286,11 @@ def _hash_reduce_device(
     pidx, psums, stats = Batch([(ridx, rvals, size)], acc).padded()  # every run summed from +0
     head = stats[1:]
     if parts is not None:  # each part's count in this owner's merge (padding lies past every part)
-        head = torch.cat((head, torch.diff(torch.searchsorted(pidx, upload(parts.bounds, dev)))))
+        head = torch.cat((head, count_between(pidx, parts.bounds)))
     if divide and p > 1:
         psums.div_(p)
     with comm.meta():
-        table = comm.gather_small(head).view(p, head.numel()).tolist()
-    shares = [row[0] for row in table]
-    if parts is not None:
-        parts.sizes = [sum(col) for col in zip(*table)][1:]
+        shares = read_sizes(comm.gather_small(head).view(p, head.numel()), parts)
     u = shares[me]
     flat = comm.all_gather_flat(pack(pidx[:u], psums[:u], index_dtype, share_dtype), shares, mode)
     gidx, gvals = unpack(flat, r, index_dtype, share_dtype)

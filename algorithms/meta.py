@@ -71,6 +71,8 @@ __all__ = [
     "note_slot_use",
     "note_payload",
     "send_recv_counts",
+    "part_bytes",
+    "join_slot",
     "SHRINK_AFTER",
     "PAYLOAD_IDLE",
     "FEEDBACK_KEY",
@@ -247,6 +249,24 @@ def send_recv_counts(gathered: np.ndarray | None, rank: int) -> tuple[list[int],
         return None
     table = np.ascontiguousarray(gathered).view(np.int64)
     return table[rank].tolist(), table[:, rank].tolist()
+
+
+def part_bytes(part: "np.ndarray | torch.Tensor") -> int:
+    """The bytes of one flat ``uint8`` part of a slot (a NumPy array on the host, a tensor on the device)."""
+    return int(part.numel() if isinstance(part, torch.Tensor) else part.size)
+
+
+def join_slot(parts: "Sequence[np.ndarray | torch.Tensor]", device: "torch.device") -> "np.ndarray | torch.Tensor | None":
+    """Lay a slot's parts end to end: on the host when every part is there, else on the device with no read.
+
+    One part goes in as it is; ``None`` when there are none.
+    """
+    if not parts:
+        return None
+    if all(isinstance(part, np.ndarray) for part in parts):  # the host path, or only host parts
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[arg-type]
+    flat = [upload(torch.from_numpy(part), device) if isinstance(part, np.ndarray) else part.reshape(-1) for part in parts]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def note_payload(comm: Comm) -> None:

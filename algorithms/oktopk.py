@@ -86,6 +86,7 @@ from colltune.algorithms.sparse import (
     SPLIT_MIN_ROW_BYTES,
     Magnitudes,
     Parts,
+    count_between,
     entry_bytes,
     fresh,
     gather_mode,
@@ -93,6 +94,7 @@ from colltune.algorithms.sparse import (
     offsets,
     on_host,
     pack,
+    read_sizes,
     reinterpret,
     split_layout,
     unpack,
@@ -160,11 +162,6 @@ def _slices(idx: torch.Tensor, cuts: list[int]) -> list[int]:
     return torch.searchsorted(idx, bounds).tolist()
 
 
-def _count_between(idx: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """How many of sorted ``idx`` lie in each ``[bounds[j], bounds[j+1])``: int64, where ``idx`` is, not read."""
-    return torch.diff(torch.searchsorted(idx, upload(bounds, idx.device)))
-
-
 def _region_payload(idx: torch.Tensor, cuts: list[int]) -> np.ndarray | torch.Tensor:
     """This rank's entry count per region as the record's payload bytes (``P`` int64).
 
@@ -173,7 +170,7 @@ def _region_payload(idx: torch.Tensor, cuts: list[int]) -> np.ndarray | torch.Te
     """
     if on_host(idx):
         return np.diff(np.asarray(_slices(idx, cuts), dtype=np.int64)).view(np.uint8)
-    return _count_between(idx, cuts).view(torch.uint8)
+    return count_between(idx, cuts).view(torch.uint8)
 
 
 def split_reduce(
@@ -368,7 +365,7 @@ def _gather_regions(
     ):
         return _gather_regions_eager(comm, ridx, rvals, last, index_dtype, wire_dtype, peers_in_flight, parts, end)
     with comm.meta():
-        sizes = _read_sizes(comm.gather_small(_size_head(ridx, parts, end)).view(p, -1), parts)
+        sizes = read_sizes(comm.gather_small(_size_head(ridx, parts, end)).view(p, -1), parts)
     ridx, rvals = ridx[: sizes[me]], rvals[: sizes[me]]  # the padding, if any, stays here
     dense = _dense_regions(sizes, lengths, ebytes, rowbytes, dense_ratio)
     nbytes = [
@@ -494,7 +491,7 @@ def _gather_regions_eager(
     mine[h : h + first] = blob[:first]
     comm.rotated_exchange(peers_in_flight, lambda dst: [(mine, 0)], lambda src: [(msgs[at[src] : at[src + 1]], 0)])
     heads = upload(at[:-1], comm.device).view(p, 1) * e + torch.arange(8 * head.numel(), device=comm.device)
-    sizes = _read_sizes(msgs.view(-1)[heads].view(torch.int64).view(p, -1), parts)
+    sizes = read_sizes(msgs.view(-1)[heads].view(torch.int64).view(p, -1), parts)
     rest = [max(0, sizes[j] - caps[j]) for j in range(p)]
     if not any(rest):
         gidx, gvals = unpack(msgs.index_select(0, _entry_rows(at, h, sizes, comm.device)), r, index_dtype, wire_dtype)
@@ -521,18 +518,10 @@ def _size_head(ridx: torch.Tensor, parts: Parts | None, end: int | None = None) 
     """
     if end is None:
         u = upload([ridx.numel()], ridx.device)
-        return u if parts is None else torch.cat((u, _count_between(ridx, parts.bounds)))
+        return u if parts is None else torch.cat((u, count_between(ridx, parts.bounds)))
     bounds = [end] if parts is None else [end, *(min(b, end) for b in parts.bounds)]
     at = torch.searchsorted(ridx, upload(bounds, ridx.device))
     return at if parts is None else torch.cat((at[:1], torch.diff(at[1:])))
-
-
-def _read_sizes(heads: torch.Tensor, parts: Parts | None) -> list[int]:
-    """Read every owner's :func:`_size_head` (``[P, 1 + T]``) in one read: the sizes, and ``parts.sizes`` summed over owners."""
-    table = heads.tolist()
-    if parts is not None:
-        parts.sizes = [sum(col) for col in zip(*(row[1:] for row in table))]
-    return [row[0] for row in table]
 
 
 def _entry_rows(at: list[int], h: int, sizes: list[int], device: torch.device) -> torch.Tensor:

@@ -275,6 +275,23 @@ class Parts:
         self.sizes: list[int] | None = None
 
 
+def count_between(idx: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+    """How many of sorted ``idx`` lie in each ``[bounds[j], bounds[j+1])``: int64, where ``idx`` is, not read."""
+    return torch.diff(torch.searchsorted(idx, upload(bounds, idx.device)))
+
+
+def read_sizes(heads: torch.Tensor, parts: Parts | None) -> list[int]:
+    """Read every owner's head (``[P, 1 + T]`` int64: its size, then with ``parts`` its count per part) in one read.
+
+    Returns the sizes; with ``parts`` sets ``parts.sizes``, each part's
+    counts summed over the owners.
+    """
+    table = heads.tolist()
+    if parts is not None:
+        parts.sizes = [sum(col) for col in zip(*(row[1:] for row in table))]
+    return [row[0] for row in table]
+
+
 def sum_sorted_runs(idx: torch.Tensor, vals: torch.Tensor, parts: Parts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the rows of each run of equal indices in sorted ``idx``, in row order: the device path's one reduction.
 
@@ -315,10 +332,13 @@ def _padded_runs(
     idx: torch.Tensor, vals: torch.Tensor, starts: torch.Tensor, fill: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the runs of sorted ``idx`` that begin where ``starts`` is set, padded to ``K`` rows (index ``fill``, zeros)."""
-    k = idx.numel()
-    offs = mask_positions(starts, k + 1)  # past the run count, position k: empty runs, zero sums
-    pos = offs[:k]
-    return torch.cat((idx, idx.new_full((1,), fill))).index_select(0, pos), _segment_sums(vals, offsets=offs)
+    offs = mask_positions(starts, idx.numel() + 1)  # past the run count, position k: empty runs, zero sums
+    return _run_heads(idx, offs, fill), _segment_sums(vals, offsets=offs)
+
+
+def _run_heads(idx: torch.Tensor, offs: torch.Tensor, fill: int) -> torch.Tensor:
+    """Each run's index from its first position in ``offs`` (``K + 1``); position ``K``, past the runs, gives ``fill``."""
+    return torch.cat((idx, idx.new_full((1,), fill))).index_select(0, offs[: idx.numel()])
 
 
 def _sum_sorted_runs_parts(idx: torch.Tensor, vals: torch.Tensor, parts: Parts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,8 +473,8 @@ class Batch:
             raise ValueError(f"padded() coalesces a batch of one tensor, not {self.count}")
         if self.k == 0:
             return self.sorted, self.vals, self.stats
-        idx, sums = _padded_runs(self.sorted, self.vals, self.starts, self.n)
-        return idx, sums, self.stats
+        idx = self.padded_indices()  # the batch's size is the tensor's: pads indexed n
+        return idx, _segment_sums(self.vals, offsets=self._runs_at), self.stats
 
     def padded_indices(self) -> torch.Tensor:
         """Before :meth:`finish`: the union's sorted unique indices, padded to ``k`` with the batch's size; no read.
@@ -467,8 +487,7 @@ class Batch:
         """
         if self._runs_at is None:
             self._runs_at = mask_positions(self.starts, self.k + 1)  # past the run count, position k
-        pad = self.sorted.new_full((1,), self.at[-1])
-        return torch.cat((self.sorted, pad)).index_select(0, self._runs_at[: self.k])
+        return _run_heads(self.sorted, self._runs_at, self.at[-1])
 
     def finish(self, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the batch's union: its sorted unique int64 indices and their summed rows, tensor after tensor.

@@ -75,7 +75,6 @@ from colltune.algorithms.sparse import (
     coalesce,
     on_host,
     shares_storage,
-    upload,
     writable,
 )
 from colltune.algorithms.state import TopkState
@@ -1221,7 +1220,7 @@ class _SparseCall:
                 own, self.work = own.payload, own.work
             if own is not None:
                 parts.append(own)
-                self.payload_bytes = int(own.numel() if isinstance(own, torch.Tensor) else own.size)
+                self.payload_bytes = _meta.part_bytes(own)
         if algorithm == "auto" or algorithms.get(algorithm).eager_entries:
             room = cap - self.payload_bytes
             if sel is not None and sel.wants_sketch(self.site, self.backend):
@@ -1235,14 +1234,7 @@ class _SparseCall:
                 self.eager = _meta.EAGER_ENTRIES
             parts.append(eager_slot(idx.to(comm.device), self.vals.to(comm.device), self.n, self.dtype,
                                     room - self.sketch_bytes))
-        if not parts:
-            return
-        if all(isinstance(part, np.ndarray) for part in parts):  # the host path, or only host parts
-            self.slot = parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[arg-type]
-        else:  # device parts: the record is filled on the device, with no read (one part goes in as it is)
-            flat = [upload(torch.from_numpy(part), comm.device) if isinstance(part, np.ndarray) else part.reshape(-1)
-                    for part in parts]
-            self.slot = flat[0] if len(flat) == 1 else torch.cat(flat)
+        self.slot = _meta.join_slot(parts, comm.device)
 
     def decide(self, algorithm: str, counts: tuple[int, ...], slots: Any, name: Any) -> tuple[str, Any]:
         """Return the algorithm to run and the selector's decision (``None`` when the caller named one)."""

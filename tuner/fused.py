@@ -416,11 +416,8 @@ class _FusedCall:
             self.own = [(not shares_storage(cv, v), not shares_storage(ci, i)) for (ci, cv), (i, v, _) in zip(done, checked)]
             self.counts = np.array([i.numel() for i in self.idx], dtype=np.int64)
             return
-        groups: dict[tuple[int, torch.dtype, int], list[int]] = {}
-        for t, space in enumerate(self.spaces):
-            groups.setdefault(space, []).append(t)
         batches = [(members, Batch([checked[t] for t in members], accum_dtype(dtype)))
-                   for (_, dtype, _), members in groups.items()]
+                   for (_, dtype, _), members in self.space_members().items()]
         if self.comm.world_size > 1:
             self.defer(batches, checked)
             return
@@ -482,13 +479,9 @@ class _FusedCall:
             policy=code,
             count=int(self.counts.sum()),
             eager=_COUNTS_IN_SLOT if in_slot else _COUNTS_NONE,
-            payload=sum(int(part.numel() if isinstance(part, torch.Tensor) else part.size) for part in parts),
+            payload=sum(_meta.part_bytes(part) for part in parts),
         )
-        if len(parts) == 1 or all(isinstance(part, np.ndarray) for part in parts):
-            self.slot = parts[0] if len(parts) == 1 else (np.concatenate(parts) if parts else None)
-        else:  # device parts: the record is filled on the device, with no read
-            self.slot = torch.cat([upload(torch.from_numpy(part), comm.device) if isinstance(part, np.ndarray)
-                                   else part.reshape(-1) for part in parts])
+        self.slot = _meta.join_slot(parts, comm.device)
 
     def bucket_payloads(self, algorithm: str, start: int, cap: int) -> list[np.ndarray | torch.Tensor]:
         """Return each space's record payload from the algorithm likeliest to reduce it, laid from byte ``start``.
@@ -518,7 +511,7 @@ class _FusedCall:
                 own, work = own.payload, own.work
             if own is None:
                 continue
-            nbytes = int(own.numel() if isinstance(own, torch.Tensor) else own.size)
+            nbytes = _meta.part_bytes(own)
             self.payloads[tuple(members)] = (likely, start, start + nbytes, work)
             out.append(own)
             start += nbytes
@@ -533,18 +526,24 @@ class _FusedCall:
         """
         if self.pending is not None:
             return [(members, batch.padded_indices) for members, batch in self.pending]
+        return [(members, lambda members=members: self.laid(members)) for members in self.space_members().values()]
+
+    def space_members(self) -> dict[tuple[int, torch.dtype, int], list[int]]:
+        """Each index space's tensors, in list order (spaces in order of their first tensor)."""
         spaces: dict[tuple[int, torch.dtype, int], list[int]] = {}
         for t, space in enumerate(self.spaces):
             spaces.setdefault(space, []).append(t)
+        return spaces
 
-        def joined(members: list[int]) -> torch.Tensor:
-            if len(members) == 1:
-                return self.idx[members[0]]
+    def laid(self, members: list[int]) -> torch.Tensor:
+        """On the host path: the coalesced indices of ``members`` laid end to end in their space, made once a call."""
+        if len(members) == 1:
+            return self.idx[members[0]]
+        idx = self.joined.get(tuple(members))
+        if idx is None:
             at = offsets([self.desc[t][0] for t in members])
-            self.joined[tuple(members)] = idx = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
-            return idx
-
-        return [(members, lambda members=members: joined(members)) for members in spaces.values()]
+            idx = self.joined[tuple(members)] = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
+        return idx
 
     def exchange(self, error: BaseException | None) -> np.ndarray:
         """Exchange the records; return every rank's entry count per tensor (``[P, T]`` int64)."""
@@ -586,10 +585,7 @@ class _FusedCall:
         elif len(members) == 1:
             idx, vals = self.idx[members[0]], self.vals[members[0]]
         else:
-            idx = self.joined.get(tuple(members))
-            if idx is None:
-                idx = torch.cat([self.idx[t] + at[j] for j, t in enumerate(members)])
-            vals = torch.cat([self.vals[t] for t in members])
+            idx, vals = self.laid(members), torch.cat([self.vals[t] for t in members])
         bucket_counts = tuple(int(c) for c in counts[:, members].sum(axis=1))
         knobs, decision = self.knobs, None
         if self.sel is not None:
