@@ -261,12 +261,12 @@ def join_slot(parts: "Sequence[np.ndarray | torch.Tensor]", device: "torch.devic
 
     One part goes in as it is; ``None`` when there are none.
     """
-    if not parts:
-        return None
+    if len(parts) < 2:
+        return parts[0] if parts else None
     if all(isinstance(part, np.ndarray) for part in parts):  # the host path, or only host parts
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[arg-type]
-    flat = [upload(torch.from_numpy(part), device) if isinstance(part, np.ndarray) else part.reshape(-1) for part in parts]
-    return flat[0] if len(flat) == 1 else torch.cat(flat)
+        return np.concatenate(parts)  # type: ignore[arg-type]
+    return torch.cat([upload(torch.from_numpy(part), device) if isinstance(part, np.ndarray) else part.reshape(-1)
+                      for part in parts])
 
 
 def note_payload(comm: Comm) -> None:
