@@ -21,7 +21,8 @@ Per algorithm on n = 2^16 rows (scalars and rows of 64, k = 3000 per rank;
 per top-k algorithm (2^16 values, density 1e-3, after 7 steps), top-k
 Ok-Topk's calls off the steady state (a refresh of both thresholds, a
 missed local threshold, a gradient 30x larger: one call each, no host
-column), and a fused call over 2 and over 26 tables. Usage::
+column), and a fused call over 2 and over 26 tables (``auto``, then each
+algorithm named). Usage::
 
     python tools/device_path_audit.py             # P = 2
     python tools/device_path_audit.py -P 3 --json audit.json
@@ -107,6 +108,9 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
             tensors = [(torch.randint(0, 1000 + 100 * t, (200,), generator=g), torch.randn(200, 16, generator=g),
                         1000 + 100 * t) for t in range(tables)]
             out[f"fused, {tables} tables"] = _audited(lambda ts=tensors: colltune.sparse_allreduce_many(ts))
+        for algorithm in names():  # one bucket of 26 tables per algorithm: its payload rides in the fused record
+            out[f"fused, 26 tables, {algorithm}"] = _audited(
+                lambda ts=tensors, a=algorithm: colltune.sparse_allreduce_many(ts, algorithm=a, name=a))
     return out
 
 
