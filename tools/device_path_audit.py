@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _path in (_ROOT, os.path.join(_ROOT, "tests")):
@@ -66,14 +67,19 @@ def _audited(call) -> dict:
         call()
     with audit(strict=False) as a:
         call()
-    kernels = sum(c for op, c in a.ops.items() if op not in VIEWS)
     host = []
     for _ in range(TIMED):
         t0 = time.thread_time()
         call()
         host.append(time.thread_time() - t0)
+    return _row(a, round(statistics.median(host) * 1e6, 1))
+
+
+def _row(a: Any, host_us: float | None) -> dict:
+    """One call's figures from its audit: syncs, ops, kernels (ops less views), nondeterministic ops, host time."""
+    kernels = sum(c for op, c in a.ops.items() if op not in VIEWS)
     return {"syncs": a.n_syncs, "ops": a.n_ops, "kernels": kernels, "nondeterministic": len(a.nondeterministic),
-            "host_us": round(statistics.median(host) * 1e6, 1), "which": dict(a.syncs)}
+            "host_us": host_us, "which": dict(a.syncs)}
 
 
 def _rank(rank: int, world_size: int, cfg: dict) -> dict:
@@ -133,9 +139,7 @@ def _oktopk_topk_events(g: torch.Generator, n: int) -> dict:
         with audit(strict=False) as a:
             colltune.topk_allreduce(grad, state, algorithm="oktopk")
         if step in events:
-            out[f"top-k oktopk, {events[step]}"] = {
-                "syncs": a.n_syncs, "ops": a.n_ops, "kernels": sum(c for op, c in a.ops.items() if op not in VIEWS),
-                "nondeterministic": len(a.nondeterministic), "host_us": None, "which": dict(a.syncs)}
+            out[f"top-k oktopk, {events[step]}"] = _row(a, None)
     return out
 
 

@@ -336,7 +336,8 @@ class DDPSyncTimer:
         runs two at once on its worker threads. With torch 2.13 the heap is
         corrupted now and then, and the core dump shows two running at once
         (``tools/ddp_sparse_stress.py`` reproduces it with DDP alone);
-        starting them one at a time avoided it in 4 of 4 runs there.
+        starting them one at a time makes it rarer, not impossible (none
+        in 4 long runs there; one 10-step run of its test died under load).
         """
         if not (self.one_sparse_in_flight and bucket.buffer().is_sparse):
             return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
