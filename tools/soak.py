@@ -1,4 +1,4 @@
-"""Soak the front door: thousands of mixed calls on local gloo ranks, each rank's memory over time.
+"""Soak the front door: thousands of mixed calls on local gloo ranks, checked, and each rank's memory over time.
 
 Every rank makes the same sequence of ``--calls`` calls, drawn from one
 seeded generator that all ranks share (what to call), on inputs drawn from
@@ -10,7 +10,10 @@ a generator of its own (what each rank contributes):
   indices, unsorted and with duplicates; 0 to 4,096 entries per rank, spread
   over the rows or crowded into a hot range (overlapping ranks); ``sum`` or
   ``avg``;
-- ``topk_allreduce`` (about 30 %): six gradient tensors, each with a
+- ``sparse_allreduce_many`` (about 15 %): one of three fixed lists of
+  2 to 5 tables (the embedding tables of a model, named, so their buckets
+  reach a steady state), each table's entries drawn as above;
+- ``topk_allreduce`` (about 15 %): six gradient tensors, each with a
   :class:`colltune.TopkState` per algorithm kept for the whole run.
 
 About a third of the calls are asynchronous, with up to four handles in
@@ -18,18 +21,27 @@ flight before the oldest is waited on. Every result (indices, values and
 the algorithm that ran) is hashed on its rank; every ``--every`` calls the
 ranks gather the hashes with ``dist.all_gather_object``, so every call's
 result is compared bit for bit across ranks, and each rank samples its
-resident memory (``/proc/self/statm``).
+resident memory (``/proc/self/statm``). Rank 0 also draws every other
+rank's inputs (each rank's generator is seeded from the seed and the rank)
+and checks each sparse and fused result against a float64 reference: the
+indices must be the union, each value within the bound the random-calls
+suite holds (``TOL`` times the summed magnitudes). ``--device-path`` sends
+the CPU tensors down the code path CUDA tensors take (one host read per
+call, padded coalesces, the payloads of the fused record), which is what
+GPU users run.
 
 The report gives each rank's RSS at every sample, then per rank the median
 RSS just after warm-up (the first quarter of the samples after the first
 ``--warmup`` calls), the median over the last quarter of the samples, and
-the growth between the two; and how many calls differed across ranks. The
-exit status is 1 if any did.
+the growth between the two; how many calls differed across ranks, and how
+many results the reference found wrong (each named: call, what, why). The
+exit status is 1 if any call differed or was wrong.
 
 Usage::
 
     python tools/soak.py                                        # P = 4, 3,000 calls
     python tools/soak.py --ranks 2 --calls 300 --every 25       # a quick look
+    python tools/soak.py --ranks 3 --calls 3000 --device-path   # the GPU code path, on CPU tensors
     python tools/soak.py --ranks 4 --calls 6000 --seed 3 --json soak.json
 """
 
@@ -66,6 +78,14 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 MAX_ELEMENTS = 2**19
 #: Largest entries a rank contributes to one sparse call.
 MAX_K = 4096
+#: Tables of the fused calls: three fixed lists of (rows, row shape, dtype), as a model's embedding tables;
+#: tables of one size share an index space, and with it Ok-Topk's boundaries.
+FUSED_LISTS: tuple[tuple[tuple[int, tuple[int, ...], torch.dtype], ...], ...] = (
+    ((1000, (16,), torch.float32), (2**14, (16,), torch.float32), (2**15, (16,), torch.float32)),
+    ((1000, (), torch.float32), (5000, (4,), torch.float16), (2**14, (4,), torch.float32), (2**17, (), torch.float64)),
+    ((777, (8,), torch.bfloat16), (1000, (8,), torch.bfloat16), (1000, (8,), torch.bfloat16),
+     (2**15, (8,), torch.float32), (30_000, (3, 5), torch.float32)),
+)
 #: Top-k tensors: shape, dtype and density, each with one state per algorithm.
 TOPK_TENSORS: tuple[tuple[tuple[int, ...], torch.dtype, float], ...] = (
     ((256,), torch.float32, 0.05),
@@ -77,6 +97,18 @@ TOPK_TENSORS: tuple[tuple[tuple[int, ...], torch.dtype, float], ...] = (
 )
 #: Most asynchronous handles in flight at once.
 MAX_IN_FLIGHT = 4
+#: A value's largest error against the float64 reference, relative to its summed magnitudes (the bound
+#: ``tests/distributed/test_random_calls.py`` holds): fp32 sums round once per addition, and a hot row here
+#: sums up to P x 4096 entries; 16-bit values are summed in fp32 and rounded once, twice with ``avg``
+#: (two unit roundoffs, 2^-11 for fp16 and 2^-8 for bf16).
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2 * 2.0**-11 + 1e-6, torch.bfloat16: 2 * 2.0**-8 + 1e-5}
+#: ... plus, for a subnormal fp16 result (an avg), two roundings of half its fixed spacing.
+TINY = {torch.float16: 2.0**-24}
+
+#: One table of a call: rows, row shape, value dtype, index dtype.
+Table = tuple[int, tuple[int, ...], torch.dtype, torch.dtype]
+#: What rank 0 checks a tensor's result against: the union, its float64 sums, its summed magnitudes, the dtype.
+Reference = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]
 
 
 # --------------------------------------------------------------------------- rank side
@@ -99,19 +131,18 @@ def _draw(plan: random.Random) -> dict[str, Any]:
         "algorithm": plan.choice(ALGORITHMS),
         "async": plan.random() < 0.35,
         "op": plan.choice(("sum", "avg")),
+        "k_max": min(MAX_K, plan.choice((1, 16, 256, 4096))),
+        "hot": plan.random() < 0.5,
     }
-    if plan.random() < 0.7:
+    kind = plan.random()
+    if kind < 0.7:
         n = plan.choice(SIZES)
         rows = [r for r in ROW_SHAPES if n * max(1, _numel(r)) <= MAX_ELEMENTS]
-        spec.update(
-            kind="sparse",
-            n=n,
-            row_shape=plan.choice(rows),
-            dtype=plan.choice(DTYPES),
-            index_dtype=plan.choice((torch.int32, torch.int64)),
-            k_max=min(MAX_K, plan.choice((1, 16, 256, 4096))),
-            hot=plan.random() < 0.5,
-        )
+        table = (n, plan.choice(rows), plan.choice(DTYPES), plan.choice((torch.int32, torch.int64)))
+        spec.update(kind="sparse", tables=[table])
+    elif kind < 0.85:
+        j = plan.randrange(len(FUSED_LISTS))
+        spec.update(kind="fused", name=f"tables{j}", tables=[(n, r, dt, torch.int64) for n, r, dt in FUSED_LISTS[j]])
     else:
         spec.update(kind="topk", tensor=plan.randrange(len(TOPK_TENSORS)))
     return spec
@@ -137,59 +168,121 @@ def _digest(algorithm: str, *tensors: torch.Tensor | None) -> bytes:
 
 
 def _hash_result(res: Any) -> bytes:
+    """Hash a call's result: one ``SparseResult``, or a fused call's list of them."""
+    if isinstance(res, list):
+        return _digest(res[0].algorithm if res else "", *(t for r in res for t in (r.indices, r.values)))
     return _digest(res.algorithm, res.indices, res.values)
 
 
-def _call(spec: dict[str, Any], data: torch.Generator, states: dict[tuple[int, str], colltune.TopkState]) -> Any:
-    """Make the call ``spec`` describes on this rank's own random inputs."""
+def _entries(table: Table, spec: dict[str, Any], data: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's entries of one table: unsorted indices with duplicates, over the rows or a hot range."""
+    n, row_shape, dtype, index_dtype = table
+    k = int(torch.randint(0, spec["k_max"] + 1, (1,), generator=data))
+    span = min(n, 4 * spec["k_max"]) if spec["hot"] else n  # a hot range makes the ranks overlap
+    idx = torch.randint(0, span, (k,), generator=data).to(index_dtype)
+    return idx, torch.randn((k,) + row_shape, generator=data).to(dtype)
+
+
+def reference(parts: list[tuple[torch.Tensor, torch.Tensor]], table: Table, op: str) -> Reference:
+    """The union of every rank's ``parts`` of ``table``, its float64 sums and summed magnitudes (``avg``: / P)."""
+    idx = torch.cat([i.long() for i, _ in parts])
+    vals = torch.cat([v.double() for _, v in parts])
+    union, inverse = torch.unique(idx, return_inverse=True)
+    sums = torch.zeros((union.numel(), *table[1]), dtype=torch.float64).index_add_(0, inverse, vals)
+    mags = torch.zeros_like(sums).index_add_(0, inverse, vals.abs())
+    if op == "avg":
+        sums, mags = sums / len(parts), mags / len(parts)
+    return union, sums, mags, table[2]
+
+
+def wrong(results: list[Any], refs: list[Reference]) -> str | None:
+    """Say how the first result off its reference is wrong (``None``: all right)."""
+    for t, (res, (union, sums, mags, dtype)) in enumerate(zip(results, refs)):
+        if not torch.equal(res.indices.long(), union):
+            return f"tensor {t}: {res.indices.numel()} indices, not the union of {union.numel()}"
+        if res.values.dtype != dtype or res.values.shape != sums.shape:
+            return f"tensor {t}: values {res.values.dtype} {tuple(res.values.shape)}, not {dtype} {tuple(sums.shape)}"
+        err = (res.values.double() - sums).abs()
+        off = err > TOL[dtype] * mags + TINY.get(dtype, 0.0)
+        if bool(off.any()):
+            return f"tensor {t}: {int(off.sum())} values off the reference (largest error {float(err.max()):.3g})"
+    return None
+
+
+def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int,
+          states: dict[tuple[int, str], colltune.TopkState]) -> tuple[Any, list[Reference] | None]:
+    """Make the call ``spec`` describes on this rank's own random inputs; with every rank's generator (rank 0),
+    also return the references its results are checked against."""
     algorithm, async_op, op = spec["algorithm"], spec["async"], spec["op"]
+    if spec["kind"] == "topk":
+        shape, dtype, density = TOPK_TENSORS[spec["tensor"]]
+        state = states.get((spec["tensor"], algorithm))
+        if state is None:
+            state = states[(spec["tensor"], algorithm)] = colltune.TopkState(density=density)
+        grads = {q: torch.randn(shape, generator=g).to(dtype) for q, g in data.items()}  # every generator moves on
+        return colltune.topk_allreduce(grads[rank], state, op=op, algorithm=algorithm, async_op=async_op,
+                                       name=f"grad{spec['tensor']}"), None
+    tables = spec["tables"]
+    entries = {q: [_entries(t, spec, g) for t in tables] for q, g in data.items()}
+    refs = None
+    if len(data) > 1:
+        refs = [reference([entries[q][j] for q in sorted(data)], t, op) for j, t in enumerate(tables)]
     if spec["kind"] == "sparse":
-        n, row_shape = spec["n"], spec["row_shape"]
-        k = int(torch.randint(0, spec["k_max"] + 1, (1,), generator=data))
-        span = min(n, 4 * spec["k_max"]) if spec["hot"] else n  # a hot range makes the ranks overlap
-        idx = torch.randint(0, span, (k,), generator=data).to(spec["index_dtype"])
-        vals = torch.randn((k,) + row_shape, generator=data).to(spec["dtype"])
-        return colltune.sparse_allreduce(idx, vals, n, op=op, algorithm=algorithm, async_op=async_op)
-    shape, dtype, density = TOPK_TENSORS[spec["tensor"]]
-    state = states.get((spec["tensor"], algorithm))
-    if state is None:
-        state = states[(spec["tensor"], algorithm)] = colltune.TopkState(density=density)
-    grad = torch.randn(shape, generator=data).to(dtype)
-    return colltune.topk_allreduce(grad, state, op=op, algorithm=algorithm, async_op=async_op,
-                                name=f"grad{spec['tensor']}")
+        (idx, vals), = entries[rank]
+        return colltune.sparse_allreduce(idx, vals, tables[0][0], op=op, algorithm=algorithm, async_op=async_op), refs
+    items = [(i, v, t[0]) for (i, v), t in zip(entries[rank], tables)]
+    return colltune.sparse_allreduce_many(items, op=op, algorithm=algorithm, async_op=async_op, name=spec["name"]), refs
 
 
 def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    from colltune.algorithms.sparse import device_path
+
     warnings.filterwarnings("ignore", category=FutureWarning)
+    with device_path(cfg["device_path"]):
+        return _calls(rank, world_size, cfg)
+
+
+def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     plan = random.Random(cfg["seed"])
-    data = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + rank + 1)
+    # Rank 0 draws every rank's inputs, each from the generator that rank draws its own from, to check results.
+    data = {q: torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + q + 1)
+            for q in (range(world_size) if rank == 0 else (rank,))}
     states: dict[tuple[int, str], colltune.TopkState] = {}
-    in_flight: deque[tuple[int, Any]] = deque()
+    in_flight: deque[tuple[int, Any, Any]] = deque()
     digests: dict[int, bytes] = {}
     kinds: Counter[str] = Counter()
     mismatches: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
     specs: dict[int, str] = {}
+    checked = 0
     samples = [{"calls": 0, "seconds": 0.0, "rss": _rss_bytes()}]
     start = time.perf_counter()
 
-    def finish_oldest() -> None:
-        i, handle = in_flight.popleft()
-        digests[i] = _hash_result(handle.wait())
+    def done(i: int, res: Any, refs: list[Reference] | None) -> None:
+        nonlocal checked
+        digests[i] = _hash_result(res)
+        if refs is not None:
+            checked += 1
+            why = wrong(res if isinstance(res, list) else [res], refs)
+            if why is not None:
+                errors.append({"call": i, "what": specs[i], "why": why})
 
     for i in range(cfg["calls"]):
         spec = _draw(plan)
         kinds[f"{spec['kind']}/{spec['algorithm']}" + (" async" if spec["async"] else "")] += 1
-        specs[i] = f"{spec['kind']}/{spec['algorithm']}"
-        out = _call(spec, data, states)
+        specs[i] = f"{spec['kind']}/{spec['algorithm']}" + (f" {spec['tables']}" if spec["kind"] == "sparse" else "")
+        out, refs = _call(spec, data, rank, states)
         if spec["async"]:
-            in_flight.append((i, out))
+            in_flight.append((i, out, refs))
             if len(in_flight) > plan.randint(1, MAX_IN_FLIGHT):
-                finish_oldest()
+                j, handle, r = in_flight.popleft()
+                done(j, handle.wait(), r)
         else:
-            digests[i] = _hash_result(out)
+            done(i, out, refs)
         if (i + 1) % cfg["every"] == 0 or i + 1 == cfg["calls"]:
             while in_flight:
-                finish_oldest()
+                j, handle, r = in_flight.popleft()
+                done(j, handle.wait(), r)
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, digests)
             for j in sorted(digests):
@@ -198,7 +291,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             digests.clear()
             specs.clear()
             samples.append({"calls": i + 1, "seconds": time.perf_counter() - start, "rss": _rss_bytes()})
-    return {"samples": samples, "mismatches": mismatches, "kinds": dict(kinds)}
+    return {"samples": samples, "mismatches": mismatches, "kinds": dict(kinds), "wrong": errors, "checked": checked}
 
 
 # --------------------------------------------------------------------------- parent side
@@ -222,10 +315,11 @@ def growth(samples: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     return {"after_warmup": base, "last_quarter": last, "growth": last / base - 1.0}
 
 
-def run(world_size: int, calls: int, every: int, seed: int, warmup: int | None = None) -> dict[str, Any]:
+def run(world_size: int, calls: int, every: int, seed: int, warmup: int | None = None,
+        device_path: bool = False) -> dict[str, Any]:
     """Run the soak on fresh local ranks and return the report (see the module docstring)."""
     warmup = calls // 5 if warmup is None else warmup
-    cfg = {"calls": calls, "every": every, "seed": seed}
+    cfg = {"calls": calls, "every": every, "seed": seed, "device_path": device_path}
     start = time.perf_counter()
     per_rank = launch.run_local(_rank, world_size, cfg, backend="gloo", timeout=3600)
     wall = time.perf_counter() - start
@@ -234,10 +328,13 @@ def run(world_size: int, calls: int, every: int, seed: int, warmup: int | None =
         "calls": calls,
         "every": every,
         "seed": seed,
+        "device_path": device_path,
         "warmup_calls": warmup,
         "wall_s": wall,
         "kinds": per_rank[0]["kinds"],
         "mismatches": per_rank[0]["mismatches"],
+        "checked": per_rank[0]["checked"],
+        "wrong": per_rank[0]["wrong"],
         "samples": [
             {"calls": s["calls"], "seconds": s["seconds"], "rss": [r["samples"][j]["rss"] for r in per_rank]}
             for j, s in enumerate(per_rank[0]["samples"])
@@ -256,7 +353,9 @@ def print_report(report: dict[str, Any], rows: int = 25) -> None:
     samples = report["samples"]
     step = max(1, -(-len(samples) // rows))
     shown = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
-    print(f"P={p}, {report['calls']} calls (seed {report['seed']}), {report['wall_s']:.0f} s; RSS in MiB")
+    path = "device" if report["device_path"] else "host"
+    print(f"P={p}, {report['calls']} calls (seed {report['seed']}, the {path} path), {report['wall_s']:.0f} s; "
+          "RSS in MiB")
     print(f"{'calls':>7} {'seconds':>8} " + " ".join(f"{'rank ' + str(r):>8}" for r in range(p)))
     for s in shown:
         print(f"{s['calls']:>7} {s['seconds']:>8.1f} " + " ".join(f"{_mb(x):>8}" for x in s["rss"]))
@@ -269,6 +368,9 @@ def print_report(report: dict[str, Any], rows: int = 25) -> None:
     print(f"calls: {mix}")
     print(f"results compared bit for bit across ranks: {report['calls']} calls, "
           f"{len(report['mismatches'])} differed")
+    print(f"results checked against the float64 reference: {report['checked']} calls, {len(report['wrong'])} wrong")
+    for w in report["wrong"][:10]:
+        print(f"  call {w['call']} ({w['what']}): {w['why']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,17 +381,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare results and sample RSS every this many calls (default 100)")
     ap.add_argument("--warmup", type=int, default=None, help="calls before the baseline (default a fifth of --calls)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the call sequence and inputs (default 0)")
+    ap.add_argument("--device-path", action="store_true",
+                    help="send the CPU tensors down the code path CUDA tensors take")
     ap.add_argument("--json", metavar="FILE", help="write the report here")
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.calls < 1 or args.every < 1 or (args.warmup is not None and args.warmup < 0):
         ap.error("need --ranks >= 2, --calls >= 1, --every >= 1 and --warmup >= 0")
-    report = run(args.ranks, args.calls, args.every, args.seed, args.warmup)
+    report = run(args.ranks, args.calls, args.every, args.seed, args.warmup, args.device_path)
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}")
-    return 1 if report["mismatches"] else 0
+    return 1 if report["mismatches"] or report["wrong"] else 0
 
 
 if __name__ == "__main__":

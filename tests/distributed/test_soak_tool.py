@@ -1,4 +1,4 @@
-"""Smoke test of ``tools/soak.py``: a short soak on 2 ranks runs, compares every call and reports memory."""
+"""Smoke test of ``tools/soak.py``: a short soak runs, compares and checks every call, and reports memory."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
 
@@ -35,6 +36,40 @@ def test_short_soak_compares_every_call_and_samples_memory(soak, tmp_path, capsy
     assert len(report["ranks"]) == 2 and all(r["after_warmup"] > 0 for r in report["ranks"])
     printed = capsys.readouterr().out
     assert "growth" in printed and "50 calls, 0 differed" in printed
+    # Every sparse and fused call (all but the top-k ones) is checked against the reference.
+    topk = sum(v for k, v in report["kinds"].items() if k.startswith("topk/"))
+    assert report["checked"] == 50 - topk > 0 and report["wrong"] == []
+    assert f"reference: {50 - topk} calls, 0 wrong" in printed
+
+
+def test_a_soak_on_the_device_path_checks_fused_calls_too(soak, tmp_path, capsys):
+    out = tmp_path / "soak.json"
+    argv = ["--ranks", "3", "--calls", "40", "--every", "20", "--seed", "5", "--device-path", "--json", str(out)]
+    assert soak.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["device_path"] and report["mismatches"] == [] and report["wrong"] == []
+    assert any(k.startswith("fused/") for k in report["kinds"]) and report["checked"] > 0
+    assert "the device path" in capsys.readouterr().out
+
+
+def test_wrong_names_how_a_result_is_off_its_reference(soak):
+    table = (10, (2,), torch.float32, torch.int64)
+    parts = [(torch.tensor([3, 1, 3]), torch.ones(3, 2)), (torch.tensor([7]), torch.full((1, 2), 0.5))]
+    ref = soak.reference(parts, table, "avg")
+    assert ref[0].tolist() == [1, 3, 7] and ref[1].tolist() == [[0.5, 0.5], [1.0, 1.0], [0.25, 0.25]]
+
+    class Result:
+        def __init__(self, indices, values):
+            self.indices, self.values = indices, values
+
+    right = Result(torch.tensor([1, 3, 7], dtype=torch.int32), ref[1].float())
+    assert soak.wrong([right], [ref]) is None
+    off = ref[1].float().clone()
+    off[2, 1] += 1e-3
+    assert soak.wrong([right, Result(right.indices, off)], [ref, ref]) == (
+        "tensor 1: 1 values off the reference (largest error 0.001)")
+    assert "2 indices, not the union of 3" in soak.wrong([Result(torch.tensor([1, 3]), ref[1][:2].float())], [ref])
+    assert "not torch.float32" in soak.wrong([Result(right.indices, ref[1])], [ref])
 
 
 def test_growth_compares_the_last_quarter_with_the_samples_after_warmup(soak):
