@@ -30,7 +30,8 @@ Exact mode (``sparse_allreduce``):
    entries would cost more sparse than dense (SparCML's rule, scaled by
    ``dense_fallback_ratio``) travels dense, as its rows plus a presence
    bitmap, and then every region travels packed. With ``avg`` each owner
-   divides its own region before it travels.
+   divides its own region before it travels, in the accumulation dtype:
+   16-bit values then round once, when they travel, to allgather's bits.
 
 Top-k mode (``topk_allreduce``, Ok-Topk's Algorithm 1 with Algorithm 2's error
 feedback done by the caller):
@@ -829,18 +830,15 @@ class OkTopk(Algorithm):
             counts, padded,
         )
         _meta.note_payload(comm)  # the counts ride in the next records (the slot makes room for them)
-        early = inp.op == "avg" and p > 1 and inp.dtype == inp.acc_dtype
-        if early:
-            rvals.div_(p)  # the owner's rows only: the same bits as dividing the gathered sum
+        if inp.op == "avg" and p > 1:
+            # The owner's rows only, still in the accumulation dtype: the bits of dividing the gathered sum, and
+            # 16-bit values round once more when they travel, to the bits the front door's cast gives.
+            rvals.div_(p)
         gidx, gvals, st.last = _gather_regions(
             comm, ridx, rvals, cuts, inp.size, inp.dtype, knobs["dense_fallback_ratio"], knobs["gather_mode"],
             knobs["peers_in_flight"], st.last, inp.parts, cuts[comm.rank + 1] if padded else None,
         )
-        gvals = gvals.to(inp.acc_dtype)
-        if inp.op == "avg" and p > 1 and not early:
-            # 16-bit values travel rounded to their dtype: divide after widening, as the front door would.
-            gvals.div_(p)
-        return gidx, gvals
+        return gidx, gvals.to(inp.acc_dtype)
 
     def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> Prepared | None:
         """Select locally now and return this rank's count per region (``P`` int64), while the boundaries are cached.

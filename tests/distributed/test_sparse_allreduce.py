@@ -875,18 +875,21 @@ def _run_every_algorithm_16_bit(rank, world_size, c):
     idx, vals = make_input(c, rank, world_size)
     out = {}
     for a in registry.names():
-        res = colltune.sparse_allreduce(idx, vals, c["size"], algorithm=a)
+        res = colltune.sparse_allreduce(idx, vals, c["size"], op=c["op"], algorithm=a)
         out[a] = (res.indices, res.values)
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16_bit_error_bounds_of_every_algorithm(world_size, dtype):
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_16_bit_error_bounds_of_every_algorithm(world_size, dtype, op):
     """16-bit rows are summed in fp32 everywhere; what differs is what travels. Dense's fp32 buffer rounds once:
     within u of the summed magnitudes. The sparse algorithms send each rank's fp32 sums in the value dtype (half
-    the bytes) and round the total again: within 2u. Both hold whatever the order of the additions."""
-    c = case(seed=73, size=64, counts=_grow(world_size, 200, 20), row_shape=(16,), dtype=dtype)
+    the bytes) and round the total again: within 2u. Both hold whatever the order of the additions. With avg the
+    total is divided in fp32 before that rounding (an Ok-Topk or hashpart owner divides its own sums before they
+    travel), so every sparse algorithm gives allgather's bits, for sum and avg alike."""
+    c = case(seed=73, size=64, counts=_grow(world_size, 200, 20), row_shape=(16,), dtype=dtype, op=op)
     dt = DTYPES[dtype]
     ref = reference(c, world_size)
     out = pool(world_size).run(_run_every_algorithm_16_bit, c)
@@ -895,6 +898,8 @@ def test_16_bit_error_bounds_of_every_algorithm(world_size, dtype):
     for algorithm, (idx, vals) in out[0].items():
         assert torch.equal(idx, ref["union"]), algorithm
         assert all(raw(o[algorithm][1]) == raw(vals) for o in out), algorithm  # the same bits on every rank
+        if algorithm != "dense":
+            assert raw(vals) == raw(out[0]["allgather"][1]), algorithm
         got = torch.zeros_like(ref["dense"])
         got.index_copy_(0, ref["union"], vals.double())
         worst[algorithm] = float(((got - ref["dense"]).abs() / ref["magnitude"].clamp_min(1e-300)).max()) / u
