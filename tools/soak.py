@@ -16,7 +16,9 @@ a generator of its own (what each rank contributes):
 - ``topk_allreduce`` (about 15 %): six gradient tensors, each with a
   :class:`colltune.TopkState` per algorithm kept for the whole run.
 
-About a third of the calls are asynchronous, with up to four handles in
+A call with an explicit algorithm sets some of its knobs now and then
+(:data:`KNOBS`: other gather modes, boundaries refreshed every call,
+regions sent dense early). About a third of the calls are asynchronous, with up to four handles in
 flight before the oldest is waited on. Every result (indices, values and
 the algorithm that ran) is hashed on its rank; every ``--every`` calls the
 ranks gather the hashes with ``dist.all_gather_object``, so every call's
@@ -97,6 +99,15 @@ TOPK_TENSORS: tuple[tuple[tuple[int, ...], torch.dtype, float], ...] = (
 )
 #: Most asynchronous handles in flight at once.
 MAX_IN_FLIGHT = 4
+#: Knob values a call with an explicit algorithm draws from (each knob half the time): other gather modes,
+#: boundaries refreshed every call, regions sent dense early, one peer in flight. Dense's ``wire`` is left
+#: alone: 16 bits on the wire round once per addition, past the reference's bound.
+KNOBS: dict[str, dict[str, tuple[Any, ...]]] = {
+    "allgather": {"mode": ("auto", "p2p", "pad", "alltoall")},
+    "oktopk": {"boundary_refresh": (1, 4, 64), "peers_in_flight": (1, 2, 8), "dense_fallback_ratio": (0.05, 1.0),
+               "gather_mode": ("auto", "pad", "alltoall")},
+    "hashpart": {"gather_mode": ("auto", "pad", "alltoall")},
+}
 #: A value's largest error against the float64 reference, relative to its summed magnitudes (the bound
 #: ``tests/distributed/test_random_calls.py`` holds): fp32 sums round once per addition, and a hot row here
 #: sums up to P x 4096 entries; 16-bit values are summed in fp32 and rounded once, twice with ``avg``
@@ -134,6 +145,7 @@ def _draw(plan: random.Random) -> dict[str, Any]:
         "k_max": min(MAX_K, plan.choice((1, 16, 256, 4096))),
         "hot": plan.random() < 0.5,
     }
+    spec["knobs"] = {k: plan.choice(v) for k, v in KNOBS.get(spec["algorithm"], {}).items() if plan.random() < 0.5}
     kind = plan.random()
     if kind < 0.7:
         n = plan.choice(SIZES)
@@ -213,7 +225,7 @@ def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int,
           states: dict[tuple[int, str], colltune.TopkState]) -> tuple[Any, list[Reference] | None]:
     """Make the call ``spec`` describes on this rank's own random inputs; with every rank's generator (rank 0),
     also return the references its results are checked against."""
-    algorithm, async_op, op = spec["algorithm"], spec["async"], spec["op"]
+    algorithm, async_op, op, knobs = spec["algorithm"], spec["async"], spec["op"], spec["knobs"]
     if spec["kind"] == "topk":
         shape, dtype, density = TOPK_TENSORS[spec["tensor"]]
         state = states.get((spec["tensor"], algorithm))
@@ -229,9 +241,11 @@ def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int,
         refs = [reference([entries[q][j] for q in sorted(data)], t, op) for j, t in enumerate(tables)]
     if spec["kind"] == "sparse":
         (idx, vals), = entries[rank]
-        return colltune.sparse_allreduce(idx, vals, tables[0][0], op=op, algorithm=algorithm, async_op=async_op), refs
+        return colltune.sparse_allreduce(idx, vals, tables[0][0], op=op, algorithm=algorithm, async_op=async_op,
+                                         knobs=knobs), refs
     items = [(i, v, t[0]) for (i, v), t in zip(entries[rank], tables)]
-    return colltune.sparse_allreduce_many(items, op=op, algorithm=algorithm, async_op=async_op, name=spec["name"]), refs
+    return colltune.sparse_allreduce_many(items, op=op, algorithm=algorithm, async_op=async_op, name=spec["name"],
+                                          knobs=knobs), refs
 
 
 def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -270,7 +284,8 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for i in range(cfg["calls"]):
         spec = _draw(plan)
         kinds[f"{spec['kind']}/{spec['algorithm']}" + (" async" if spec["async"] else "")] += 1
-        specs[i] = f"{spec['kind']}/{spec['algorithm']}" + (f" {spec['tables']}" if spec["kind"] == "sparse" else "")
+        specs[i] = (f"{spec['kind']}/{spec['algorithm']} {spec['op']}" + (f" {spec['knobs']}" if spec["knobs"] else "")
+                    + (f" {spec['tables']}" if spec["kind"] == "sparse" else ""))
         out, refs = _call(spec, data, rank, states)
         if spec["async"]:
             in_flight.append((i, out, refs))
