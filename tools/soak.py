@@ -16,7 +16,9 @@ a generator of its own (what each rank contributes):
 - ``topk_allreduce`` (about 15 %): six gradient tensors, each with a
   :class:`colltune.TopkState` per algorithm kept for the whole run.
 
-A call with an explicit algorithm sets some of its knobs now and then
+On 3 ranks or more, a fifth of the calls run on a subgroup of every rank
+but the last (which skips them). A call with an explicit algorithm sets
+some of its knobs now and then
 (:data:`KNOBS`: other gather modes, boundaries refreshed every call,
 regions sent dense early). About a third of the calls are asynchronous, with up to four handles in
 flight before the oldest is waited on. Every result (indices, values and
@@ -144,6 +146,9 @@ def _draw(plan: random.Random) -> dict[str, Any]:
         "op": plan.choice(("sum", "avg")),
         "k_max": min(MAX_K, plan.choice((1, 16, 256, 4096))),
         "hot": plan.random() < 0.5,
+        "keep": plan.randint(1, MAX_IN_FLIGHT),  # handles left in flight after this call, when it is async
+        # On 3 ranks or more, a fifth of the calls go to a group of all ranks but the last: the others skip them.
+        "group": "sub" if plan.random() < 0.2 else "world",
     }
     spec["knobs"] = {k: plan.choice(v) for k, v in KNOBS.get(spec["algorithm"], {}).items() if plan.random() < 0.5}
     kind = plan.random()
@@ -221,19 +226,21 @@ def wrong(results: list[Any], refs: list[Reference]) -> str | None:
     return None
 
 
-def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int,
-          states: dict[tuple[int, str], colltune.TopkState]) -> tuple[Any, list[Reference] | None]:
-    """Make the call ``spec`` describes on this rank's own random inputs; with every rank's generator (rank 0),
-    also return the references its results are checked against."""
+def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int, group: Any,
+          states: dict[tuple[int, str, Any], colltune.TopkState]) -> tuple[Any, list[Reference] | None]:
+    """Make the call ``spec`` describes on ``group`` (``None``: the default one) on this rank's own random
+    inputs; given the generators of ``group``'s other ranks (rank 0), also return the references its results
+    are checked against."""
     algorithm, async_op, op, knobs = spec["algorithm"], spec["async"], spec["op"], spec["knobs"]
     if spec["kind"] == "topk":
         shape, dtype, density = TOPK_TENSORS[spec["tensor"]]
-        state = states.get((spec["tensor"], algorithm))
+        key = (spec["tensor"], algorithm, spec["group"])
+        state = states.get(key)
         if state is None:
-            state = states[(spec["tensor"], algorithm)] = colltune.TopkState(density=density)
+            state = states[key] = colltune.TopkState(density=density)
         grads = {q: torch.randn(shape, generator=g).to(dtype) for q, g in data.items()}  # every generator moves on
-        return colltune.topk_allreduce(grads[rank], state, op=op, algorithm=algorithm, async_op=async_op,
-                                       name=f"grad{spec['tensor']}"), None
+        return colltune.topk_allreduce(grads[rank], state, op=op, group=group, algorithm=algorithm,
+                                       async_op=async_op, name=f"grad{spec['tensor']}"), None
     tables = spec["tables"]
     entries = {q: [_entries(t, spec, g) for t in tables] for q, g in data.items()}
     refs = None
@@ -241,11 +248,11 @@ def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int,
         refs = [reference([entries[q][j] for q in sorted(data)], t, op) for j, t in enumerate(tables)]
     if spec["kind"] == "sparse":
         (idx, vals), = entries[rank]
-        return colltune.sparse_allreduce(idx, vals, tables[0][0], op=op, algorithm=algorithm, async_op=async_op,
-                                         knobs=knobs), refs
+        return colltune.sparse_allreduce(idx, vals, tables[0][0], op=op, group=group, algorithm=algorithm,
+                                         async_op=async_op, knobs=knobs), refs
     items = [(i, v, t[0]) for (i, v), t in zip(entries[rank], tables)]
-    return colltune.sparse_allreduce_many(items, op=op, algorithm=algorithm, async_op=async_op, name=spec["name"],
-                                          knobs=knobs), refs
+    return colltune.sparse_allreduce_many(items, op=op, group=group, algorithm=algorithm, async_op=async_op,
+                                          name=spec["name"], knobs=knobs), refs
 
 
 def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -261,7 +268,8 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     # Rank 0 draws every rank's inputs, each from the generator that rank draws its own from, to check results.
     data = {q: torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + q + 1)
             for q in (range(world_size) if rank == 0 else (rank,))}
-    states: dict[tuple[int, str], colltune.TopkState] = {}
+    sub = dist.new_group(list(range(world_size - 1))) if world_size >= 3 else None
+    states: dict[tuple[int, str, Any], colltune.TopkState] = {}
     in_flight: deque[tuple[int, Any, Any]] = deque()
     digests: dict[int, bytes] = {}
     kinds: Counter[str] = Counter()
@@ -281,19 +289,26 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if why is not None:
                 errors.append({"call": i, "what": specs[i], "why": why})
 
-    for i in range(cfg["calls"]):
-        spec = _draw(plan)
-        kinds[f"{spec['kind']}/{spec['algorithm']}" + (" async" if spec["async"] else "")] += 1
+    def make(i: int, spec: dict[str, Any], on_sub: bool) -> None:
+        kinds[f"{spec['kind']}/{spec['algorithm']}" + (" async" if spec["async"] else "")
+              + (f" on ranks 0-{world_size - 2}" if on_sub else "")] += 1
         specs[i] = (f"{spec['kind']}/{spec['algorithm']} {spec['op']}" + (f" {spec['knobs']}" if spec["knobs"] else "")
-                    + (f" {spec['tables']}" if spec["kind"] == "sparse" else ""))
-        out, refs = _call(spec, data, rank, states)
+                    + (f" {spec['tables']}" if spec["kind"] == "sparse" else "") + (" on the subgroup" if on_sub else ""))
+        members = {q: g for q, g in data.items() if not (on_sub and q == world_size - 1)}
+        out, refs = _call(spec, members, rank, sub if on_sub else None, states)
         if spec["async"]:
             in_flight.append((i, out, refs))
-            if len(in_flight) > plan.randint(1, MAX_IN_FLIGHT):
+            if len(in_flight) > spec["keep"]:
                 j, handle, r = in_flight.popleft()
                 done(j, handle.wait(), r)
         else:
             done(i, out, refs)
+
+    for i in range(cfg["calls"]):
+        spec = _draw(plan)
+        on_sub = sub is not None and spec["group"] == "sub"
+        if not (on_sub and rank == world_size - 1):  # a non-member skips it: only the members' generators move on
+            make(i, spec, on_sub)
         if (i + 1) % cfg["every"] == 0 or i + 1 == cfg["calls"]:
             while in_flight:
                 j, handle, r = in_flight.popleft()
@@ -301,7 +316,7 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, digests)
             for j in sorted(digests):
-                if any(other.get(j) != digests[j] for other in gathered):
+                if any(other.get(j, digests[j]) != digests[j] for other in gathered):  # among the ranks it ran on
                     mismatches.append({"call": j, "what": specs[j]})
             digests.clear()
             specs.clear()
