@@ -4,12 +4,13 @@ Every rank makes the same sequence of ``--calls`` calls, drawn from one
 seeded generator that all ranks share (what to call), on inputs drawn from
 a generator of its own (what each rank contributes):
 
-- ``sparse_allreduce`` (about 70 %): ``dense``, ``allgather``, ``oktopk`` or
+- ``sparse_allreduce`` (about 70 %): every registered algorithm or
   ``auto``; 1,000 to 524,288 rows of shape ``[]``, ``[4]``, ``[3, 5]`` or
   ``[16]``; float32, float64, float16 or bfloat16 values; int32 or int64
   indices, unsorted and with duplicates; 0 to 4,096 entries per rank, spread
   over the rows or crowded into a hot range (overlapping ranks); ``sum`` or
-  ``avg``;
+  ``avg``; the entries as indices and values, as an uncoalesced sparse COO
+  tensor, with strided values, or with values donated to the call;
 - ``sparse_allreduce_many`` (about 15 %): one of three fixed lists of
   2 to 5 tables (the embedding tables of a model, named, so their buckets
   reach a steady state), each table's entries drawn as above;
@@ -101,6 +102,9 @@ TOPK_TENSORS: tuple[tuple[tuple[int, ...], torch.dtype, float], ...] = (
 )
 #: Most asynchronous handles in flight at once.
 MAX_IN_FLIGHT = 4
+#: How a single call hands its entries over: indices and values; an uncoalesced sparse COO tensor; values
+#: that are a strided view (every other element of a wider tensor); values donated to the call (``donate``).
+FORMS = ("tuple", "coo", "strided", "donate")
 #: Knob values a call with an explicit algorithm draws from (each knob half the time): other gather modes,
 #: boundaries refreshed every call, regions sent dense early, one peer in flight. Dense's ``wire`` is left
 #: alone: 16 bits on the wire round once per addition, past the reference's bound.
@@ -156,7 +160,7 @@ def _draw(plan: random.Random) -> dict[str, Any]:
         n = plan.choice(SIZES)
         rows = [r for r in ROW_SHAPES if n * max(1, _numel(r)) <= MAX_ELEMENTS]
         table = (n, plan.choice(rows), plan.choice(DTYPES), plan.choice((torch.int32, torch.int64)))
-        spec.update(kind="sparse", tables=[table])
+        spec.update(kind="sparse", tables=[table], form=plan.choice(FORMS))
     elif kind < 0.85:
         j = plan.randrange(len(FUSED_LISTS))
         spec.update(kind="fused", name=f"tables{j}", tables=[(n, r, dt, torch.int64) for n, r, dt in FUSED_LISTS[j]])
@@ -248,8 +252,15 @@ def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int, gro
         refs = [reference([entries[q][j] for q in sorted(data)], t, op) for j, t in enumerate(tables)]
     if spec["kind"] == "sparse":
         (idx, vals), = entries[rank]
-        return colltune.sparse_allreduce(idx, vals, tables[0][0], op=op, group=group, algorithm=algorithm,
-                                         async_op=async_op, knobs=knobs), refs
+        n, form = tables[0][0], spec["form"]
+        if form == "coo":  # the entries as one tensor: what an nn.Embedding(sparse=True) gradient is
+            coo = torch.sparse_coo_tensor(idx.long().view(1, -1), vals, (n, *vals.shape[1:]))
+            return colltune.sparse_allreduce(coo, op=op, group=group, algorithm=algorithm, async_op=async_op,
+                                             knobs=knobs), refs
+        if form == "strided":
+            vals = torch.empty((*vals.shape, 2), dtype=vals.dtype).select(-1, 0).copy_(vals)
+        return colltune.sparse_allreduce(idx, vals, n, op=op, group=group, algorithm=algorithm, async_op=async_op,
+                                         knobs=knobs, donate=form == "donate"), refs
     items = [(i, v, t[0]) for (i, v), t in zip(entries[rank], tables)]
     return colltune.sparse_allreduce_many(items, op=op, group=group, algorithm=algorithm, async_op=async_op,
                                           name=spec["name"], knobs=knobs), refs
@@ -293,7 +304,8 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         kinds[f"{spec['kind']}/{spec['algorithm']}" + (" async" if spec["async"] else "")
               + (f" on ranks 0-{world_size - 2}" if on_sub else "")] += 1
         specs[i] = (f"{spec['kind']}/{spec['algorithm']} {spec['op']}" + (f" {spec['knobs']}" if spec["knobs"] else "")
-                    + (f" {spec['tables']}" if spec["kind"] == "sparse" else "") + (" on the subgroup" if on_sub else ""))
+                    + (f" {spec['form']} {spec['tables']}" if spec["kind"] == "sparse" else "")
+                    + (" on the subgroup" if on_sub else ""))
         members = {q: g for q, g in data.items() if not (on_sub and q == world_size - 1)}
         out, refs = _call(spec, members, rank, sub if on_sub else None, states)
         if spec["async"]:
