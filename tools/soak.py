@@ -254,7 +254,7 @@ def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int, gro
         (idx, vals), = entries[rank]
         n, form = tables[0][0], spec["form"]
         if form == "coo":  # the entries as one tensor: what an nn.Embedding(sparse=True) gradient is
-            coo = torch.sparse_coo_tensor(idx.long().view(1, -1), vals, (n, *vals.shape[1:]))
+            coo = torch.sparse_coo_tensor(idx.long().view(1, -1), vals, (n, *vals.shape[1:]), check_invariants=True)
             return colltune.sparse_allreduce(coo, op=op, group=group, algorithm=algorithm, async_op=async_op,
                                              knobs=knobs), refs
         if form == "strided":
