@@ -19,10 +19,10 @@ a generator of its own (what each rank contributes):
 
 On 3 ranks or more, a fifth of the calls run on a subgroup of every rank
 but the last (which skips them). A call with an explicit algorithm sets
-some of its knobs now and then
-(:data:`KNOBS`: other gather modes, boundaries refreshed every call,
-regions sent dense early). About a third of the calls are asynchronous, with up to four handles in
-flight before the oldest is waited on. Every result (indices, values and
+some of its knobs now and then (:data:`KNOBS`: other gather modes,
+boundaries refreshed every call, regions sent dense early). About a third
+of the calls are asynchronous, with up to four handles left in flight
+after each call. Every result (indices, values and
 the algorithm that ran) is hashed on its rank; every ``--every`` calls the
 ranks gather the hashes with ``dist.all_gather_object``, so every call's
 result is compared bit for bit across ranks, and each rank samples its
@@ -100,7 +100,7 @@ TOPK_TENSORS: tuple[tuple[tuple[int, ...], torch.dtype, float], ...] = (
     ((4096,), torch.bfloat16, 0.01),
     ((300, 20), torch.float16, 0.02),
 )
-#: Most asynchronous handles in flight at once.
+#: Most asynchronous handles left in flight after a call (one more while the oldest is waited on).
 MAX_IN_FLIGHT = 4
 #: How a single call hands its entries over: indices and values; an uncoalesced sparse COO tensor; values
 #: that are a strided view (every other element of a wider tensor); values donated to the call (``donate``).
@@ -116,8 +116,8 @@ KNOBS: dict[str, dict[str, tuple[Any, ...]]] = {
 }
 #: A value's largest error against the float64 reference, relative to its summed magnitudes (the bound
 #: ``tests/distributed/test_random_calls.py`` holds): fp32 sums round once per addition, and a hot row here
-#: sums up to P x 4096 entries; 16-bit values are summed in fp32 and rounded once, twice with ``avg``
-#: (two unit roundoffs, 2^-11 for fp16 and 2^-8 for bf16).
+#: sums up to P x 4096 entries; 16-bit values are summed in fp32 and rounded twice by the sparse algorithms
+#: (each rank's sums, then the total), once by dense: two unit roundoffs, 2^-11 for fp16 and 2^-8 for bf16.
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2 * 2.0**-11 + 1e-6, torch.bfloat16: 2 * 2.0**-8 + 1e-5}
 #: ... plus, for a subnormal fp16 result (an avg), two roundings of half its fixed spacing.
 TINY = {torch.float16: 2.0**-24}
@@ -217,14 +217,16 @@ def reference(parts: list[tuple[torch.Tensor, torch.Tensor]], table: Table, op: 
 
 
 def wrong(results: list[Any], refs: list[Reference]) -> str | None:
-    """Say how the first result off its reference is wrong (``None``: all right)."""
+    """Say how the first result off its reference is wrong (``None``: all right; a NaN is never right)."""
+    if len(results) != len(refs):
+        return f"{len(results)} results for {len(refs)} tensors"
     for t, (res, (union, sums, mags, dtype)) in enumerate(zip(results, refs)):
         if not torch.equal(res.indices.long(), union):
             return f"tensor {t}: {res.indices.numel()} indices, not the union of {union.numel()}"
         if res.values.dtype != dtype or res.values.shape != sums.shape:
             return f"tensor {t}: values {res.values.dtype} {tuple(res.values.shape)}, not {dtype} {tuple(sums.shape)}"
         err = (res.values.double() - sums).abs()
-        off = err > TOL[dtype] * mags + TINY.get(dtype, 0.0)
+        off = ~(err <= TOL[dtype] * mags + TINY.get(dtype, 0.0))
         if bool(off.any()):
             return f"tensor {t}: {int(off.sum())} values off the reference (largest error {float(err.max()):.3g})"
     return None

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -79,4 +80,5 @@ def test_a_readme_block_runs_on_two_ranks(index: int, tmp_path: Path) -> None:
         first = _said(index, ranks)
         ranks = _run_block(script)
         assert all(rc == 0 for rc, _, _ in ranks), "first run:\n" + first + "\nsecond run:\n" + _said(index, ranks)
+        warnings.warn(f"a rank died in native code and the second run passed; the first run:\n{first}", stacklevel=1)
     assert all(rc == 0 for rc, _, _ in ranks), _said(index, ranks)

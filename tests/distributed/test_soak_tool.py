@@ -70,6 +70,10 @@ def test_wrong_names_how_a_result_is_off_its_reference(soak):
         "tensor 1: 1 values off the reference (largest error 0.001)")
     assert "2 indices, not the union of 3" in soak.wrong([Result(torch.tensor([1, 3]), ref[1][:2].float())], [ref])
     assert "not torch.float32" in soak.wrong([Result(right.indices, ref[1])], [ref])
+    nan = ref[1].float().clone()
+    nan[0, 0] = float("nan")
+    assert "1 values off" in soak.wrong([Result(right.indices, nan)], [ref])
+    assert soak.wrong([right], [ref, ref]) == "1 results for 2 tensors"
 
 
 def test_growth_compares_the_last_quarter_with_the_samples_after_warmup(soak):
