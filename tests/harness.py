@@ -40,9 +40,11 @@ every rank and return what was raised, so that tests can assert on every rank.
 from __future__ import annotations
 
 import io
+import signal
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any, Callable, Sequence
@@ -65,6 +67,8 @@ from colltune.offline.launch import (
 from colltune.offline.launch import short_repr as _short
 
 __all__ = [
+    "NATIVE_SIGNALS",
+    "once_more_after_a_native_death",
     "PG_TIMEOUT_S",
     "run_ranks",
     "run_cases",
@@ -375,3 +379,28 @@ def expect_error(call: Callable, *args: Any, **kwargs: Any) -> Raised:
 
 def _summary(out: Any) -> str:
     return _short(out, 200)
+
+
+#: Signals a process dies of in native code: an abort (an uncaught C++ exception, glibc's heap checks), a
+#: segmentation fault, a bus error.
+NATIVE_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
+
+
+def once_more_after_a_native_death(run: Callable[[], Any], died: Callable[[Any], bool], ok: Callable[[Any], bool],
+                                   said: Callable[[Any], str]) -> Any:
+    """Return ``run()``'s result; when ``died`` says a process of it died of one of :data:`NATIVE_SIGNALS`,
+    the result of one more run, which must be ``ok``.
+
+    For tests of whole programs over torch 2.13's gloo, whose native races
+    (``tools/ddp_sparse_stress.py`` reproduces one without colltune) kill a
+    rank now and then. A death that comes back fails with both runs'
+    ``said``; one that does not leaves a warning with the first run's.
+    """
+    result = run()
+    if not died(result):
+        return result
+    first = said(result)
+    result = run()
+    assert ok(result), f"first run:\n{first}\nsecond run:\n{said(result)}"
+    warnings.warn(f"a process died in native code and the second run passed; the first run:\n{first}", stacklevel=2)
+    return result

@@ -302,6 +302,10 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if why is not None:
                 errors.append({"call": i, "what": specs[i], "why": why})
 
+    def finish_oldest() -> None:
+        j, handle, refs = in_flight.popleft()
+        done(j, handle.wait(), refs)
+
     def make(i: int, spec: dict[str, Any], on_sub: bool) -> None:
         kinds[f"{spec['kind']}/{spec['algorithm']}" + (" async" if spec["async"] else "")
               + (f" on ranks 0-{world_size - 2}" if on_sub else "")] += 1
@@ -313,8 +317,7 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if spec["async"]:
             in_flight.append((i, out, refs))
             if len(in_flight) > spec["keep"]:
-                j, handle, r = in_flight.popleft()
-                done(j, handle.wait(), r)
+                finish_oldest()
         else:
             done(i, out, refs)
 
@@ -325,8 +328,7 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             make(i, spec, on_sub)
         if (i + 1) % cfg["every"] == 0 or i + 1 == cfg["calls"]:
             while in_flight:
-                j, handle, r = in_flight.popleft()
-                done(j, handle.wait(), r)
+                finish_oldest()
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, digests)
             for j in sorted(digests):

@@ -15,13 +15,15 @@ import torch
 
 from colltune.algorithms import names
 
+from harness import NATIVE_SIGNALS, once_more_after_a_native_death
+
 _TOOL = Path(__file__).resolve().parents[2] / "tools" / "dlrm.py"
 
 
 #: A native crash's own lines: C++'s uncaught exception (gloo's), and glibc's heap checks ("malloc(): ...").
 _NATIVE = re.compile(r"terminate called|what\(\):|^(malloc|free|realloc|munmap_chunk|double free|corrupted)")
-#: How the launcher reports a rank that died of a signal (the torch 2.13 gloo race the README's DLRM section names).
-_DIED = re.compile(r"rank \d+: died with signal SIG(ABRT|SEGV|BUS)")
+#: How the launcher reports a rank that died in native code (the torch 2.13 gloo race the README's DLRM section names).
+_DIED = re.compile(r"rank \d+: died with signal (" + "|".join(s.name for s in NATIVE_SIGNALS) + ")")
 
 
 def _failed(proc: subprocess.CompletedProcess) -> str:
@@ -38,14 +40,11 @@ def test_tiny_bench_prints_every_field_and_the_modes_agree(tmp_path):
            "--scale", "0.001", "--batch", "128", "--bot-mlp", "32", "--top-mlp", "32", "--log-every", "1",
            "--one-sparse-in-flight", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    if proc.returncode != 0 and _DIED.search(proc.stdout + proc.stderr):
-        # One sparse allreduce in flight makes torch's race rarer, not impossible (a 10-step run of the stress
-        # tool's test died once under load): a rank dead of a signal gets one more run. A crash of colltune's
-        # own that comes back fails here with both runs' output.
-        first = _failed(proc)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-        assert proc.returncode == 0, "first run:\n" + first + "\nsecond run:\n" + _failed(proc)
+    # One sparse allreduce in flight makes torch's race rarer, not impossible (a 10-step run of the stress tool's
+    # test died once under load): a rank dead of a native signal gets one more run.
+    proc = once_more_after_a_native_death(
+        lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env),
+        lambda p: p.returncode != 0 and bool(_DIED.search(p.stdout + p.stderr)), lambda p: p.returncode == 0, _failed)
     assert proc.returncode == 0, _failed(proc)
     printed = proc.stdout
     for mode in ("ddp-dense", "ddp-sparse", "colltune-per-table", "colltune-fused"):

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
+
+from harness import NATIVE_SIGNALS, once_more_after_a_native_death
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
@@ -35,11 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-#: Signals a rank dies of in torch's own native code: an abort (an uncaught C++ exception, glibc's heap
-#: checks), a segmentation fault, a bus error.
-NATIVE_SIGNALS = (-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS)
 
 
 def _run_block(script: Path) -> list[tuple[int, str, str]]:
@@ -71,14 +66,10 @@ def _said(index: int, ranks: list[tuple[int, str, str]]) -> str:
 def test_a_readme_block_runs_on_two_ranks(index: int, tmp_path: Path) -> None:
     script = tmp_path / f"readme_block_{index}.py"
     script.write_text(BLOCKS[index])
-    ranks = _run_block(script)
-    if any(rc in NATIVE_SIGNALS for rc, _, _ in ranks):
-        # Once in CI, a rank of the DDP hook's block died of SIGABRT having printed only C++'s "terminate
-        # called without an active exception" (no Python traceback; the fault handler now adds every thread's
-        # stack), and over 100 runs of it here, alone or on a loaded machine, did not die again. Such a death
-        # gets one more run; one that comes back fails here with both runs' output.
-        first = _said(index, ranks)
-        ranks = _run_block(script)
-        assert all(rc == 0 for rc, _, _ in ranks), "first run:\n" + first + "\nsecond run:\n" + _said(index, ranks)
-        warnings.warn(f"a rank died in native code and the second run passed; the first run:\n{first}", stacklevel=1)
+    # Once in CI, a rank of the DDP hook's block died of SIGABRT having printed only C++'s "terminate called
+    # without an active exception" (no Python traceback; the fault handler now adds every thread's stack), and
+    # over 100 runs of it here, alone or on a loaded machine, did not die again: such a death gets one more run.
+    ranks = once_more_after_a_native_death(
+        lambda: _run_block(script), lambda ranks: any(-rc in NATIVE_SIGNALS for rc, _, _ in ranks),
+        lambda ranks: all(rc == 0 for rc, _, _ in ranks), lambda ranks: _said(index, ranks))
     assert all(rc == 0 for rc, _, _ in ranks), _said(index, ranks)
