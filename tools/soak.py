@@ -15,7 +15,8 @@ a generator of its own (what each rank contributes):
   2 to 5 tables (the embedding tables of a model, named, so their buckets
   reach a steady state), each table's entries drawn as above;
 - ``topk_allreduce`` (about 15 %): six gradient tensors, each with a
-  :class:`colltune.TopkState` per algorithm kept for the whole run.
+  :class:`colltune.TopkState` per algorithm and group kept for the whole
+  run (half of them with short refresh periods).
 
 On 3 ranks or more, a fifth of the calls run on a subgroup of every rank
 but the last (which skips them). A call with an explicit algorithm sets
@@ -30,7 +31,10 @@ resident memory (``/proc/self/statm``). Rank 0 also draws every other
 rank's inputs (each rank's generator is seeded from the seed and the rank)
 and checks each sparse and fused result against a float64 reference: the
 indices must be the union, each value within the bound the random-calls
-suite holds (``TOL`` times the summed magnitudes). ``--device-path`` sends
+suite holds (``TOL`` times the summed magnitudes). Top-k results are
+checked over the whole run instead (:class:`Conservation`): per state, every
+rank's gradients fed in must equal what the calls delivered plus the
+residuals the ranks still hold. ``--device-path`` sends
 the CPU tensors down the code path CUDA tensors take (one host read per
 call, padded coalesces, the payloads of the fused record), which is what
 GPU users run.
@@ -91,14 +95,16 @@ FUSED_LISTS: tuple[tuple[tuple[int, tuple[int, ...], torch.dtype], ...], ...] = 
     ((777, (8,), torch.bfloat16), (1000, (8,), torch.bfloat16), (1000, (8,), torch.bfloat16),
      (2**15, (8,), torch.float32), (30_000, (3, 5), torch.float32)),
 )
-#: Top-k tensors: shape, dtype and density, each with one state per algorithm.
-TOPK_TENSORS: tuple[tuple[tuple[int, ...], torch.dtype, float], ...] = (
-    ((256,), torch.float32, 0.05),
-    ((64, 64), torch.float32, 0.01),
-    ((1000, 8), torch.float32, 0.005),
-    ((128, 33), torch.float64, 0.02),
-    ((4096,), torch.bfloat16, 0.01),
-    ((300, 20), torch.float16, 0.02),
+#: Top-k tensors: shape, dtype, density and refresh periods (local, global and boundary; the defaults, 32, 32
+#: and 64, or short ones, so that a state's few calls in a run both reuse and refresh), each with one state
+#: per algorithm and group.
+TOPK_TENSORS: tuple[tuple[tuple[int, ...], torch.dtype, float, tuple[int, int, int]], ...] = (
+    ((256,), torch.float32, 0.05, (32, 32, 64)),
+    ((64, 64), torch.float32, 0.01, (3, 2, 4)),
+    ((1000, 8), torch.float32, 0.005, (32, 32, 64)),
+    ((128, 33), torch.float64, 0.02, (2, 3, 5)),
+    ((4096,), torch.bfloat16, 0.01, (4, 4, 1)),
+    ((300, 20), torch.float16, 0.02, (32, 32, 64)),
 )
 #: Most asynchronous handles left in flight after a call (one more while the oldest is waited on).
 MAX_IN_FLIGHT = 4
@@ -121,6 +127,9 @@ KNOBS: dict[str, dict[str, tuple[Any, ...]]] = {
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2 * 2.0**-11 + 1e-6, torch.bfloat16: 2 * 2.0**-8 + 1e-5}
 #: ... plus, for a subnormal fp16 result (an avg), two roundings of half its fixed spacing.
 TINY = {torch.float16: 2.0**-24}
+
+#: Unit roundoff of the dtype a top-k residual accumulates in (fp32 for 16-bit and fp32 tensors).
+ACC_UNIT = {torch.float64: 2.0**-53}
 
 #: One table of a call: rows, row shape, value dtype, index dtype.
 Table = tuple[int, tuple[int, ...], torch.dtype, torch.dtype]
@@ -232,21 +241,103 @@ def wrong(results: list[Any], refs: list[Reference]) -> str | None:
     return None
 
 
+class Conservation:
+    """Top-k's error feedback checked over the whole run, per state (tensor, algorithm, group), on rank 0.
+
+    Each call delivers, from every member rank, its selected entries of
+    ``residual + gradient`` and keeps the rest as its residual, so over any
+    number of calls what the ranks fed in equals what was delivered plus what
+    they still hold: ``sum of every rank's gradients == sum of (result x
+    P for avg) + sum of the ranks' residuals``, per element. Rank 0 draws
+    every member's gradients (as for the sparse calls' references) and sums
+    them and its results in float64; the residuals come in one ``all_reduce``
+    per check (:meth:`check`). A value delivered twice or lost, a residual
+    not kept or kept twice, or a wrong sum breaks it, whichever algorithm
+    ran, across switches of ``auto``, asynchronous and subgroup calls alike.
+    The bound: the reference's ``TOL`` of the summed magnitudes, plus one
+    rounding of the residual's dtype per call on the state (each call adds
+    the gradient to it).
+    """
+
+    def __init__(self) -> None:
+        self.fed: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.mags: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.delivered: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.calls: Counter[tuple[int, str, str]] = Counter()
+        #: States already found broken: each is said once.
+        self.broken: set[tuple[int, str, str]] = set()
+
+    def feed(self, key: tuple[int, str, str], grads: list[torch.Tensor]) -> None:
+        """Add every member's gradient of a call on state ``key``."""
+        numel = grads[0].numel()
+        fed = self.fed.setdefault(key, torch.zeros(numel, dtype=torch.float64))
+        mags = self.mags.setdefault(key, torch.zeros(numel, dtype=torch.float64))
+        for g in grads:
+            fed += g.double().reshape(-1)
+            mags += g.double().reshape(-1).abs()
+        self.calls[key] += 1
+
+    def deliver(self, key: tuple[int, str, str], res: Any, members: int, op: str) -> None:
+        """Add a call's result: times the members for ``avg``, what they delivered in all."""
+        got = res.to_dense().double().reshape(-1) * (members if op == "avg" else 1)
+        self.delivered[key] = self.delivered.get(key, torch.zeros_like(got)) + got
+
+    def check(self, keys: list[tuple[int, str, str]], states: dict[tuple[int, str, str], colltune.TopkState],
+              rank: int, reduce: Any = dist.all_reduce) -> list[str]:
+        """Sum every rank's residuals of ``keys`` (the same list on every rank; a state a rank lacks counts
+        zero) in one float64 ``reduce`` (a sum over the ranks, in place); on rank 0 return what each state
+        newly breaks (empty: nothing)."""
+        flat = []
+        for key in keys:
+            numel = _numel(TOPK_TENSORS[key[0]][0])
+            state = states.get(key)
+            held = None if state is None else state.residual
+            flat.append(torch.zeros(numel, dtype=torch.float64) if held is None else held.double().reshape(-1))
+        if not flat:
+            return []
+        held = torch.cat(flat)
+        reduce(held)
+        if rank != 0:
+            return []
+        out, at = [], 0
+        for key in keys:
+            numel = _numel(TOPK_TENSORS[key[0]][0])
+            residuals, at = held[at : at + numel], at + numel
+            if key not in self.fed or key in self.broken:
+                continue
+            dtype = TOPK_TENSORS[key[0]][1]
+            err = (self.fed[key] - self.delivered.get(key, 0.0) - residuals).abs()
+            bound = (TOL[dtype] + self.calls[key] * ACC_UNIT.get(dtype, 2.0**-24)) * self.mags[key]
+            off = ~(err <= bound + TINY.get(dtype, 0.0))
+            if bool(off.any()):
+                self.broken.add(key)
+                out.append(f"top-k state {key} after {self.calls[key]} calls: {int(off.sum())} of {numel} elements "
+                           f"fed in != delivered + held (largest error {float(err.max()):.3g})")
+        return out
+
+
 def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int, group: Any,
-          states: dict[tuple[int, str, Any], colltune.TopkState]) -> tuple[Any, list[Reference] | None]:
+          states: dict[tuple[int, str, str], colltune.TopkState],
+          ledger: Conservation) -> tuple[Any, list[Reference] | tuple[tuple[int, str, str], int, str] | None]:
     """Make the call ``spec`` describes on ``group`` (``None``: the default one) on this rank's own random
-    inputs; given the generators of ``group``'s other ranks (rank 0), also return the references its results
-    are checked against."""
+    inputs; given the generators of ``group``'s other ranks (rank 0), also return what its result is checked
+    against: the references of a sparse or fused call, the state and member count of a top-k call (the
+    ``ledger``'s, which is fed every member's gradient here)."""
     algorithm, async_op, op, knobs = spec["algorithm"], spec["async"], spec["op"], spec["knobs"]
     if spec["kind"] == "topk":
-        shape, dtype, density = TOPK_TENSORS[spec["tensor"]]
+        shape, dtype, density, (local, global_, boundary) = TOPK_TENSORS[spec["tensor"]]
         key = (spec["tensor"], algorithm, spec["group"])
         state = states.get(key)
         if state is None:
-            state = states[key] = colltune.TopkState(density=density)
+            state = states[key] = colltune.TopkState(density=density, local_refresh=local, global_refresh=global_,
+                                                     boundary_refresh=boundary)
         grads = {q: torch.randn(shape, generator=g).to(dtype) for q, g in data.items()}  # every generator moves on
-        return colltune.topk_allreduce(grads[rank], state, op=op, group=group, algorithm=algorithm,
-                                       async_op=async_op, name=f"grad{spec['tensor']}"), None
+        res = colltune.topk_allreduce(grads[rank], state, op=op, group=group, algorithm=algorithm,
+                                      async_op=async_op, name=f"grad{spec['tensor']}")
+        if rank != 0:
+            return res, None
+        ledger.feed(key, [grads[q] for q in sorted(grads)])
+        return res, (key, len(grads), op)
     tables = spec["tables"]
     entries = {q: [_entries(t, spec, g) for t in tables] for q, g in data.items()}
     refs = None
@@ -282,7 +373,9 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     data = {q: torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + q + 1)
             for q in (range(world_size) if rank == 0 else (rank,))}
     sub = dist.new_group(list(range(world_size - 1))) if world_size >= 3 else None
-    states: dict[tuple[int, str, Any], colltune.TopkState] = {}
+    states: dict[tuple[int, str, str], colltune.TopkState] = {}
+    ledger = Conservation()
+    topk_keys: dict[tuple[int, str, str], None] = {}  # every top-k state the plan named, in order: alike on all ranks
     in_flight: deque[tuple[int, Any, Any]] = deque()
     digests: dict[int, bytes] = {}
     kinds: Counter[str] = Counter()
@@ -293,10 +386,12 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     samples = [{"calls": 0, "seconds": 0.0, "rss": _rss_bytes()}]
     start = time.perf_counter()
 
-    def done(i: int, res: Any, refs: list[Reference] | None) -> None:
+    def done(i: int, res: Any, refs: Any) -> None:
         nonlocal checked
         digests[i] = _hash_result(res)
-        if refs is not None:
+        if isinstance(refs, tuple):  # a top-k call's (state, members, op): checked over many calls
+            ledger.deliver(refs[0], res, refs[1], refs[2])
+        elif refs is not None:
             checked += 1
             why = wrong(res if isinstance(res, list) else [res], refs)
             if why is not None:
@@ -313,7 +408,7 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     + (f" {spec['form']} {spec['tables']}" if spec["kind"] == "sparse" else "")
                     + (" on the subgroup" if on_sub else ""))
         members = {q: g for q, g in data.items() if not (on_sub and q == world_size - 1)}
-        out, refs = _call(spec, members, rank, sub if on_sub else None, states)
+        out, refs = _call(spec, members, rank, sub if on_sub else None, states, ledger)
         if spec["async"]:
             in_flight.append((i, out, refs))
             if len(in_flight) > spec["keep"]:
@@ -324,6 +419,8 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for i in range(cfg["calls"]):
         spec = _draw(plan)
         on_sub = sub is not None and spec["group"] == "sub"
+        if spec["kind"] == "topk":
+            topk_keys[(spec["tensor"], spec["algorithm"], spec["group"])] = None
         if not (on_sub and rank == world_size - 1):  # a non-member skips it: only the members' generators move on
             make(i, spec, on_sub)
         if (i + 1) % cfg["every"] == 0 or i + 1 == cfg["calls"]:
@@ -336,8 +433,11 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     mismatches.append({"call": j, "what": specs[j]})
             digests.clear()
             specs.clear()
+            errors.extend({"call": i, "what": "top-k error feedback", "why": why}
+                          for why in ledger.check(list(topk_keys), states, rank))
             samples.append({"calls": i + 1, "seconds": time.perf_counter() - start, "rss": _rss_bytes()})
-    return {"samples": samples, "mismatches": mismatches, "kinds": dict(kinds), "wrong": errors, "checked": checked}
+    return {"samples": samples, "mismatches": mismatches, "kinds": dict(kinds), "wrong": errors, "checked": checked,
+            "topk_states": len(ledger.fed)}
 
 
 # --------------------------------------------------------------------------- parent side
@@ -380,6 +480,7 @@ def run(world_size: int, calls: int, every: int, seed: int, warmup: int | None =
         "kinds": per_rank[0]["kinds"],
         "mismatches": per_rank[0]["mismatches"],
         "checked": per_rank[0]["checked"],
+        "topk_states": per_rank[0]["topk_states"],
         "wrong": per_rank[0]["wrong"],
         "samples": [
             {"calls": s["calls"], "seconds": s["seconds"], "rss": [r["samples"][j]["rss"] for r in per_rank]}
@@ -414,7 +515,8 @@ def print_report(report: dict[str, Any], rows: int = 25) -> None:
     print(f"calls: {mix}")
     print(f"results compared bit for bit across ranks: {report['calls']} calls, "
           f"{len(report['mismatches'])} differed")
-    print(f"results checked against the float64 reference: {report['checked']} calls, {len(report['wrong'])} wrong")
+    print(f"results checked against the float64 reference: {report['checked']} calls, {len(report['wrong'])} wrong; "
+          f"top-k error feedback checked every {report['every']} calls on {report['topk_states']} states")
     for w in report["wrong"][:10]:
         print(f"  call {w['call']} ({w['what']}): {w['why']}")
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ def test_short_soak_compares_every_call_and_samples_memory(soak, tmp_path, capsy
     topk = sum(v for k, v in report["kinds"].items() if k.startswith("topk/"))
     assert report["checked"] == 50 - topk > 0 and report["wrong"] == []
     assert f"reference: {50 - topk} calls, 0 wrong" in printed
+    assert report["topk_states"] > 0 and f"on {report['topk_states']} states" in printed
 
 
 def test_a_soak_on_the_device_path_checks_fused_calls_too(soak, tmp_path, capsys):
@@ -74,6 +76,47 @@ def test_wrong_names_how_a_result_is_off_its_reference(soak):
     nan[0, 0] = float("nan")
     assert "1 values off" in soak.wrong([Result(right.indices, nan)], [ref])
     assert soak.wrong([right], [ref, ref]) == "1 results for 2 tensors"
+
+
+def test_conservation_finds_a_lost_or_doubled_value_once(soak):
+    """Top-k's ledger: gradients fed in == delivered (times P for avg) + residuals held, per element."""
+    ledger, key = soak.Conservation(), (0, "oktopk", "world")  # tensor 0: 256 fp32 values
+    grads = [torch.zeros(256), torch.zeros(256)]
+    grads[0][:3], grads[1][1:4] = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0])
+    ledger.feed(key, grads)
+
+    class Result:
+        def __init__(self, dense):
+            self.dense = dense
+
+        def to_dense(self):
+            return self.dense
+
+    delivered = torch.zeros(256)
+    delivered[1], delivered[2] = (2.0 + 4.0) / 2, (3.0 + 5.0) / 2  # the avg over 2 ranks of indices 1 and 2
+    ledger.deliver(key, Result(delivered), 2, "avg")
+
+    def held(at: dict[int, float]) -> types.SimpleNamespace:
+        residual = torch.zeros(256)
+        for i, v in at.items():
+            residual[i] = v
+        return types.SimpleNamespace(residual=residual)
+
+    def check(ledger, state, rank=0):  # one rank's residuals stand for the sum over ranks
+        return ledger.check([key, (1, "dense", "sub")], {key: state}, rank, reduce=lambda t: None)
+
+    assert check(ledger, held({0: 1.0, 3: 6.0})) == []  # held: what was not delivered, on the rank that fed it
+    said = check(ledger, held({0: 1.0}))  # a value lost
+    assert len(said) == 1 and "1 of 256 elements fed in != delivered + held (largest error 6)" in said[0]
+    assert check(ledger, held({0: 1.0})) == []  # said once
+    other = soak.Conservation()
+    other.feed(key, grads)
+    other.deliver(key, Result(delivered), 2, "sum")  # an avg counted as a sum: half of indices 1 and 2 lost
+    assert "2 of 256 elements" in check(other, held({0: 1.0, 3: 6.0}))[0]
+    assert check(other, held({})) == []  # a state found broken is not said again
+    third = soak.Conservation()
+    third.feed(key, grads)  # nothing delivered, nothing held: all lost
+    assert check(third, held({}), rank=1) == [] and check(third, held({}))  # only rank 0 checks
 
 
 def test_growth_compares_the_last_quarter_with_the_samples_after_warmup(soak):
