@@ -5,14 +5,14 @@ seeded generator that all ranks share (what to call), on inputs drawn from
 a generator of its own (what each rank contributes):
 
 - ``sparse_allreduce`` (about 70 %): every registered algorithm or
-  ``auto``; 1,000 to 524,288 rows of shape ``[]``, ``[4]``, ``[3, 5]`` or
-  ``[16]``; float32, float64, float16 or bfloat16 values; int32 or int64
+  ``auto``; 1,000 to 524,288 rows of shape ``[]``, ``[4]``, ``[3, 5]``,
+  ``[7]``, ``[16]`` or ``[128]``; float32, float64, float16 or bfloat16 values; int32 or int64
   indices, unsorted and with duplicates; 0 to 4,096 entries per rank, spread
   over the rows or crowded into a hot range (overlapping ranks); ``sum`` or
   ``avg``; the entries as indices and values, as an uncoalesced sparse COO
   tensor, with strided values, or with values donated to the call;
-- ``sparse_allreduce_many`` (about 15 %): one of three fixed lists of
-  2 to 5 tables (the embedding tables of a model, named, so their buckets
+- ``sparse_allreduce_many`` (about 15 %): one of four fixed lists of
+  3 to 5 tables (the embedding tables of a model, named, so their buckets
   reach a steady state), each table's entries drawn as above;
 - ``topk_allreduce`` (about 15 %): six gradient tensors, each with a
   :class:`colltune.TopkState` per algorithm and group kept for the whole
@@ -81,19 +81,23 @@ from colltune.offline import launch  # noqa: E402
 #: Every registered algorithm, then the front door's own choice.
 ALGORITHMS = (*colltune.algorithms.names(), "auto")
 SIZES = (1000, 2**14, 100_000, 2**19)
-ROW_SHAPES: tuple[tuple[int, ...], ...] = ((), (4,), (3, 5), (16,))
+#: Row shapes: scalars, narrow rows (packed with their index), an odd width (whose 16-bit rows leave a
+#: packed entry unaligned), 2-D rows, and embedding-wide rows (sent as separate index and row messages).
+ROW_SHAPES: tuple[tuple[int, ...], ...] = ((), (4,), (3, 5), (7,), (16,), (128,))
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 #: Largest rows x row elements of a sparse call (the dense algorithm allocates that much).
 MAX_ELEMENTS = 2**19
 #: Largest entries a rank contributes to one sparse call.
 MAX_K = 4096
-#: Tables of the fused calls: three fixed lists of (rows, row shape, dtype), as a model's embedding tables;
+#: Tables of the fused calls: four fixed lists of (rows, row shape, dtype), as a model's embedding tables;
 #: tables of one size share an index space, and with it Ok-Topk's boundaries.
 FUSED_LISTS: tuple[tuple[tuple[int, tuple[int, ...], torch.dtype], ...], ...] = (
     ((1000, (16,), torch.float32), (2**14, (16,), torch.float32), (2**15, (16,), torch.float32)),
     ((1000, (), torch.float32), (5000, (4,), torch.float16), (2**14, (4,), torch.float32), (2**17, (), torch.float64)),
     ((777, (8,), torch.bfloat16), (1000, (8,), torch.bfloat16), (1000, (8,), torch.bfloat16),
      (2**15, (8,), torch.float32), (30_000, (3, 5), torch.float32)),
+    ((2000, (128,), torch.float32), (2000, (128,), torch.float32), (500, (128,), torch.bfloat16),
+     (3000, (7,), torch.float16)),
 )
 #: Top-k tensors: shape, dtype, density and refresh periods (local, global and boundary; the defaults, 32, 32
 #: and 64, or short ones, so that a state's few calls in a run both reuse and refresh), each with one state

@@ -126,10 +126,11 @@ def test_growth_compares_the_last_quarter_with_the_samples_after_warmup(soak):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks,seed,path", [(3, 11, ["--device-path"]), (5, 12, ["--device-path"]), (3, 13, [])])
+@pytest.mark.parametrize("ranks,seed,path", [(3, 14, ["--device-path"]), (5, 16, ["--device-path"]), (3, 13, [])])
 def test_a_longer_soak_finds_every_result_right(soak, tmp_path, ranks, seed, path):
-    """1,500 checked calls on both paths, two of them at a P that is not a power of two (where a division by P
-    rounds): long enough that each of the three finds Ok-Topk's old third rounding of 16-bit avg results."""
+    """1,500 checked calls on both paths, at P = 3 and 5 (where a division by P rounds): long enough that each
+    of the three finds Ok-Topk's old third rounding of 16-bit avg results (3 to 9 wrong calls each, at these
+    seeds; how many varies a little from run to run, as ``auto``'s choices follow measured times)."""
     out = tmp_path / "soak.json"
     argv = ["--ranks", str(ranks), "--calls", "1500", "--every", "150", "--seed", str(seed), *path, "--json", str(out)]
     assert soak.main(argv) == 0
