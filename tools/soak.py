@@ -43,8 +43,9 @@ The report gives each rank's RSS at every sample, then per rank the median
 RSS just after warm-up (the first quarter of the samples after the first
 ``--warmup`` calls), the median over the last quarter of the samples, and
 the growth between the two; how many calls differed across ranks, and how
-many results the reference found wrong (each named: call, what, why). The
-exit status is 1 if any call differed or was wrong.
+many results the reference found wrong (each named: call, what, why), and
+which top-k states broke their error feedback. The exit status is 1 if any
+call differed or was wrong, or any state broke.
 
 Usage::
 
@@ -254,32 +255,47 @@ class Conservation:
     they still hold: ``sum of every rank's gradients == sum of (result x
     P for avg) + sum of the ranks' residuals``, per element. Rank 0 draws
     every member's gradients (as for the sparse calls' references) and sums
-    them and its results in float64; the residuals come in one ``all_reduce``
-    per check (:meth:`check`). A value delivered twice or lost, a residual
-    not kept or kept twice, or a wrong sum breaks it, whichever algorithm
-    ran, across switches of ``auto``, asynchronous and subgroup calls alike.
-    The bound: the reference's ``TOL`` of the summed magnitudes, plus one
-    rounding of the residual's dtype per call on the state (each call adds
-    the gradient to it).
+    them and its results in float64; the residuals (and their magnitudes)
+    come in one ``all_reduce`` per check (:meth:`check`). A value delivered
+    twice or lost, a residual not kept or kept twice, or a wrong sum breaks
+    it, whichever algorithm ran, across switches of ``auto``, asynchronous
+    and subgroup calls alike.
+
+    Rounding moves the two sides apart a little, so each check bounds how far
+    they moved since the last one, not since the start (a bound that grows
+    with the run would miss a late loss): the magnitudes a window's calls can
+    deliver are the residuals held at its start and the gradients fed in it;
+    each call rounds them once in the residual's dtype (it adds the gradient
+    to the residual), and each delivered value rounds once to the tensor's
+    dtype after a sum over the ranks in the accumulation dtype, which the
+    reference's ``TOL`` covers (every value is delivered at most once).
     """
 
     def __init__(self) -> None:
+        #: Per state, float64 sums since the start: every member's gradients, and what the calls delivered.
         self.fed: dict[tuple[int, str, str], torch.Tensor] = {}
-        self.mags: dict[tuple[int, str, str], torch.Tensor] = {}
         self.delivered: dict[tuple[int, str, str], torch.Tensor] = {}
+        #: Per state, since the last check: the gradients' magnitudes, the calls, and the most members of one.
+        self.fresh: dict[tuple[int, str, str], torch.Tensor] = {}
         self.calls: Counter[tuple[int, str, str]] = Counter()
+        self.members: Counter[tuple[int, str, str]] = Counter()
+        #: Per state, at the last check: how far the sides were apart, and the residuals' summed magnitudes.
+        self.last: dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         #: States already found broken: each is said once.
         self.broken: set[tuple[int, str, str]] = set()
+        #: The largest error of an unbroken check as a fraction of its bound: how much room rounding left.
+        self.worst = 0.0
 
     def feed(self, key: tuple[int, str, str], grads: list[torch.Tensor]) -> None:
         """Add every member's gradient of a call on state ``key``."""
         numel = grads[0].numel()
         fed = self.fed.setdefault(key, torch.zeros(numel, dtype=torch.float64))
-        mags = self.mags.setdefault(key, torch.zeros(numel, dtype=torch.float64))
+        fresh = self.fresh.setdefault(key, torch.zeros(numel, dtype=torch.float64))
         for g in grads:
             fed += g.double().reshape(-1)
-            mags += g.double().reshape(-1).abs()
+            fresh += g.double().reshape(-1).abs()
         self.calls[key] += 1
+        self.members[key] = max(self.members[key], len(grads))
 
     def deliver(self, key: tuple[int, str, str], res: Any, members: int, op: str) -> None:
         """Add a call's result: times the members for ``avg``, what they delivered in all."""
@@ -288,35 +304,44 @@ class Conservation:
 
     def check(self, keys: list[tuple[int, str, str]], states: dict[tuple[int, str, str], colltune.TopkState],
               rank: int, reduce: Any = dist.all_reduce) -> list[str]:
-        """Sum every rank's residuals of ``keys`` (the same list on every rank; a state a rank lacks counts
-        zero) in one float64 ``reduce`` (a sum over the ranks, in place); on rank 0 return what each state
-        newly breaks (empty: nothing)."""
+        """Sum every rank's residuals of ``keys`` and their magnitudes (the same list on every rank; a state a
+        rank lacks counts zero) in one float64 ``reduce`` (a sum over the ranks, in place); on rank 0 return
+        what each state newly breaks (empty: nothing)."""
         flat = []
         for key in keys:
-            numel = _numel(TOPK_TENSORS[key[0]][0])
             state = states.get(key)
             held = None if state is None else state.residual
+            numel = _numel(TOPK_TENSORS[key[0]][0])
             flat.append(torch.zeros(numel, dtype=torch.float64) if held is None else held.double().reshape(-1))
         if not flat:
             return []
-        held = torch.cat(flat)
-        reduce(held)
+        total = torch.cat(flat + [f.abs() for f in flat])
+        reduce(total)
         if rank != 0:
             return []
-        out, at = [], 0
+        out, at, half = [], 0, total.numel() // 2
         for key in keys:
             numel = _numel(TOPK_TENSORS[key[0]][0])
-            residuals, at = held[at : at + numel], at + numel
-            if key not in self.fed or key in self.broken:
+            held, mags, at = total[at : at + numel], total[half + at : half + at + numel], at + numel
+            if not self.calls[key]:  # no call since the last check: nothing moved
                 continue
-            dtype = TOPK_TENSORS[key[0]][1]
-            err = (self.fed[key] - self.delivered.get(key, 0.0) - residuals).abs()
-            bound = (TOL[dtype] + self.calls[key] * ACC_UNIT.get(dtype, 2.0**-24)) * self.mags[key]
-            off = ~(err <= bound + TINY.get(dtype, 0.0))
-            if bool(off.any()):
+            apart = self.fed[key] - self.delivered.get(key, 0.0) - held
+            before, held_before = self.last.get(key, (torch.zeros_like(apart), torch.zeros_like(apart)))
+            dtype, calls = TOPK_TENSORS[key[0]][1], self.calls[key]
+            err = (apart - before).abs()
+            bound = ((TOL[dtype] + calls * ACC_UNIT.get(dtype, 2.0**-24)) * (held_before + self.fresh[key])
+                     + calls * self.members[key] * TINY.get(dtype, 0.0))
+            off = ~(err <= bound)
+            if not bool(off.any()):
+                some = bound > 0
+                self.worst = max(self.worst, float((err[some] / bound[some]).max()) if bool(some.any()) else 0.0)
+            elif key not in self.broken:
                 self.broken.add(key)
-                out.append(f"top-k state {key} after {self.calls[key]} calls: {int(off.sum())} of {numel} elements "
-                           f"fed in != delivered + held (largest error {float(err.max()):.3g})")
+                out.append(f"top-k state {key}: {int(off.sum())} of {numel} elements fed in != delivered + held "
+                           f"after {calls} more calls (largest error {float(err.max()):.3g})")
+            self.last[key] = (apart, mags)
+            self.fresh[key].zero_()
+            self.calls[key] = 0
         return out
 
 
@@ -325,8 +350,8 @@ def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int, gro
           ledger: Conservation) -> tuple[Any, list[Reference] | tuple[tuple[int, str, str], int, str] | None]:
     """Make the call ``spec`` describes on ``group`` (``None``: the default one) on this rank's own random
     inputs; given the generators of ``group``'s other ranks (rank 0), also return what its result is checked
-    against: the references of a sparse or fused call, the state and member count of a top-k call (the
-    ``ledger``'s, which is fed every member's gradient here)."""
+    against: the references of a sparse or fused call; for a top-k call its state, member count and op (for
+    the ``ledger``, which is fed every member's gradient here)."""
     algorithm, async_op, op, knobs = spec["algorithm"], spec["async"], spec["op"], spec["knobs"]
     if spec["kind"] == "topk":
         shape, dtype, density, (local, global_, boundary) = TOPK_TENSORS[spec["tensor"]]
@@ -385,6 +410,7 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     kinds: Counter[str] = Counter()
     mismatches: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
+    broken: list[dict[str, Any]] = []  # top-k states whose error feedback broke, each said once (rank 0)
     specs: dict[int, str] = {}
     checked = 0
     samples = [{"calls": 0, "seconds": 0.0, "rss": _rss_bytes()}]
@@ -437,11 +463,10 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     mismatches.append({"call": j, "what": specs[j]})
             digests.clear()
             specs.clear()
-            errors.extend({"call": i, "what": "top-k error feedback", "why": why}
-                          for why in ledger.check(list(topk_keys), states, rank))
+            broken.extend({"call": i + 1, "why": why} for why in ledger.check(list(topk_keys), states, rank))
             samples.append({"calls": i + 1, "seconds": time.perf_counter() - start, "rss": _rss_bytes()})
     return {"samples": samples, "mismatches": mismatches, "kinds": dict(kinds), "wrong": errors, "checked": checked,
-            "topk_states": len(ledger.fed)}
+            "topk_states": len(ledger.fed), "topk_broken": broken, "topk_worst": ledger.worst}
 
 
 # --------------------------------------------------------------------------- parent side
@@ -485,6 +510,8 @@ def run(world_size: int, calls: int, every: int, seed: int, warmup: int | None =
         "mismatches": per_rank[0]["mismatches"],
         "checked": per_rank[0]["checked"],
         "topk_states": per_rank[0]["topk_states"],
+        "topk_broken": per_rank[0]["topk_broken"],
+        "topk_worst": per_rank[0]["topk_worst"],
         "wrong": per_rank[0]["wrong"],
         "samples": [
             {"calls": s["calls"], "seconds": s["seconds"], "rss": [r["samples"][j]["rss"] for r in per_rank]}
@@ -519,10 +546,13 @@ def print_report(report: dict[str, Any], rows: int = 25) -> None:
     print(f"calls: {mix}")
     print(f"results compared bit for bit across ranks: {report['calls']} calls, "
           f"{len(report['mismatches'])} differed")
-    print(f"results checked against the float64 reference: {report['checked']} calls, {len(report['wrong'])} wrong; "
-          f"top-k error feedback checked every {report['every']} calls on {report['topk_states']} states")
+    print(f"results checked against the float64 reference: {report['checked']} calls, {len(report['wrong'])} wrong")
     for w in report["wrong"][:10]:
         print(f"  call {w['call']} ({w['what']}): {w['why']}")
+    print(f"top-k error feedback checked every {report['every']} calls: {report['topk_states']} states, "
+          f"{len(report['topk_broken'])} broken (elsewhere the largest error was {report['topk_worst']:.2g} of its bound)")
+    for b in report["topk_broken"][:10]:
+        print(f"  by call {b['call']}: {b['why']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}")
-    return 1 if report["mismatches"] or report["wrong"] else 0
+    return 1 if report["mismatches"] or report["wrong"] or report["topk_broken"] else 0
 
 
 if __name__ == "__main__":
