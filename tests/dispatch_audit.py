@@ -12,7 +12,10 @@ would run, so what they would cost there can be counted on any machine:
   on CUDA copy to the host. On CPU every tensor is "on the device", so a read
   of a tensor that would live on the host on a GPU counts too: the count is
   an upper bound.
-- **Ops dispatched**: each is at least one kernel launch on a GPU.
+- **Ops dispatched**: each costs host time, and each that is not a view a
+  kernel launch on a GPU. The ``detach`` a dtype view's result comes back
+  through under a dispatch mode (only there: ``torch.profiler`` records
+  the view alone) is not counted.
 - **Nondeterminism**: the ops PyTorch lists as nondeterministic on CUDA
   (``torch.use_deterministic_algorithms``) that accumulate (``index_add``,
   ``scatter_add``, ``scatter_reduce``, ``index_put`` with ``accumulate``,
@@ -82,6 +85,8 @@ class Audit(TorchDispatchMode):
         self.ops: collections.Counter[str] = collections.Counter()
         self.collectives: collections.Counter[str] = collections.Counter()
         self.syncs: collections.Counter[str] = collections.Counter()
+        #: The result of the last op when it was a dtype view (see :meth:`__torch_dispatch__`).
+        self._dtype_view: torch.Tensor | None = None
 
     @property
     def n_ops(self) -> int:
@@ -97,6 +102,11 @@ class Audit(TorchDispatchMode):
         if namespace == "c10d":
             self.collectives[name] += 1
             return func(*args, **kwargs)
+        if func is torch.ops.aten.detach.default and self._dtype_view is not None and args[0] is self._dtype_view:
+            # A dtype view's result comes back through a detach under a dispatch mode only: outside one,
+            # torch.profiler records the view alone. Not an op the call dispatches.
+            self._dtype_view = None
+            return func(*args, **kwargs)
         self.ops[name] += 1
         try:
             self._check(name, func, args, kwargs)
@@ -110,7 +120,9 @@ class Audit(TorchDispatchMode):
             self.sync(name)
         elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
             self.sync("index(bool mask)")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self._dtype_view = out if func is torch.ops.aten.view.dtype else None
+        return out
 
     def sync(self, what: str) -> None:
         """Count one host synchronization (and where it came from, when tracing)."""
