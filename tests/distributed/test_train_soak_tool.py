@@ -1,0 +1,72 @@
+"""Smoke test of ``tools/train_soak.py``: training steps under ``SparseGradSync``, every gradient checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
+
+
+@pytest.fixture(scope="module")
+def train_soak():
+    """Import ``tools/train_soak.py`` as the module ``train_soak`` (its rank function is pickled by that name)."""
+    if _TOOLS not in sys.path:
+        sys.path.insert(0, _TOOLS)
+    spec = importlib.util.spec_from_file_location("train_soak", os.path.join(_TOOLS, "train_soak.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_soak"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_training_soak_checks_every_step(train_soak, capsys):
+    assert train_soak.main(["--ranks", "2", "--steps", "12", "--every", "4", "--seed", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "every gradient checked against the float64 average every step: 0 wrong" in printed
+    assert "every 4 steps: 0 differed" in printed
+
+
+def test_a_training_soak_on_the_device_path_unfused_with_topk(train_soak):
+    r = train_soak.run(3, 10, 5, 2, algorithm="oktopk", dense="topk", fuse=False, device_path=True)
+    assert r["wrong"] == [] and r["mismatches"] == [] and "topk" in r["routes"] and r["asynchronous"] > 0
+
+
+def test_wrong_names_a_gradient_off_its_average(train_soak):
+    torch.manual_seed(0)
+    model = train_soak.Model()
+    g = torch.Generator().manual_seed(4)
+    batches = [train_soak.draw_batch(g, hot=True) for _ in range(2)]
+    ref = train_soak.reference(model, batches)
+    # The average itself, put on the model: right.
+    for name, param in model.named_parameters():
+        avg, _, some = ref[name]
+        param.grad = None if not some else (avg.float().to_sparse() if name.startswith("tables.") else avg.float())
+    assert train_soak.wrong(model, ref, True) == []
+    grad = model.tables[2].weight.grad.to_dense()
+    row = int(ref["tables.2.weight"][1].sum(1).nonzero()[0])
+    grad[row] *= 1.001
+    model.tables[2].weight.grad = grad.to_sparse()
+    said = train_soak.wrong(model, ref, True)
+    assert len(said) == 1 and said[0].startswith("tables.2.weight: ") and "values off the average" in said[0]
+    grad[row] = 0
+    keep = torch.ones(grad.shape[0], dtype=torch.bool)
+    keep[row] = False
+    model.tables[2].weight.grad = torch.sparse_coo_tensor(keep.nonzero().T, grad[keep], grad.shape,
+                                                                   check_invariants=True)
+    assert f"rows [{row}] missing" in train_soak.wrong(model, ref, True)[0]
+    model.mlp[0].weight.grad = None
+    assert any(w.startswith("mlp.0.weight: no gradient") for w in train_soak.wrong(model, ref, True))
+    assert not any(w.startswith("mlp.") for w in train_soak.wrong(model, ref, False))  # dense not checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,seed,algorithm,fuse", [(3, 11, "auto", True), (4, 12, "allgather", False)])
+def test_a_longer_training_soak_finds_every_gradient_right(train_soak, ranks, seed, algorithm, fuse):
+    """150 steps on the device path: every sparse and dense gradient within the bound, the ranks alike."""
+    r = train_soak.run(ranks, 150, 25, seed, algorithm=algorithm, fuse=fuse, device_path=True)
+    assert r["wrong"] == [] and r["mismatches"] == [] and r["asynchronous"] > 20

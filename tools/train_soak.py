@@ -1,0 +1,231 @@
+"""Soak the training wrapper: many steps of an embedding model under ``SparseGradSync``, every step checked.
+
+Every rank trains the same model (``EmbeddingBag(sparse=True)`` tables of
+1 to 60,000 rows and widths 4 to 32, an MLP on top, SGD) for ``--steps``
+steps. Each step every rank draws its own batch from its own generator:
+bags of 0 to 4 ids per table, half of the steps crowded into a hot range
+(the ranks' rows overlap), and now and then a table a rank does not use
+at all (its gradient is ``None`` there, zero for the average). The
+synchronizer averages the gradients after backward, a third of the steps
+asynchronously (``synchronize(async_op=True)``, then ``wait()``).
+
+Rank 0 also draws every other rank's batches (each rank's generator is
+seeded from the seed and the rank) and, at the step's parameters, runs
+each rank's backward again on a copy of the model: the same float32 ops
+on the same inputs, so the same gradients each rank had. Their float64
+average is the reference each averaged gradient is checked against: a
+sparse one must cover exactly the rows some rank touched, and every value
+must lie within ``TOL`` (1e-5, the random-calls suite's bound for fp32)
+of the ranks' summed magnitudes divided by P. Every ``--every`` steps the
+ranks compare a hash of their parameters bit for bit.
+
+The run's options: ``--algorithm`` for the sparse gradients (``auto`` or a
+registered one), ``--no-fuse`` (one call per gradient, not one fused
+call), ``--dense`` (``allreduce`` is checked; ``topk`` compresses the MLP's
+weights with error feedback, so only the sparse gradients are checked).
+The exit status is 1 if any gradient was wrong or any step's parameters
+differed across ranks.
+
+Usage::
+
+    python tools/train_soak.py                                   # P = 3, 300 steps
+    python tools/train_soak.py --ranks 4 --steps 1000 --algorithm oktopk --no-fuse
+    python tools/train_soak.py --ranks 2 --steps 500 --dense topk --device-path
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import os
+import sys
+import time
+from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from colltune.offline import launch  # noqa: E402
+
+#: The embedding tables: rows and width. A table of one row, tables of one size, and one of 60,000 rows.
+TABLES: tuple[tuple[int, int], ...] = ((1, 4), (50, 8), (1000, 16), (1000, 16), (20_000, 8), (60_000, 32))
+#: Samples per rank and step, most ids in a bag, and the dense features per sample.
+BATCH, MAX_BAG, DENSE_IN = 24, 4, 4
+#: A value's largest error against the float64 average, relative to the ranks' summed magnitudes over P.
+TOL = 1e-5
+
+
+class Model(nn.Module):
+    """Sparse embedding tables (bags summed) and dense features into a small MLP: one output per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(n, w, mode="sum", sparse=True) for n, w in TABLES)
+        self.mlp = nn.Sequential(nn.Linear(sum(w for _, w in TABLES) + DENSE_IN, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        parts = []
+        for t, (table, (_, width)) in enumerate(zip(self.tables, TABLES)):
+            bag = batch["bags"][t]
+            # A table the batch leaves out takes no part: its gradient stays None on this rank.
+            parts.append(table(*bag) if bag is not None else torch.zeros(BATCH, width))
+        return self.mlp(torch.cat([*parts, batch["dense"]], dim=1)).squeeze(1)
+
+
+def draw_batch(g: torch.Generator, hot: bool) -> dict[str, Any]:
+    """One rank's batch: per table, bags of 0 to ``MAX_BAG`` ids (``None`` now and then: the table unused)."""
+    bags: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for n, _ in TABLES:
+        lengths = torch.randint(0, MAX_BAG + 1, (BATCH,), generator=g)
+        ids = torch.randint(0, min(n, 64) if hot else n, (int(lengths.sum()),), generator=g)
+        unused = float(torch.rand((), generator=g)) < 0.08
+        bags.append(None if unused else (ids, torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]))))
+    return {"bags": bags, "dense": torch.randn(BATCH, DENSE_IN, generator=g), "y": torch.randn(BATCH, generator=g)}
+
+
+def loss_of(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    return ((model(batch) - batch["y"]) ** 2).mean()
+
+
+def reference(model: nn.Module, batches: list[dict[str, Any]]) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Per parameter: the float64 average over ranks of each rank's gradient (``batches``, in rank order) at
+    ``model``'s parameters, the summed magnitudes over P, and whether some rank had a gradient at all."""
+    copy_ = copy.deepcopy(model)
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+    p = len(batches)
+    for batch in batches:
+        copy_.zero_grad(set_to_none=True)
+        loss_of(copy_, batch).backward()
+        for name, param in copy_.named_parameters():
+            grad = param.grad
+            total, mags, some = out.get(name, (torch.zeros(param.shape, dtype=torch.float64),
+                                               torch.zeros(param.shape, dtype=torch.float64), False))
+            if grad is not None:
+                dense = (grad.to_dense() if grad.is_sparse else grad).double()
+                total, mags, some = total + dense, mags + dense.abs(), True
+            out[name] = (total, mags, some)
+    return {name: (total / p, mags / p, some) for name, (total, mags, some) in out.items()}
+
+
+def wrong(model: nn.Module, ref: dict[str, tuple[torch.Tensor, torch.Tensor, bool]], dense_checked: bool) -> list[str]:
+    """Say how each averaged gradient of ``model`` is off its reference (empty: all right)."""
+    out = []
+    for name, param in model.named_parameters():
+        avg, mags, some = ref[name]
+        grad = param.grad
+        if name.startswith("mlp.") and not dense_checked:
+            continue
+        if grad is None:
+            if some:
+                out.append(f"{name}: no gradient, but some rank had one")
+            continue
+        if not some:
+            out.append(f"{name}: a gradient, but no rank had one")
+            continue
+        if grad.is_sparse:
+            rows = grad.coalesce().indices()[0]
+            touched = mags.reshape(mags.shape[0], -1).sum(1).nonzero().view(-1)
+            if not set(touched.tolist()) <= set(rows.tolist()):
+                out.append(f"{name}: rows {sorted(set(touched.tolist()) - set(rows.tolist()))[:5]} missing")
+        got = (grad.to_dense() if grad.is_sparse else grad).double()
+        err = (got - avg).abs()
+        off = ~(err <= TOL * mags + 1e-30)
+        if bool(off.any()):
+            out.append(f"{name}: {int(off.sum())} values off the average (largest error {float(err.max()):.3g})")
+    return out
+
+
+def _digest(model: nn.Module) -> bytes:
+    h = hashlib.blake2b(digest_size=8)
+    for param in model.parameters():
+        h.update(param.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    from colltune.algorithms.sparse import device_path
+    from colltune.train import SparseGradSync
+
+    torch.set_num_threads(1)
+    with device_path(cfg["device_path"]):
+        torch.manual_seed(cfg["seed"])  # the same model on every rank (the synchronizer also broadcasts it)
+        model = Model()
+        sync = SparseGradSync(model, algorithm=cfg["algorithm"], dense=cfg["dense"], fuse=cfg["fuse"],
+                                       start_compression_iter=5, min_compress_numel=256)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gens = {q: torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + q + 1)
+                for q in (range(world_size) if rank == 0 else (rank,))}
+        plan = torch.Generator().manual_seed(cfg["seed"])  # what every rank does alike
+        errors: list[dict[str, Any]] = []
+        mismatches: list[int] = []
+        asynchronous = 0
+        start = time.perf_counter()
+        for step in range(cfg["steps"]):
+            hot, async_op = (bool(float(x) < y) for x, y in zip(torch.rand(2, generator=plan), (0.5, 1 / 3)))
+            batches = {q: draw_batch(g, hot) for q, g in gens.items()}
+            ref = reference(model, [batches[q] for q in sorted(batches)]) if rank == 0 else None
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, batches[rank]).backward()
+            sync.synchronize(async_op=async_op)
+            if async_op:
+                asynchronous += 1
+                sync.wait()
+            if ref is not None:
+                errors += [{"step": step, "why": why} for why in wrong(model, ref, cfg["dense"] == "allreduce")]
+            opt.step()
+            if (step + 1) % cfg["every"] == 0 or step + 1 == cfg["steps"]:
+                digests: list[Any] = [None] * world_size
+                dist.all_gather_object(digests, _digest(model))
+                if len(set(digests)) > 1:
+                    mismatches.append(step)
+        return {"wrong": errors, "mismatches": mismatches, "asynchronous": asynchronous,
+                "seconds": time.perf_counter() - start, "routes": sorted({r[0] for r in sync.routes().values()})}
+
+
+def run(world_size: int, steps: int, every: int, seed: int, algorithm: str = "auto", dense: str = "allreduce",
+        fuse: bool = True, device_path: bool = False) -> dict[str, Any]:
+    """Run the soak on fresh local ranks and return rank 0's report (see the module docstring)."""
+    cfg = {"steps": steps, "every": every, "seed": seed, "algorithm": algorithm, "dense": dense, "fuse": fuse,
+           "device_path": device_path}
+    out = launch.run_local(_rank, world_size, cfg, backend="gloo", timeout=3600)[0]
+    return {"world_size": world_size, **cfg, **out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from colltune.train.common import sparse_algorithms
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", "-P", type=int, default=3, help="local gloo ranks (default 3)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    ap.add_argument("--every", type=int, default=25, help="compare the parameters every this many steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--algorithm", choices=sparse_algorithms(), default="auto", help="for the sparse gradients")
+    ap.add_argument("--dense", choices=("allreduce", "topk"), default="allreduce", help="for the MLP's gradients")
+    ap.add_argument("--no-fuse", action="store_true", help="one call per sparse gradient, not one fused call")
+    ap.add_argument("--device-path", action="store_true",
+                    help="send the CPU tensors down the code path CUDA tensors take")
+    args = ap.parse_args(argv)
+    if args.ranks < 2 or args.steps < 1 or args.every < 1:
+        ap.error("need --ranks >= 2, --steps >= 1 and --every >= 1")
+    r = run(args.ranks, args.steps, args.every, args.seed, args.algorithm, args.dense, not args.no_fuse,
+            args.device_path)
+    path = "device" if r["device_path"] else "host"
+    print(f"P={r['world_size']}, {r['steps']} steps (seed {r['seed']}, the {path} path, sparse {r['algorithm']}"
+          f"{'' if r['fuse'] else ', not fused'}, dense {r['dense']}), {r['seconds']:.0f} s; "
+          f"{r['asynchronous']} asynchronous; routes {', '.join(r['routes'])}")
+    checked = "every gradient" if r["dense"] == "allreduce" else "the sparse gradients"
+    print(f"{checked} checked against the float64 average every step: {len(r['wrong'])} wrong")
+    for w in r["wrong"][:10]:
+        print(f"  step {w['step']}: {w['why']}")
+    print(f"parameters compared bit for bit every {r['every']} steps: {len(r['mismatches'])} differed")
+    return 1 if r["wrong"] or r["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
