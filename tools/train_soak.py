@@ -14,10 +14,12 @@ seeded from the seed and the rank) and, at the step's parameters, runs
 each rank's backward again on a copy of the model: the same float32 ops
 on the same inputs, so the same gradients each rank had. Their float64
 average is the reference each averaged gradient is checked against: a
-sparse one must cover exactly the rows some rank touched, and every value
-must lie within ``TOL`` (1e-5, the random-calls suite's bound for fp32)
-of the ranks' summed magnitudes divided by P. Every ``--every`` steps the
-ranks compare a hash of their parameters bit for bit.
+sparse one must hold exactly the rows the ranks' bags name (``None`` when
+they name none), and every value must lie within ``TOL`` (1e-5, the
+random-calls suite's bound for fp32) of the ranks' summed magnitudes
+divided by P. On an asynchronous step rank 0 computes the reference while
+the reduction runs. Every ``--every`` steps and after the last, the ranks
+compare a hash of their parameters bit for bit.
 
 The run's options: ``--algorithm`` for the sparse gradients (``auto`` or a
 registered one), ``--no-fuse`` (one call per gradient, not one fused
@@ -36,7 +38,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import os
 import sys
@@ -90,30 +91,40 @@ def draw_batch(g: torch.Generator, hot: bool) -> dict[str, Any]:
 
 
 def loss_of(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """The batch's mean squared error."""
     return ((model(batch) - batch["y"]) ** 2).mean()
 
 
-def reference(model: nn.Module, batches: list[dict[str, Any]]) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
-    """Per parameter: the float64 average over ranks of each rank's gradient (``batches``, in rank order) at
-    ``model``'s parameters, the summed magnitudes over P, and whether some rank had a gradient at all."""
-    copy_ = copy.deepcopy(model)
-    out: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
-    p = len(batches)
+#: Per parameter: the float64 average of the ranks' gradients, their summed magnitudes over P, and for a
+#: table the rows some rank's batch holds (``None`` for the MLP: whether some rank had a gradient, as a bool).
+Reference = dict[str, tuple[torch.Tensor, torch.Tensor, "set[int] | bool"]]
+
+
+def reference(model: nn.Module, batches: list[dict[str, Any]]) -> Reference:
+    """Each rank's gradient (``batches``, in rank order) at ``model``'s parameters, on a fresh copy of them
+    (not of the gradients, which an asynchronous synchronization may still be reducing), averaged."""
+    copy_ = Model()
+    copy_.load_state_dict(model.state_dict())
+    sums: dict[str, list[Any]] = {}
     for batch in batches:
         copy_.zero_grad(set_to_none=True)
         loss_of(copy_, batch).backward()
         for name, param in copy_.named_parameters():
-            grad = param.grad
-            total, mags, some = out.get(name, (torch.zeros(param.shape, dtype=torch.float64),
-                                               torch.zeros(param.shape, dtype=torch.float64), False))
-            if grad is not None:
-                dense = (grad.to_dense() if grad.is_sparse else grad).double()
-                total, mags, some = total + dense, mags + dense.abs(), True
-            out[name] = (total, mags, some)
-    return {name: (total / p, mags / p, some) for name, (total, mags, some) in out.items()}
+            total, mags, some = sums.setdefault(name, [torch.zeros(param.shape, dtype=torch.float64),
+                                                       torch.zeros(param.shape, dtype=torch.float64), False])
+            if param.grad is not None:
+                dense = (param.grad.to_dense() if param.grad.is_sparse else param.grad).double()
+                sums[name] = [total + dense, mags + dense.abs(), True]
+    p = len(batches)
+    out: Reference = {name: (total / p, mags / p, some) for name, (total, mags, some) in sums.items()}
+    for t, _ in enumerate(TABLES):  # a sparse result holds exactly the rows some rank's bags name
+        name = f"tables.{t}.weight"
+        avg, mags, _ = out[name]
+        out[name] = (avg, mags, {i for b in batches if b["bags"][t] is not None for i in b["bags"][t][0].tolist()})
+    return out
 
 
-def wrong(model: nn.Module, ref: dict[str, tuple[torch.Tensor, torch.Tensor, bool]], dense_checked: bool) -> list[str]:
+def wrong(model: nn.Module, ref: Reference, dense_checked: bool) -> list[str]:
     """Say how each averaged gradient of ``model`` is off its reference (empty: all right)."""
     out = []
     for name, param in model.named_parameters():
@@ -123,16 +134,17 @@ def wrong(model: nn.Module, ref: dict[str, tuple[torch.Tensor, torch.Tensor, boo
             continue
         if grad is None:
             if some:
-                out.append(f"{name}: no gradient, but some rank had one")
+                out.append(f"{name}: no gradient, but some rank had one" if some is True else
+                           f"{name}: no gradient, but the ranks' bags name {len(some)} rows")
             continue
         if not some:
-            out.append(f"{name}: a gradient, but no rank had one")
+            out.append(f"{name}: a gradient, but no rank had one" if some is False else
+                       f"{name}: a gradient, but the ranks' bags name no row")
             continue
         if grad.is_sparse:
-            rows = grad.coalesce().indices()[0]
-            touched = mags.reshape(mags.shape[0], -1).sum(1).nonzero().view(-1)
-            if not set(touched.tolist()) <= set(rows.tolist()):
-                out.append(f"{name}: rows {sorted(set(touched.tolist()) - set(rows.tolist()))[:5]} missing")
+            rows = set(grad.coalesce().indices()[0].tolist())
+            if rows != some:
+                out.append(f"{name}: rows {sorted(some - rows)[:5]} missing, {sorted(rows - some)[:5]} extra")
         got = (grad.to_dense() if grad.is_sparse else grad).double()
         err = (got - avg).abs()
         off = ~(err <= TOL * mags + 1e-30)
@@ -164,15 +176,16 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         plan = torch.Generator().manual_seed(cfg["seed"])  # what every rank does alike
         errors: list[dict[str, Any]] = []
         mismatches: list[int] = []
-        asynchronous = 0
+        asynchronous = compared = 0
         start = time.perf_counter()
         for step in range(cfg["steps"]):
             hot, async_op = (bool(float(x) < y) for x, y in zip(torch.rand(2, generator=plan), (0.5, 1 / 3)))
             batches = {q: draw_batch(g, hot) for q, g in gens.items()}
-            ref = reference(model, [batches[q] for q in sorted(batches)]) if rank == 0 else None
             opt.zero_grad(set_to_none=True)
             loss_of(model, batches[rank]).backward()
             sync.synchronize(async_op=async_op)
+            # Rank 0's reference runs while an asynchronous reduction does (the parameters stay as they are).
+            ref = reference(model, [batches[q] for q in sorted(batches)]) if rank == 0 else None
             if async_op:
                 asynchronous += 1
                 sync.wait()
@@ -182,9 +195,10 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if (step + 1) % cfg["every"] == 0 or step + 1 == cfg["steps"]:
                 digests: list[Any] = [None] * world_size
                 dist.all_gather_object(digests, _digest(model))
+                compared += 1
                 if len(set(digests)) > 1:
                     mismatches.append(step)
-        return {"wrong": errors, "mismatches": mismatches, "asynchronous": asynchronous,
+        return {"wrong": errors, "mismatches": mismatches, "asynchronous": asynchronous, "compared": compared,
                 "seconds": time.perf_counter() - start, "routes": sorted({r[0] for r in sync.routes().values()})}
 
 
@@ -223,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{checked} checked against the float64 average every step: {len(r['wrong'])} wrong")
     for w in r["wrong"][:10]:
         print(f"  step {w['step']}: {w['why']}")
-    print(f"parameters compared bit for bit every {r['every']} steps: {len(r['mismatches'])} differed")
+    print(f"parameters compared bit for bit {r['compared']} times (every {r['every']} steps and at the end): "
+          f"{len(r['mismatches'])} differed")
     return 1 if r["wrong"] or r["mismatches"] else 0
 
 

@@ -28,12 +28,13 @@ def test_short_training_soak_checks_every_step(train_soak, capsys):
     assert train_soak.main(["--ranks", "2", "--steps", "12", "--every", "4", "--seed", "1"]) == 0
     printed = capsys.readouterr().out
     assert "every gradient checked against the float64 average every step: 0 wrong" in printed
-    assert "every 4 steps: 0 differed" in printed
+    assert "3 times (every 4 steps and at the end): 0 differed" in printed
 
 
 def test_a_training_soak_on_the_device_path_unfused_with_topk(train_soak):
     r = train_soak.run(3, 10, 5, 2, algorithm="oktopk", dense="topk", fuse=False, device_path=True)
     assert r["wrong"] == [] and r["mismatches"] == [] and "topk" in r["routes"] and r["asynchronous"] > 0
+    assert r["compared"] == 2
 
 
 def test_wrong_names_a_gradient_off_its_average(train_soak):
@@ -42,26 +43,37 @@ def test_wrong_names_a_gradient_off_its_average(train_soak):
     g = torch.Generator().manual_seed(4)
     batches = [train_soak.draw_batch(g, hot=True) for _ in range(2)]
     ref = train_soak.reference(model, batches)
-    # The average itself, put on the model: right.
-    for name, param in model.named_parameters():
+
+    def sparse(dense: torch.Tensor, rows: list[int]) -> torch.Tensor:  # COO over the first dimension, as synced
+        at = torch.tensor(sorted(rows), dtype=torch.long)
+        return torch.sparse_coo_tensor(at.view(1, -1), dense[at], dense.shape, check_invariants=True)
+
+    for name, param in model.named_parameters():  # the average itself, put on the model: right
         avg, _, some = ref[name]
-        param.grad = None if not some else (avg.float().to_sparse() if name.startswith("tables.") else avg.float())
+        param.grad = None if not some else (sparse(avg.float(), some) if name.startswith("tables.") else avg.float())
     assert train_soak.wrong(model, ref, True) == []
-    grad = model.tables[2].weight.grad.to_dense()
-    row = int(ref["tables.2.weight"][1].sum(1).nonzero()[0])
-    grad[row] *= 1.001
-    model.tables[2].weight.grad = grad.to_sparse()
+    avg, _, rows = ref["tables.2.weight"]
+    row = min(rows)
+    off = avg.float().clone()
+    off[row] *= 1.001
+    model.tables[2].weight.grad = sparse(off, rows)
     said = train_soak.wrong(model, ref, True)
     assert len(said) == 1 and said[0].startswith("tables.2.weight: ") and "values off the average" in said[0]
-    grad[row] = 0
-    keep = torch.ones(grad.shape[0], dtype=torch.bool)
-    keep[row] = False
-    model.tables[2].weight.grad = torch.sparse_coo_tensor(keep.nonzero().T, grad[keep], grad.shape,
-                                                                   check_invariants=True)
-    assert f"rows [{row}] missing" in train_soak.wrong(model, ref, True)[0]
+    model.tables[2].weight.grad = sparse(avg.float(), rows - {row})
+    assert f"rows [{row}] missing, [] extra" in train_soak.wrong(model, ref, True)[0]
+    extra = min(set(range(1000)) - rows)
+    model.tables[2].weight.grad = sparse(avg.float(), rows | {extra})  # a zero row more: wrong too
+    assert train_soak.wrong(model, ref, True) == [f"tables.2.weight: rows [] missing, [{extra}] extra"]
+    model.tables[2].weight.grad = sparse(avg.float(), rows)
     model.mlp[0].weight.grad = None
-    assert any(w.startswith("mlp.0.weight: no gradient") for w in train_soak.wrong(model, ref, True))
-    assert not any(w.startswith("mlp.") for w in train_soak.wrong(model, ref, False))  # dense not checked
+    assert train_soak.wrong(model, ref, True) == ["mlp.0.weight: no gradient, but some rank had one"]
+    assert train_soak.wrong(model, ref, False) == []  # the MLP not checked
+    model.tables[2].weight.grad = None
+    assert f"tables.2.weight: no gradient, but the ranks' bags name {len(rows)} rows" in train_soak.wrong(
+        model, ref, False)
+    empty = dict(ref, **{"tables.2.weight": (avg, ref["tables.2.weight"][1], set())})
+    model.tables[2].weight.grad = sparse(avg.float(), rows)
+    assert "tables.2.weight: a gradient, but the ranks' bags name no row" in train_soak.wrong(model, empty, False)
 
 
 @pytest.mark.slow
