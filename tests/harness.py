@@ -39,14 +39,18 @@ every rank and return what was raised, so that tests can assert on every rank.
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import os
 import signal
+import sys
 import tempfile
 import threading
 import time
 import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import wait as _mp_wait
+from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import torch
@@ -404,3 +408,19 @@ def once_more_after_a_native_death(run: Callable[[], Any], died: Callable[[Any],
     assert ok(result), f"first run:\n{first}\nsecond run:\n{said(result)}"
     warnings.warn(f"a process died in native code and the second run passed; the first run:\n{first}", stacklevel=2)
     return result
+
+
+#: The repository's ``tools/`` folder.
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+
+def import_tool(name: str) -> ModuleType:
+    """Import ``tools/<name>.py`` as the module ``name``, ``tools/`` on ``sys.path``: a rank function the tool
+    defines is pickled by that module name, and the ranks it starts import the module again from there."""
+    if TOOLS not in sys.path:
+        sys.path.insert(0, TOOLS)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

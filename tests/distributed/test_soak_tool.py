@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import sys
 import types
 
 import pytest
 import torch
 
-_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
+from harness import import_tool
 
 
 @pytest.fixture(scope="module")
 def soak():
-    """Import ``tools/soak.py`` as the module ``soak`` (its rank function is pickled by that name)."""
-    if _TOOLS not in sys.path:
-        sys.path.insert(0, _TOOLS)
-    spec = importlib.util.spec_from_file_location("soak", os.path.join(_TOOLS, "soak.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_tool("soak")
 
 
 def test_short_soak_compares_every_call_and_samples_memory(soak, tmp_path, capsys):

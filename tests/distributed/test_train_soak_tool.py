@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
 
-_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
+from harness import import_tool
 
 
 @pytest.fixture(scope="module")
 def train_soak():
-    """Import ``tools/train_soak.py`` as the module ``train_soak`` (its rank function is pickled by that name)."""
-    if _TOOLS not in sys.path:
-        sys.path.insert(0, _TOOLS)
-    spec = importlib.util.spec_from_file_location("train_soak", os.path.join(_TOOLS, "train_soak.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_soak"] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_tool("train_soak")
 
 
 def test_short_training_soak_checks_every_step(train_soak, capsys):
