@@ -96,7 +96,7 @@ def loss_of(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
 
 
 #: Per parameter: the float64 average of the ranks' gradients, their summed magnitudes over P, and for a
-#: table the rows some rank's batch holds (``None`` for the MLP: whether some rank had a gradient, as a bool).
+#: table the rows the ranks' bags name (for an MLP parameter, whether some rank had a gradient).
 Reference = dict[str, tuple[torch.Tensor, torch.Tensor, "set[int] | bool"]]
 
 
