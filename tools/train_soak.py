@@ -7,13 +7,17 @@ bags of 0 to 4 ids per table, half of the steps crowded into a hot range
 (the ranks' rows overlap), and now and then a table a rank does not use
 at all (its gradient is ``None`` there, zero for the average). The
 synchronizer averages the gradients after backward, a third of the steps
-asynchronously (``synchronize(async_op=True)``, then ``wait()``).
+asynchronously (``synchronize(async_op=True)``, then ``wait()``); with
+``--hook attach`` it runs at the optimizer's step (``attach``), with
+``--hook backward`` at the end of every backward, asynchronously
+(``attach_to_backward(async_op=True)``), the optimizer's step waiting.
 
 Rank 0 also draws every other rank's batches (each rank's generator is
 seeded from the seed and the rank) and, at the step's parameters, runs
 each rank's backward again on a copy of the model: the same float32 ops
 on the same inputs, so the same gradients each rank had. Their float64
-average is the reference each averaged gradient is checked against: a
+average is the reference each averaged gradient is checked against, as
+the optimizer is about to apply it (a step pre-hook): a
 sparse one must hold exactly the rows the ranks' bags name (``None`` when
 they name none), and every value must lie within ``TOL`` (1e-5, the
 random-calls suite's bound for fp32) of the ranks' summed magnitudes
@@ -33,6 +37,7 @@ Usage::
     python tools/train_soak.py                                   # P = 3, 300 steps
     python tools/train_soak.py --ranks 4 --steps 1000 --algorithm oktopk --no-fuse
     python tools/train_soak.py --ranks 2 --steps 500 --dense topk --device-path
+    python tools/train_soak.py --ranks 3 --hook backward
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ from colltune.offline import launch  # noqa: E402
 TABLES: tuple[tuple[int, int], ...] = ((1, 4), (50, 8), (1000, 16), (1000, 16), (20_000, 8), (60_000, 32))
 #: Samples per rank and step, most ids in a bag, and the dense features per sample.
 BATCH, MAX_BAG, DENSE_IN = 24, 4, 4
+#: How the synchronizer runs: ``synchronize()`` after backward (a third of the steps asynchronous, then
+#: ``wait()``), ``attach(optimizer)`` (at the optimizer's step), ``attach_to_backward(async_op=True)``.
+HOOKS = ("none", "attach", "backward")
 #: A value's largest error against the float64 average, relative to the ranks' summed magnitudes over P.
 TOL = 1e-5
 
@@ -177,20 +185,37 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         errors: list[dict[str, Any]] = []
         mismatches: list[int] = []
         asynchronous = compared = 0
+        pending: dict[str, Any] = {}  # the step's reference, until the optimizer steps
+        checked: list[int] = []  # the steps rank 0 checked
+
+        def check(optimizer: Any, args: Any, kwargs: Any) -> None:
+            """Check the step's gradients as the optimizer is about to apply them (after the synchronizer's
+            own pre-hooks, registered first: they synchronize or wait)."""
+            ref = pending.pop("ref", None)
+            if ref is not None:
+                checked.append(pending["step"])
+                errors.extend({"step": pending["step"], "why": why}
+                              for why in wrong(model, ref, cfg["dense"] == "allreduce"))
+
+        if cfg["hook"] == "attach":
+            sync.attach(opt)
+        elif cfg["hook"] == "backward":
+            sync.attach_to_backward(async_op=True)
+        opt.register_step_pre_hook(check)
         start = time.perf_counter()
         for step in range(cfg["steps"]):
             hot, async_op = (bool(float(x) < y) for x, y in zip(torch.rand(2, generator=plan), (0.5, 1 / 3)))
             batches = {q: draw_batch(g, hot) for q, g in gens.items()}
             opt.zero_grad(set_to_none=True)
             loss_of(model, batches[rank]).backward()
-            sync.synchronize(async_op=async_op)
+            if cfg["hook"] == "none":
+                sync.synchronize(async_op=async_op)
             # Rank 0's reference runs while an asynchronous reduction does (the parameters stay as they are).
-            ref = reference(model, [batches[q] for q in sorted(batches)]) if rank == 0 else None
-            if async_op:
+            pending.update(step=step, ref=reference(model, [batches[q] for q in sorted(batches)]) if rank == 0 else None)
+            if cfg["hook"] == "backward" or (cfg["hook"] == "none" and async_op):
                 asynchronous += 1
+            if cfg["hook"] == "none" and async_op:
                 sync.wait()
-            if ref is not None:
-                errors += [{"step": step, "why": why} for why in wrong(model, ref, cfg["dense"] == "allreduce")]
             opt.step()
             if (step + 1) % cfg["every"] == 0 or step + 1 == cfg["steps"]:
                 digests: list[Any] = [None] * world_size
@@ -199,14 +224,15 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 if len(set(digests)) > 1:
                     mismatches.append(step)
         return {"wrong": errors, "mismatches": mismatches, "asynchronous": asynchronous, "compared": compared,
+                "checked": len(checked),
                 "seconds": time.perf_counter() - start, "routes": sorted({r[0] for r in sync.routes().values()})}
 
 
 def run(world_size: int, steps: int, every: int, seed: int, algorithm: str = "auto", dense: str = "allreduce",
-        fuse: bool = True, device_path: bool = False) -> dict[str, Any]:
+        fuse: bool = True, device_path: bool = False, hook: str = "none") -> dict[str, Any]:
     """Run the soak on fresh local ranks and return rank 0's report (see the module docstring)."""
     cfg = {"steps": steps, "every": every, "seed": seed, "algorithm": algorithm, "dense": dense, "fuse": fuse,
-           "device_path": device_path}
+           "device_path": device_path, "hook": hook}
     out = launch.run_local(_rank, world_size, cfg, backend="gloo", timeout=3600)[0]
     return {"world_size": world_size, **cfg, **out}
 
@@ -222,24 +248,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithm", choices=sparse_algorithms(), default="auto", help="for the sparse gradients")
     ap.add_argument("--dense", choices=("allreduce", "topk"), default="allreduce", help="for the MLP's gradients")
     ap.add_argument("--no-fuse", action="store_true", help="one call per sparse gradient, not one fused call")
+    ap.add_argument("--hook", choices=HOOKS, default="none",
+                    help="how the synchronizer runs: none (synchronize() after backward), attach (at the "
+                         "optimizer's step), backward (attach_to_backward, asynchronous)")
     ap.add_argument("--device-path", action="store_true",
                     help="send the CPU tensors down the code path CUDA tensors take")
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.steps < 1 or args.every < 1:
         ap.error("need --ranks >= 2, --steps >= 1 and --every >= 1")
     r = run(args.ranks, args.steps, args.every, args.seed, args.algorithm, args.dense, not args.no_fuse,
-            args.device_path)
+            args.device_path, args.hook)
     path = "device" if r["device_path"] else "host"
     print(f"P={r['world_size']}, {r['steps']} steps (seed {r['seed']}, the {path} path, sparse {r['algorithm']}"
-          f"{'' if r['fuse'] else ', not fused'}, dense {r['dense']}), {r['seconds']:.0f} s; "
+          f"{'' if r['fuse'] else ', not fused'}, dense {r['dense']}, hook {r['hook']}), {r['seconds']:.0f} s; "
           f"{r['asynchronous']} asynchronous; routes {', '.join(r['routes'])}")
     checked = "every gradient" if r["dense"] == "allreduce" else "the sparse gradients"
-    print(f"{checked} checked against the float64 average every step: {len(r['wrong'])} wrong")
+    print(f"{checked} checked against the float64 average on {r['checked']} steps: {len(r['wrong'])} wrong")
     for w in r["wrong"][:10]:
         print(f"  step {w['step']}: {w['why']}")
     print(f"parameters compared bit for bit {r['compared']} times (every {r['every']} steps and at the end): "
           f"{len(r['mismatches'])} differed")
-    return 1 if r["wrong"] or r["mismatches"] else 0
+    return 1 if r["wrong"] or r["mismatches"] or r["checked"] != r["steps"] else 0
 
 
 if __name__ == "__main__":

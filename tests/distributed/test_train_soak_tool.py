@@ -16,14 +16,21 @@ def train_soak():
 def test_short_training_soak_checks_every_step(train_soak, capsys):
     assert train_soak.main(["--ranks", "2", "--steps", "12", "--every", "4", "--seed", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "every gradient checked against the float64 average every step: 0 wrong" in printed
+    assert "every gradient checked against the float64 average on 12 steps: 0 wrong" in printed
     assert "3 times (every 4 steps and at the end): 0 differed" in printed
 
 
 def test_a_training_soak_on_the_device_path_unfused_with_topk(train_soak):
     r = train_soak.run(3, 10, 5, 2, algorithm="oktopk", dense="topk", fuse=False, device_path=True)
     assert r["wrong"] == [] and r["mismatches"] == [] and "topk" in r["routes"] and r["asynchronous"] > 0
-    assert r["compared"] == 2
+    assert r["compared"] == 2 and r["checked"] == 10
+
+
+@pytest.mark.parametrize("hook", ["attach", "backward"])
+def test_a_training_soak_through_the_optimizer_or_backward_hooks(train_soak, hook):
+    r = train_soak.run(2, 8, 4, 3, device_path=True, hook=hook)
+    assert r["wrong"] == [] and r["mismatches"] == [] and r["checked"] == 8
+    assert r["asynchronous"] == (8 if hook == "backward" else 0)
 
 
 def test_wrong_names_a_gradient_off_its_average(train_soak):
@@ -66,8 +73,9 @@ def test_wrong_names_a_gradient_off_its_average(train_soak):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks,seed,algorithm,fuse", [(3, 11, "auto", True), (4, 12, "allgather", False)])
-def test_a_longer_training_soak_finds_every_gradient_right(train_soak, ranks, seed, algorithm, fuse):
+@pytest.mark.parametrize("ranks,seed,algorithm,fuse,hook", [(3, 11, "auto", True, "none"),
+                                                         (4, 12, "allgather", False, "backward")])
+def test_a_longer_training_soak_finds_every_gradient_right(train_soak, ranks, seed, algorithm, fuse, hook):
     """150 steps on the device path: every sparse and dense gradient within the bound, the ranks alike."""
-    r = train_soak.run(ranks, 150, 25, seed, algorithm=algorithm, fuse=fuse, device_path=True)
-    assert r["wrong"] == [] and r["mismatches"] == [] and r["asynchronous"] > 20
+    r = train_soak.run(ranks, 150, 25, seed, algorithm=algorithm, fuse=fuse, device_path=True, hook=hook)
+    assert r["wrong"] == [] and r["mismatches"] == [] and r["asynchronous"] > 20 and r["checked"] == 150
