@@ -190,7 +190,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def _digest(algorithm: str, *tensors: torch.Tensor | None) -> bytes:
+def digest(algorithm: str, *tensors: torch.Tensor | None) -> bytes:
     """Hash a result: the algorithm that ran, then each tensor's dtype, shape and bytes."""
     h = hashlib.blake2b(algorithm.encode(), digest_size=8)
     for t in tensors:
@@ -202,11 +202,18 @@ def _digest(algorithm: str, *tensors: torch.Tensor | None) -> bytes:
     return h.digest()
 
 
+def input_generators(seed: int, rank: int, world_size: int) -> dict[int, torch.Generator]:
+    """The generators each rank draws its own inputs from, by rank: rank 0 gets every rank's (to build the
+    references), any other rank its own."""
+    return {q: torch.Generator().manual_seed(seed * 1_000_003 + q + 1)
+            for q in (range(world_size) if rank == 0 else (rank,))}
+
+
 def _hash_result(res: Any) -> bytes:
     """Hash a call's result: one ``SparseResult``, or a fused call's list of them."""
     if isinstance(res, list):
-        return _digest(res[0].algorithm if res else "", *(t for r in res for t in (r.indices, r.values)))
-    return _digest(res.algorithm, res.indices, res.values)
+        return digest(res[0].algorithm if res else "", *(t for r in res for t in (r.indices, r.values)))
+    return digest(res.algorithm, res.indices, res.values)
 
 
 def _entries(table: Table, spec: dict[str, Any], data: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,10 +282,11 @@ class Conservation:
         #: Per state, float64 sums since the start: every member's gradients, and what the calls delivered.
         self.fed: dict[tuple[int, str, str], torch.Tensor] = {}
         self.delivered: dict[tuple[int, str, str], torch.Tensor] = {}
-        #: Per state, since the last check: the gradients' magnitudes, the calls, and the most members of one.
+        #: Per state, since the last check: the gradients' magnitudes and the calls.
         self.fresh: dict[tuple[int, str, str], torch.Tensor] = {}
         self.calls: Counter[tuple[int, str, str]] = Counter()
-        self.members: Counter[tuple[int, str, str]] = Counter()
+        #: Per state, the ranks that take part in its calls (its group's size).
+        self.members: dict[tuple[int, str, str], int] = {}
         #: Per state, at the last check: how far the sides were apart, and the residuals' summed magnitudes.
         self.last: dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         #: States already found broken: each is said once.
@@ -295,11 +303,12 @@ class Conservation:
             fed += g.double().reshape(-1)
             fresh += g.double().reshape(-1).abs()
         self.calls[key] += 1
-        self.members[key] = max(self.members[key], len(grads))
+        self.members[key] = len(grads)
 
-    def deliver(self, key: tuple[int, str, str], res: Any, members: int, op: str) -> None:
-        """Add a call's result: times the members for ``avg``, what they delivered in all."""
-        got = res.to_dense().double().reshape(-1) * (members if op == "avg" else 1)
+    def deliver(self, key: tuple[int, str, str], res: Any, op: str) -> None:
+        """Add the result of a call on state ``key`` (fed first): times the members for ``avg``, what they
+        delivered in all."""
+        got = res.to_dense().double().reshape(-1) * (self.members[key] if op == "avg" else 1)
         self.delivered[key] = self.delivered.get(key, torch.zeros_like(got)) + got
 
     def check(self, keys: list[tuple[int, str, str]], states: dict[tuple[int, str, str], colltune.TopkState],
@@ -311,8 +320,8 @@ class Conservation:
         for key in keys:
             state = states.get(key)
             held = None if state is None else state.residual
-            numel = _numel(TOPK_TENSORS[key[0]][0])
-            flat.append(torch.zeros(numel, dtype=torch.float64) if held is None else held.double().reshape(-1))
+            flat.append(torch.zeros(_numel(TOPK_TENSORS[key[0]][0]), dtype=torch.float64) if held is None
+                        else held.double().reshape(-1))
         if not flat:
             return []
         total = torch.cat(flat + [f.abs() for f in flat])
@@ -320,8 +329,8 @@ class Conservation:
         if rank != 0:
             return []
         out, at, half = [], 0, total.numel() // 2
-        for key in keys:
-            numel = _numel(TOPK_TENSORS[key[0]][0])
+        for key, part in zip(keys, flat):
+            numel = part.numel()
             held, mags, at = total[at : at + numel], total[half + at : half + at + numel], at + numel
             if not self.calls[key]:  # no call since the last check: nothing moved
                 continue
@@ -347,11 +356,11 @@ class Conservation:
 
 def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int, group: Any,
           states: dict[tuple[int, str, str], colltune.TopkState],
-          ledger: Conservation) -> tuple[Any, list[Reference] | tuple[tuple[int, str, str], int, str] | None]:
+          ledger: Conservation) -> tuple[Any, list[Reference] | tuple[tuple[int, str, str], str] | None]:
     """Make the call ``spec`` describes on ``group`` (``None``: the default one) on this rank's own random
     inputs; given the generators of ``group``'s other ranks (rank 0), also return what its result is checked
-    against: the references of a sparse or fused call; for a top-k call its state, member count and op (for
-    the ``ledger``, which is fed every member's gradient here)."""
+    against: the references of a sparse or fused call; for a top-k call its state and op (for the
+    ``ledger``, which is fed every member's gradient here)."""
     algorithm, async_op, op, knobs = spec["algorithm"], spec["async"], spec["op"], spec["knobs"]
     if spec["kind"] == "topk":
         shape, dtype, density, (local, global_, boundary) = TOPK_TENSORS[spec["tensor"]]
@@ -366,7 +375,7 @@ def _call(spec: dict[str, Any], data: dict[int, torch.Generator], rank: int, gro
         if rank != 0:
             return res, None
         ledger.feed(key, [grads[q] for q in sorted(grads)])
-        return res, (key, len(grads), op)
+        return res, (key, op)
     tables = spec["tables"]
     entries = {q: [_entries(t, spec, g) for t in tables] for q, g in data.items()}
     refs = None
@@ -399,8 +408,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     plan = random.Random(cfg["seed"])
     # Rank 0 draws every rank's inputs, each from the generator that rank draws its own from, to check results.
-    data = {q: torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + q + 1)
-            for q in (range(world_size) if rank == 0 else (rank,))}
+    data = input_generators(cfg["seed"], rank, world_size)
     sub = dist.new_group(list(range(world_size - 1))) if world_size >= 3 else None
     states: dict[tuple[int, str, str], colltune.TopkState] = {}
     ledger = Conservation()
@@ -419,8 +427,8 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     def done(i: int, res: Any, refs: Any) -> None:
         nonlocal checked
         digests[i] = _hash_result(res)
-        if isinstance(refs, tuple):  # a top-k call's (state, members, op): checked over many calls
-            ledger.deliver(refs[0], res, refs[1], refs[2])
+        if isinstance(refs, tuple):  # a top-k call's (state, op): checked over many calls
+            ledger.deliver(refs[0], res, refs[1])
         elif refs is not None:
             checked += 1
             why = wrong(res if isinstance(res, list) else [res], refs)

@@ -43,18 +43,19 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
 from typing import Any
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+_TOOLS = os.path.dirname(os.path.abspath(__file__))
+for _path in (os.path.dirname(_TOOLS), _TOOLS):  # the repository, and tools/ (its sibling soak.py)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from soak import digest, input_generators  # noqa: E402  (its sibling in tools/)
 from torch import nn  # noqa: E402
 
 from colltune.offline import launch  # noqa: E402
@@ -161,13 +162,6 @@ def wrong(model: nn.Module, ref: Reference, dense_checked: bool) -> list[str]:
     return out
 
 
-def _digest(model: nn.Module) -> bytes:
-    h = hashlib.blake2b(digest_size=8)
-    for param in model.parameters():
-        h.update(param.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.digest()
-
-
 def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from colltune.algorithms.sparse import device_path
     from colltune.train import SparseGradSync
@@ -179,8 +173,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         sync = SparseGradSync(model, algorithm=cfg["algorithm"], dense=cfg["dense"], fuse=cfg["fuse"],
                                        start_compression_iter=5, min_compress_numel=256)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        gens = {q: torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + q + 1)
-                for q in (range(world_size) if rank == 0 else (rank,))}
+        gens = input_generators(cfg["seed"], rank, world_size)
         plan = torch.Generator().manual_seed(cfg["seed"])  # what every rank does alike
         errors: list[dict[str, Any]] = []
         mismatches: list[int] = []
@@ -208,18 +201,18 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             batches = {q: draw_batch(g, hot) for q, g in gens.items()}
             opt.zero_grad(set_to_none=True)
             loss_of(model, batches[rank]).backward()
-            if cfg["hook"] == "none":
+            explicit = cfg["hook"] == "none"
+            if explicit:
                 sync.synchronize(async_op=async_op)
             # Rank 0's reference runs while an asynchronous reduction does (the parameters stay as they are).
             pending.update(step=step, ref=reference(model, [batches[q] for q in sorted(batches)]) if rank == 0 else None)
-            if cfg["hook"] == "backward" or (cfg["hook"] == "none" and async_op):
-                asynchronous += 1
-            if cfg["hook"] == "none" and async_op:
+            if explicit and async_op:
                 sync.wait()
+            asynchronous += cfg["hook"] == "backward" or (explicit and async_op)
             opt.step()
             if (step + 1) % cfg["every"] == 0 or step + 1 == cfg["steps"]:
                 digests: list[Any] = [None] * world_size
-                dist.all_gather_object(digests, _digest(model))
+                dist.all_gather_object(digests, digest("", *model.parameters()))
                 compared += 1
                 if len(set(digests)) > 1:
                     mismatches.append(step)

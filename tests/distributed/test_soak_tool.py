@@ -90,7 +90,7 @@ def test_conservation_finds_a_lost_or_doubled_value_once(soak):
     def ledger(op="avg"):
         out = soak.Conservation()
         out.feed(key, grads)
-        out.deliver(key, types.SimpleNamespace(to_dense=lambda: delivered), 2, op)
+        out.deliver(key, types.SimpleNamespace(to_dense=lambda: delivered), op)
         return out
 
     assert check(ledger(), held({0: 1.0, 3: 6.0})) == []  # held: what was not delivered, on the rank that fed it
@@ -107,15 +107,15 @@ def test_conservation_finds_a_lost_or_doubled_value_once(soak):
     # Each check bounds what moved since the last one: a state found broken is said once, and a right
     # window after a wrong one passes; a call of the next window with nothing lost passes.
     lost.feed(key, grads)
-    lost.deliver(key, types.SimpleNamespace(to_dense=lambda: delivered), 2, "avg")
+    lost.deliver(key, types.SimpleNamespace(to_dense=lambda: delivered), "avg")
     assert check(lost, held({0: 2.0, 3: 6.0})) == []  # the old loss stays, nothing new lost (and once said)
     again = ledger()
     assert check(again, held({0: 1.0, 3: 6.0})) == []
     again.feed(key, grads)
-    again.deliver(key, types.SimpleNamespace(to_dense=lambda: delivered), 2, "avg")
+    again.deliver(key, types.SimpleNamespace(to_dense=lambda: delivered), "avg")
     assert check(again, held({0: 2.0, 3: 12.0})) == []
     again.feed(key, grads)  # a late call loses index 0: found though the run's magnitudes have grown
-    again.deliver(key, types.SimpleNamespace(to_dense=lambda: delivered), 2, "avg")
+    again.deliver(key, types.SimpleNamespace(to_dense=lambda: delivered), "avg")
     assert "1 of 256 elements" in check(again, held({3: 18.0}))[0]
 
 
@@ -135,7 +135,7 @@ def test_conservation_lets_16_bit_rounding_pass(soak):
         if step == 39:
             result[int((~keep).nonzero()[0])] += 1.0
         residual = [a.masked_fill(~keep, 0.0) for a in acc]
-        ledger.deliver(key, types.SimpleNamespace(to_dense=lambda r=result: r), 3, "avg")
+        ledger.deliver(key, types.SimpleNamespace(to_dense=lambda r=result: r), "avg")
         total = types.SimpleNamespace(residual=residual[0] + residual[1] + residual[2])
         said = ledger.check([key], {key: total}, 0, reduce=lambda t: None) if step % 10 == 9 else []
         assert said == [] if step < 39 else "1 of 4096 elements" in said[0]
