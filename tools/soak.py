@@ -45,7 +45,9 @@ RSS just after warm-up (the first quarter of the samples after the first
 the growth between the two; how many calls differed across ranks, and how
 many results the reference found wrong (each named: call, what, why), and
 which top-k states broke their error feedback. The exit status is 1 if any
-call differed or was wrong, or any state broke.
+call differed or was wrong, or any state broke. ``--trace-memory FROM TO``
+also traces Python's allocations on rank 1 (``tracemalloc``, slower) and
+prints the source lines whose allocations grew most between the two calls.
 
 Usage::
 
@@ -53,6 +55,7 @@ Usage::
     python tools/soak.py --ranks 2 --calls 300 --every 25       # a quick look
     python tools/soak.py --ranks 3 --calls 3000 --device-path   # the GPU code path, on CPU tensors
     python tools/soak.py --ranks 4 --calls 6000 --seed 3 --json soak.json
+    python tools/soak.py --ranks 3 --calls 12000 --every 500 --trace-memory 4000 12000   # what grows
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ import random
 import statistics
 import sys
 import time
+import tracemalloc
 import warnings
 from collections import Counter, deque
 from typing import Any
@@ -454,7 +458,13 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             done(i, out, refs)
 
+    trace = cfg.get("trace_memory") if rank == min(1, world_size - 1) else None
+    snapshots: list[Any] = []
+    if trace:
+        tracemalloc.start()
     for i in range(cfg["calls"]):
+        if trace and i in trace:
+            snapshots.append(tracemalloc.take_snapshot())
         spec = _draw(plan)
         on_sub = sub is not None and spec["group"] == "sub"
         if spec["kind"] == "topk":
@@ -473,8 +483,17 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             specs.clear()
             broken.extend({"call": i + 1, "why": why} for why in ledger.check(list(topk_keys), states, rank))
             samples.append({"calls": i + 1, "seconds": time.perf_counter() - start, "rss": _rss_bytes()})
+    growth_lines = []
+    if trace:
+        if len(snapshots) == 1:  # TO is the last call
+            snapshots.append(tracemalloc.take_snapshot())
+        tracemalloc.stop()
+        diff = snapshots[1].compare_to(snapshots[0], "lineno")
+        growth_lines = [(f"{d.traceback[0].filename.replace(_ROOT + os.sep, '')}:{d.traceback[0].lineno}",
+                         d.size_diff) for d in diff[:12]]
     return {"samples": samples, "mismatches": mismatches, "kinds": dict(kinds), "wrong": errors, "checked": checked,
-            "topk_states": len(ledger.fed), "topk_broken": broken, "topk_worst": ledger.worst}
+            "topk_states": len(ledger.fed), "topk_broken": broken, "topk_worst": ledger.worst,
+            "memory_lines": growth_lines}
 
 
 # --------------------------------------------------------------------------- parent side
@@ -499,10 +518,10 @@ def growth(samples: list[dict[str, Any]], warmup: int) -> dict[str, float]:
 
 
 def run(world_size: int, calls: int, every: int, seed: int, warmup: int | None = None,
-        device_path: bool = False) -> dict[str, Any]:
+        device_path: bool = False, trace_memory: tuple[int, int] | None = None) -> dict[str, Any]:
     """Run the soak on fresh local ranks and return the report (see the module docstring)."""
     warmup = calls // 5 if warmup is None else warmup
-    cfg = {"calls": calls, "every": every, "seed": seed, "device_path": device_path}
+    cfg = {"calls": calls, "every": every, "seed": seed, "device_path": device_path, "trace_memory": trace_memory}
     start = time.perf_counter()
     per_rank = launch.run_local(_rank, world_size, cfg, backend="gloo", timeout=3600)
     wall = time.perf_counter() - start
@@ -515,6 +534,8 @@ def run(world_size: int, calls: int, every: int, seed: int, warmup: int | None =
         "warmup_calls": warmup,
         "wall_s": wall,
         "kinds": per_rank[0]["kinds"],
+        "trace_memory": trace_memory,
+        "memory_lines": per_rank[min(1, world_size - 1)]["memory_lines"],
         "mismatches": per_rank[0]["mismatches"],
         "checked": per_rank[0]["checked"],
         "topk_states": per_rank[0]["topk_states"],
@@ -561,6 +582,11 @@ def print_report(report: dict[str, Any], rows: int = 25) -> None:
           f"{len(report['topk_broken'])} broken (elsewhere the largest error was {report['topk_worst']:.2g} of its bound)")
     for b in report["topk_broken"][:10]:
         print(f"  by call {b['call']}: {b['why']}")
+    if report["trace_memory"]:
+        a, b = report["trace_memory"]
+        print(f"Python allocations that grew most on rank {min(1, p - 1)} from call {a} to call {b} (tracemalloc):")
+        for where, grew in report["memory_lines"]:
+            print(f"  {grew / 1024:+9.1f} KiB  {where}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,11 +599,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the call sequence and inputs (default 0)")
     ap.add_argument("--device-path", action="store_true",
                     help="send the CPU tensors down the code path CUDA tensors take")
+    ap.add_argument("--trace-memory", type=int, nargs=2, metavar=("FROM", "TO"),
+                    help="on rank 1, trace Python's allocations and print the lines that grew most from call FROM "
+                         "to call TO (slower)")
     ap.add_argument("--json", metavar="FILE", help="write the report here")
     args = ap.parse_args(argv)
+    if args.trace_memory and not 0 <= args.trace_memory[0] < args.trace_memory[1] <= args.calls:
+        ap.error("--trace-memory FROM TO needs 0 <= FROM < TO <= --calls")
     if args.ranks < 2 or args.calls < 1 or args.every < 1 or (args.warmup is not None and args.warmup < 0):
         ap.error("need --ranks >= 2, --calls >= 1, --every >= 1 and --warmup >= 0")
-    report = run(args.ranks, args.calls, args.every, args.seed, args.warmup, args.device_path)
+    report = run(args.ranks, args.calls, args.every, args.seed, args.warmup, args.device_path,
+                 tuple(args.trace_memory) if args.trace_memory else None)
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:

@@ -45,6 +45,14 @@ def test_a_soak_on_the_device_path_checks_fused_calls_too(soak, tmp_path, capsys
     assert "the device path" in capsys.readouterr().out
 
 
+def test_a_soak_names_the_lines_whose_allocations_grew(soak, capsys):
+    report = soak.run(2, 30, 10, 2, trace_memory=(10, 30))
+    assert report["trace_memory"] == (10, 30) and report["memory_lines"]
+    assert all(isinstance(where, str) and ":" in where for where, _ in report["memory_lines"])
+    soak.print_report(report)
+    assert "grew most on rank 1 from call 10 to call 30" in capsys.readouterr().out
+
+
 def test_wrong_names_how_a_result_is_off_its_reference(soak):
     table = (10, (2,), torch.float32, torch.int64)
     parts = [(torch.tensor([3, 1, 3]), torch.ones(3, 2)), (torch.tensor([7]), torch.full((1, 2), 0.5))]
