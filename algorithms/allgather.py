@@ -146,9 +146,11 @@ def eager_slot(
     built on the host), else a tensor on the entries' device.
     """
     m = min(idx.numel(), capacity // entry_bytes(vals.shape[1], wire_index_dtype(size), dtype))
+    if m < idx.numel():  # only then: a slice is an op dispatched on the device path
+        idx, vals = idx[:m], vals[:m]
     if on_host(idx):
-        return pack_host(idx[:m], vals[:m], wire_index_dtype(size), dtype).reshape(-1)
-    return pack(idx[:m], vals[:m], wire_index_dtype(size), dtype).view(-1)
+        return pack_host(idx, vals, wire_index_dtype(size), dtype).reshape(-1)
+    return pack(idx, vals, wire_index_dtype(size), dtype).view(-1)
 
 
 def _merge_bytes(c: Pricing) -> float:

@@ -206,6 +206,12 @@ def owner_counts(owner: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.diff(torch.searchsorted(owner, torch.arange(world_size + 1, device=owner.device)))
 
 
+def owner_ends(owner: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Where each rank's entries end in the sorted owners (``P`` int64 running counts; padding, owned by no
+    rank, past the last), no atomics, no read: the record's payload (:func:`~colltune.algorithms.meta.send_recv_counts`)."""
+    return torch.searchsorted(owner, torch.arange(1, world_size + 1, device=owner.device))
+
+
 def _exchange_counts(comm: Comm, send: torch.Tensor) -> tuple[list[int], list[int]]:
     """All-to-all this rank's count per owner; return it and every rank's count for this rank, in one read."""
     p = comm.world_size
@@ -373,7 +379,8 @@ class HashPart(Algorithm):
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
     ) -> np.ndarray | Prepared | None:
-        """This rank's entry count per owner (``P`` int64), for the record; ``None`` when ``8 P`` bytes do not fit.
+        """This rank's entry count per owner (``P`` int64 running counts), for the record; ``None`` when ``8 P``
+        bytes do not fit.
 
         The owners depend on the indices and ``P`` alone, so the counts hold
         on any call. On the device path they are counted there (sorted
@@ -386,9 +393,10 @@ class HashPart(Algorithm):
         if p < 2 or 8 * p > capacity:
             return None
         if on_host(indices):  # the host path coalesces before the record: never padded
-            return np.bincount(hash_owner_host(indices.numpy(), p), minlength=p).astype(np.int64).view(np.uint8)
+            counts = np.bincount(hash_owner_host(indices.numpy(), p), minlength=p)
+            return np.cumsum(counts, dtype=np.int64).view(np.uint8)  # running counts, as the payload travels
         owners = sorted_owners(indices, size, p)  # kept for the run: its entries go to their owners in this order
-        return Prepared(owner_counts(owners[0], p).view(torch.uint8), owners)
+        return Prepared(owner_ends(owners[0], p).view(torch.uint8), owners)
 
     def sparse_allreduce(self, inp: SparseInput, comm: Comm, knobs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         p, me = comm.world_size, comm.rank

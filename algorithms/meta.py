@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x636F6C6C  # "coll"
-_VERSION = 7  # the layout of FIELDS; a record of another version is refused
+_VERSION = 8  # the layout of FIELDS and of the slot's payloads; a record of another version is refused
 
 #: The group state under which the upper layer keeps its measurement of the group's last call (an object
 #: with ``fields()`` giving ``fb_code`` and ``fb_us``, and ``arrived(codes, times)``): every record carries
@@ -240,14 +240,19 @@ def note_slot_use(comm: Comm, need: int) -> None:
 
 
 def send_recv_counts(gathered: np.ndarray | None, rank: int) -> tuple[list[int], list[int]] | None:
-    """Every rank's payload of ``P`` int64 counts (``[P, 8 P]`` bytes: row ``r``, rank ``r``'s count per owner)
-    as this rank's ``(send, recv)``: its own count per owner, and every rank's count for this rank.
+    """Every rank's payload of ``P`` int64 running counts as this rank's ``(send, recv)``: its own count per
+    owner, and every rank's count for this rank.
 
+    ``gathered`` is ``[P, 8 P]`` bytes: row ``r`` holds where rank ``r``'s
+    entries for each owner end in its sorted entries (owner ``j``'s are
+    ``[end[j-1], end[j])``, from 0). The ends travel, not the counts: one
+    ``searchsorted`` makes them on the device, where the counts take a
+    difference of three more ops; the host takes it here.
     ``None`` when no payload came, or one of another shape (the ranks sent none of counts).
     """
     if gathered is None or gathered.shape[1] != 8 * gathered.shape[0]:
         return None
-    table = np.ascontiguousarray(gathered).view(np.int64)
+    table = np.diff(np.ascontiguousarray(gathered).view(np.int64), axis=1, prepend=0)
     return table[rank].tolist(), table[:, rank].tolist()
 
 
@@ -398,13 +403,18 @@ def _fill_on_device(row: torch.Tensor, fields: Mapping[str, torch.Tensor], slot:
     consecutive fields from the one named, with one copy.
     """
     for name, value in fields.items():
-        at, flat = _BYTE_AT[name], value.reshape(-1)
+        at, flat = _BYTE_AT[name], _flat(value)
         if at + 8 * flat.numel() > HEADER_BYTES:  # shapes only: no host read
             raise ValueError(f"device field {name!r}: {flat.numel()} values run past the record's last field")
         row[at : at + 8 * flat.numel()].view(torch.int64).copy_(flat)
     if slot is not None:  # its size was checked against the room
-        flat = slot.reshape(-1)
+        flat = _flat(slot)
         row[HEADER_BYTES : HEADER_BYTES + flat.numel()] = flat
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as 1-D: itself when it already is (a reshape is an op dispatched even when it changes nothing)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 class Records(Sequence[dict[str, int]]):

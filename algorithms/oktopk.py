@@ -164,14 +164,15 @@ def _slices(idx: torch.Tensor, cuts: list[int]) -> list[int]:
 
 
 def _region_payload(idx: torch.Tensor, cuts: list[int]) -> np.ndarray | torch.Tensor:
-    """This rank's entry count per region as the record's payload bytes (``P`` int64).
+    """Where this rank's entries for each region end, as the record's payload bytes (``P`` int64 running counts,
+    :func:`~colltune.algorithms.meta.send_recv_counts`).
 
-    On the host path a NumPy array; on the device path counted there and
+    On the host path a NumPy array; on the device path found there and
     written into the record there, read with it in its one read.
     """
     if on_host(idx):
-        return np.diff(np.asarray(_slices(idx, cuts), dtype=np.int64)).view(np.uint8)
-    return count_between(idx, cuts).view(torch.uint8)
+        return np.asarray(_slices(idx, cuts)[1:], dtype=np.int64).view(np.uint8)
+    return torch.searchsorted(idx, upload(cuts[1:], idx.device)).view(torch.uint8)
 
 
 def split_reduce(
@@ -234,7 +235,9 @@ def split_reduce(
     comm.rotated_exchange(
         peers_in_flight, lambda dst: [(buf[off[dst] : off[dst + 1]], 0)], lambda src: [(recv[at[src] : at[src + 1]], 0)]
     )
-    ridx, rvals = unpack(recv, r, index_dtype, wire_dtype)
+    # On the device path from two sources on, the merge gathers the rows by its sort's order: from a strided
+    # view of them as well, uncopied.
+    ridx, rvals = unpack(recv, r, index_dtype, wire_dtype, strided=not on_host(recv) and len(at) > 2)
     return _merge_region(ridx, rvals, at, cuts[me], cuts[me + 1], acc, padded)
 
 
@@ -489,10 +492,11 @@ def _gather_regions_eager(
     mine = msgs[at[me] : at[me + 1]]
     mine.zero_()
     mine.view(-1)[: 8 * head.numel()] = head.view(torch.uint8)
-    mine[h : h + first] = blob[:first]
+    mine[h : h + first] = blob if first == blob.shape[0] else blob[:first]
     comm.rotated_exchange(peers_in_flight, lambda dst: [(mine, 0)], lambda src: [(msgs[at[src] : at[src + 1]], 0)])
-    heads = upload(at[:-1], comm.device).view(p, 1) * e + torch.arange(8 * head.numel(), device=comm.device)
-    sizes = read_sizes(msgs.view(-1)[heads].view(torch.int64).view(p, -1), parts)
+    # The heads' byte positions are host figures: made there, they reach the device in one upload.
+    heads = np.add.outer(np.asarray(at[:-1], dtype=np.int64) * e, np.arange(8 * head.numel(), dtype=np.int64))
+    sizes = read_sizes(msgs.view(-1)[upload(heads, comm.device)].view(torch.int64).view(p, -1), parts)
     rest = [max(0, sizes[j] - caps[j]) for j in range(p)]
     if not any(rest):
         gidx, gvals = unpack(msgs.index_select(0, _entry_rows(at, h, sizes, comm.device)), r, index_dtype, wire_dtype)

@@ -655,22 +655,25 @@ def pack(idx: torch.Tensor, vals: torch.Tensor, index_dtype: torch.dtype, value_
     if k == 0:
         return torch.empty((0, entry_bytes(vals.shape[1], index_dtype, value_dtype)), dtype=torch.uint8,
                            device=vals.device)
-    return torch.cat((_byte_rows(idx.reshape(k, 1), index_dtype), _byte_rows(vals, value_dtype)), dim=1)
+    return torch.cat((_byte_rows(idx, index_dtype), _byte_rows(vals, value_dtype)), dim=1)
 
 
 def _byte_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Return ``[k, w]`` ``t`` in ``dtype`` as ``uint8`` ``[k, w * itemsize]``, copied only where no byte view exists.
+    """Return ``[k]`` or ``[k, w]`` ``t`` in ``dtype`` as ``uint8`` ``[k, w * itemsize]`` (``w`` = 1 for ``[k]``),
+    copied only where no byte view exists.
 
     A byte view needs a unit stride along the last dimension, which torch
     does not promise even of a tensor it calls contiguous (a dimension of
     size 0 or 1 may carry any stride: a one-element slice, zero-width rows),
     nor of sliced or expanded (stride 0) views: those are copied into
-    row-major storage first.
+    row-major storage first. The view of a ``[k, w]`` tensor as ``uint8`` is
+    already ``[k, w * itemsize]`` (one op); a ``[k]`` one takes a second.
     """
     t = t.to(dtype)
     if not t.is_contiguous() or t.stride(-1) != 1:
         t = torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
-    return t.view(torch.uint8).view(t.shape[0], t.shape[1] * dtype.itemsize)
+    raw = t.view(torch.uint8)
+    return raw if t.dim() == 2 else raw.view(t.shape[0], dtype.itemsize)
 
 
 #: Rows of at least this many bytes travel point to point as separate index
