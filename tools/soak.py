@@ -71,7 +71,7 @@ import time
 import tracemalloc
 import warnings
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Callable, Mapping
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -280,9 +280,15 @@ class Conservation:
     to the residual), and each delivered value rounds once to the tensor's
     dtype after a sum over the ranks in the accumulation dtype, which the
     reference's ``TOL`` covers (every value is delivered at most once).
+
+    Args:
+        spec: a state's key -> its tensor's element count and dtype; by
+            default the key's first item names one of :data:`TOPK_TENSORS`
+            (a training wrapper's ledger keys its parameters by name).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spec: Callable[[Any], tuple[int, torch.dtype]] | None = None) -> None:
+        self.spec = spec or (lambda key: (_numel(TOPK_TENSORS[key[0]][0]), TOPK_TENSORS[key[0]][1]))
         #: Per state, float64 sums since the start: every member's gradients, and what the calls delivered.
         self.fed: dict[tuple[int, str, str], torch.Tensor] = {}
         self.delivered: dict[tuple[int, str, str], torch.Tensor] = {}
@@ -298,33 +304,40 @@ class Conservation:
         #: The largest error of an unbroken check as a fraction of its bound: how much room rounding left.
         self.worst = 0.0
 
-    def feed(self, key: tuple[int, str, str], grads: list[torch.Tensor]) -> None:
+    def feed(self, key: Any, grads: list[torch.Tensor]) -> None:
         """Add every member's gradient of a call on state ``key``."""
-        numel = grads[0].numel()
-        fed = self.fed.setdefault(key, torch.zeros(numel, dtype=torch.float64))
-        fresh = self.fresh.setdefault(key, torch.zeros(numel, dtype=torch.float64))
+        total = torch.zeros(grads[0].numel(), dtype=torch.float64)
+        mags = torch.zeros_like(total)
         for g in grads:
-            fed += g.double().reshape(-1)
-            fresh += g.double().reshape(-1).abs()
-        self.calls[key] += 1
-        self.members[key] = len(grads)
+            total += g.double().reshape(-1)
+            mags += g.double().reshape(-1).abs()
+        self.feed_sums(key, total, mags, len(grads))
 
-    def deliver(self, key: tuple[int, str, str], res: Any, op: str) -> None:
+    def feed_sums(self, key: Any, total: torch.Tensor, mags: torch.Tensor, members: int) -> None:
+        """Add a call on state ``key`` by its members' gradients' float64 sum and summed magnitudes (flat)."""
+        fed = self.fed.setdefault(key, torch.zeros(total.numel(), dtype=torch.float64))
+        fresh = self.fresh.setdefault(key, torch.zeros(total.numel(), dtype=torch.float64))
+        fed += total
+        fresh += mags
+        self.calls[key] += 1
+        self.members[key] = members
+
+    def deliver(self, key: Any, res: Any, op: str) -> None:
         """Add the result of a call on state ``key`` (fed first): times the members for ``avg``, what they
         delivered in all."""
         got = res.to_dense().double().reshape(-1) * (self.members[key] if op == "avg" else 1)
         self.delivered[key] = self.delivered.get(key, torch.zeros_like(got)) + got
 
-    def check(self, keys: list[tuple[int, str, str]], states: dict[tuple[int, str, str], colltune.TopkState],
-              rank: int, reduce: Any = dist.all_reduce) -> list[str]:
+    def check(self, keys: list[Any], states: Mapping[Any, Any], rank: int, reduce: Any = dist.all_reduce) -> list[str]:
         """Sum every rank's residuals of ``keys`` and their magnitudes (the same list on every rank; a state a
-        rank lacks counts zero) in one float64 ``reduce`` (a sum over the ranks, in place); on rank 0 return
-        what each state newly breaks (empty: nothing)."""
+        rank lacks, or one with no residual, counts zero) in one float64 ``reduce`` (a sum over the ranks, in
+        place); on rank 0 return what each state newly breaks (empty: nothing). ``states`` holds, per key, a
+        :class:`~colltune.TopkState` or anything else with its ``residual``."""
         flat = []
         for key in keys:
             state = states.get(key)
             held = None if state is None else state.residual
-            flat.append(torch.zeros(_numel(TOPK_TENSORS[key[0]][0]), dtype=torch.float64) if held is None
+            flat.append(torch.zeros(self.spec(key)[0], dtype=torch.float64) if held is None
                         else held.double().reshape(-1))
         if not flat:
             return []
@@ -340,7 +353,7 @@ class Conservation:
                 continue
             apart = self.fed[key] - self.delivered.get(key, 0.0) - held
             before, held_before = self.last.get(key, (torch.zeros_like(apart), torch.zeros_like(apart)))
-            dtype, calls = TOPK_TENSORS[key[0]][1], self.calls[key]
+            dtype, calls = self.spec(key)[1], self.calls[key]
             err = (apart - before).abs()
             bound = ((TOL[dtype] + calls * ACC_UNIT.get(dtype, 2.0**-24)) * (held_before + self.fresh[key])
                      + calls * self.members[key] * TINY.get(dtype, 0.0))
@@ -350,7 +363,7 @@ class Conservation:
                 self.worst = max(self.worst, float((err[some] / bound[some]).max()) if bool(some.any()) else 0.0)
             elif key not in self.broken:
                 self.broken.add(key)
-                out.append(f"top-k state {key}: {int(off.sum())} of {numel} elements fed in != delivered + held "
+                out.append(f"top-k state {key!r}: {int(off.sum())} of {numel} elements fed in != delivered + held "
                            f"after {calls} more calls (largest error {float(err.max()):.3g})")
             self.last[key] = (apart, mags)
             self.fresh[key].zero_()

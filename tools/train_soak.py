@@ -27,10 +27,23 @@ compare a hash of their parameters bit for bit.
 
 The run's options: ``--algorithm`` for the sparse gradients (``auto`` or a
 registered one), ``--no-fuse`` (one call per gradient, not one fused
-call), ``--dense`` (``allreduce`` is checked; ``topk`` compresses the MLP's
-weights with error feedback, so only the sparse gradients are checked).
-The exit status is 1 if any gradient was wrong or any step's parameters
-differed across ranks.
+call), ``--dense`` (``allreduce`` is checked value by value; ``topk``
+compresses the MLP's weights with error feedback, from the sixth step).
+``--hook ddp`` trains the model with dense tables under
+``DistributedDataParallel`` (small buckets, ``find_unused_parameters``)
+with ``colltune_hook`` instead of the synchronizer: its first 5 steps go
+dense and are checked value by value, then ``--algorithm`` compresses
+every bucket part of 256 elements or more.
+
+Top-k's error feedback is checked over the run as ``tools/soak.py``
+checks it (:class:`soak.Conservation`), per parameter: every ``--every``
+steps the float64 sum of every rank's gradients so far must equal what
+the wrapper delivered (times P) plus the residuals the ranks hold, taken
+out of the wrapper's top-k states parameter by parameter. It covers
+every MLP parameter under ``--dense topk`` and every parameter under
+``--hook ddp``, whichever route each takes. The exit status is 1 if any
+gradient was wrong, any parameter's error feedback broke, or any step's
+parameters differed across ranks.
 
 Usage::
 
@@ -38,6 +51,7 @@ Usage::
     python tools/train_soak.py --ranks 4 --steps 1000 --algorithm oktopk --no-fuse
     python tools/train_soak.py --ranks 2 --steps 500 --dense topk --device-path
     python tools/train_soak.py --ranks 3 --hook backward
+    python tools/train_soak.py --ranks 3 --hook ddp --algorithm oktopk
 """
 
 from __future__ import annotations
@@ -46,6 +60,7 @@ import argparse
 import os
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -55,7 +70,7 @@ for _path in (os.path.dirname(_TOOLS), _TOOLS):  # the repository, and tools/ (i
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from soak import digest, input_generators  # noqa: E402  (its sibling in tools/)
+from soak import Conservation, digest, input_generators  # noqa: E402  (its sibling in tools/)
 from torch import nn  # noqa: E402
 
 from colltune.offline import launch  # noqa: E402
@@ -66,17 +81,19 @@ TABLES: tuple[tuple[int, int], ...] = ((1, 4), (50, 8), (1000, 16), (1000, 16), 
 BATCH, MAX_BAG, DENSE_IN = 24, 4, 4
 #: How the synchronizer runs: ``synchronize()`` after backward (a third of the steps asynchronous, then
 #: ``wait()``), ``attach(optimizer)`` (at the optimizer's step), ``attach_to_backward(async_op=True)``.
-HOOKS = ("none", "attach", "backward")
+HOOKS = ("none", "attach", "backward", "ddp")
 #: A value's largest error against the float64 average, relative to the ranks' summed magnitudes over P.
 TOL = 1e-5
 
 
 class Model(nn.Module):
-    """Sparse embedding tables (bags summed) and dense features into a small MLP: one output per sample."""
+    """Embedding tables (bags summed) and dense features into a small MLP: one output per sample. The tables'
+    gradients are sparse, or dense with ``sparse=False`` (what DDP's communication hooks take)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sparse: bool = True) -> None:
         super().__init__()
-        self.tables = nn.ModuleList(nn.EmbeddingBag(n, w, mode="sum", sparse=True) for n, w in TABLES)
+        self.sparse = sparse
+        self.tables = nn.ModuleList(nn.EmbeddingBag(n, w, mode="sum", sparse=sparse) for n, w in TABLES)
         self.mlp = nn.Sequential(nn.Linear(sum(w for _, w in TABLES) + DENSE_IN, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -112,7 +129,7 @@ Reference = dict[str, tuple[torch.Tensor, torch.Tensor, "set[int] | bool"]]
 def reference(model: nn.Module, batches: list[dict[str, Any]]) -> Reference:
     """Each rank's gradient (``batches``, in rank order) at ``model``'s parameters, on a fresh copy of them
     (not of the gradients, which an asynchronous synchronization may still be reducing), averaged."""
-    copy_ = Model()
+    copy_ = Model(model.sparse)
     copy_.load_state_dict(model.state_dict())
     sums: dict[str, list[Any]] = {}
     for batch in batches:
@@ -126,21 +143,24 @@ def reference(model: nn.Module, batches: list[dict[str, Any]]) -> Reference:
                 sums[name] = [total + dense, mags + dense.abs(), True]
     p = len(batches)
     out: Reference = {name: (total / p, mags / p, some) for name, (total, mags, some) in sums.items()}
-    for t, _ in enumerate(TABLES):  # a sparse result holds exactly the rows some rank's bags name
+    for t, _ in enumerate(TABLES if model.sparse else ()):  # a sparse result holds exactly the rows some rank's bags name
         name = f"tables.{t}.weight"
         avg, mags, _ = out[name]
         out[name] = (avg, mags, {i for b in batches if b["bags"][t] is not None for i in b["bags"][t][0].tolist()})
     return out
 
 
-def wrong(model: nn.Module, ref: Reference, dense_checked: bool) -> list[str]:
-    """Say how each averaged gradient of ``model`` is off its reference (empty: all right)."""
+def wrong(model: nn.Module, ref: Reference, dense_checked: bool, none_is_zero: bool = False) -> list[str]:
+    """Say how each averaged gradient of ``model`` is off its reference (empty: all right). With
+    ``none_is_zero`` (DDP, which hands every parameter a gradient) a zero gradient stands for no rank's."""
     out = []
     for name, param in model.named_parameters():
         avg, mags, some = ref[name]
         grad = param.grad
         if name.startswith("mlp.") and not dense_checked:
             continue
+        if none_is_zero:
+            grad, some = torch.zeros_like(param) if grad is None else grad, True
         if grad is None:
             if some:
                 out.append(f"{name}: no gradient, but some rank had one" if some is True else
@@ -162,21 +182,54 @@ def wrong(model: nn.Module, ref: Reference, dense_checked: bool) -> list[str]:
     return out
 
 
+def residuals(topk_states: dict[str, Any], numels: dict[str, int]) -> dict[str, SimpleNamespace]:
+    """Each parameter's residual out of a training wrapper's top-k states, keyed by their parameters' names
+    (joined by ``|`` in the layout's order, for a part of a DDP bucket). A parameter two states hold is summed
+    (a residual kept twice: the ledger then breaks, as it should)."""
+    out: dict[str, SimpleNamespace] = {}
+    for key, st in topk_states.items():
+        if st.residual is not None:
+            names = key.split("|")
+            for name, piece in zip(names, torch.split(st.residual.reshape(-1), [numels[n] for n in names])):
+                held = out.setdefault(name, SimpleNamespace(residual=torch.zeros(numels[name], dtype=piece.dtype)))
+                held.residual = held.residual + piece
+    return out
+
+
+def _wrap(model: Model, cfg: dict[str, Any]) -> tuple[nn.Module, Any, list[str], int]:
+    """Put ``model`` under the run's wrapper; return what computes the loss, the wrapper (its ``topk_states``
+    hold the residuals), the parameters its top-k may compress (checked by the ledger) and the steps before
+    compression (checked value by value like the rest)."""
+    from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook
+
+    warmup = 5
+    if cfg["hook"] == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=1)
+        state = ColltuneHookState(model=ddp, density=0.01, start_compression_iter=warmup, min_compress_numel=256,
+                                  algorithm=cfg["algorithm"])
+        ddp.register_comm_hook(state, colltune_hook)
+        return ddp, state, [n for n, _ in model.named_parameters()], warmup
+    sync = SparseGradSync(model, algorithm=cfg["algorithm"], dense=cfg["dense"], fuse=cfg["fuse"],
+                          start_compression_iter=warmup, min_compress_numel=256)
+    return model, sync, [n for n, _ in model.named_parameters() if n.startswith("mlp.") and cfg["dense"] == "topk"], 0
+
+
 def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from colltune.algorithms.sparse import device_path
-    from colltune.train import SparseGradSync
 
     torch.set_num_threads(1)
     with device_path(cfg["device_path"]):
-        torch.manual_seed(cfg["seed"])  # the same model on every rank (the synchronizer also broadcasts it)
-        model = Model()
-        sync = SparseGradSync(model, algorithm=cfg["algorithm"], dense=cfg["dense"], fuse=cfg["fuse"],
-                                       start_compression_iter=5, min_compress_numel=256)
+        torch.manual_seed(cfg["seed"])  # the same model on every rank (the wrappers also broadcast it)
+        model = Model(sparse=cfg["hook"] != "ddp")
+        net, wrapper, compressed, warmup = _wrap(model, cfg)
+        numels = {n: p.numel() for n, p in model.named_parameters()}
+        ledger = Conservation(spec=lambda name: (numels[name], torch.float32))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gens = input_generators(cfg["seed"], rank, world_size)
         plan = torch.Generator().manual_seed(cfg["seed"])  # what every rank does alike
         errors: list[dict[str, Any]] = []
         mismatches: list[int] = []
+        broken: list[dict[str, Any]] = []
         asynchronous = compared = 0
         pending: dict[str, Any] = {}  # the step's reference, until the optimizer steps
         checked: list[int] = []  # the steps rank 0 checked
@@ -185,29 +238,38 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             """Check the step's gradients as the optimizer is about to apply them (after the synchronizer's
             own pre-hooks, registered first: they synchronize or wait)."""
             ref = pending.pop("ref", None)
-            if ref is not None:
-                checked.append(pending["step"])
-                errors.extend({"step": pending["step"], "why": why}
-                              for why in wrong(model, ref, cfg["dense"] == "allreduce"))
+            if ref is None:
+                return
+            checked.append(step := pending["step"])
+            if cfg["hook"] == "ddp":  # every gradient while DDP's buckets go dense, then the ledger alone
+                whys = wrong(model, ref, True, none_is_zero=True) if step < warmup else []
+            else:
+                whys = wrong(model, ref, cfg["dense"] == "allreduce")
+            errors.extend({"step": step, "why": why} for why in whys)
+            for name, param in model.named_parameters():
+                if name in compressed:
+                    avg, mags, _ = ref[name]
+                    ledger.feed_sums(name, (avg * world_size).reshape(-1), (mags * world_size).reshape(-1), world_size)
+                    ledger.deliver(name, torch.zeros_like(param) if param.grad is None else param.grad, "avg")
 
         if cfg["hook"] == "attach":
-            sync.attach(opt)
+            wrapper.attach(opt)
         elif cfg["hook"] == "backward":
-            sync.attach_to_backward(async_op=True)
+            wrapper.attach_to_backward(async_op=True)
         opt.register_step_pre_hook(check)
         start = time.perf_counter()
         for step in range(cfg["steps"]):
             hot, async_op = (bool(float(x) < y) for x, y in zip(torch.rand(2, generator=plan), (0.5, 1 / 3)))
             batches = {q: draw_batch(g, hot) for q, g in gens.items()}
             opt.zero_grad(set_to_none=True)
-            loss_of(model, batches[rank]).backward()
+            loss_of(net, batches[rank]).backward()
             explicit = cfg["hook"] == "none"
             if explicit:
-                sync.synchronize(async_op=async_op)
+                wrapper.synchronize(async_op=async_op)
             # Rank 0's reference runs while an asynchronous reduction does (the parameters stay as they are).
             pending.update(step=step, ref=reference(model, [batches[q] for q in sorted(batches)]) if rank == 0 else None)
             if explicit and async_op:
-                sync.wait()
+                wrapper.wait()
             asynchronous += cfg["hook"] == "backward" or (explicit and async_op)
             opt.step()
             if (step + 1) % cfg["every"] == 0 or step + 1 == cfg["steps"]:
@@ -216,9 +278,13 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 compared += 1
                 if len(set(digests)) > 1:
                     mismatches.append(step)
+                broken.extend({"step": step, "why": why}
+                              for why in ledger.check(compressed, residuals(wrapper.topk_states, numels), rank))
+        routes = (sorted({d["route"] for d in wrapper.decisions.values()}) if cfg["hook"] == "ddp"
+                  else sorted({r[0] for r in wrapper.routes().values()}))
         return {"wrong": errors, "mismatches": mismatches, "asynchronous": asynchronous, "compared": compared,
-                "checked": len(checked),
-                "seconds": time.perf_counter() - start, "routes": sorted({r[0] for r in sync.routes().values()})}
+                "checked": len(checked), "ledger": len(compressed), "broken": broken, "worst": ledger.worst,
+                "seconds": time.perf_counter() - start, "routes": routes}
 
 
 def run(world_size: int, steps: int, every: int, seed: int, algorithm: str = "auto", dense: str = "allreduce",
@@ -231,7 +297,7 @@ def run(world_size: int, steps: int, every: int, seed: int, algorithm: str = "au
 
 
 def main(argv: list[str] | None = None) -> int:
-    from colltune.train.common import sparse_algorithms
+    from colltune.train.common import sparse_algorithms, topk_algorithms
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", "-P", type=int, default=3, help="local gloo ranks (default 3)")
@@ -243,25 +309,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fuse", action="store_true", help="one call per sparse gradient, not one fused call")
     ap.add_argument("--hook", choices=HOOKS, default="none",
                     help="how the synchronizer runs: none (synchronize() after backward), attach (at the "
-                         "optimizer's step), backward (attach_to_backward, asynchronous)")
+                         "optimizer's step), backward (attach_to_backward, asynchronous); ddp: no synchronizer, "
+                         "DDP with colltune_hook (dense tables; --algorithm then compresses its buckets)")
     ap.add_argument("--device-path", action="store_true",
                     help="send the CPU tensors down the code path CUDA tensors take")
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.steps < 1 or args.every < 1:
         ap.error("need --ranks >= 2, --steps >= 1 and --every >= 1")
+    if args.hook == "ddp" and args.algorithm not in topk_algorithms():
+        ap.error(f"--hook ddp compresses with one of {', '.join(topk_algorithms())}, not {args.algorithm!r}")
     r = run(args.ranks, args.steps, args.every, args.seed, args.algorithm, args.dense, not args.no_fuse,
             args.device_path, args.hook)
     path = "device" if r["device_path"] else "host"
-    print(f"P={r['world_size']}, {r['steps']} steps (seed {r['seed']}, the {path} path, sparse {r['algorithm']}"
-          f"{'' if r['fuse'] else ', not fused'}, dense {r['dense']}, hook {r['hook']}), {r['seconds']:.0f} s; "
+    what = (f"DDP with colltune_hook, top-k {r['algorithm']}" if r["hook"] == "ddp" else
+            f"sparse {r['algorithm']}{'' if r['fuse'] else ', not fused'}, dense {r['dense']}, hook {r['hook']}")
+    print(f"P={r['world_size']}, {r['steps']} steps (seed {r['seed']}, the {path} path, {what}), {r['seconds']:.0f} s; "
           f"{r['asynchronous']} asynchronous; routes {', '.join(r['routes'])}")
-    checked = "every gradient" if r["dense"] == "allreduce" else "the sparse gradients"
+    if r["hook"] == "ddp":
+        checked = "every gradient of the first 5 steps (DDP's dense warm-up)"
+    else:
+        checked = "every gradient" if r["dense"] == "allreduce" else "the sparse gradients"
     print(f"{checked} checked against the float64 average on {r['checked']} steps: {len(r['wrong'])} wrong")
     for w in r["wrong"][:10]:
         print(f"  step {w['step']}: {w['why']}")
+    if r["ledger"]:
+        print(f"error feedback of {r['ledger']} parameters checked every {r['every']} steps (fed = delivered + "
+              f"held): {len(r['broken'])} broken; largest error {r['worst']:.2f} of its bound")
+        for b in r["broken"][:10]:
+            print(f"  step {b['step']}: {b['why']}")
     print(f"parameters compared bit for bit {r['compared']} times (every {r['every']} steps and at the end): "
           f"{len(r['mismatches'])} differed")
-    return 1 if r["wrong"] or r["mismatches"] or r["checked"] != r["steps"] else 0
+    return 1 if r["wrong"] or r["broken"] or r["mismatches"] or r["checked"] != r["steps"] else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Smoke test of ``tools/train_soak.py``: training steps under ``SparseGradSync``, every gradient checked."""
+"""Smoke test of ``tools/train_soak.py``: training steps under ``SparseGradSync`` or DDP's hook, every step checked."""
 
 from __future__ import annotations
 
@@ -24,6 +24,34 @@ def test_a_training_soak_on_the_device_path_unfused_with_topk(train_soak):
     r = train_soak.run(3, 10, 5, 2, algorithm="oktopk", dense="topk", fuse=False, device_path=True)
     assert r["wrong"] == [] and r["mismatches"] == [] and "topk" in r["routes"] and r["asynchronous"] > 0
     assert r["compared"] == 2 and r["checked"] == 10
+    assert r["ledger"] == 4 and r["broken"] == []  # the MLP's error feedback, checked twice
+
+
+@pytest.mark.parametrize("algorithm,device", [("allgather", False), ("oktopk", True)])
+def test_a_training_soak_under_ddp_and_its_hook(train_soak, capsys, algorithm, device):
+    argv = ["--ranks", "2", "--steps", "9", "--every", "3", "--hook", "ddp", "--algorithm", algorithm]
+    assert train_soak.main(argv + (["--device-path"] if device else [])) == 0
+    printed = capsys.readouterr().out
+    assert f"DDP with colltune_hook, top-k {algorithm}" in printed and "routes dense, topk" in printed
+    assert "first 5 steps (DDP's dense warm-up) checked against the float64 average on 9 steps: 0 wrong" in printed
+    assert "error feedback of 10 parameters checked every 3 steps (fed = delivered + held): 0 broken" in printed
+
+
+def test_the_ddp_soak_takes_only_a_compressing_algorithm(train_soak, capsys):
+    with pytest.raises(SystemExit):
+        train_soak.main(["--hook", "ddp", "--algorithm", "dense"])
+    assert "--hook ddp compresses with one of" in capsys.readouterr().err
+
+
+def test_residuals_come_out_parameter_by_parameter(train_soak):
+    from types import SimpleNamespace
+
+    numels = {"a": 2, "b": 3, "c": 1}
+    states = {"a|b": SimpleNamespace(residual=torch.arange(5.0)), "c": SimpleNamespace(residual=None),
+              "b": SimpleNamespace(residual=torch.ones(3))}  # b held twice: summed, so the ledger sees it twice
+    got = train_soak.residuals(states, numels)
+    assert sorted(got) == ["a", "b"]
+    assert got["a"].residual.tolist() == [0.0, 1.0] and got["b"].residual.tolist() == [3.0, 4.0, 5.0]
 
 
 @pytest.mark.parametrize("hook", ["attach", "backward"])
@@ -79,3 +107,10 @@ def test_a_longer_training_soak_finds_every_gradient_right(train_soak, ranks, se
     """150 steps on the device path: every sparse and dense gradient within the bound, the ranks alike."""
     r = train_soak.run(ranks, 150, 25, seed, algorithm=algorithm, fuse=fuse, device_path=True, hook=hook)
     assert r["wrong"] == [] and r["mismatches"] == [] and r["asynchronous"] > 20 and r["checked"] == 150
+
+
+@pytest.mark.slow
+def test_a_longer_ddp_soak_keeps_every_gradient_fed_in():
+    """100 steps of DDP with the hook at P = 3, ``auto`` choosing per bucket part: no error feedback broken."""
+    r = import_tool("train_soak").run(3, 100, 20, 13, algorithm="auto", hook="ddp")
+    assert r["wrong"] == [] and r["broken"] == [] and r["mismatches"] == [] and r["checked"] == 100
