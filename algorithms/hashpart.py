@@ -379,8 +379,8 @@ class HashPart(Algorithm):
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
     ) -> np.ndarray | Prepared | None:
-        """This rank's entry count per owner (``P`` int64 running counts), for the record; ``None`` when ``8 P``
-        bytes do not fit.
+        """Where this rank's entries for each owner end (``P`` int64 running counts), for the record; ``None``
+        when ``8 P`` bytes do not fit.
 
         The owners depend on the indices and ``P`` alone, so the counts hold
         on any call. On the device path they are counted there (sorted
@@ -409,7 +409,8 @@ class HashPart(Algorithm):
         return out
 
     def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> Prepared | None:
-        """Select the local top-k now, and put its count per owner (``P`` int64) in the record.
+        """Select the local top-k now, and put where its entries for each owner end (``P`` int64 running counts)
+        in the record.
 
         The owners depend on the indices and ``P`` alone, so every rank then
         knows what every rank sends to every owner, and the split needs no

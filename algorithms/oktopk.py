@@ -171,7 +171,7 @@ def _region_payload(idx: torch.Tensor, cuts: list[int]) -> np.ndarray | torch.Te
     written into the record there, read with it in its one read.
     """
     if on_host(idx):
-        return np.asarray(_slices(idx, cuts)[1:], dtype=np.int64).view(np.uint8)
+        return np.asarray(_slices(idx, cuts[1:]), dtype=np.int64).view(np.uint8)
     return torch.searchsorted(idx, upload(cuts[1:], idx.device)).view(torch.uint8)
 
 
@@ -796,7 +796,7 @@ class OkTopk(Algorithm):
     def eager_payload(
         self, indices: torch.Tensor, size: int, comm: Comm, knobs: dict[str, Any] | None, capacity: int
     ) -> Prepared | None:
-        """This rank's entry count per region (``P`` int64), while the boundaries are cached.
+        """Where this rank's entries for each region end (``P`` int64 running counts), while the boundaries are cached.
 
         On the device path the counts stay on the device (the record is filled
         there); ``indices`` may be padded with the size, past every region.
@@ -845,7 +845,8 @@ class OkTopk(Algorithm):
         return gidx, gvals.to(inp.acc_dtype)
 
     def topk_prepare(self, acc: torch.Tensor, state: Any, comm: Comm, capacity: int) -> Prepared | None:
-        """Select locally now and return this rank's count per region (``P`` int64), while the boundaries are cached.
+        """Select locally now and return where its entries for each region end (``P`` int64 running counts), while
+        the boundaries are cached.
 
         Every rank then knows what every rank sends to every owner, and the
         split needs no ``all_to_all`` of counts. ``None`` (on every rank

@@ -363,3 +363,35 @@ def test_dense_at_density_1_costs_at_most_1_1x_its_all_reduce_on_large_tensors(p
     f = Features.build(numel=n, row_numel=64, dtype="float32", k_per_rank=[n] * p, union=n, ranks_per_node=8)
     terms = model.analytic.terms(f)["dense"]
     assert sum(terms.values()) <= 1.1 * terms["value_all_reduce"], terms
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_the_counts_payloads_travel_as_running_counts(device_path):
+    """Ok-Topk's counts per region and hashpart's per owner travel as where each rank's entries end;
+    ``send_recv_counts`` gives back the counts, padding (indexed ``size``, the device path's) counted for no one."""
+    from colltune.algorithms import meta
+    from colltune.algorithms.hashpart import HashPart, hash_owner_host
+    from colltune.algorithms.oktopk import OkTopk
+    from colltune.algorithms.sparse import device_path as on_device_path
+
+    p, n = 4, 1000
+    comm = _comm(p)
+    algo = OkTopk()
+    st = OkTopk._state(comm, n, algo.knobs)
+    st.bounds.cuts = [0, 100, 450, 451, n]
+    st.bounds.size, st.bounds.world_size, st.bounds.calls = n, p, 1
+    g = torch.Generator().manual_seed(3)
+    ranks = [torch.unique(torch.randint(0, n, (k,), generator=g)) for k in (50, 0, 300, 7)]
+    for r, idx in enumerate(ranks):  # ranks of other sizes; one with none
+        want_regions = np.histogram(idx.numpy(), bins=st.bounds.cuts)[0].tolist()
+        want_owners = np.bincount(hash_owner_host(idx.numpy(), p), minlength=p).tolist()
+        with on_device_path(device_path):
+            padded = torch.cat((idx, torch.full((5,), n))) if device_path else idx
+            regions = algo.eager_payload(padded, n, comm, algo.knobs, 1024).payload
+            owners = HashPart().eager_payload(padded, n, comm, None, 1024)
+        owners = owners.payload if not isinstance(owners, np.ndarray) else owners
+        table = np.zeros((p, 8 * p), dtype=np.uint8)
+        for row, payload in enumerate((regions, owners)):
+            table[row] = payload.numpy() if isinstance(payload, torch.Tensor) else payload
+            send, _ = meta.send_recv_counts(table, row)
+            assert send == (want_regions, want_owners)[row], (r, row)
