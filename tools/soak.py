@@ -289,18 +289,19 @@ class Conservation:
 
     def __init__(self, spec: Callable[[Any], tuple[int, torch.dtype]] | None = None) -> None:
         self.spec = spec or (lambda key: (_numel(TOPK_TENSORS[key[0]][0]), TOPK_TENSORS[key[0]][1]))
-        #: Per state, float64 sums since the start: every member's gradients, and what the calls delivered.
-        self.fed: dict[tuple[int, str, str], torch.Tensor] = {}
-        self.delivered: dict[tuple[int, str, str], torch.Tensor] = {}
+        #: Per state (keyed as ``spec`` takes it), float64 sums since the start: every member's gradients, and
+        #: what the calls delivered.
+        self.fed: dict[Any, torch.Tensor] = {}
+        self.delivered: dict[Any, torch.Tensor] = {}
         #: Per state, since the last check: the gradients' magnitudes and the calls.
-        self.fresh: dict[tuple[int, str, str], torch.Tensor] = {}
-        self.calls: Counter[tuple[int, str, str]] = Counter()
+        self.fresh: dict[Any, torch.Tensor] = {}
+        self.calls: Counter[Any] = Counter()
         #: Per state, the ranks that take part in its calls (its group's size).
-        self.members: dict[tuple[int, str, str], int] = {}
+        self.members: dict[Any, int] = {}
         #: Per state, at the last check: how far the sides were apart, and the residuals' summed magnitudes.
-        self.last: dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         #: States already found broken: each is said once.
-        self.broken: set[tuple[int, str, str]] = set()
+        self.broken: set[Any] = set()
         #: The largest error of an unbroken check as a fraction of its bound: how much room rounding left.
         self.worst = 0.0
 

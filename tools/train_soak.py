@@ -190,6 +190,9 @@ def residuals(topk_states: dict[str, Any], numels: dict[str, int]) -> dict[str, 
     for key, st in topk_states.items():
         if st.residual is not None:
             names = key.split("|")
+            if any(n not in numels for n in names) or sum(numels[n] for n in names) != st.residual.numel():
+                raise ValueError(f"top-k state {key!r}: its residual ({st.residual.numel()} elements) is not its "
+                                 "parameters' (by name) laid end to end; give the hook the model (model=ddp)")
             for name, piece in zip(names, torch.split(st.residual.reshape(-1), [numels[n] for n in names])):
                 held = out.setdefault(name, SimpleNamespace(residual=torch.zeros(numels[name], dtype=piece.dtype)))
                 held.residual = held.residual + piece

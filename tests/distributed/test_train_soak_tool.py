@@ -52,6 +52,10 @@ def test_residuals_come_out_parameter_by_parameter(train_soak):
     got = train_soak.residuals(states, numels)
     assert sorted(got) == ["a", "b"]
     assert got["a"].residual.tolist() == [0.0, 1.0] and got["b"].residual.tolist() == [3.0, 4.0, 5.0]
+    with pytest.raises(ValueError, match="'bucket0.1\\[3\\]'"):
+        train_soak.residuals({"bucket0.1[3]": SimpleNamespace(residual=torch.ones(3))}, numels)
+    with pytest.raises(ValueError, match=r"'a\|c'"):
+        train_soak.residuals({"a|c": SimpleNamespace(residual=torch.ones(4))}, numels)
 
 
 @pytest.mark.parametrize("hook", ["attach", "backward"])

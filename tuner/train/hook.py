@@ -123,6 +123,11 @@ class ColltuneHookState:
     Raises:
         ColltuneTypeError, ColltuneValueError: an option is invalid.
 
+    A known gap: with ``find_unused_parameters=True``, a parameter no rank
+    used in a compressed step goes through top-k with its part, and DDP
+    keeps no result for it, so the residual entries selected there are
+    lost (see the README, "In training").
+
     Example:
         >>> state = ColltuneHookState(model=ddp_model, density=0.01, start_compression_iter=100)  # doctest: +SKIP
         >>> ddp_model.register_comm_hook(state, colltune_hook)  # doctest: +SKIP
