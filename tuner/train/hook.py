@@ -123,10 +123,13 @@ class ColltuneHookState:
     Raises:
         ColltuneTypeError, ColltuneValueError: an option is invalid.
 
-    A known gap: with ``find_unused_parameters=True``, a parameter no rank
-    used in a compressed step goes through top-k with its part, and DDP
-    keeps no result for it, so the residual entries selected there are
-    lost (see the README, "In training").
+    With ``find_unused_parameters=True`` a parameter no rank used in a
+    compressed step still goes through top-k with its part, and DDP keeps
+    no result for it (it learns which parameters some rank used only after
+    the last bucket). Once DDP has put the results in the gradients, the
+    hook gives what its part delivered for such a parameter back to the
+    residual, on every rank alike, so no selected entry is lost
+    (:func:`_keep_unreached`).
 
     Example:
         >>> state = ColltuneHookState(model=ddp_model, density=0.01, start_compression_iter=100)  # doctest: +SKIP
@@ -153,6 +156,7 @@ class ColltuneHookState:
         "_overrides",
         "_policy_arg",
         "_used",
+        "_unreached",
         "_checked",
         "_ddp_collective_after",
         "_ddp_collective_within",
@@ -195,6 +199,8 @@ class ColltuneHookState:
         self._order: dict[int, int] = {}
         self._numels: dict[str, int] = {}
         self._used: set[str] = set()
+        #: This step's top-k parts, until DDP has put their results in the gradients (:func:`_keep_unreached`).
+        self._unreached: list[_TopkPart] = []
         self._checked: set[str] = set()
         #: Per bucket layout and routing options, what its parameters route to (:class:`_BucketPlan`).
         self._plans: dict[tuple, _BucketPlan] = {}
@@ -287,6 +293,7 @@ class ColltuneHookState:
         # Decisions follow the policy: a checkpoint taken under another policy is decided again.
         self.decisions = {k: dict(v) for k, v in d["decisions"].items()} if d["policy_digest"] == policy.digest else {}
         self._used = set()
+        self._unreached = []
         self._checked = set()
         self._plans = {}  # each plan is checked with the peers again
 
@@ -398,6 +405,7 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
         for key in [k for k in state.topk_states if k not in state._used]:
             del state.topk_states[key]  # its parameters moved to other buckets (residuals already taken)
         state._used = set()
+        _keep_unreached(state)
     if state._ddp_collective_within or (last and state._ddp_collective_after):
         # DDP all-reduces on the group from this thread next (its map of used parameters right after the last
         # bucket; delayed parameters whenever their hook fires): on every rank that must come after the parts
@@ -512,7 +520,7 @@ class _BucketParts:
     def __init__(self, state: ColltuneHookState, bucket: dist.GradBucket) -> None:
         self.buffer = bucket.buffer()
         self.buffer_index = bucket.index()
-        params = list(bucket.parameters())
+        self.params = params = list(bucket.parameters())
         key = _plan_key(state, self.buffer_index, params)
         plan = state._plans.get(key)
         if plan is None:
@@ -596,6 +604,7 @@ def _reduce_topk(
     flat = parts.gather(members)
     ts = _hook_topk_state(state, key, names, flat.numel(), parts.routes[members[0]][1])
     state._used.add(key)
+    state._unreached.append(_TopkPart(ts, out, [parts.slices[i] for i in members], [parts.params[i] for i in members]))
     handle: Any = _api.topk_allreduce(
         flat,
         ts,
@@ -618,6 +627,57 @@ def _reduce_topk(
             state.bytes_sent += nbytes
 
     return _part_future(handle, done, out)
+
+
+class _TopkPart:
+    """One top-k part of a compressed step, as its parameters' gradients stood when its bucket came.
+
+    DDP leaves the gradient of a parameter no rank used untouched (``None``,
+    or the same tensor at the same version), where it writes every other
+    parameter's: that is how :meth:`give_back` tells, with no kernel and no
+    host sync.
+    """
+
+    __slots__ = ("state", "out", "slices", "params", "before")
+
+    def __init__(self, state: TopkState, out: torch.Tensor, slices: list[tuple[int, int]], params: list[Any]) -> None:
+        self.state, self.out, self.slices, self.params = state, out, slices, params
+        self.before = [(p.grad, None if p.grad is None else p.grad._version) for p in params]
+
+    def give_back(self) -> None:
+        """Add to the residual what this part delivered for each parameter whose gradient DDP left untouched."""
+        at = 0
+        for (a, b), param, (grad, version) in zip(self.slices, self.params, self.before):
+            now = param.grad
+            if self.state.residual is not None and (now is None or (now is grad and now._version == version)):
+                # Every rank delivered the same average here and gives it back: their residuals' sum regains
+                # P times it, all that the ranks' selections sent.
+                self.state.residual[at : at + b - a] += self.out[a:b].to(self.state.residual.dtype)
+            at += b - a
+
+
+def _keep_unreached(state: ColltuneHookState) -> None:
+    """At the last bucket: once DDP has finalized the step, give back what the step's top-k parts delivered
+    to parameters no rank used (:class:`_TopkPart`).
+
+    DDP finalizes in an autograd callback it queues right after this bucket,
+    so the hook queues one that queues another: that one runs after DDP's.
+    Outside a backward pass (DDP's ``join`` shadows a step from Python)
+    there is no callback to queue, and no parameter a rank used either.
+    """
+    parts, state._unreached = state._unreached, []
+    if not parts:
+        return
+
+    def after_ddp() -> None:
+        for part in parts:
+            part.give_back()
+
+    try:
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(after_ddp))
+    except RuntimeError:  # not in a backward pass
+        pass
 
 
 def _part_future(handle: Any, done: Any, out: torch.Tensor) -> torch.futures.Future[Any]:
