@@ -391,6 +391,8 @@ def colltune_hook(state: ColltuneHookState, bucket: dist.GradBucket) -> torch.fu
         shape and dtype: the averaged (or top-k averaged) gradients.
     """
     p = group_size(state.process_group)
+    if bucket.index() == 0:
+        state._unreached = []  # a step whose backward stopped before its last bucket leaves nothing behind
     if not state.compressing or p == 1:
         return _dense_bucket(state, bucket, p)
     parts = _BucketParts(state, bucket)
@@ -633,9 +635,13 @@ class _TopkPart:
     """One top-k part of a compressed step, as its parameters' gradients stood when its bucket came.
 
     DDP leaves the gradient of a parameter no rank used untouched (``None``,
-    or the same tensor at the same version), where it writes every other
-    parameter's: that is how :meth:`give_back` tells, with no kernel and no
-    host sync.
+    or the same tensor at the same version) and writes every other
+    parameter's; a gradient that is a view of DDP's bucket
+    (``gradient_as_bucket_view``) is written either way, so it reads as
+    written, as it is. That is how :meth:`give_back` tells, with no kernel
+    and no host sync. Not for gradients that never land in ``.grad``
+    (distributed autograd, an optimizer run in backward): there every
+    parameter would read as unused.
     """
 
     __slots__ = ("state", "out", "slices", "params", "before")
@@ -651,7 +657,7 @@ class _TopkPart:
             now = param.grad
             if self.state.residual is not None and (now is None or (now is grad and now._version == version)):
                 # Every rank delivered the same average here and gives it back: their residuals' sum regains
-                # P times it, all that the ranks' selections sent.
+                # P times it, what the ranks' selections sent (to the bucket dtype's rounding of the average).
                 self.state.residual[at : at + b - a] += self.out[a:b].to(self.state.residual.dtype)
             at += b - a
 
@@ -660,10 +666,13 @@ def _keep_unreached(state: ColltuneHookState) -> None:
     """At the last bucket: once DDP has finalized the step, give back what the step's top-k parts delivered
     to parameters no rank used (:class:`_TopkPart`).
 
-    DDP finalizes in an autograd callback it queues right after this bucket,
-    so the hook queues one that queues another: that one runs after DDP's.
-    Outside a backward pass (DDP's ``join`` shadows a step from Python)
-    there is no callback to queue, and no parameter a rank used either.
+    DDP finalizes in an autograd callback it queues right after this bucket
+    (or, in a ``static_graph`` model's first step, in one queued before the
+    buckets come), so the hook queues one that queues another: that one
+    runs after DDP's. Outside a backward pass (a rank that joined, under
+    DDP's ``join``, shadows the step from Python) there is no callback to
+    queue: what that rank's selections sent to a parameter the other ranks
+    did not use is lost.
     """
     parts, state._unreached = state._unreached, []
     if not parts:
