@@ -157,12 +157,6 @@ def _bits(device: torch.device) -> torch.Tensor:
     return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(device)
 
 
-def _slices(idx: torch.Tensor, cuts: list[int]) -> list[int]:
-    """Return offsets so that entries ``[off[j], off[j+1])`` of sorted ``idx`` fall in region ``j``."""
-    bounds = upload(cuts, idx.device)
-    return torch.searchsorted(idx, bounds).tolist()
-
-
 def _region_payload(idx: torch.Tensor, cuts: list[int]) -> np.ndarray | torch.Tensor:
     """Where this rank's entries for each region end, as the record's payload bytes (``P`` int64 running counts,
     :func:`~colltune.algorithms.meta.send_recv_counts`).
@@ -170,9 +164,8 @@ def _region_payload(idx: torch.Tensor, cuts: list[int]) -> np.ndarray | torch.Te
     On the host path a NumPy array; on the device path found there and
     written into the record there, read with it in its one read.
     """
-    if on_host(idx):
-        return np.asarray(_slices(idx, cuts[1:]), dtype=np.int64).view(np.uint8)
-    return torch.searchsorted(idx, upload(cuts[1:], idx.device)).view(torch.uint8)
+    ends = torch.searchsorted(idx, upload(cuts[1:], idx.device))
+    return ends.numpy().view(np.uint8) if on_host(idx) else ends.view(torch.uint8)
 
 
 def split_reduce(

@@ -213,6 +213,11 @@ def input_generators(seed: int, rank: int, world_size: int) -> dict[int, torch.G
             for q in (range(world_size) if rank == 0 else (rank,))}
 
 
+def _traced_rank(world_size: int) -> int:
+    """The rank ``--trace-memory`` traces: rank 1, which builds no references (rank 0 alone at P = 1)."""
+    return min(1, world_size - 1)
+
+
 def _hash_result(res: Any) -> bytes:
     """Hash a call's result: one ``SparseResult``, or a fused call's list of them."""
     if isinstance(res, list):
@@ -472,7 +477,7 @@ def _calls(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             done(i, out, refs)
 
-    trace = cfg.get("trace_memory") if rank == min(1, world_size - 1) else None
+    trace = cfg.get("trace_memory") if rank == _traced_rank(world_size) else None
     snapshots: list[Any] = []
     if trace:
         tracemalloc.start()
@@ -549,7 +554,7 @@ def run(world_size: int, calls: int, every: int, seed: int, warmup: int | None =
         "wall_s": wall,
         "kinds": per_rank[0]["kinds"],
         "trace_memory": trace_memory,
-        "memory_lines": per_rank[min(1, world_size - 1)]["memory_lines"],
+        "memory_lines": per_rank[_traced_rank(world_size)]["memory_lines"],
         "mismatches": per_rank[0]["mismatches"],
         "checked": per_rank[0]["checked"],
         "topk_states": per_rank[0]["topk_states"],
@@ -598,7 +603,7 @@ def print_report(report: dict[str, Any], rows: int = 25) -> None:
         print(f"  by call {b['call']}: {b['why']}")
     if report["trace_memory"]:
         a, b = report["trace_memory"]
-        print(f"Python allocations that grew most on rank {min(1, p - 1)} from call {a} to call {b} (tracemalloc):")
+        print(f"Python allocations that grew most on rank {_traced_rank(p)} from call {a} to call {b} (tracemalloc):")
         for where, grew in report["memory_lines"]:
             print(f"  {grew / 1024:+9.1f} KiB  {where}")
 

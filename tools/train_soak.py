@@ -86,6 +86,8 @@ BATCH, MAX_BAG, DENSE_IN = 24, 4, 4
 HOOKS = ("none", "attach", "backward", "ddp")
 #: A value's largest error against the float64 average, relative to the ranks' summed magnitudes over P.
 TOL = 1e-5
+#: Steps the wrappers reduce dense before their top-k compresses (checked value by value under DDP).
+WARMUP = 5
 
 
 class Model(nn.Module):
@@ -201,22 +203,20 @@ def residuals(topk_states: dict[str, Any], numels: dict[str, int]) -> dict[str, 
     return out
 
 
-def _wrap(model: Model, cfg: dict[str, Any]) -> tuple[nn.Module, Any, list[str], int]:
+def _wrap(model: Model, cfg: dict[str, Any]) -> tuple[nn.Module, Any, list[str]]:
     """Put ``model`` under the run's wrapper; return what computes the loss, the wrapper (its ``topk_states``
-    hold the residuals), the parameters its top-k may compress (checked by the ledger) and the steps before
-    compression (checked value by value like the rest)."""
+    hold the residuals) and the parameters its top-k may compress (checked by the ledger)."""
     from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook
 
-    warmup = 5
     if cfg["hook"] == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=0.25)
-        state = ColltuneHookState(model=ddp, density=0.002, start_compression_iter=warmup, min_compress_numel=256,
+        state = ColltuneHookState(model=ddp, density=0.002, start_compression_iter=WARMUP, min_compress_numel=256,
                                   algorithm=cfg["algorithm"])
         ddp.register_comm_hook(state, colltune_hook)
-        return ddp, state, [n for n, _ in model.named_parameters()], warmup
+        return ddp, state, [n for n, _ in model.named_parameters()]
     sync = SparseGradSync(model, algorithm=cfg["algorithm"], dense=cfg["dense"], fuse=cfg["fuse"],
-                          start_compression_iter=warmup, min_compress_numel=256)
-    return model, sync, [n for n, _ in model.named_parameters() if n.startswith("mlp.") and cfg["dense"] == "topk"], 0
+                          start_compression_iter=WARMUP, min_compress_numel=256)
+    return model, sync, [n for n, _ in model.named_parameters() if n.startswith("mlp.") and cfg["dense"] == "topk"]
 
 
 def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -226,7 +226,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     with device_path(cfg["device_path"]):
         torch.manual_seed(cfg["seed"])  # the same model on every rank (the wrappers also broadcast it)
         model = Model(sparse=cfg["hook"] != "ddp")
-        net, wrapper, compressed, warmup = _wrap(model, cfg)
+        net, wrapper, compressed = _wrap(model, cfg)
         numels = {n: p.numel() for n, p in model.named_parameters()}
         ledger = Conservation(spec=lambda name: (numels[name], torch.float32))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -247,7 +247,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 return
             checked.append(step := pending["step"])
             if cfg["hook"] == "ddp":  # every gradient while DDP's buckets go dense, then the ledger alone
-                whys = wrong(model, ref, True, none_is_zero=True) if step < warmup else []
+                whys = wrong(model, ref, True, none_is_zero=True) if step < WARMUP else []
             else:
                 whys = wrong(model, ref, cfg["dense"] == "allreduce")
             errors.extend({"step": step, "why": why} for why in whys)
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"P={r['world_size']}, {r['steps']} steps (seed {r['seed']}, the {path} path, {what}), {r['seconds']:.0f} s; "
           f"{r['asynchronous']} asynchronous; routes {', '.join(r['routes'])}")
     if r["hook"] == "ddp":
-        checked = "every gradient of the first 5 steps (DDP's dense warm-up)"
+        checked = f"every gradient of the first {WARMUP} steps (DDP's dense warm-up)"
     else:
         checked = "every gradient" if r["dense"] == "allreduce" else "the sparse gradients"
     print(f"{checked} checked against the float64 average on {r['checked']} steps: {len(r['wrong'])} wrong")

@@ -32,6 +32,7 @@ from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 from colltune.model.policy import parse_policy
 from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
 
+from ddp_cases import unused_layer_run
 from harness import expect_error, pool
 
 ROWS, DIM = 200, 8
@@ -674,56 +675,10 @@ def test_a_dropped_synchronizer_frees_its_model():
     handle.remove()
 
 
-class _Gated(nn.Module):
-    """Two layers, the first skipped on steps the caller says: unused then on every rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(40, 40), nn.Linear(40, 1)
-
-    def forward(self, x: torch.Tensor, use_a: bool) -> torch.Tensor:
-        return self.b(self.a(x) if use_a else x)
-
-
-def _globally_unused_run(rank: int, world_size: int, as_view: bool, to_none: bool) -> list[float]:
-    """Compress from the first step; ``a`` is used in steps 0 to 2 only. Per step, how far ``a.weight``'s
-    fed-in gradients are from what DDP delivered plus the residuals (summed over the ranks, float64)."""
-    torch.manual_seed(0)
-    model = _Gated()
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, gradient_as_bucket_view=as_view)
-    state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=0, min_compress_numel=1,
-                              algorithm="allgather")
-    ddp.register_comm_hook(state, colltune_hook)
-    g = torch.Generator().manual_seed(rank)
-    numel = model.a.weight.numel()
-    fed, delivered, apart = torch.zeros(numel, dtype=torch.float64), torch.zeros(numel, dtype=torch.float64), []
-    for step in range(6):
-        use = step < 3
-        x = torch.randn(8, 40, generator=g)
-        alone = _Gated()
-        alone.load_state_dict(model.state_dict())
-        alone(x, use).sum().backward()
-        own = torch.zeros(numel, dtype=torch.float64) if alone.a.weight.grad is None else alone.a.weight.grad.double()
-        ddp.zero_grad(set_to_none=to_none)
-        ddp(x, use).sum().backward()
-        dist.all_reduce(own := own.reshape(-1))
-        fed += own
-        if model.a.weight.grad is not None:  # DDP's gradient as the optimizer would apply it
-            delivered += model.a.weight.grad.double().reshape(-1) * world_size
-        (residual,) = [st.residual for st in state.topk_states.values()]  # one part: a.weight first
-        held = residual[:numel].double().clone()
-        dist.all_reduce(held)
-        apart.append(float((fed - delivered - held).abs().max()))
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p -= 0.01 * p.grad
-    return apart
-
 
 @pytest.mark.parametrize("as_view,to_none", [(False, True), (False, False), (True, True), (True, False)])
 def test_hook_keeps_the_error_feedback_of_a_parameter_no_rank_used(as_view, to_none):
     """DDP keeps no result for a parameter no rank used (its gradient stays ``None``, or as it was; as a
     bucket view it receives the result): what top-k selected there goes back to the residuals, not lost."""
-    for apart in pool(2).run(_globally_unused_run, as_view, to_none):
+    for apart in pool(2).run(unused_layer_run, "cpu", as_view, to_none):
         assert max(apart) < 1e-5, apart

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from colltune.algorithms import get, names
 
+from ddp_cases import unused_layer_run
 from harness import pool
 from sparse_cases import DTYPES, RTOL
 
@@ -243,61 +244,9 @@ def test_training_wrappers_with_cuda_tensors_over_gloo(algorithm, min_numel, rou
     assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][4], out[1][4])
 
 
-def _unused_layer_on_cuda(rank, world_size):
-    """The DDP hook on CUDA, ranks sharing the GPU over gloo: a layer no rank uses from step 3 on. Per step,
-    how far its fed-in gradients are from what DDP delivered plus the residuals (summed over the ranks)."""
-    import torch.nn as nn
-
-    from colltune.train import ColltuneHookState, colltune_hook
-
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
-
-    class Gated(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(40, 40), nn.Linear(40, 1)
-
-        def forward(self, x, use_a):
-            return self.b(self.a(x) if use_a else x)
-
-    torch.manual_seed(0)
-    model = Gated().to(dev)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], find_unused_parameters=True)
-    state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=0, min_compress_numel=1,
-                              algorithm="allgather")
-    ddp.register_comm_hook(state, colltune_hook)
-    g = torch.Generator().manual_seed(rank)
-    numel = model.a.weight.numel()
-    fed, delivered, apart = torch.zeros(numel, dtype=torch.float64), torch.zeros(numel, dtype=torch.float64), []
-    for step in range(6):
-        use = step < 3
-        x = torch.randn(8, 40, generator=g)
-        alone = Gated()
-        alone.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
-        alone(x, use).sum().backward()
-        own = torch.zeros(numel, dtype=torch.float64) if alone.a.weight.grad is None else alone.a.weight.grad.double()
-        ddp.zero_grad(set_to_none=True)
-        ddp(x.to(dev), use).sum().backward()
-        own = own.reshape(-1)
-        dist.all_reduce(own)
-        fed += own
-        if model.a.weight.grad is not None:
-            delivered += model.a.weight.grad.double().cpu().reshape(-1) * world_size
-        (residual,) = [st.residual for st in state.topk_states.values()]
-        held = residual[:numel].double().cpu()
-        dist.all_reduce(held)
-        apart.append(float((fed - delivered - held).abs().max()))
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p -= 0.01 * p.grad
-    return apart
-
-
 def test_the_hook_gives_back_what_a_layer_no_rank_used_was_sent_on_cuda():
     """The give-back runs after DDP's finalize, on the GPU's stream: nothing top-k selected is lost."""
-    for apart in pool(2).run(_unused_layer_on_cuda):
+    for apart in pool(2).run(unused_layer_run, "cuda"):
         assert max(apart) < 1e-4, apart
 
 
