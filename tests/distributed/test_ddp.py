@@ -682,3 +682,62 @@ def test_hook_keeps_the_error_feedback_of_a_parameter_no_rank_used(as_view, to_n
     bucket view it receives the result): what top-k selected there goes back to the residuals, not lost."""
     for apart in pool(2).run(unused_layer_run, "cpu", as_view, to_none):
         assert max(apart) < 1e-5, apart
+
+
+def _joined_run(rank: int, world_size: int, algorithm: str, unused: bool) -> dict:
+    """Uneven inputs under DDP's ``join``: rank r trains 3 + 2r steps with the hook compressing from the first.
+
+    Returns the replicas' largest difference, and per parameter how far the
+    ranks' fed-in gradients (each rank's own, computed apart, zero for a
+    rank that has joined) are from what the last rank (never joined)
+    delivered times P plus the residuals every rank holds, in float64.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 1))
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
+    state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=0, min_compress_numel=1,
+                              algorithm=algorithm)
+    ddp.register_comm_hook(state, colltune_hook)
+    fed = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in model.named_parameters()}
+    delivered = {n: torch.zeros_like(f) for n, f in fed.items()}
+    g = torch.Generator().manual_seed(rank)
+    with ddp.join():
+        for _ in range(3 + 2 * rank):
+            x = torch.randn(8, 24, generator=g)
+            alone = nn.Sequential(nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 1))
+            alone.load_state_dict(model.state_dict())
+            alone(x).sum().backward()
+            for n, p in alone.named_parameters():
+                fed[n] += p.grad.double().reshape(-1)
+            ddp.zero_grad(set_to_none=True)
+            ddp(x).sum().backward()
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    delivered[n] += p.grad.double().reshape(-1)
+                    p -= 0.01 * p.grad
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    replicas = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(replicas, flat)
+    held = {n: torch.zeros_like(f) for n, f in fed.items()}
+    for key, st in state.topk_states.items():  # a bucket part's state: its parameters' names joined by "|"
+        if st.residual is not None:
+            parts = key.split("|")
+            for n, piece in zip(parts, torch.split(st.residual.reshape(-1), [fed[n].numel() for n in parts])):
+                held[n] += piece.double()
+    apart = {}
+    for n, residual in held.items():
+        dist.all_reduce(residual)
+        dist.all_reduce(fed[n])
+        last = delivered[n] if rank == world_size - 1 else torch.zeros_like(delivered[n])
+        dist.all_reduce(last)  # the last rank's deliveries: it stepped in every step of the run
+        apart[n] = float((fed[n] - world_size * last - residual).abs().max())
+    return {"replicas": float(max((r - replicas[0]).abs().max() for r in replicas)), "apart": apart}
+
+
+@pytest.mark.parametrize("algorithm,unused", [("allgather", False), ("oktopk", True)])
+def test_hook_trains_uneven_inputs_under_join(algorithm, unused):
+    """Under ``ddp.join()`` a rank that ran out of inputs shadows the others' steps with zeros through the
+    hook: no hang, the replicas stay equal, and top-k's error feedback holds over every rank."""
+    for r in pool(3).run(_joined_run, algorithm, unused, timeout=120):
+        assert r["replicas"] == 0.0, r
+        assert max(r["apart"].values()) < 1e-5, r
