@@ -261,14 +261,17 @@ class Algorithm(abc.ABC):
     TERMS: ClassVar[tuple[str, ...]] = ()
     #: Host synchronizations of a steady-state call on the device path, by mode (``exact``, ``topk``): what
     #: an NCCL profile's host cost multiplies (its ``host_sync_us``), and the ceiling the sync-budget test
-    #: holds the code to, so the model prices the syncs the code makes.
+    #: holds the code to; an exact call reaches it (``tests/cli/test_audit_tools.py``), so the model prices
+    #: the syncs the code makes.
     HOST_SYNCS: ClassVar[dict[str, int]] = {}
     #: Kernels of a steady-state call on the device path, by mode: what an NCCL profile's ``host_kernel_us``
     #: multiplies. The device-path audit's count at P = 2 (``tools/device_path_audit.py``: aten ops that are
-    #: not views), a ceiling its test holds the code to. The fit counts CUDA launches at P = 1 instead (one
-    #: GPU), which differ per op (a sort launches several): ``tools/fit_host_cost.py`` prints how far they are
-    #: from these counts on its file (0.51x to 1.82x on ``profiles/measurements/h200-per-call.json``, whose
-    #: launches came from older code than these counts): an approximation.
+    #: not views), the most over scalars and rows: ``tests/cli/test_audit_tools.py`` holds the code to it and
+    #: it to the code (at most 10% above), so the model prices the kernels the code launches. The fit counts
+    #: CUDA launches at P = 1 instead (one GPU), which differ per op (a sort launches several):
+    #: ``tools/fit_host_cost.py`` prints how far they are from these counts on its file (0.57x to 1.90x on
+    #: ``profiles/measurements/h200-per-call.json``, whose launches came from older code than these counts):
+    #: an approximation.
     HOST_KERNELS: ClassVar[dict[str, int]] = {}
     #: What the cost model prices the algorithm on in top-k mode (``topk_allreduce``): ``"selection"``,
     #: each rank's ``k`` selected entries (what a sparse algorithm moves), or ``"tensor"``, every element of

@@ -55,9 +55,8 @@ accumulation dtype there (the front door divides and casts them), so the
 result is TopkA's, bit for bit.
 
 Host synchronizations on the device path (:attr:`HashPart.HOST_SYNCS`):
-the record (the coalesce's count and the counts per owner ride in it), the
-read of the counts per owner from the gathered slots (already in host
-memory on a GPU: the audit counts it as a read), and the owners' reduced
+the record (the coalesce's count rides in it, and the counts per owner, as
+running counts, in its slot, read with it), and the owners' reduced
 sizes. The owner's merge reads nothing (its unique count travels, still on
 the device, in the sizes' gather). Top-k mode: the record and the sizes (the
 local selection, made before the record, which carries its counts per
@@ -332,11 +331,11 @@ class HashPart(Algorithm):
         "metadata", "counts_all_to_all", "split_all_to_all", "owner_reduce", "sizes_all_gather", "union_gather",
         "unpack_sort",
     )
-    #: Exact: the record (the coalesce's count and the counts per owner ride in it), the counts' read from the
-    #: gathered slots, the owners' sizes (the merge's unique count travels in their gather); top-k: the record
-    #: (carrying the local selection's counts per owner; the selection reads nothing) and the sizes.
-    HOST_SYNCS = {"exact": 3, "topk": 2}
-    HOST_KERNELS = {"exact": 68, "topk": 74}
+    #: Exact: the record (the coalesce's count and the counts per owner ride in it, read together), the owners'
+    #: sizes (the merge's unique count travels in their gather); top-k: the record (carrying the local
+    #: selection's counts per owner; the selection reads nothing) and the sizes.
+    HOST_SYNCS = {"exact": 2, "topk": 2}
+    HOST_KERNELS = {"exact": 67, "topk": 72}
     applies_avg = True  # each owner divides its own sums, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

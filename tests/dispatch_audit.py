@@ -55,6 +55,11 @@ ACCUMULATING_OPS = frozenset({
 #: aten ops listed as nondeterministic that only write: deterministic when every place is written once.
 WRITING_OPS = frozenset({"index_copy", "index_copy_", "index_put", "index_put_", "scatter", "scatter_"})
 
+#: aten ops that only make views: no kernel (:attr:`Audit.n_kernels` leaves them out).
+VIEWS = frozenset({"slice", "select", "view", "expand", "as_strided", "alias", "unsqueeze", "squeeze", "t",
+                   "transpose", "permute", "_unsafe_view", "split_with_sizes", "split", "detach", "lift_fresh",
+                   "_reshape_alias", "unbind"})
+
 
 class NondeterministicOp(AssertionError):
     """An op whose result on CUDA depends on thread scheduling ran on the audited path."""
@@ -91,6 +96,11 @@ class Audit(TorchDispatchMode):
     @property
     def n_ops(self) -> int:
         return sum(self.ops.values())
+
+    @property
+    def n_kernels(self) -> int:
+        """The ops that are not views (:data:`VIEWS`): each a kernel launch on a GPU."""
+        return sum(c for op, c in self.ops.items() if op not in VIEWS)
 
     @property
     def n_syncs(self) -> int:

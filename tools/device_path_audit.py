@@ -51,10 +51,6 @@ import torch  # noqa: E402
 from colltune.cli.common import write_json  # noqa: E402
 from colltune.offline import launch  # noqa: E402
 
-#: aten ops that only make views: no kernel.
-VIEWS = frozenset({"slice", "select", "view", "expand", "as_strided", "alias", "unsqueeze", "squeeze", "t",
-                   "transpose", "permute", "_unsafe_view", "split_with_sizes", "split", "detach", "lift_fresh",
-                   "_reshape_alias", "unbind"})
 STEADY = 3
 #: Calls timed for the host column, after the audited one.
 TIMED = 30
@@ -77,8 +73,7 @@ def _audited(call) -> dict:
 
 def _row(a: Any, host_us: float | None) -> dict:
     """One call's figures from its audit: syncs, ops, kernels (ops less views), nondeterministic ops, host time."""
-    kernels = sum(c for op, c in a.ops.items() if op not in VIEWS)
-    return {"syncs": a.n_syncs, "ops": a.n_ops, "kernels": kernels, "nondeterministic": len(a.nondeterministic),
+    return {"syncs": a.n_syncs, "ops": a.n_ops, "kernels": a.n_kernels, "nondeterministic": len(a.nondeterministic),
             "host_us": host_us, "which": dict(a.syncs)}
 
 

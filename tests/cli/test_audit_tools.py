@@ -25,11 +25,15 @@ def test_the_audit_counts_every_call_within_what_the_algorithms_declare(tmp_path
     _run("device_path_audit.py", "-P", "2", "--json", str(out), cwd=tmp_path)
     calls = json.loads(out.read_text())["calls"]
     for name in names():
-        assert calls[f"{name} rows of 64"]["syncs"] <= get(name).HOST_SYNCS["exact"], calls[f"{name} rows of 64"]
-        assert calls[f"top-k {name}"]["syncs"] <= get(name).HOST_SYNCS["topk"], calls[f"top-k {name}"]
-        # The kernels the cost model prices per call: a ceiling, and not far above what runs.
-        for call, mode in ((f"{name} rows of 64", "exact"), (f"{name} scalars", "exact"), (f"top-k {name}", "topk")):
-            assert get(name).HOST_KERNELS[mode] // 2 <= calls[call]["kernels"] <= get(name).HOST_KERNELS[mode], call
+        alg, exact = get(name), [calls[f"{name} rows of 64"], calls[f"{name} scalars"]]
+        # The syncs and kernels the cost model prices per call: ceilings the code stays within, and what it
+        # does (the syncs), or not more than 10% above it (the kernels, the most of scalars and rows), so that
+        # a change that trims them trims the price too.
+        assert max(c["syncs"] for c in exact) == alg.HOST_SYNCS["exact"], (name, exact)
+        assert calls[f"top-k {name}"]["syncs"] <= alg.HOST_SYNCS["topk"], calls[f"top-k {name}"]
+        for mode, got in (("exact", exact), ("topk", [calls[f"top-k {name}"]])):
+            most = max(c["kernels"] for c in got)
+            assert most <= alg.HOST_KERNELS[mode] <= 1.1 * most, (name, mode, most, alg.HOST_KERNELS[mode])
     assert calls["fused, 26 tables"]["syncs"] == calls["fused, 2 tables"]["syncs"]
     # Every algorithm's fused bucket reads twice: its payload rides in the fused record, its cut reads nothing.
     assert all(calls[f"fused, 26 tables, {name}"]["syncs"] <= 2 for name in names()), calls
