@@ -741,3 +741,78 @@ def test_hook_trains_uneven_inputs_under_join(algorithm, unused):
     for r in pool(3).run(_joined_run, algorithm, unused, timeout=120):
         assert r["replicas"] == 0.0, r
         assert max(r["apart"].values()) < 1e-5, r
+
+
+def _joined_sync_run(rank: int, world_size: int, mode: str, beside_ddp: bool) -> dict:
+    """Uneven inputs under ``Join``: rank r trains 3 + 2r steps of :class:`Net` under SparseGradSync (beside DDP
+    over ``fc1`` with ``beside_ddp``), synchronizing as ``mode`` says. Every rank also replays every rank's steps on
+    a dense copy, averaging over the group's size what the ranks still training computed: the reference."""
+    from torch.distributed.algorithms.join import Join
+
+    model, ref = _net(True), _net(False)
+    joinables: list = []
+    if beside_ddp:
+        model.fc1 = nn.parallel.DistributedDataParallel(model.fc1)
+        joinables.append(model.fc1)
+    sync = SparseGradSync(model, algorithm="allgather")
+    joinables.append(sync)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if mode == "attach":
+        sync.attach(opt)
+    elif mode == "async":
+        sync.attach_to_backward(async_op=True)
+    steps = 3 + 2 * rank
+    with Join(joinables):
+        for step in range(steps):
+            ids, bag, y = _batch(rank, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(ids, bag), y).backward()
+            if mode == "synchronize":
+                sync.synchronize()
+            opt.step()
+        kept = {n: _dense_grad(p).clone() for n, p in model.named_parameters()}
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3 + 2 * (world_size - 1)):
+        total = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+        for r in range(world_size):
+            if step < 3 + 2 * r:  # rank r still trains at this step
+                ref_opt.zero_grad()
+                nn.functional.mse_loss(ref(*_batch(r, step)[:2]), _batch(r, step)[2]).backward()
+                for n, p in ref.named_parameters():
+                    total[n] += p.grad
+        for n, p in ref.named_parameters():
+            p.grad = total[n] / world_size
+        ref_opt.step()
+    params = {n.replace("fc1.module.", "fc1."): p.detach() for n, p in model.named_parameters()}
+    flat = torch.cat([params[n].reshape(-1) for n, _ in ref.named_parameters()])
+    replicas = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(replicas, flat)
+    return {
+        "replicas": float(max((r - replicas[0]).abs().max() for r in replicas)),
+        "from_ref": max(float((params[n] - p.detach()).abs().max()) for n, p in ref.named_parameters()),
+        "kept": all(torch.equal(kept[n], _dense_grad(p)) for n, p in model.named_parameters()),
+        "steps": sync.step,
+    }
+
+
+@pytest.mark.parametrize("mode,beside_ddp", [("attach", False), ("synchronize", True), ("async", True)])
+def test_sync_trains_uneven_inputs_under_join(mode, beside_ddp):
+    """``Join([sync])`` (or ``Join([ddp_tower, sync])``): a rank out of batches shadows the others' steps; the
+    model trains as the average over the group of what the ranks still training computed, the replicas end
+    equal (the last rank's model), and a joined rank's own gradients are left as they were."""
+    out = pool(3).run(_joined_sync_run, mode, beside_ddp, timeout=120)
+    for r in out:
+        assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == 7, r
+        assert r["from_ref"] < 1e-5, r
+
+
+def _join_dividing_by_the_active(rank: int, world_size: int) -> object:
+    from torch.distributed.algorithms.join import Join
+
+    sync = SparseGradSync(_net(True))
+    return expect_error(lambda: Join([sync], divide_by_initial_world_size=False))
+
+
+def test_join_asking_to_divide_by_the_active_ranks_is_refused():
+    for r in pool(2).run(_join_dividing_by_the_active):
+        assert r.type == "ColltuneValueError" and "divide_by_initial_world_size" in r.message, r

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from colltune import api as _api
@@ -172,7 +173,7 @@ def _tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]
     return out
 
 
-class SparseGradSync:
+class SparseGradSync(Joinable):
     """Average the gradients of a model after backward, sparse ones through colltune's sparse allreduce.
 
     One call turns it on: :meth:`attach` (before every ``optimizer.step()``)
@@ -196,6 +197,16 @@ class SparseGradSync:
     A gradient that is ``None`` on some ranks counts as zero there; if it is
     ``None`` on every rank it stays ``None`` (and so does a sparse gradient
     whose reduced result is empty), identically on every rank.
+
+    Uneven inputs: it is a :class:`~torch.distributed.algorithms.join.Joinable`,
+    so ``with Join([sync]):`` (or ``Join([ddp_tower, sync])`` beside DDP)
+    lets ranks run out of batches at different steps. A rank that has
+    joined shadows each later synchronization with no gradients (zero, as a
+    ``None`` gradient counts; its own gradients are left as they were), in
+    the mode the last one ran (``async_op``); the average still divides by
+    the group's size, as DDP's ``divide_by_initial_world_size=True`` does.
+    When every rank has joined, the tracked parameters of the last rank to
+    join are copied to every rank, so the replicas end equal.
 
     Args:
         model: the model (not wrapped in DDP as a whole).
@@ -263,6 +274,7 @@ class SparseGradSync:
                 "(and cannot reduce sparse ones on NCCL); pass the unwrapped model, or wrap only the dense "
                 "part in DDP (e.g. model.mlp = DistributedDataParallel(model.mlp)) and pass the whole model."
             )
+        super().__init__()  # Joinable: the join context's settings (off outside one)
         self.model = model
         self.group = group
         self.algorithm = check_choice("algorithm", algorithm, sparse_algorithms())
@@ -279,23 +291,22 @@ class SparseGradSync:
         self.topk_states: dict[str, TopkState] = {}
         self.decisions: dict[str, dict[str, Any]] = {}
         self.stats: dict[str, TensorStats] = {}
-        self.bytes_sent = 0
-        self.last_bytes = 0
+        self.bytes_sent = self.last_bytes = 0
         self._params = _tracked_parameters(model)
         self._routes: dict[str, Route] | None = None
         self._routes_for: tuple | None = None  # whether compressing, and the options the routes depend on
         self._routes_code = 0  # a code of the routes, for the step's check
         self._policy_arg: Any = None
-        self._synced = False
+        self._synced = self._queued = False
         self._handles: list[Any] = []  # every hook this synchronizer installed (the same list for its lifetime)
         weakref.finalize(self, _remove_hooks, self._handles)
-        self._queued = False
         self._attached: list[Any] = []  # the optimizers of attach()
         self._stepped: set[int] = set()  # of those, the ones that stepped since the last synchronization
         self._dirty: set[int] = set()  # parameters whose gradient grew in a backward since the last synchronization
         self._grad_hooks: list[Any] = []
         self._guard: Any = None
         self._pending: tuple | None = None  # an asynchronous synchronize()'s calls, until wait()
+        self._async_op = False  # the last synchronization's mode: a rank that joined shadows the next ones so
         if init_sync:
             _broadcast_states(model, group)
 
@@ -405,6 +416,15 @@ class SparseGradSync:
                 at different steps (one skipped or repeated a synchronization).
         """
         self.wait()
+        if self._join_config.enable and self._join_config.is_first_joinable:
+            _api.drain()  # the join context's all-reduce goes on this thread: colltune's queued calls first
+            Join.notify_join_context(self)
+        self._synchronize(async_op)
+
+    @torch.no_grad()
+    def _synchronize(self, async_op: bool) -> None:
+        """One step's synchronization (:meth:`synchronize` once it has told a join context)."""
+        self._async_op = async_op
         step, check = self._prepare(async_op)
         p = group_size(self.group)
         # The check rides in the step's first fused call when nothing runs before that call completes;
@@ -432,6 +452,54 @@ class SparseGradSync:
             self.wait()
         self._synced = True
         self._dirty.clear()
+
+    # -- uneven inputs (torch.distributed.algorithms.join)
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Return the hook a rank that has joined runs: it shadows each synchronization the others make.
+
+        Raises:
+            ColltuneValueError: ``divide_by_initial_world_size=False`` was given to ``Join``: the sparse
+                average divides by the group's size.
+        """
+        if kwargs.get("divide_by_initial_world_size", True) is False:
+            raise ColltuneValueError(
+                "Join(..., divide_by_initial_world_size=False) asks to average over the ranks that have not "
+                "joined, but SparseGradSync averages over the group's size (a joined rank adds zero); leave "
+                "divide_by_initial_world_size at True.", argument="divide_by_initial_world_size")
+        return _JoinShadow(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the join context's all-reduces: where the synchronizer's calls run."""
+        hint = self._hint()
+        return hint.device if hint is not None else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        """The synchronizer's group (the default group when none was given)."""
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def _shadow(self) -> None:
+        """On a rank that has joined: one synchronization with no gradients of its own, the rank's kept."""
+        saved = [(param, param.grad) for _, param, _ in self._params]
+        for param, _ in saved:
+            param.grad = None
+        try:
+            self._synchronize(self._async_op)
+            self.wait()
+        finally:
+            for param, grad in saved:
+                param.grad = grad
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """When every rank has joined: copy the tracked parameters of the last rank to join to every rank."""
+        if group_size(self.group) == 1:
+            return
+        _api.drain()  # on the group from this thread: colltune's queued calls go first on every rank
+        last = torch.tensor([dist.get_rank(self.group) if is_last_joiner else -1], device=self.join_device)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group)
+        tensors = [(name, param) for name, param, _ in self._params]
+        _broadcast_tensors(tensors, self.group, int(last.item()), "SparseGradSync's final model (join)")
 
     def _hint(self) -> torch.Tensor | None:
         """A tensor on the device the synchronizer's calls run on (its first sparse parameter's), or ``None``."""
@@ -856,6 +924,21 @@ def _install_guard(sync: SparseGradSync) -> Any:
     return register_optimizer_step_pre_hook(guard)
 
 
+class _JoinShadow(JoinHook):
+    """What a rank that has joined runs for a :class:`SparseGradSync` (``torch.distributed.algorithms.join``)."""
+
+    def __init__(self, sync: SparseGradSync) -> None:
+        self.sync = sync
+
+    def main_hook(self) -> None:
+        """Shadow one synchronization of the ranks still training."""
+        self.sync._shadow()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank has joined: make the replicas equal."""
+        self.sync._sync_final_model(is_last_joiner)
+
+
 def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_bytes: int = 250 * 2**20) -> None:
     """Copy the parameters and buffers of the group's rank 0 to every rank, in buckets (as DDP does at creation).
 
@@ -867,13 +950,25 @@ def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_
     seen: set[int] = set()
     tensors: list[tuple[str, torch.Tensor]] = []
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) not in seen and t.numel() and not t.is_sparse:
+        if id(t) not in seen:
             seen.add(id(t))
             tensors.append((name, t))
+    _broadcast_tensors(tensors, group, 0, "SparseGradSync(init_sync=True)", bucket_bytes)
+
+
+def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, root: int, what: str,
+                       bucket_bytes: int = 250 * 2**20) -> None:
+    """Copy ``named`` tensors (sparse and empty ones skipped) of the group's rank ``root`` to every rank, in buckets.
+
+    Raises:
+        RankMismatchError: on every rank, when ranks hold tensors of different names, shapes or dtypes (``what``
+            names the copy).
+    """
+    tensors = [(n, t) for n, t in named if t.numel() and not t.is_sparse]
     plan = [[n, list(t.shape), dtype_name(t.dtype) if t.is_floating_point() else str(t.dtype)] for n, t in tensors]
     _api.drain()  # on the group from this thread: colltune's queued calls go first on every rank
-    check_same_plan(["init_sync", plan], group, "SparseGradSync(init_sync=True)")
-    src = 0 if group is None else dist.get_global_rank(group, 0)
+    check_same_plan(["broadcast", root, plan], group, what)
+    src = root if group is None else dist.get_global_rank(group, root)
     buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
     filled: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes in each kind's last bucket
     for _, t in tensors:
