@@ -743,10 +743,10 @@ def test_hook_trains_uneven_inputs_under_join(algorithm, unused):
         assert max(r["apart"].values()) < 1e-5, r
 
 
-def _joined_sync_run(rank: int, world_size: int, mode: str, beside_ddp: bool) -> dict:
-    """Uneven inputs under ``Join``: rank r trains 3 + 2r steps of :class:`Net` under SparseGradSync (beside DDP
-    over ``fc1`` with ``beside_ddp``), synchronizing as ``mode`` says. Every rank also replays every rank's steps on
-    a dense copy, averaging over the group's size what the ranks still training computed: the reference."""
+def _joined_sync_run(rank: int, world_size: int, mode: str, beside_ddp: bool, first: int = 3) -> dict:
+    """Uneven inputs under ``Join``: rank r trains ``first`` + 2r steps of :class:`Net` under SparseGradSync (beside
+    DDP over ``fc1`` with ``beside_ddp``), synchronizing as ``mode`` says. Every rank also replays every rank's steps
+    on a dense copy, averaging over the group's size what the ranks still training computed: the reference."""
     from torch.distributed.algorithms.join import Join
 
     model, ref = _net(True), _net(False)
@@ -761,7 +761,7 @@ def _joined_sync_run(rank: int, world_size: int, mode: str, beside_ddp: bool) ->
         sync.attach(opt)
     elif mode == "async":
         sync.attach_to_backward(async_op=True)
-    steps = 3 + 2 * rank
+    steps = first + 2 * rank
     with Join(joinables):
         for step in range(steps):
             ids, bag, y = _batch(rank, step)
@@ -770,12 +770,12 @@ def _joined_sync_run(rank: int, world_size: int, mode: str, beside_ddp: bool) ->
             if mode == "synchronize":
                 sync.synchronize()
             opt.step()
-        kept = {n: _dense_grad(p).clone() for n, p in model.named_parameters()}
+        kept = {n: None if p.grad is None else _dense_grad(p).clone() for n, p in model.named_parameters()}
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(3 + 2 * (world_size - 1)):
+    for step in range(first + 2 * (world_size - 1)):
         total = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
         for r in range(world_size):
-            if step < 3 + 2 * r:  # rank r still trains at this step
+            if step < first + 2 * r:  # rank r still trains at this step
                 ref_opt.zero_grad()
                 nn.functional.mse_loss(ref(*_batch(r, step)[:2]), _batch(r, step)[2]).backward()
                 for n, p in ref.named_parameters():
@@ -790,19 +790,22 @@ def _joined_sync_run(rank: int, world_size: int, mode: str, beside_ddp: bool) ->
     return {
         "replicas": float(max((r - replicas[0]).abs().max() for r in replicas)),
         "from_ref": max(float((params[n] - p.detach()).abs().max()) for n, p in ref.named_parameters()),
-        "kept": all(torch.equal(kept[n], _dense_grad(p)) for n, p in model.named_parameters()),
+        "kept": all(p.grad is None if kept[n] is None else torch.equal(kept[n], _dense_grad(p))
+                    for n, p in model.named_parameters()),
         "steps": sync.step,
     }
 
 
-@pytest.mark.parametrize("mode,beside_ddp", [("attach", False), ("synchronize", True), ("async", True)])
-def test_sync_trains_uneven_inputs_under_join(mode, beside_ddp):
+@pytest.mark.parametrize("mode,beside_ddp,first", [("attach", False, 3), ("synchronize", True, 3), ("async", True, 3),
+                                                   ("async", False, 0)])
+def test_sync_trains_uneven_inputs_under_join(mode, beside_ddp, first):
     """``Join([sync])`` (or ``Join([ddp_tower, sync])``): a rank out of batches shadows the others' steps; the
     model trains as the average over the group of what the ranks still training computed, the replicas end
-    equal (the last rank's model), and a joined rank's own gradients are left as they were."""
-    out = pool(3).run(_joined_sync_run, mode, beside_ddp, timeout=120)
+    equal (the last rank's model), and a joined rank's own gradients are left as they were. With ``first`` 0,
+    rank 0 has no batch at all: it shadows in the mode ``attach_to_backward`` set."""
+    out = pool(3).run(_joined_sync_run, mode, beside_ddp, first, timeout=120)
     for r in out:
-        assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == 7, r
+        assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == first + 4, r
         assert r["from_ref"] < 1e-5, r
 
 

@@ -42,6 +42,7 @@ from colltune import fused as _fused
 from colltune.algorithms import meta as _meta
 from colltune.algorithms.errors import ColltuneError, ColltuneTypeError, ColltuneValueError
 from colltune.algorithms.meta import dtype_name
+from colltune.algorithms.sparse import upload
 from colltune.algorithms.state import TopkState
 from colltune.api import CallerCheck
 from colltune.model.policy import AUTO
@@ -496,7 +497,7 @@ class SparseGradSync(Joinable):
         if group_size(self.group) == 1:
             return
         _api.drain()  # on the group from this thread: colltune's queued calls go first on every rank
-        last = torch.tensor([dist.get_rank(self.group) if is_last_joiner else -1], device=self.join_device)
+        last = upload([dist.get_rank(self.group) if is_last_joiner else -1], self.join_device)
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group)
         tensors = [(name, param) for name, param, _ in self._params]
         _broadcast_tensors(tensors, self.group, int(last.item()), "SparseGradSync's final model (join)")
@@ -773,6 +774,7 @@ class SparseGradSync(Joinable):
         if async_op and self._guard is None:
             self._guard = _install_guard(self)
             self._handles.append(self._guard)
+        self._async_op = async_op  # the mode a rank that joins before its first backward shadows in
 
         ref = weakref.ref(self)  # the parameters' hooks must not keep the synchronizer (and its model) alive
 
