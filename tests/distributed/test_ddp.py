@@ -32,10 +32,9 @@ from colltune.algorithms.errors import ColltuneTypeError, ColltuneValueError
 from colltune.model.policy import parse_policy
 from colltune.train import ColltuneHookState, SparseGradSync, colltune_hook, sparse_parameters
 
-from ddp_cases import unused_layer_run
+from ddp_cases import batch, dense_grad, joined_sync_run, net, unused_layer_run
 from harness import expect_error, pool
 
-ROWS, DIM = 200, 8
 KEEP_FC1_DENSE = """
 version: 1
 rules:
@@ -43,22 +42,6 @@ rules:
     when: {tensor: "fc1.*"}
     use: dense
 """
-
-
-class Net(nn.Module):
-    """Two sparse tables (one per field kind) and a small dense tower."""
-
-    def __init__(self, sparse: bool = True) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(ROWS, DIM, sparse=sparse)
-        self.bag = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=sparse)
-        self.fc1 = nn.Linear(2 * DIM, 64)
-        self.fc2 = nn.Linear(64, 1)
-
-    def forward(self, ids: torch.Tensor, bag_ids: torch.Tensor | None) -> torch.Tensor:
-        x = self.emb(ids).sum(1)
-        b = self.bag(bag_ids) if bag_ids is not None else torch.zeros_like(x)
-        return self.fc2(torch.relu(self.fc1(torch.cat([x, b], 1)))).squeeze(1)
 
 
 class Tower(nn.Module):
@@ -73,46 +56,27 @@ class Tower(nn.Module):
         return self.fc2(torch.relu(self.fc1(x))).squeeze(1)
 
 
-def _batch(rank: int, step: int, use_bag: bool = True) -> tuple:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    ids = (torch.rand(16, 3, generator=g) ** 3 * ROWS).long()  # skewed: duplicates within and across ranks
-    bag = (torch.rand(16, 4, generator=g) ** 2 * ROWS).long() if use_bag else None
-    y = torch.rand(16, generator=g)
-    return ids, bag, y
-
-
-def _net(sparse: bool) -> Net:
-    torch.manual_seed(0)
-    return Net(sparse)
-
-
-def _dense_grad(p: nn.Parameter) -> torch.Tensor | None:
-    if p.grad is None:
-        return None
-    return p.grad.to_dense() if p.grad.is_sparse else p.grad
-
-
 # --------------------------------------------------------------------------- rank functions
 
 
 def _sync_vs_ddp(rank: int, world_size: int, algorithms: list[str]) -> dict:
     """Gradients after SparseGradSync (per algorithm) and after DDP on the dense copy of the same model."""
     last = world_size - 1
-    ids, bag, y = _batch(rank, 0, use_bag=rank != last)  # the last rank never touches the bag
-    ref = nn.parallel.DistributedDataParallel(_net(False), find_unused_parameters=True)
+    ids, bag, y = batch(rank, 0, use_bag=rank != last)  # the last rank never touches the bag
+    ref = nn.parallel.DistributedDataParallel(net(False), find_unused_parameters=True)
     nn.functional.mse_loss(ref(ids, bag), y).backward()
-    want = {n: _dense_grad(p) for n, p in ref.module.named_parameters()}
+    want = {n: dense_grad(p) for n, p in ref.module.named_parameters()}
     out: dict = {"want": want, "got": {}, "coalesced": {}, "algorithm": {}, "per_table": {}}
     for algo in algorithms:
-        model = _net(True)
+        model = net(True)
         nn.functional.mse_loss(model(ids, bag), y).backward()
-        alone = _net(True)  # the same gradients, one sparse_allreduce per table
+        alone = net(True)  # the same gradients, one sparse_allreduce per table
         nn.functional.mse_loss(alone(ids, bag), y).backward()
         SparseGradSync(alone, algorithm=algo, fuse=False).synchronize()
-        out["per_table"][algo] = {n: _dense_grad(p) for n, p in alone.named_parameters()}
+        out["per_table"][algo] = {n: dense_grad(p) for n, p in alone.named_parameters()}
         sync = SparseGradSync(model, algorithm=algo)
         sync.synchronize()
-        out["got"][algo] = {n: _dense_grad(p) for n, p in model.named_parameters()}
+        out["got"][algo] = {n: dense_grad(p) for n, p in model.named_parameters()}
         out["coalesced"][algo] = all(
             p.grad.is_sparse and p.grad.is_coalesced() for p in sparse_parameters(model).values()
         )
@@ -124,8 +88,8 @@ def _sync_vs_ddp(rank: int, world_size: int, algorithms: list[str]) -> dict:
 
 def _hook_run(rank: int, world_size: int, cfg: dict) -> dict:
     """Train a DDP model with the colltune hook for a few steps; record the futures and the gradients."""
-    model = _net(False)
-    plain = nn.parallel.DistributedDataParallel(_net(False))
+    model = net(False)
+    plain = nn.parallel.DistributedDataParallel(net(False))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 25))
     policy = parse_policy(cfg["policy"], "inline.yaml") if cfg.get("policy") else None
     state = ColltuneHookState(
@@ -149,7 +113,7 @@ def _hook_run(rank: int, world_size: int, cfg: dict) -> dict:
     delivered = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
     averaged = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
     for step in range(cfg["steps"]):
-        ids, bag, y = _batch(rank, step)
+        ids, bag, y = batch(rank, step)
         for m in (plain, ddp):
             m.zero_grad()
             nn.functional.mse_loss(m(ids, bag), y).backward()
@@ -223,13 +187,13 @@ def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
     worker was idle when the hook returned for the last bucket."""
     from colltune import api
 
-    model = _net(False)
+    model = net(False)
     # Delayed: DDP all-reduces the bag's gradient from a hook on the embedding's, after the tower's buckets.
     delayed = {"delay_all_reduce_named_params": [("bag.weight", model.bag.weight)],
                "param_to_hook_all_reduce": model.emb.weight, "bucket_cap_mb": 0.004} if cfg.get("delay") else {}
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=cfg["find_unused"],
                                               static_graph=cfg.get("static_graph", False), **delayed)
-    plain = nn.parallel.DistributedDataParallel(_net(False))
+    plain = nn.parallel.DistributedDataParallel(net(False))
     state = ColltuneHookState(model=ddp if cfg["bind"] else None, density=0.05, start_compression_iter=1,
                               algorithm=cfg["algorithm"], policy=parse_policy(KEEP_FC1_DENSE, "inline.yaml"))
     idle_after_last: list = []
@@ -245,7 +209,7 @@ def _hook_order(rank: int, world_size: int, cfg: dict) -> dict:
     exact = []
     with contextlib.ExitStack() as stack:
         for step in range(4):
-            ids, bag, y = _batch(rank, step)
+            ids, bag, y = batch(rank, step)
             plain.zero_grad()
             nn.functional.mse_loss(plain(ids, bag), y).backward()
             if step == 1:  # compressed from here on
@@ -266,26 +230,26 @@ def _sync_order(rank: int, world_size: int, dense: str) -> dict:
     collectives, and its gradients against a synchronous step's."""
     grads = []
     for async_op in (False, True):
-        model = _net(True)
-        ids, bag, y = _batch(rank, 0)
+        model = net(True)
+        ids, bag, y = batch(rank, 0)
         nn.functional.mse_loss(model(ids, bag), y).backward()
         sync = SparseGradSync(model, dense=dense, density=0.5)
         with _recorded_collectives() if async_op else contextlib.nullcontext() as issued:  # the async step's
             sync.synchronize(async_op=async_op)
             sync.wait()
-        grads.append({n: _dense_grad(p) for n, p in model.named_parameters()})
+        grads.append({n: dense_grad(p) for n, p in model.named_parameters()})
     return {"issued": issued, "same": all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])}
 
 
 def _hook_plans(rank: int, world_size: int) -> dict:
     """Rank 1 keeps fc1 dense, rank 0 compresses it; record each step."""
-    ddp = nn.parallel.DistributedDataParallel(_net(False))
+    ddp = nn.parallel.DistributedDataParallel(net(False))
     policy = parse_policy(KEEP_FC1_DENSE, "inline.yaml") if rank == 1 else None
     state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=1, policy=policy)
     ddp.register_comm_hook(state, colltune_hook)
     steps = []
     for step in range(2):
-        ids, bag, y = _batch(rank, step)
+        ids, bag, y = batch(rank, step)
         steps.append(expect_error(lambda: nn.functional.mse_loss(ddp(ids, bag), y).backward()))
     alive = torch.ones(1)
     dist.all_reduce(alive)  # the group still works
@@ -301,7 +265,7 @@ def _train(model, opt, step_fn, steps, first):
 
 def _sync_step(rank: int):
     def step(model, opt, i):
-        ids, bag, y = _batch(rank, i)
+        ids, bag, y = batch(rank, i)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(ids, bag), y)
         loss.backward()
@@ -313,7 +277,7 @@ def _sync_step(rank: int):
 def _sync_resume(rank: int, world_size: int, cfg: dict) -> dict:
     """Train, checkpoint, train on; then restore the checkpoint in a fresh model and train on again."""
     def build():
-        model = _net(True)
+        model = net(True)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         sync = SparseGradSync(model, algorithm=cfg["algorithm"], dense="topk", density=0.05,
                               start_compression_iter=2, min_compress_numel=1, topk_algorithm=cfg["topk"],
@@ -344,7 +308,7 @@ def _sync_resume(rank: int, world_size: int, cfg: dict) -> dict:
 def _hook_resume(rank: int, world_size: int) -> dict:
     """The same for the DDP hook: its state_dict restores residuals, thresholds and the step."""
     def build():
-        ddp = nn.parallel.DistributedDataParallel(_net(False))
+        ddp = nn.parallel.DistributedDataParallel(net(False))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=2, min_compress_numel=1,
                                   algorithm="oktopk")
@@ -352,7 +316,7 @@ def _hook_resume(rank: int, world_size: int) -> dict:
         return ddp, opt, state
 
     def step(model, opt, i):
-        ids, bag, y = _batch(rank, i)
+        ids, bag, y = batch(rank, i)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(ids, bag), y)
         loss.backward()
@@ -457,8 +421,8 @@ def test_hook_rebuilt_buckets_lose_nothing():
 
 def _hook_options_change(rank: int, world_size: int) -> dict:
     """Compress every parameter, then raise min_compress_numel past them all: each bucket's routes follow."""
-    model = _net(False)
-    plain = nn.parallel.DistributedDataParallel(_net(False))
+    model = net(False)
+    plain = nn.parallel.DistributedDataParallel(net(False))
     ddp = nn.parallel.DistributedDataParallel(model)
     state = ColltuneHookState(model=ddp, density=0.05, start_compression_iter=0, min_compress_numel=1,
                               algorithm="allgather")
@@ -467,7 +431,7 @@ def _hook_options_change(rank: int, world_size: int) -> dict:
     for step in range(4):
         if step == 2:
             state.min_compress_numel = 10**9  # every parameter dense from here
-        ids, bag, y = _batch(rank, step)
+        ids, bag, y = batch(rank, step)
         for m in (plain, ddp):
             m.zero_grad()
             nn.functional.mse_loss(m(ids, bag), y).backward()
@@ -501,7 +465,7 @@ def test_hook_plan_key_follows_a_parameters_dtype():
 
 def _sync_options_change(rank: int, world_size: int) -> list:
     """SparseGradSync's routes before and after its options change between steps."""
-    model = _net(True)
+    model = net(True)
     sync = SparseGradSync(model, dense="topk", density=0.05, min_compress_numel=1, start_compression_iter=0)
     seen = []
     for step in range(3):
@@ -509,7 +473,7 @@ def _sync_options_change(rank: int, world_size: int) -> list:
             sync.min_compress_numel = 10**9  # the dense parameters are all-reduced from here
         if step == 2:
             sync.dense = "allreduce"
-        ids, bag, y = _batch(rank, step)
+        ids, bag, y = batch(rank, step)
         model.zero_grad()
         nn.functional.mse_loss(model(ids, bag), y).backward()
         sync.synchronize()
@@ -608,19 +572,19 @@ def test_model_without_sparse_gradients():
 
 
 def test_local_sync_without_process_group():
-    model = _net(True)
-    ids, bag, y = _batch(0, 0)
+    model = net(True)
+    ids, bag, y = batch(0, 0)
     nn.functional.mse_loss(model(ids, bag), y).backward()
-    want = {n: _dense_grad(p).clone() for n, p in model.named_parameters()}
+    want = {n: dense_grad(p).clone() for n, p in model.named_parameters()}
     sync = SparseGradSync(model)
     sync.synchronize()
     for n, p in model.named_parameters():
-        assert torch.allclose(_dense_grad(p), want[n])
+        assert torch.allclose(dense_grad(p), want[n])
     assert model.emb.weight.grad.is_coalesced() and sync.step == 1
 
 
 def test_options_are_validated():
-    model = _net(True)
+    model = net(True)
     with pytest.raises(ColltuneValueError, match="dense must be one of allreduce, topk, skip"):
         SparseGradSync(model, dense="sparse")
     with pytest.raises(ColltuneValueError, match="density must be in"):
@@ -642,12 +606,12 @@ def test_a_dropped_synchronizer_frees_its_model():
     import gc
     import weakref
 
-    model = _net(True)
+    model = net(True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sync = SparseGradSync(model)
     sync.attach(opt)
     sync.attach_to_backward(async_op=True)
-    ids, bag, y = _batch(0, 0)
+    ids, bag, y = batch(0, 0)
     nn.functional.mse_loss(model(ids, bag), y).backward()
     opt.step()
     gone = weakref.ref(sync), weakref.ref(model.emb.weight)
@@ -655,7 +619,7 @@ def test_a_dropped_synchronizer_frees_its_model():
     gc.collect()
     assert gone[0]() is None and gone[1]() is None
     # A synchronizer rebuilt for the same model and optimizer takes over; the freed one's hooks are gone.
-    other = _net(True)
+    other = net(True)
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
     SparseGradSync(other).attach(opt)
     gc.collect()
@@ -667,7 +631,7 @@ def test_a_dropped_synchronizer_frees_its_model():
         opt.zero_grad()
     assert sync.step == 2
     # attach_to_backward's handle keeps its synchronizer alive, as attach's does.
-    third = _net(True)
+    third = net(True)
     handle = SparseGradSync(third).attach_to_backward()
     gc.collect()
     nn.functional.mse_loss(third(ids, bag), y).backward()
@@ -743,76 +707,49 @@ def test_hook_trains_uneven_inputs_under_join(algorithm, unused):
         assert max(r["apart"].values()) < 1e-5, r
 
 
-def _joined_sync_run(rank: int, world_size: int, mode: str, beside_ddp: bool, first: int = 3) -> dict:
-    """Uneven inputs under ``Join``: rank r trains ``first`` + 2r steps of :class:`Net` under SparseGradSync (beside
-    DDP over ``fc1`` with ``beside_ddp``), synchronizing as ``mode`` says. Every rank also replays every rank's steps
-    on a dense copy, averaging over the group's size what the ranks still training computed: the reference."""
-    from torch.distributed.algorithms.join import Join
-
-    model, ref = _net(True), _net(False)
-    joinables: list = []
-    if beside_ddp:
-        model.fc1 = nn.parallel.DistributedDataParallel(model.fc1)
-        joinables.append(model.fc1)
-    sync = SparseGradSync(model, algorithm="allgather")
-    joinables.append(sync)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if mode == "attach":
-        sync.attach(opt)
-    elif mode == "async":
-        sync.attach_to_backward(async_op=True)
-    steps = first + 2 * rank
-    with Join(joinables):
-        for step in range(steps):
-            ids, bag, y = _batch(rank, step)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(ids, bag), y).backward()
-            if mode == "synchronize":
-                sync.synchronize()
-            opt.step()
-        kept = {n: None if p.grad is None else _dense_grad(p).clone() for n, p in model.named_parameters()}
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(first + 2 * (world_size - 1)):
-        total = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
-        for r in range(world_size):
-            if step < first + 2 * r:  # rank r still trains at this step
-                ref_opt.zero_grad()
-                nn.functional.mse_loss(ref(*_batch(r, step)[:2]), _batch(r, step)[2]).backward()
-                for n, p in ref.named_parameters():
-                    total[n] += p.grad
-        for n, p in ref.named_parameters():
-            p.grad = total[n] / world_size
-        ref_opt.step()
-    params = {n.replace("fc1.module.", "fc1."): p.detach() for n, p in model.named_parameters()}
-    flat = torch.cat([params[n].reshape(-1) for n, _ in ref.named_parameters()])
-    replicas = [torch.zeros_like(flat) for _ in range(world_size)]
-    dist.all_gather(replicas, flat)
-    return {
-        "replicas": float(max((r - replicas[0]).abs().max() for r in replicas)),
-        "from_ref": max(float((params[n] - p.detach()).abs().max()) for n, p in ref.named_parameters()),
-        "kept": all(p.grad is None if kept[n] is None else torch.equal(kept[n], _dense_grad(p))
-                    for n, p in model.named_parameters()),
-        "steps": sync.step,
-    }
-
-
-@pytest.mark.parametrize("mode,beside_ddp,first", [("attach", False, 3), ("synchronize", True, 3), ("async", True, 3),
-                                                   ("async", False, 0)])
-def test_sync_trains_uneven_inputs_under_join(mode, beside_ddp, first):
+@pytest.mark.parametrize("cfg", [
+    {"mode": "attach"},
+    {"mode": "synchronize", "ddp": True},
+    {"mode": "async", "ddp": True},
+    {"mode": "async", "first": 0},  # rank 0 has no batch: it shadows in the mode attach_to_backward set
+    {"mode": "attach", "ddp": True, "micro": 2},  # accumulation under no_sync: DDP's forwards outnumber the steps
+], ids=lambda cfg: "-".join(f"{k}={v}" for k, v in cfg.items()))
+def test_sync_trains_uneven_inputs_under_join(cfg):
     """``Join([sync])`` (or ``Join([ddp_tower, sync])``): a rank out of batches shadows the others' steps; the
     model trains as the average over the group of what the ranks still training computed, the replicas end
-    equal (the last rank's model), and a joined rank's own gradients are left as they were. With ``first`` 0,
-    rank 0 has no batch at all: it shadows in the mode ``attach_to_backward`` set."""
-    out = pool(3).run(_joined_sync_run, mode, beside_ddp, first, timeout=120)
-    for r in out:
-        assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == first + 4, r
+    equal (the last rank's model), and a joined rank's own gradients are left as they were."""
+    for r in pool(3).run(joined_sync_run, cfg, timeout=120):
+        assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == cfg.get("first", 3) + 4, r
         assert r["from_ref"] < 1e-5, r
+
+
+def test_sync_with_top_k_trains_uneven_inputs_under_join():
+    """Top-k under ``Join``: a joined rank still sends what its residual selects; the replicas end equal."""
+    for r in pool(3).run(joined_sync_run, {"mode": "attach", "ddp": True, "dense": "topk"}, timeout=120):
+        assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == 7, r
+
+
+def _join_misordered(rank: int, world_size: int, order: str) -> object:
+    from torch.distributed.algorithms.join import Join
+
+    model = net(True)
+    model.fc1 = nn.parallel.DistributedDataParallel(model.fc1)
+    sync = SparseGradSync(model)
+    joinables = {"sync first": [sync, model.fc1], "no ddp": [sync]}[order]
+    return expect_error(lambda: Join(joinables))
+
+
+@pytest.mark.parametrize("order", ["sync first", "no ddp"])
+def test_join_without_ddp_first_is_refused(order):
+    """A DDP submodule listed after the synchronizer, or left out, would shadow in another order: refused."""
+    for r in pool(2).run(_join_misordered, order):
+        assert r.type == "ColltuneValueError" and "Join([model.mlp, sync])" in r.message, r
 
 
 def _join_dividing_by_the_active(rank: int, world_size: int) -> object:
     from torch.distributed.algorithms.join import Join
 
-    sync = SparseGradSync(_net(True))
+    sync = SparseGradSync(net(True))
     return expect_error(lambda: Join([sync], divide_by_initial_world_size=False))
 
 

@@ -151,13 +151,14 @@ def _rows_for(name: str, param: nn.Parameter, async_op: bool) -> tuple[torch.Ten
     return (idx.clone(), vals.clone()) if async_op else (idx, vals)
 
 
+def _ddp_modules(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
+    """Return the ``DistributedDataParallel`` submodules of ``model``."""
+    return [m for m in model.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
+
+
 def _ddp_owned(model: nn.Module) -> set[int]:
     """Return the ids of the parameters inside a ``DistributedDataParallel`` submodule (DDP reduces them)."""
-    owned: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            owned.update(id(p) for p in module.parameters())
-    return owned
+    return {id(p) for module in _ddp_modules(model) for p in module.parameters()}
 
 
 def _tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
@@ -200,14 +201,19 @@ class SparseGradSync(Joinable):
     whose reduced result is empty), identically on every rank.
 
     Uneven inputs: it is a :class:`~torch.distributed.algorithms.join.Joinable`,
-    so ``with Join([sync]):`` (or ``Join([ddp_tower, sync])`` beside DDP)
-    lets ranks run out of batches at different steps. A rank that has
-    joined shadows each later synchronization with no gradients (zero, as a
-    ``None`` gradient counts; its own gradients are left as they were), in
-    the mode the last one ran (``async_op``); the average still divides by
-    the group's size, as DDP's ``divide_by_initial_world_size=True`` does.
-    When every rank has joined, the tracked parameters of the last rank to
-    join are copied to every rank, so the replicas end equal.
+    so ``with Join([sync]):`` (or ``Join([ddp_tower, sync])`` beside DDP,
+    DDP listed first) lets ranks run out of batches at different steps. A
+    rank that has joined shadows each later synchronization with no
+    gradients of its own (zero, as a ``None`` gradient counts; top-k still
+    sends what its residual selects; the rank's gradients are left as they
+    were), in the mode its last one ran (``async_op``), or that
+    :meth:`attach_to_backward` set; the average still divides by the
+    group's size, as DDP's ``divide_by_initial_world_size=True`` does.
+    Beside DDP the join context counts DDP's forwards, so the synchronizer
+    shadows those after which DDP reduces gradients: accumulate micro-batches
+    under ``ddp.no_sync()``. When every rank has joined, the tracked
+    parameters of the last rank to join are copied to every rank (buffers
+    and frozen parameters are not; DDP copies its own module's).
 
     Args:
         model: the model (not wrapped in DDP as a whole).
@@ -293,7 +299,7 @@ class SparseGradSync(Joinable):
         self.decisions: dict[str, dict[str, Any]] = {}
         self.stats: dict[str, TensorStats] = {}
         self.bytes_sent = self.last_bytes = 0
-        self._params = _tracked_parameters(model)
+        self._params, self._ddps = _tracked_parameters(model), _ddp_modules(model)
         self._routes: dict[str, Route] | None = None
         self._routes_for: tuple | None = None  # whether compressing, and the options the routes depend on
         self._routes_code = 0  # a code of the routes, for the step's check
@@ -477,12 +483,31 @@ class SparseGradSync(Joinable):
 
     @property
     def join_process_group(self) -> Any:
-        """The synchronizer's group (the default group when none was given)."""
+        """The synchronizer's group (the default group when none was given).
+
+        The join context reads it once it has told every joinable its place,
+        so a DDP submodule missing from the context, or listed after the
+        synchronizer, is refused here (every rank alike): either would have
+        the ranks that joined shadow the collectives in another order.
+        """
+        if self._join_config.enable:
+            for ddp in self._ddps:
+                if not ddp._join_config.enable or self._join_config.is_first_joinable:
+                    raise ColltuneValueError(
+                        "a DistributedDataParallel submodule of the model must be in the same Join, before the "
+                        "synchronizer: Join([model.mlp, sync]) (its forward tells the join context of each step).",
+                        argument="joinables")
         return self.group if self.group is not None else dist.group.WORLD
 
     def _shadow(self) -> None:
-        """On a rank that has joined: one synchronization with no gradients of its own, the rank's kept."""
+        """On a rank that has joined: one synchronization with no gradients of its own; the rank's gradients
+        and its record of what backward and the optimizers did are kept."""
+        self.wait()  # an asynchronous one the loop left pending lands first
+        if self._ddps and not self._join_config.is_first_joinable and not any(
+                ddp.require_forward_param_sync for ddp in self._ddps):
+            return  # DDP's join hook, just before, found no rank reducing gradients after this forward
         saved = [(param, param.grad) for _, param, _ in self._params]
+        flags = (self._synced, set(self._dirty), set(self._stepped))
         for param, _ in saved:
             param.grad = None
         try:
@@ -491,9 +516,12 @@ class SparseGradSync(Joinable):
         finally:
             for param, grad in saved:
                 param.grad = grad
+            self._synced, self._dirty, self._stepped = flags
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """When every rank has joined: copy the tracked parameters of the last rank to join to every rank."""
+        self.wait()
+        self._join_config = type(self._join_config).construct_disabled_join_config()  # out of the context now
         if group_size(self.group) == 1:
             return
         _api.drain()  # on the group from this thread: colltune's queued calls go first on every rank
