@@ -127,6 +127,8 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
     from colltune.train import SparseGradSync
 
     device, first, micro = cfg.get("device", "cpu"), cfg.get("first", 3), cfg.get("micro", 1)
+    if device == "cuda":
+        torch.cuda.set_device(0)
     model, ref = net(True).to(device), net(False)
     joinables: list = []
     if cfg.get("ddp"):
@@ -153,7 +155,8 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
             opt.step()
         kept = {n: None if p.grad is None else dense_grad(p).clone() for n, p in model.named_parameters()}
     params = {n.replace("fc1.module.", "fc1."): p.detach().cpu() for n, p in model.named_parameters()}
-    flat = torch.cat([params[n].reshape(-1) for n, _ in ref.named_parameters()]).to(device)
+    flat = torch.cat([params[n].reshape(-1) for n, _ in ref.named_parameters()])
+    flat = flat.to(device) if dist.get_backend() == "nccl" else flat  # gloo gathers host memory
     replicas = [torch.zeros_like(flat) for _ in range(world_size)]
     dist.all_gather(replicas, flat)
     return {

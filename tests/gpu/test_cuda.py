@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from colltune.algorithms import get, names
 
-from ddp_cases import unused_layer_run
+from ddp_cases import joined_sync_run, unused_layer_run
 from harness import pool
 from sparse_cases import DTYPES, RTOL
 
@@ -248,6 +248,14 @@ def test_the_hook_gives_back_what_a_layer_no_rank_used_was_sent_on_cuda():
     """The give-back runs after DDP's finalize, on the GPU's stream: nothing top-k selected is lost."""
     for apart in pool(2).run(unused_layer_run, "cuda"):
         assert max(apart) < 1e-4, apart
+
+
+def test_sync_trains_uneven_inputs_under_join_on_cuda():
+    """SparseGradSync under Join beside DDP with CUDA tensors, ranks sharing the GPU over gloo: a joined rank
+    shadows the last steps asynchronously; the model is the dense replay's and equal on both ranks."""
+    for r in pool(2).run(joined_sync_run, {"mode": "async", "ddp": True, "device": "cuda"}, timeout=180):
+        assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == 5, r
+        assert r["from_ref"] < 1e-5, r
 
 
 def _online_on_cuda(rank, world_size):
