@@ -29,6 +29,16 @@ The run's options: ``--algorithm`` for the sparse gradients (``auto`` or a
 registered one), ``--no-fuse`` (one call per gradient, not one fused
 call), ``--dense`` (``allreduce`` is checked value by value; ``topk``
 compresses the MLP's weights with error feedback, from the sixth step).
+``--uneven G`` gives the ranks uneven inputs: rank q trains ``G`` q steps
+fewer than rank 0, under ``torch.distributed.algorithms.join.Join`` (the
+synchronizer, or the DDP model), so the ranks that ran out shadow the
+others' steps; the references average what the ranks still training
+computed over P, the synchronizer's steps are all synchronous or all
+asynchronous (a joined rank shadows in its last mode), a table goes unused
+on any rank under DDP only before the first rank joins (the DDP hook
+cannot give back what a joined rank sent to a table no rank still
+training used), and the parameters are compared and
+the error feedback checked once, after every rank has joined.
 ``--hook ddp`` trains the model with dense tables under
 ``DistributedDataParallel`` (0.25 MB buckets, ``find_unused_parameters``,
 density 0.002, so that the tables' parts hold residuals)
@@ -54,11 +64,13 @@ Usage::
     python tools/train_soak.py --ranks 2 --steps 500 --dense topk --device-path
     python tools/train_soak.py --ranks 3 --hook backward
     python tools/train_soak.py --ranks 3 --hook ddp --algorithm oktopk
+    python tools/train_soak.py --ranks 3 --uneven 20 --dense topk --hook backward
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -74,6 +86,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from soak import Conservation, digest, input_generators  # noqa: E402  (its sibling in tools/)
 from torch import nn  # noqa: E402
+from torch.distributed.algorithms.join import Join  # noqa: E402
 
 from colltune.offline import launch  # noqa: E402
 
@@ -109,13 +122,14 @@ class Model(nn.Module):
         return self.mlp(torch.cat([*parts, batch["dense"]], dim=1)).squeeze(1)
 
 
-def draw_batch(g: torch.Generator, hot: bool) -> dict[str, Any]:
-    """One rank's batch: per table, bags of 0 to ``MAX_BAG`` ids (``None`` now and then: the table unused)."""
+def draw_batch(g: torch.Generator, hot: bool, unused_share: float = 0.08) -> dict[str, Any]:
+    """One rank's batch: per table, bags of 0 to ``MAX_BAG`` ids (``None`` in ``unused_share`` of the draws: the
+    table unused)."""
     bags: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for n, _ in TABLES:
         lengths = torch.randint(0, MAX_BAG + 1, (BATCH,), generator=g)
         ids = torch.randint(0, min(n, 64) if hot else n, (int(lengths.sum()),), generator=g)
-        unused = float(torch.rand((), generator=g)) < 0.08
+        unused = float(torch.rand((), generator=g)) < unused_share
         bags.append(None if unused else (ids, torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]))))
     return {"bags": bags, "dense": torch.randn(BATCH, DENSE_IN, generator=g), "y": torch.randn(BATCH, generator=g)}
 
@@ -130,9 +144,10 @@ def loss_of(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
 Reference = dict[str, tuple[torch.Tensor, torch.Tensor, "set[int] | bool"]]
 
 
-def reference(model: nn.Module, batches: list[dict[str, Any]]) -> Reference:
+def reference(model: nn.Module, batches: list[dict[str, Any]], world_size: int | None = None) -> Reference:
     """Each rank's gradient (``batches``, in rank order) at ``model``'s parameters, on a fresh copy of them
-    (not of the gradients, which an asynchronous synchronization may still be reducing), averaged."""
+    (not of the gradients, which an asynchronous synchronization may still be reducing), averaged over
+    ``world_size`` (by default one per batch: the ranks that have joined add none)."""
     copy_ = Model(model.sparse)
     copy_.load_state_dict(model.state_dict())
     sums: dict[str, list[Any]] = {}
@@ -145,7 +160,7 @@ def reference(model: nn.Module, batches: list[dict[str, Any]]) -> Reference:
             if param.grad is not None:
                 dense = (param.grad.to_dense() if param.grad.is_sparse else param.grad).double()
                 sums[name] = [total + dense, mags + dense.abs(), True]
-    p = len(batches)
+    p = world_size or len(batches)
     out: Reference = {name: (total / p, mags / p, some) for name, (total, mags, some) in sums.items()}
     for t, _ in enumerate(TABLES if model.sparse else ()):  # a sparse result holds exactly the rows some rank's bags name
         name = f"tables.{t}.weight"
@@ -263,33 +278,43 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
             wrapper.attach_to_backward(async_op=True)
         opt.register_step_pre_hook(check)
         start = time.perf_counter()
-        for step in range(cfg["steps"]):
-            hot, async_op = (bool(float(x) < y) for x, y in zip(torch.rand(2, generator=plan), (0.5, 1 / 3)))
-            batches = {q: draw_batch(g, hot) for q, g in gens.items()}
-            if cfg["hook"] == "ddp" and float(torch.rand((), generator=plan)) < 0.2:
-                # A table no rank uses this step (DDP then keeps no result for it, which the hook must not lose).
-                skipped = int(torch.randint(len(TABLES), (), generator=plan))
-                for batch in batches.values():
-                    batch["bags"][skipped] = None
-            opt.zero_grad(set_to_none=True)
-            loss_of(net, batches[rank]).backward()
-            explicit = cfg["hook"] == "none"
-            if explicit:
-                wrapper.synchronize(async_op=async_op)
-            # Rank 0's reference runs while an asynchronous reduction does (the parameters stay as they are).
-            pending.update(step=step, ref=reference(model, [batches[q] for q in sorted(batches)]) if rank == 0 else None)
-            if explicit and async_op:
-                wrapper.wait()
-            asynchronous += cfg["hook"] == "backward" or (explicit and async_op)
-            opt.step()
-            if (step + 1) % cfg["every"] == 0 or step + 1 == cfg["steps"]:
-                digests: list[Any] = [None] * world_size
-                dist.all_gather_object(digests, digest("", *model.parameters()))
-                compared += 1
-                if len(set(digests)) > 1:
-                    mismatches.append(step)
-                broken.extend({"step": step, "why": why}
-                              for why in ledger.check(compressed, residuals(wrapper.topk_states, numels), rank))
+        uneven = cfg.get("uneven", 0)
+        mine = cfg["steps"] - uneven * rank  # rank q trains uneven * q steps fewer than rank 0
+        last_even = cfg["steps"] - uneven * (world_size - 1)  # the steps every rank trains
+        joined = Join([net if cfg["hook"] == "ddp" else wrapper]) if uneven else contextlib.nullcontext()
+        with joined:
+            for step in range(mine):
+                hot, async_op = (bool(float(x) < y) for x, y in zip(torch.rand(2, generator=plan), (0.5, 1 / 3)))
+                async_op = async_op and not uneven  # a joined rank shadows in one mode
+                # Under DDP, once a rank has joined, the ranks still training use every table: one no active rank
+                # used would be one the joined ranks' top-k sent to and cannot give back (colltune.train.hook).
+                share = 0.0 if cfg["hook"] == "ddp" and step >= last_even else 0.08
+                batches = {q: draw_batch(g, hot, share) for q, g in gens.items() if step < cfg["steps"] - uneven * q}
+                if cfg["hook"] == "ddp" and float(torch.rand((), generator=plan)) < 0.2 and step < last_even:
+                    # A table no rank uses this step (DDP then keeps no result for it, which the hook must not lose).
+                    skipped = int(torch.randint(len(TABLES), (), generator=plan))
+                    for batch in batches.values():
+                        batch["bags"][skipped] = None
+                opt.zero_grad(set_to_none=True)
+                loss_of(net, batches[rank]).backward()
+                explicit = cfg["hook"] == "none"
+                if explicit:
+                    wrapper.synchronize(async_op=async_op)
+                # Rank 0's reference runs while an asynchronous reduction does (the parameters stay as they are).
+                pending.update(step=step, ref=reference(model, [batches[q] for q in sorted(batches)], world_size)
+                               if rank == 0 else None)
+                if explicit and async_op:
+                    wrapper.wait()
+                asynchronous += cfg["hook"] == "backward" or (explicit and async_op)
+                opt.step()
+                if not uneven and ((step + 1) % cfg["every"] == 0 or step + 1 == cfg["steps"]):
+                    compared += _compare(model, world_size, step, mismatches)
+                    broken.extend({"step": step, "why": why}
+                                  for why in ledger.check(compressed, residuals(wrapper.topk_states, numels), rank))
+        if uneven:  # every rank has joined: the collectives of the checks line up again
+            compared += _compare(model, world_size, cfg["steps"] - 1, mismatches)
+            broken.extend({"step": cfg["steps"] - 1, "why": why}
+                          for why in ledger.check(compressed, residuals(wrapper.topk_states, numels), rank))
         routes = (sorted({d["route"] for d in wrapper.decisions.values()}) if cfg["hook"] == "ddp"
                   else sorted({r[0] for r in wrapper.routes().values()}))
         return {"wrong": errors, "mismatches": mismatches, "asynchronous": asynchronous, "compared": compared,
@@ -297,11 +322,20 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 "seconds": time.perf_counter() - start, "routes": routes}
 
 
+def _compare(model: nn.Module, world_size: int, step: int, mismatches: list[int]) -> int:
+    """Compare the ranks' parameters bit for bit (a collective); note ``step`` in ``mismatches`` if they differ."""
+    digests: list[Any] = [None] * world_size
+    dist.all_gather_object(digests, digest("", *model.parameters()))
+    if len(set(digests)) > 1:
+        mismatches.append(step)
+    return 1
+
+
 def run(world_size: int, steps: int, every: int, seed: int, algorithm: str = "auto", dense: str = "allreduce",
-        fuse: bool = True, device_path: bool = False, hook: str = "none") -> dict[str, Any]:
+        fuse: bool = True, device_path: bool = False, hook: str = "none", uneven: int = 0) -> dict[str, Any]:
     """Run the soak on fresh local ranks and return rank 0's report (see the module docstring)."""
     cfg = {"steps": steps, "every": every, "seed": seed, "algorithm": algorithm, "dense": dense, "fuse": fuse,
-           "device_path": device_path, "hook": hook}
+           "device_path": device_path, "hook": hook, "uneven": uneven}
     out = launch.run_local(_rank, world_size, cfg, backend="gloo", timeout=3600)[0]
     return {"world_size": world_size, **cfg, **out}
 
@@ -323,16 +357,22 @@ def main(argv: list[str] | None = None) -> int:
                          "DDP with colltune_hook (dense tables; --algorithm then compresses its buckets)")
     ap.add_argument("--device-path", action="store_true",
                     help="send the CPU tensors down the code path CUDA tensors take")
+    ap.add_argument("--uneven", type=int, default=0, metavar="G",
+                    help="rank q trains G*q steps fewer than rank 0, under Join (default 0: even)")
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.steps < 1 or args.every < 1:
         ap.error("need --ranks >= 2, --steps >= 1 and --every >= 1")
+    if args.uneven < 0 or args.uneven * (args.ranks - 1) >= args.steps:
+        ap.error("--uneven G must leave the last rank a step: 0 <= G * (ranks - 1) < steps")
     if args.hook == "ddp" and args.algorithm not in topk_algorithms():
         ap.error(f"--hook ddp compresses with one of {', '.join(topk_algorithms())}, not {args.algorithm!r}")
     r = run(args.ranks, args.steps, args.every, args.seed, args.algorithm, args.dense, not args.no_fuse,
-            args.device_path, args.hook)
+            args.device_path, args.hook, args.uneven)
     path = "device" if r["device_path"] else "host"
     what = (f"DDP with colltune_hook, top-k {r['algorithm']}" if r["hook"] == "ddp" else
             f"sparse {r['algorithm']}{'' if r['fuse'] else ', not fused'}, dense {r['dense']}, hook {r['hook']}")
+    if r["uneven"]:
+        what += f"; rank q {r['uneven']} q steps fewer, under Join"
     print(f"P={r['world_size']}, {r['steps']} steps (seed {r['seed']}, the {path} path, {what}), {r['seconds']:.0f} s; "
           f"{r['asynchronous']} asynchronous; routes {', '.join(r['routes'])}")
     if r["hook"] == "ddp":
@@ -343,11 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     for w in r["wrong"][:10]:
         print(f"  step {w['step']}: {w['why']}")
     if r["ledger"]:
-        print(f"error feedback of {r['ledger']} parameters checked every {r['every']} steps (fed = delivered + "
+        when = "after every rank joined" if r["uneven"] else f"every {r['every']} steps"
+        print(f"error feedback of {r['ledger']} parameters checked {when} (fed = delivered + "
               f"held): {len(r['broken'])} broken; largest error {r['worst']:.2f} of its bound")
         for b in r["broken"][:10]:
             print(f"  step {b['step']}: {b['why']}")
-    print(f"parameters compared bit for bit {r['compared']} times (every {r['every']} steps and at the end): "
+    when = "after every rank joined" if r["uneven"] else f"every {r['every']} steps and at the end"
+    print(f"parameters compared bit for bit {r['compared']} times ({when}): "
           f"{len(r['mismatches'])} differed")
     return 1 if r["wrong"] or r["broken"] or r["mismatches"] or r["checked"] != r["steps"] else 0
 

@@ -65,6 +65,25 @@ def test_a_training_soak_through_the_optimizer_or_backward_hooks(train_soak, hoo
     assert r["asynchronous"] == (8 if hook == "backward" else 0)
 
 
+@pytest.mark.parametrize("hook,dense,algorithm", [("backward", "topk", "auto"), ("ddp", "allreduce", "allgather")])
+def test_a_training_soak_with_uneven_inputs_under_join(train_soak, capsys, hook, dense, algorithm):
+    """Rank q trains 4 q steps fewer, under Join: rank 0 checks every step against the average over P of what
+    the ranks still training computed; the parameters and the error feedback are checked after the last join."""
+    argv = ["--ranks", "3", "--steps", "14", "--uneven", "4", "--seed", "4", "--hook", hook, "--dense", dense,
+            "--algorithm", algorithm]
+    assert train_soak.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "rank q 4 q steps fewer, under Join" in printed and "on 14 steps: 0 wrong" in printed
+    assert "checked after every rank joined (fed = delivered + held): 0 broken" in printed
+    assert "1 times (after every rank joined): 0 differed" in printed
+
+
+def test_the_uneven_soak_leaves_the_last_rank_a_step(train_soak, capsys):
+    with pytest.raises(SystemExit):
+        train_soak.main(["--ranks", "3", "--steps", "8", "--uneven", "4"])
+    assert "--uneven G must leave the last rank a step" in capsys.readouterr().err
+
+
 def test_wrong_names_a_gradient_off_its_average(train_soak):
     torch.manual_seed(0)
     model = train_soak.Model()
