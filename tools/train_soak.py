@@ -279,17 +279,28 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         opt.register_step_pre_hook(check)
         start = time.perf_counter()
         uneven = cfg.get("uneven", 0)
-        mine = cfg["steps"] - uneven * rank  # rank q trains uneven * q steps fewer than rank 0
-        last_even = cfg["steps"] - uneven * (world_size - 1)  # the steps every rank trains
+
+        def steps_of(q: int) -> int:
+            """The steps rank ``q`` trains: ``uneven`` q fewer than rank 0."""
+            return cfg["steps"] - uneven * q
+
+        def checkpoint(step: int) -> int:
+            """Compare the ranks' parameters and check the error feedback (collectives on every rank)."""
+            _compare(model, world_size, step, mismatches)
+            broken.extend({"step": step, "why": why}
+                          for why in ledger.check(compressed, residuals(wrapper.topk_states, numels), rank))
+            return 1
+
+        last_even = steps_of(world_size - 1)  # the steps every rank trains
         joined = Join([net if cfg["hook"] == "ddp" else wrapper]) if uneven else contextlib.nullcontext()
         with joined:
-            for step in range(mine):
+            for step in range(steps_of(rank)):
                 hot, async_op = (bool(float(x) < y) for x, y in zip(torch.rand(2, generator=plan), (0.5, 1 / 3)))
                 async_op = async_op and not uneven  # a joined rank shadows in one mode
                 # Under DDP, once a rank has joined, the ranks still training use every table: one no active rank
                 # used would be one the joined ranks' top-k sent to and cannot give back (colltune.train.hook).
                 share = 0.0 if cfg["hook"] == "ddp" and step >= last_even else 0.08
-                batches = {q: draw_batch(g, hot, share) for q, g in gens.items() if step < cfg["steps"] - uneven * q}
+                batches = {q: draw_batch(g, hot, share) for q, g in gens.items() if step < steps_of(q)}
                 if cfg["hook"] == "ddp" and float(torch.rand((), generator=plan)) < 0.2 and step < last_even:
                     # A table no rank uses this step (DDP then keeps no result for it, which the hook must not lose).
                     skipped = int(torch.randint(len(TABLES), (), generator=plan))
@@ -308,13 +319,9 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 asynchronous += cfg["hook"] == "backward" or (explicit and async_op)
                 opt.step()
                 if not uneven and ((step + 1) % cfg["every"] == 0 or step + 1 == cfg["steps"]):
-                    compared += _compare(model, world_size, step, mismatches)
-                    broken.extend({"step": step, "why": why}
-                                  for why in ledger.check(compressed, residuals(wrapper.topk_states, numels), rank))
+                    compared += checkpoint(step)
         if uneven:  # every rank has joined: the collectives of the checks line up again
-            compared += _compare(model, world_size, cfg["steps"] - 1, mismatches)
-            broken.extend({"step": cfg["steps"] - 1, "why": why}
-                          for why in ledger.check(compressed, residuals(wrapper.topk_states, numels), rank))
+            compared += checkpoint(cfg["steps"] - 1)
         routes = (sorted({d["route"] for d in wrapper.decisions.values()}) if cfg["hook"] == "ddp"
                   else sorted({r[0] for r in wrapper.routes().values()}))
         return {"wrong": errors, "mismatches": mismatches, "asynchronous": asynchronous, "compared": compared,
@@ -322,13 +329,12 @@ def _rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 "seconds": time.perf_counter() - start, "routes": routes}
 
 
-def _compare(model: nn.Module, world_size: int, step: int, mismatches: list[int]) -> int:
+def _compare(model: nn.Module, world_size: int, step: int, mismatches: list[int]) -> None:
     """Compare the ranks' parameters bit for bit (a collective); note ``step`` in ``mismatches`` if they differ."""
     digests: list[Any] = [None] * world_size
     dist.all_gather_object(digests, digest("", *model.parameters()))
     if len(set(digests)) > 1:
         mismatches.append(step)
-    return 1
 
 
 def run(world_size: int, steps: int, every: int, seed: int, algorithm: str = "auto", dense: str = "allreduce",
