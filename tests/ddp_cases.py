@@ -120,7 +120,9 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
     under DDP's ``no_sync``), ``dense`` (``allreduce`` or ``topk``) and
     ``device``. Every rank also replays every rank's steps on a dense copy on
     the CPU, averaging over the group's size what the ranks still training
-    computed: the reference (``None`` under top-k, which is not exact).
+    computed: the reference (``None`` under top-k, which is not exact). A
+    buffer and a frozen parameter that each rank changes by hand every step
+    end as the last rank to join left them (``seen``: its steps times P).
     """
     from torch.distributed.algorithms.join import Join
 
@@ -130,6 +132,9 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
     if device == "cuda":
         torch.cuda.set_device(0)
     model, ref = net(True).to(device), net(False)
+    # State the loop changes by hand, apart on every rank: the last rank to join's ends on every rank.
+    model.register_buffer("seen", torch.zeros(2, device=device))
+    model.scale = nn.Parameter(torch.ones(3, device=device), requires_grad=False)
     joinables: list = []
     if cfg.get("ddp"):
         model.fc1 = nn.parallel.DistributedDataParallel(model.fc1)
@@ -153,14 +158,18 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
             if cfg["mode"] == "synchronize":
                 sync.synchronize()
             opt.step()
+            model.seen += rank + 1
+            model.scale.mul_(1 + rank / 8)
         kept = {n: None if p.grad is None else dense_grad(p).clone() for n, p in model.named_parameters()}
     params = {n.replace("fc1.module.", "fc1."): p.detach().cpu() for n, p in model.named_parameters()}
     flat = torch.cat([params[n].reshape(-1) for n, _ in ref.named_parameters()])
     flat = flat.to(device) if dist.get_backend() == "nccl" else flat  # gloo gathers host memory
+    flat = torch.cat([flat, model.seen.to(flat.device), model.scale.detach().to(flat.device)])
     replicas = [torch.zeros_like(flat) for _ in range(world_size)]
     dist.all_gather(replicas, flat)
     return {
         "replicas": float(max((r - replicas[0]).abs().max() for r in replicas)),
+        "seen": float(model.seen[0]),
         "from_ref": None if cfg.get("dense") == "topk" else _from_replay(ref, params, world_size, first, micro),
         "kept": all(p.grad is None if kept[n] is None else torch.equal(kept[n], dense_grad(p))
                     for n, p in model.named_parameters()),

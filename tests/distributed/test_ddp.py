@@ -723,10 +723,11 @@ def test_hook_trains_uneven_inputs_under_join(algorithm, unused):
 def test_sync_trains_uneven_inputs_under_join(cfg):
     """``Join([sync])`` (or ``Join([ddp_tower, sync])``): a rank out of batches shadows the others' steps; the
     model trains as the average over the group of what the ranks still training computed, the replicas end
-    equal (the last rank's model), and a joined rank's own gradients are left as they were."""
+    equal (the last rank's model, buffers and frozen parameters too), and a joined rank's own gradients are
+    left as they were."""
     for r in pool(3).run(joined_sync_run, cfg, timeout=120):
         assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == cfg.get("first", 3) + 4, r
-        assert r["from_ref"] < 1e-5, r
+        assert r["from_ref"] < 1e-5 and r["seen"] == 3 * r["steps"], r  # buffers too: the last rank's
 
 
 def test_sync_with_top_k_trains_uneven_inputs_under_join():

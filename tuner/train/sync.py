@@ -211,9 +211,10 @@ class SparseGradSync(Joinable):
     group's size, as DDP's ``divide_by_initial_world_size=True`` does.
     Beside DDP the join context counts DDP's forwards, so the synchronizer
     shadows those after which DDP reduces gradients: accumulate micro-batches
-    under ``ddp.no_sync()``. When every rank has joined, the tracked
-    parameters of the last rank to join are copied to every rank (buffers
-    and frozen parameters are not; DDP copies its own module's).
+    under ``ddp.no_sync()``. When every rank has joined, the parameters
+    and buffers of the last rank to join (frozen ones too) are copied to
+    every rank, as DDP copies its own module's (it does those of its
+    submodules).
 
     Args:
         model: the model (not wrapped in DDP as a whole).
@@ -519,7 +520,8 @@ class SparseGradSync(Joinable):
             self._synced, self._dirty, self._stepped = flags
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """When every rank has joined: copy the tracked parameters of the last rank to join to every rank."""
+        """When every rank has joined: copy the model's parameters and buffers (trained, frozen, and those the
+        loop changed by hand) of the last rank to join to every rank; a DDP submodule copies its own."""
         self.wait()
         self._join_config = type(self._join_config).construct_disabled_join_config()  # out of the context now
         if group_size(self.group) == 1:
@@ -527,8 +529,9 @@ class SparseGradSync(Joinable):
         _api.drain()  # on the group from this thread: colltune's queued calls go first on every rank
         last = upload([dist.get_rank(self.group) if is_last_joiner else -1], self.join_device)
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group)
-        tensors = [(name, param) for name, param, _ in self._params]
-        _broadcast_tensors(tensors, self.group, int(last.item()), "SparseGradSync's final model (join)")
+        ddps = {id(t) for ddp in self._ddps for t in (*ddp.parameters(), *ddp.buffers())}  # DDP copies its own
+        _broadcast_tensors([(name, t) for name, t in _states(self.model) if id(t) not in ddps], self.group,
+                           int(last.item()), "SparseGradSync's final model (join)")
 
     def _hint(self) -> torch.Tensor | None:
         """A tensor on the device the synchronizer's calls run on (its first sparse parameter's), or ``None``."""
@@ -977,13 +980,18 @@ def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_
     """
     if group_size(group) == 1:
         return
+    _broadcast_tensors(_states(model), group, 0, "SparseGradSync(init_sync=True)", bucket_bytes)
+
+
+def _states(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Return the model's parameters and buffers by name, each tensor once."""
     seen: set[int] = set()
     tensors: list[tuple[str, torch.Tensor]] = []
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if id(t) not in seen:
             seen.add(id(t))
             tensors.append((name, t))
-    _broadcast_tensors(tensors, group, 0, "SparseGradSync(init_sync=True)", bucket_bytes)
+    return tensors
 
 
 def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, root: int, what: str,
