@@ -541,7 +541,9 @@ _CALLER_LABELS: dict[str, tuple[str, str]] = {
     ),
     "plan": (
         "how the training wrapper routes the gradients",
-        "give every rank the same model, options, policy file and environment (COLLTUNE_ALGO, COLLTUNE_POLICY)",
+        "give every rank the same model, options, policy file and environment (COLLTUNE_ALGO, COLLTUNE_POLICY), "
+        "and SparseGradSync.synchronize() the same async_op (under Join a rank that has had no batch shadows "
+        "in the mode attach_to_backward set, else synchronously)",
     ),
 }
 

@@ -115,8 +115,10 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
     """Uneven inputs under ``Join``: rank r trains ``first`` + 2r steps of :class:`Net` under SparseGradSync.
 
     ``cfg``: ``mode`` (``attach``, ``synchronize`` after backward, ``async``:
-    ``attach_to_backward(async_op=True)``), ``ddp`` (DDP over ``fc1``, listed
-    first), ``first``, ``micro`` (micro-batches per step, all but the last
+    ``attach_to_backward(async_op=True)``, ``synchronize-async``:
+    ``synchronize(async_op=True)`` then ``wait()``), ``ddp`` (DDP over
+    ``fc1``, listed first), ``frozen_head`` (``fc2`` frozen: beside DDP only
+    the tables are the synchronizer's), ``first``, ``micro`` (micro-batches per step, all but the last
     under DDP's ``no_sync``), ``dense`` (``allreduce`` or ``topk``) and
     ``device``. Every rank also replays every rank's steps on a dense copy on
     the CPU, averaging over the group's size what the ranks still training
@@ -139,6 +141,9 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
     if cfg.get("ddp"):
         model.fc1 = nn.parallel.DistributedDataParallel(model.fc1)
         joinables.append(model.fc1)
+    if cfg.get("frozen_head"):
+        model.fc2.requires_grad_(False)
+        ref.fc2.requires_grad_(False)
     sync = SparseGradSync(model, algorithm="allgather", dense=cfg.get("dense", "allreduce"), start_compression_iter=1,
                           min_compress_numel=64)
     joinables.append(sync)
@@ -157,11 +162,14 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
                     nn.functional.mse_loss(model(ids, bag), y).backward()
             if cfg["mode"] == "synchronize":
                 sync.synchronize()
+            elif cfg["mode"] == "synchronize-async":
+                sync.synchronize(async_op=True)
+                sync.wait()
             opt.step()
             model.seen += rank + 1
             model.scale.mul_(1 + rank / 8)
         kept = {n: None if p.grad is None else dense_grad(p).clone() for n, p in model.named_parameters()}
-    params = {n.replace("fc1.module.", "fc1."): p.detach().cpu() for n, p in model.named_parameters()}
+    params = {n.replace(".module.", "."): p.detach().cpu() for n, p in model.named_parameters()}
     flat = torch.cat([params[n].reshape(-1) for n, _ in ref.named_parameters()])
     flat = flat.to(device) if dist.get_backend() == "nccl" else flat  # gloo gathers host memory
     flat = torch.cat([flat, model.seen.to(flat.device), model.scale.detach().to(flat.device)])

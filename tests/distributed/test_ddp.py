@@ -718,6 +718,8 @@ def test_hook_trains_uneven_inputs_under_join(algorithm, unused):
     {"mode": "synchronize", "ddp": True},
     {"mode": "async", "ddp": True},
     {"mode": "async", "first": 0},  # rank 0 has no batch: it shadows in the mode attach_to_backward set
+    # ... or synchronously, where the mode does not order the step's collectives (only tables in the synchronizer)
+    {"mode": "synchronize-async", "ddp": True, "frozen_head": True, "first": 0},
     {"mode": "attach", "ddp": True, "micro": 2},  # accumulation under no_sync: DDP's forwards outnumber the steps
 ], ids=lambda cfg: "-".join(f"{k}={v}" for k, v in cfg.items()))
 def test_sync_trains_uneven_inputs_under_join(cfg):
@@ -741,16 +743,20 @@ def _join_misordered(rank: int, world_size: int, order: str) -> object:
 
     model = net(True)
     model.fc1 = nn.parallel.DistributedDataParallel(model.fc1)
+    if order == "two ddps":
+        model.fc2 = nn.parallel.DistributedDataParallel(model.fc2)
     sync = SparseGradSync(model)
-    joinables = {"sync first": [sync, model.fc1], "no ddp": [sync]}[order]
+    joinables = {"sync first": [sync, model.fc1], "no ddp": [sync], "two ddps": [model.fc1, model.fc2, sync]}[order]
     return expect_error(lambda: Join(joinables))
 
 
-@pytest.mark.parametrize("order", ["sync first", "no ddp"])
+@pytest.mark.parametrize("order", ["sync first", "no ddp", "two ddps"])
 def test_join_without_ddp_first_is_refused(order):
-    """A DDP submodule listed after the synchronizer, or left out, would shadow in another order: refused."""
+    """A DDP submodule listed after the synchronizer, or left out, would shadow in another order: refused. So
+    would two (torch's join context crashes gloo on them, with or without the synchronizer)."""
+    expected = "one DDP" if order == "two ddps" else "Join([model.mlp, sync])"
     for r in pool(2).run(_join_misordered, order):
-        assert r.type == "ColltuneValueError" and "Join([model.mlp, sync])" in r.message, r
+        assert r.type == "ColltuneValueError" and expected in r.message, r
 
 
 def _join_dividing_by_the_active(rank: int, world_size: int) -> object:

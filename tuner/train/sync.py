@@ -383,7 +383,10 @@ class SparseGradSync(Joinable):
             if isinstance(exc, ColltuneError) and exc.argument is None:
                 exc.argument = "policy"
             return None, CallerCheck(self.step, -1, exc)
-        return step, CallerCheck(self.step, _meta.digest(self._routes_code, async_op, self._options()))
+        # The mode orders the step's collectives only where sparse gradients go beside others (see _synchronize):
+        # elsewhere ranks may differ in it (a rank with no batch under Join shadows synchronously).
+        ordered = async_op and bool(step.sparse) and bool(step.topk or step.dense)
+        return step, CallerCheck(self.step, _meta.digest(self._routes_code, ordered, self._options()))
 
     def _options(self) -> tuple:
         """The options that shape a step's collectives (buckets, top-k), which every rank must share."""
@@ -488,10 +491,18 @@ class SparseGradSync(Joinable):
 
         The join context reads it once it has told every joinable its place,
         so a DDP submodule missing from the context, or listed after the
-        synchronizer, is refused here (every rank alike): either would have
-        the ranks that joined shadow the collectives in another order.
+        synchronizer, or a second one, is refused here (every rank alike):
+        each would have the ranks that joined shadow the collectives in
+        another order.
         """
         if self._join_config.enable:
+            if len(self._ddps) > 1:
+                raise ColltuneValueError(
+                    f"the model has {len(self._ddps)} DistributedDataParallel submodules, but a join context "
+                    "shadows each DDP's collectives one module after another, while training interleaves them "
+                    "(forwards in order, backwards in reverse), so the ranks' collectives would mismatch: wrap the "
+                    "dense layers in one DDP (e.g. DistributedDataParallel(nn.ModuleDict({...}))).",
+                    argument="joinables")
             for ddp in self._ddps:
                 if not ddp._join_config.enable or self._join_config.is_first_joinable:
                     raise ColltuneValueError(
