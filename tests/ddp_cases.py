@@ -124,7 +124,10 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
     the CPU, averaging over the group's size what the ranks still training
     computed: the reference (``None`` under top-k, which is not exact). A
     buffer and a frozen parameter that each rank changes by hand every step
-    end as the last rank to join left them (``seen``: its steps times P).
+    end as the last rank to join left them (``seen``: its steps times P), or
+    the buffer each rank's own with ``own_buffers`` (the synchronizer's
+    ``broadcast_buffers=False``); a buffer of the DDP submodule, under DDP's
+    ``broadcast_buffers=False``, stays each rank's own (``mine``: the rank).
     """
     from torch.distributed.algorithms.join import Join
 
@@ -139,13 +142,14 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
     model.scale = nn.Parameter(torch.ones(3, device=device), requires_grad=False)
     joinables: list = []
     if cfg.get("ddp"):
-        model.fc1 = nn.parallel.DistributedDataParallel(model.fc1)
+        model.fc1.register_buffer("mine", torch.zeros(1, device=device))
+        model.fc1 = nn.parallel.DistributedDataParallel(model.fc1, broadcast_buffers=False)
         joinables.append(model.fc1)
     if cfg.get("frozen_head"):
         model.fc2.requires_grad_(False)
         ref.fc2.requires_grad_(False)
     sync = SparseGradSync(model, algorithm="allgather", dense=cfg.get("dense", "allreduce"), start_compression_iter=1,
-                          min_compress_numel=64)
+                          min_compress_numel=64, broadcast_buffers=not cfg.get("own_buffers"))
     joinables.append(sync)
     opt = torch.optim.SGD(model.parameters(), lr=0.1 / micro)  # smaller steps for the larger summed gradients
     if cfg["mode"] == "attach":
@@ -168,16 +172,20 @@ def joined_sync_run(rank: int, world_size: int, cfg: dict) -> dict:
             opt.step()
             model.seen += rank + 1
             model.scale.mul_(1 + rank / 8)
+            if cfg.get("ddp"):
+                model.fc1.module.mine.fill_(rank)
         kept = {n: None if p.grad is None else dense_grad(p).clone() for n, p in model.named_parameters()}
     params = {n.replace(".module.", "."): p.detach().cpu() for n, p in model.named_parameters()}
     flat = torch.cat([params[n].reshape(-1) for n, _ in ref.named_parameters()])
     flat = flat.to(device) if dist.get_backend() == "nccl" else flat  # gloo gathers host memory
-    flat = torch.cat([flat, model.seen.to(flat.device), model.scale.detach().to(flat.device)])
+    flat = torch.cat([flat, model.scale.detach().to(flat.device)])
     replicas = [torch.zeros_like(flat) for _ in range(world_size)]
     dist.all_gather(replicas, flat)
     return {
         "replicas": float(max((r - replicas[0]).abs().max() for r in replicas)),
+        "rank": rank,
         "seen": float(model.seen[0]),
+        "mine": float(model.fc1.module.mine) if cfg.get("ddp") else None,
         "from_ref": None if cfg.get("dense") == "topk" else _from_replay(ref, params, world_size, first, micro),
         "kept": all(p.grad is None if kept[n] is None else torch.equal(kept[n], dense_grad(p))
                     for n, p in model.named_parameters()),

@@ -592,6 +592,9 @@ def test_options_are_validated():
         SparseGradSync(model, density=2.0)
     with pytest.raises(ColltuneTypeError, match="start_compression_iter must be an int"):
         ColltuneHookState(start_compression_iter=1.5)
+    for flag in ("fuse", "broadcast_buffers"):
+        with pytest.raises(ColltuneTypeError, match=f"{flag} must be True or False, but got str 'no'"):
+            SparseGradSync(model, **{flag: "no"})
     with pytest.raises(ColltuneValueError, match="algorithm must be one of auto, allgather, oktopk"):
         ColltuneHookState(algorithm="dense")
     with pytest.raises(ColltuneValueError, match="state_dict must be a dict made by the sync"):
@@ -720,16 +723,21 @@ def test_hook_trains_uneven_inputs_under_join(algorithm, unused):
     {"mode": "async", "first": 0},  # rank 0 has no batch: it shadows in the mode attach_to_backward set
     # ... or synchronously, where the mode does not order the step's collectives (only tables in the synchronizer)
     {"mode": "synchronize-async", "ddp": True, "frozen_head": True, "first": 0},
+    {"mode": "attach", "ddp": True, "own_buffers": True},
     {"mode": "attach", "ddp": True, "micro": 2},  # accumulation under no_sync: DDP's forwards outnumber the steps
 ], ids=lambda cfg: "-".join(f"{k}={v}" for k, v in cfg.items()))
 def test_sync_trains_uneven_inputs_under_join(cfg):
     """``Join([sync])`` (or ``Join([ddp_tower, sync])``): a rank out of batches shadows the others' steps; the
     model trains as the average over the group of what the ranks still training computed, the replicas end
-    equal (the last rank's model, buffers and frozen parameters too), and a joined rank's own gradients are
-    left as they were."""
+    equal (the last rank's model, buffers and frozen parameters too; a DDP submodule's as DDP leaves them), and
+    a joined rank's own gradients are left as they were."""
     for r in pool(3).run(joined_sync_run, cfg, timeout=120):
         assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == cfg.get("first", 3) + 4, r
-        assert r["from_ref"] < 1e-5 and r["seen"] == 3 * r["steps"], r  # buffers too: the last rank's
+        assert r["from_ref"] < 1e-5, r
+        # The buffers: the last rank's (its steps, each adding P), or each rank's own; DDP's left as DDP leaves them.
+        own = (r["rank"] + 1) * (cfg.get("first", 3) + 2 * r["rank"])
+        assert r["seen"] == (own if cfg.get("own_buffers") else 3 * r["steps"]), r
+        assert r["mine"] == (r["rank"] if cfg.get("ddp") else None), r
 
 
 def test_sync_with_top_k_trains_uneven_inputs_under_join():

@@ -1,7 +1,8 @@
 """SparseGradSync as recommendation models are trained: a same start on every rank, several optimizers.
 
 * Ranks seeded differently start from rank 0's parameters and buffers
-  (``init_sync``, as DDP does); with ``init_sync=False`` they keep their own.
+  (``init_sync``, as DDP does); with ``init_sync=False`` they keep their own,
+  with ``broadcast_buffers=False`` their own buffers.
 * SparseAdam for the embedding and Adam for the rest, both attached:
   one synchronization per step whichever steps first, and the training
   equals a one-process replica that averages every rank's gradients.
@@ -46,10 +47,10 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in list(model.parameters()) + list(model.buffers())])
 
 
-def _rank_init(rank: int, world_size: int, init_sync: bool) -> torch.Tensor:
+def _rank_init(rank: int, world_size: int, init_sync: bool, broadcast_buffers: bool = True) -> torch.Tensor:
     torch.manual_seed(rank)  # seeded differently on every rank
     model = Rec()
-    SparseGradSync(model, init_sync=init_sync)
+    SparseGradSync(model, init_sync=init_sync, broadcast_buffers=broadcast_buffers)
     return _flat(model)
 
 
@@ -61,6 +62,8 @@ def test_ranks_seeded_differently_start_from_rank_0(world_size: int) -> None:
     assert torch.equal(out[0], _flat(Rec()))  # rank 0's own model, unchanged
     apart = pool(world_size).run(_rank_init, False)
     assert not torch.equal(apart[0], apart[1])
+    own = pool(world_size).run(_rank_init, True, False)  # the buffer, last, stays each rank's own
+    assert all(torch.equal(out[0][:-1], o[:-1]) for o in own) and len({float(o[-1]) for o in own}) == world_size
 
 
 def _replica_step(replica: Rec, opts: tuple, world_size: int, step: int) -> None:

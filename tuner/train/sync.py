@@ -125,9 +125,14 @@ def _check_buckets(bucket_cap_mb: Any, fuse: Any) -> tuple[float, bool]:
     """Return ``bucket_cap_mb`` and ``fuse``, checked."""
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ColltuneValueError(f"bucket_cap_mb must be a number > 0, but got {bucket_cap_mb!r}.")
-    if not isinstance(fuse, bool):
-        raise ColltuneTypeError(f"fuse must be True or False, but got {type(fuse).__name__} {fuse!r:.40}.")
-    return float(bucket_cap_mb), fuse
+    return float(bucket_cap_mb), _check_flag("fuse", fuse)
+
+
+def _check_flag(label: str, value: Any) -> bool:
+    """Return ``value``, a bool, or raise naming ``label``."""
+    if not isinstance(value, bool):
+        raise ColltuneTypeError(f"{label} must be True or False, but got {type(value).__name__} {value!r:.40}.")
+    return value
 
 
 #: A sparse gradient of a step: its parameter's name, the parameter, its route, and its rows.
@@ -212,9 +217,9 @@ class SparseGradSync(Joinable):
     Beside DDP the join context counts DDP's forwards, so the synchronizer
     shadows those after which DDP reduces gradients: accumulate micro-batches
     under ``ddp.no_sync()``. When every rank has joined, the parameters
-    and buffers of the last rank to join (frozen ones too) are copied to
-    every rank, as DDP copies its own module's (it does those of its
-    submodules).
+    and buffers (``broadcast_buffers``) of the last rank to join, frozen
+    ones too, are copied to every rank, as DDP copies its own module's (a
+    DDP submodule's are DDP's to copy, as its own options say).
 
     Args:
         model: the model (not wrapped in DDP as a whole).
@@ -234,6 +239,10 @@ class SparseGradSync(Joinable):
         init_sync: broadcast the parameters and buffers of the group's rank 0
             to every rank now, as DDP does, so that ranks seeded differently
             start from the same model; ``False`` leaves them as they are.
+            A DDP submodule's are left to DDP, which copied them when it was made.
+        broadcast_buffers: copy the buffers with the parameters (at
+            ``init_sync`` and when every rank has joined), as DDP's option of
+            that name does; ``False`` leaves each rank's buffers its own.
         fuse: reduce the step's sparse gradients together, in one
             :func:`colltune.sparse_allreduce_many` per route (algorithm and
             knobs): one metadata exchange for all tables, buckets of up to
@@ -273,6 +282,7 @@ class SparseGradSync(Joinable):
         topk_options: Mapping[str, Any] | None = None,
         init_sync: bool = True,
         fuse: bool = True,
+        broadcast_buffers: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ColltuneTypeError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
@@ -300,7 +310,14 @@ class SparseGradSync(Joinable):
         self.decisions: dict[str, dict[str, Any]] = {}
         self.stats: dict[str, TensorStats] = {}
         self.bytes_sent = self.last_bytes = 0
+        self.broadcast_buffers = _check_flag("broadcast_buffers", broadcast_buffers)
         self._params, self._ddps = _tracked_parameters(model), _ddp_modules(model)
+        self._start_bookkeeping()
+        if init_sync and group_size(group) > 1:
+            _broadcast_tensors(self._states(), group, 0, "SparseGradSync(init_sync=True)")
+
+    def _start_bookkeeping(self) -> None:
+        """The synchronizer's record of routes, hooks, optimizers and pending calls, empty."""
         self._routes: dict[str, Route] | None = None
         self._routes_for: tuple | None = None  # whether compressing, and the options the routes depend on
         self._routes_code = 0  # a code of the routes, for the step's check
@@ -315,8 +332,6 @@ class SparseGradSync(Joinable):
         self._guard: Any = None
         self._pending: tuple | None = None  # an asynchronous synchronize()'s calls, until wait()
         self._async_op = False  # the last synchronization's mode: a rank that joined shadows the next ones so
-        if init_sync:
-            _broadcast_states(model, group)
 
     # -- routing
     @property
@@ -501,7 +516,8 @@ class SparseGradSync(Joinable):
                     f"the model has {len(self._ddps)} DistributedDataParallel submodules, but a join context "
                     "shadows each DDP's collectives one module after another, while training interleaves them "
                     "(forwards in order, backwards in reverse), so the ranks' collectives would mismatch: wrap the "
-                    "dense layers in one DDP (e.g. DistributedDataParallel(nn.ModuleDict({...}))).",
+                    "dense layers in one DDP, over a module whose forward runs them all (for DLRM, one "
+                    "forward(dense_x, embedded) over the bottom and top MLPs).",
                     argument="joinables")
             for ddp in self._ddps:
                 if not ddp._join_config.enable or self._join_config.is_first_joinable:
@@ -540,9 +556,20 @@ class SparseGradSync(Joinable):
         _api.drain()  # on the group from this thread: colltune's queued calls go first on every rank
         last = upload([dist.get_rank(self.group) if is_last_joiner else -1], self.join_device)
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group)
-        ddps = {id(t) for ddp in self._ddps for t in (*ddp.parameters(), *ddp.buffers())}  # DDP copies its own
-        _broadcast_tensors([(name, t) for name, t in _states(self.model) if id(t) not in ddps], self.group,
-                           int(last.item()), "SparseGradSync's final model (join)")
+        _broadcast_tensors(self._states(), self.group, int(last.item()), "SparseGradSync's final model (join)")
+
+    def _states(self) -> list[tuple[str, torch.Tensor]]:
+        """The model's parameters and (with ``broadcast_buffers``) buffers by name, each once, less those of its
+        DDP submodules: DDP copies those as its own options say."""
+        ddps = {id(t) for ddp in self._ddps for t in (*ddp.parameters(), *ddp.buffers())}
+        seen: set[int] = set()
+        out: list[tuple[str, torch.Tensor]] = []
+        buffers = list(self.model.named_buffers()) if self.broadcast_buffers else []
+        for name, t in list(self.model.named_parameters()) + buffers:
+            if id(t) not in seen and id(t) not in ddps:
+                seen.add(id(t))
+                out.append((name, t))
+        return out
 
     def _hint(self) -> torch.Tensor | None:
         """A tensor on the device the synchronizer's calls run on (its first sparse parameter's), or ``None``."""
@@ -983,38 +1010,17 @@ class _JoinShadow(JoinHook):
         self.sync._sync_final_model(is_last_joiner)
 
 
-def _broadcast_states(model: nn.Module, group: dist.ProcessGroup | None, bucket_bytes: int = 250 * 2**20) -> None:
-    """Copy the parameters and buffers of the group's rank 0 to every rank, in buckets (as DDP does at creation).
-
-    Raises:
-        RankMismatchError: on every rank, when ranks hold models of different names, shapes or dtypes.
-    """
-    if group_size(group) == 1:
-        return
-    _broadcast_tensors(_states(model), group, 0, "SparseGradSync(init_sync=True)", bucket_bytes)
-
-
-def _states(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Return the model's parameters and buffers by name, each tensor once."""
-    seen: set[int] = set()
-    tensors: list[tuple[str, torch.Tensor]] = []
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            tensors.append((name, t))
-    return tensors
-
-
 def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, root: int, what: str,
                        bucket_bytes: int = 250 * 2**20) -> None:
     """Copy ``named`` tensors (sparse and empty ones skipped) of the group's rank ``root`` to every rank, in buckets.
 
     Raises:
-        RankMismatchError: on every rank, when ranks hold tensors of different names, shapes or dtypes (``what``
-            names the copy).
+        RankMismatchError: on every rank, when ranks hold tensors of different names, shapes, dtypes or kinds
+            of device (``what`` names the copy).
     """
     tensors = [(n, t) for n, t in named if t.numel() and not t.is_sparse]
-    plan = [[n, list(t.shape), dtype_name(t.dtype) if t.is_floating_point() else str(t.dtype)] for n, t in tensors]
+    plan = [[n, list(t.shape), dtype_name(t.dtype) if t.is_floating_point() else str(t.dtype), t.device.type]
+            for n, t in tensors]
     _api.drain()  # on the group from this thread: colltune's queued calls go first on every rank
     check_same_plan(["broadcast", root, plan], group, what)
     src = root if group is None else dist.get_global_rank(group, root)
