@@ -255,7 +255,7 @@ def test_sync_trains_uneven_inputs_under_join_on_cuda():
     shadows the last steps asynchronously; the model is the dense replay's and equal on both ranks."""
     for r in pool(2).run(joined_sync_run, {"mode": "async", "ddp": True, "device": "cuda"}, timeout=180):
         assert r["replicas"] == 0.0 and r["kept"] and r["steps"] == 5, r
-        assert r["from_ref"] < 1e-5, r
+        assert r["from_ref"] < 1e-5 and r["seen"] == 2 * r["steps"] and r["mine"] == r["rank"], r
 
 
 def _online_on_cuda(rank, world_size):
