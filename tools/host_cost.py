@@ -50,6 +50,7 @@ from colltune.algorithms.allgather import eager_slot, slot_need  # noqa: E402
 from colltune.algorithms.base import Prepared, SparseInput  # noqa: E402
 from colltune.algorithms.comm import Comm  # noqa: E402
 from colltune.algorithms.state import TopkState  # noqa: E402
+from colltune.api import _run_topk  # noqa: E402
 from colltune.cli.common import save_json  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -180,12 +181,7 @@ def _topk_call(name: str, n: int, k: int, seed: int = 0) -> Callable[[StubComm],
         meta.exchange(comm, record, None)
         meta.note_slot_use(comm, 0)
         acc = grad.clone() if state.residual is None else grad + state.residual
-        out = algo.topk_allreduce(acc, state, comm, knobs)
-        if out.sent is None:
-            state.residual = torch.zeros_like(acc)
-        else:
-            acc[out.sent] = 0
-            state.residual = acc
+        _run_topk(acc, state, comm, name, knobs)  # the library's own residual update, whatever ``sent`` is
         state.step += 1
 
     return call

@@ -245,7 +245,8 @@ def cached_decision_us(profile: str | None, calls: int = 20000) -> dict:
                                   dtype=torch.float32, counts=counts, indices=None)
             sel.observe_sparse(site, counts, 26214)
         samples.append(((time.process_time() - t0) / calls * 1e6, (time.perf_counter() - w0) / calls * 1e6))
-        sel._sites[site].entries[next(iter(sel._sites[site].entries))].age = 1  # keep it cached
+        entries = sel._sites.get(site).entries
+        entries[next(iter(entries))].age = 1  # keep it cached
     # And the miss it replaces (the cost model's evaluation), for scale.
     t0 = time.process_time()
     for _ in range(20):
