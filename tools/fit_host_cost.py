@@ -16,7 +16,7 @@ counts the profile multiplies (each algorithm's ``HOST_KERNELS``).
 file (which counts no launches), and its notes the plane fitted to
 ``profiles/measurements/h200-per-call.json``::
 
-    python tools/fit_host_cost.py h100-per-call.json
+    python tools/fit_host_cost.py profiles/measurements/h100-per-call.json
     python tools/fit_host_cost.py profiles/measurements/h200-per-call.json
     python tools/fit_host_cost.py --no-kernels profiles/measurements/h200-per-call.json
 """
@@ -72,8 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("file", help="per-call measurements (JSON)")
     ap.add_argument("--no-kernels", action="store_true", help="fit the line without the per-kernel term")
     args = ap.parse_args(argv)
-    with open(args.file) as fh:
-        data = json.load(fh)
+    try:
+        with open(args.file) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        ap.error(f"{args.file}: cannot read per-call measurements ({exc}); the team's H100 and H200 files are in "
+                 "profiles/measurements/, and tools/gpu_call_bench.py --json writes one")
     pts = points(data["rows"] if isinstance(data, dict) else data, kernels=not args.no_kernels)
     names_, x, y = design(pts)
     if not pts or np.linalg.matrix_rank(x) < len(names_):

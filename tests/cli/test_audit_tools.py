@@ -71,3 +71,16 @@ def test_the_host_cost_fit_recovers_a_known_line(tmp_path):
     for bad in (rows[:1], collinear):
         path.write_text(json.dumps(bad))
         assert "vary independently" in _run("fit_host_cost.py", str(path), cwd=tmp_path, rc=2)
+
+
+def test_the_shipped_nccl_profile_holds_the_fit_its_notes_cite(tmp_path):
+    """profiles/analytic-nccl.yaml's host terms are what the fit gives on the file its notes name; an unreadable
+    file is refused in one line, naming where the team's files are."""
+    import yaml
+
+    with open(os.path.join(ROOT, "profiles", "analytic-nccl.yaml")) as fh:
+        profile = yaml.safe_load(fh)
+    consts = profile["meta"]
+    got = _run("fit_host_cost.py", os.path.join(ROOT, "profiles", "measurements", "h100-per-call.json"), cwd=tmp_path)
+    assert f"host_call_us {consts['host_call_us']}, host_sync_us {consts['host_sync_us']} (median error 30%" in got
+    assert "profiles/measurements/" in _run("fit_host_cost.py", str(tmp_path / "missing.json"), cwd=tmp_path, rc=2)

@@ -76,3 +76,15 @@ def test_a_missing_cli_extra_names_the_install_command(monkeypatch, capsys, tmp_
     assert cli.main(["report", str(shipped_profile("gloo")), "--out", str(tmp_path / "report")]) == 2
     err = capsys.readouterr().err
     assert "pip install 'colltune[cli]'" in err and "matplotlib" in err
+
+
+def test_a_missing_cli_extra_is_named_before_any_work(monkeypatch, capsys, tmp_path):
+    """A command checks the extra first: demo names scipy at once instead of after profiling."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "scipy" else real(name, *a))
+    assert cli.main(["demo", "--out", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert "colltune demo: error: it needs scipy" in err and "pip install 'colltune[cli]'" in err
+    assert not (tmp_path / "demo").exists()  # nothing profiled, nothing written

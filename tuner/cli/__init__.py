@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import sys
 from typing import Collection, Iterator, Mapping, NamedTuple, Sequence
@@ -191,6 +192,10 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         parser.print_help(sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    missing = [m for m in CLI_EXTRAS if importlib.util.find_spec(m) is None]
+    if missing:  # before any work: a command would otherwise meet it minutes in (demo after profiling)
+        print(_needs_extras(args.command, missing), file=sys.stderr)
+        return 2
     try:
         return COMMANDS[args.command].run(args)
     except UsageError as exc:
@@ -208,9 +213,14 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] not in CLI_EXTRAS:
             raise
-        print(f"colltune {args.command}: error: it needs {exc.name.split('.')[0]}, one of the command line's "
-              "extras, which is not installed; install them with pip install 'colltune[cli]'", file=sys.stderr)
+        print(_needs_extras(args.command, [exc.name.split(".")[0]]), file=sys.stderr)
         return 2
+
+
+def _needs_extras(command: str, missing: Sequence[str]) -> str:
+    """The error for a command run without the ``cli`` extra: what is missing and how to install it."""
+    return (f"colltune {command}: error: it needs {', '.join(missing)}, of the command line's extras, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; install them with pip install 'colltune[cli]'")
 
 
 def _is_rank_error(exc: BaseException) -> bool:
