@@ -120,6 +120,11 @@ def _collective_rank(rank: int, world_size: int, n: int, density: float, overlap
     from colltune.algorithms.sparse import coalesce
     from colltune.model.features import estimate_union_collective, overlap_bitmap_bits
     from colltune.offline.workloads import Workload, k_for_density
+    from colltune.select.selector import Selector
+
+    # The profile's decisions: with online correction a site's early calls try other algorithms, and the cached
+    # and forced calls would time different algorithms.
+    colltune.configure(selector=Selector(online=False))
 
     w = Workload(n, k_for_density(n, density), world_size, overlap, seed=1)
     idx, vals = w.make(rank)
