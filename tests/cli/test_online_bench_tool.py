@@ -141,7 +141,10 @@ STORED_RUNS = {
     "online-cpu2-p4-wrong-allgather": True, "online-cpu2-p4-shipped": False, "online-cpu1-p2-shipped": True,
     "online-cpu2-p4-wrong-allgather-12d74b5": True, "online-cpu2-p4-allgather-priced-3x-high": True,
     "online-cpu2-p4-dense-priced-3x-low": True, "online-cpu2-p4-allgather-priced-3x-high-be8cb3e": True,
+    "online-cpu2-p4-allgather-priced-3x-high-7bf4a54": True,
 }
+#: The runs where the fastest algorithm is found only by exploring, its turn after the other runners-up.
+FOUND_BY_EXPLORING = ("be8cb3e", "7bf4a54")
 
 
 def _stored(name: str) -> dict:
@@ -161,14 +164,14 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
     (twice: the 12d74b5 run is one where a single dense call at 2.7x once
     priced Ok-Topk, measured nowhere, out of reach); one core, P = 2: the
     shipped profile made on two (another machine); P = 4, allgather priced
-    3x too high (twice: in the first, live, one busy call taken whole locked
-    it out; the be8cb3e run found it late) and dense
+    3x too high (three times: in the first, live, one busy call taken whole
+    locked it out; the be8cb3e and 7bf4a54 runs found it late) and dense
     priced 3x too low.
     Where the profile is wrong, correction must beat the profile alone and
-    come within 1% of the floor, 2% for two runs: the one-core run replays
+    come within 1% of the floor, 2% for three runs: the one-core run replays
     1.2% over it (one recorded draw of the noise; resampled, `--resample 8`,
-    0.9% over it on average), and in the be8cb3e run, 1.3%
-    over it, the fastest algorithm is found only by exploring, its turn
+    0.9% over it on average), and in the be8cb3e and 7bf4a54 runs, 1.3% and
+    1.4% over it, the fastest algorithm is found only by exploring, its turn
     after the other runners-up; where it is right, its choices
     may cost at most 1% more.
     """
@@ -177,7 +180,7 @@ def test_the_stored_runs_replayed_keep_online_correction_ahead_where_the_profile
         s = ob._summary(ob.replay(_stored(name)), 50, 2)
         assert s["on"]["explore_time"] <= 0.03 and s["on"]["explore_calls"] <= 0.03, name
         if wrong:  # near the floor that the truth's own noise leaves, and ahead of the profile alone
-            near = 1.02 if name.endswith(("cpu1-p2-shipped", "be8cb3e")) else 1.01
+            near = 1.02 if name.endswith(("cpu1-p2-shipped", *FOUND_BY_EXPLORING)) else 1.01
             assert s["on"]["smoothed_regret_geomean"] <= near * s["floor"]["smoothed_regret_geomean"], name
             assert s["on"]["smoothed_regret_geomean"] < s["off"]["smoothed_regret_geomean"], name
         else:
@@ -188,15 +191,16 @@ def test_one_busy_call_in_the_stored_runs_does_not_lock_the_fastest_algorithm_ou
     """The stored runs replayed with one busy call: each site's first measured call of the algorithm fastest
     there takes 8x its time. With only the first measurement capped (``--clip inf``) it keeps the stored live
     lock-out at 1.277, as the profile alone; counted cut (colltune.select.online.CLIP_FIRST), correction stays within 2% of the floor and
-    ahead of the profile alone. In the be8cb3e run the fastest algorithm is found only by exploring, so the
-    busy call is each site's one exploring call of it and spends the site's exploring budget for most of its
-    200 calls: there correction does as the profile alone (1.472 against 1.469), within 1%.
+    ahead of the profile alone. In the be8cb3e and 7bf4a54 runs the fastest algorithm is found only by
+    exploring, so the busy call is each site's one exploring call of it and spends the site's exploring budget
+    for most of its 200 calls: there correction does as the profile alone (1.472 against 1.469, 1.368 against
+    1.362), within 1%.
     """
     ob = _tool()
     for name in STORED_RUNS:
         s = ob._summary(ob.replay(_stored(name), busy=8.0), 50, 2)
         assert s["on"]["smoothed_regret_geomean"] <= 1.01 * s["off"]["smoothed_regret_geomean"], name
-        if not name.endswith("be8cb3e"):
+        if not name.endswith(FOUND_BY_EXPLORING):
             assert s["on"]["smoothed_regret_geomean"] <= 1.02 * s["floor"]["smoothed_regret_geomean"], name
 
 
