@@ -183,3 +183,63 @@ def test_asynchronous_synchronization_beside_ddp_trains_the_same_bits(world_size
         assert torch.equal(a["params"], async_run[0]["params"])
         assert all(a["pending"]) and not any(s["pending"])  # the reduction was in flight after backward
         assert a["bytes"] > 0 and s["bytes"] > 0  # (not equal: the second run meets warm call sites)
+
+
+def _rank_scaled(rank: int, world_size: int, mode: str) -> dict:
+    """Mixed precision's loop (``GradScaler``: scale, backward, step, update) for four steps, rank 1's loss
+    overflowing in the second. ``mode``: how the synchronizer averages before the scaler reads the gradients."""
+    torch.manual_seed(rank)
+    model = Rec()
+    sync = SparseGradSync(model)
+    opts = _optimizers(model)
+    if mode == "attach_to_backward":
+        sync.attach_to_backward()
+    elif mode in ("async, wait", "async"):
+        sync.attach_to_backward(async_op=True)
+    else:  # "synchronize" after backward, or "attach" alone: the scaler reads the gradients before the average
+        sync.attach(*opts)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+
+    def train() -> dict:
+        skipped, scales = [], []
+        for step in range(4):
+            ids, y = _batch(rank, step)
+            loss = nn.functional.mse_loss(model(ids), y) * (1e38 if (step, rank) == (1, 1) else 1.0)
+            before = _flat(model)
+            scaler.scale(loss).backward()
+            if mode == "synchronize":
+                sync.synchronize()
+            elif mode == "async, wait":
+                sync.wait()
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+            for opt in opts:
+                opt.zero_grad()
+            skipped.append(torch.equal(before, _flat(model)))
+            scales.append(scaler.get_scale())
+        return {"skipped": skipped, "scales": scales, "params": _flat(model)}
+
+    return {"mode": mode, "out": expect_error(train) if mode in ("attach", "async") else train()}
+
+
+@pytest.mark.parametrize("mode", ["attach_to_backward", "synchronize", "async, wait"])
+def test_grad_scaler_skips_an_overflowing_step_on_every_rank(mode: str) -> None:
+    """Averaged before GradScaler reads them, one rank's overflow reaches every rank: all skip that step and
+    halve the scale together, and the replicas stay equal."""
+    out = [o["out"] for o in pool(2).run(_rank_scaled, mode)]
+    for o in out:
+        assert isinstance(o, dict), o
+        assert o["skipped"] == [False, True, False, False] and o["scales"] == [2.0**20, 2.0**19, 2.0**19, 2.0**19]
+        assert torch.equal(o["params"], out[0]["params"])
+
+
+@pytest.mark.parametrize("mode, says", [("attach", "sync.attach_to_backward()"), ("async", "sync.wait()")])
+def test_grad_scaler_reading_unaveraged_gradients_is_refused_on_every_rank(mode: str, says: str) -> None:
+    """``attach`` averages at the optimizer's step, after GradScaler unscaled and checked this rank's own
+    gradients (a rank that overflows would skip its step and its synchronization: the ranks would go apart or
+    hang); an asynchronous synchronization not waited for is read in flight. Both raise on every rank."""
+    for o in pool(2).run(_rank_scaled, mode):
+        raised = o["out"]
+        assert getattr(raised, "type", None) == "ColltuneValueError", raised
+        assert "GradScaler" in raised.message and says in raised.message, raised

@@ -28,6 +28,7 @@ Example (sparse embedding beside DDP over the dense tower)::
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from typing import Any, Callable, Iterable, Literal, Mapping
 
@@ -332,6 +333,7 @@ class SparseGradSync(Joinable):
         self._guard: Any = None
         self._pending: tuple | None = None  # an asynchronous synchronize()'s calls, until wait()
         self._async_op = False  # the last synchronization's mode: a rank that joined shadows the next ones so
+        self._misused: ColltuneValueError | None = None  # found by a hook: the next step's check carries it
 
     # -- routing
     @property
@@ -383,6 +385,9 @@ class SparseGradSync(Joinable):
         does not load, a gradient of the wrong layout) travels in the step's
         check, so every rank raises together and none waits for this one.
         """
+        if self._misused is not None:  # every rank hears of it in this step's check, and raises
+            misused, self._misused = self._misused, None
+            return None, CallerCheck(self.step, -1, misused)
         try:
             routes = self._compute_routes()
             step = _Step()
@@ -754,6 +759,13 @@ class SparseGradSync(Joinable):
         :class:`ColltuneValueError` before it changes anything, instead of
         letting the ranks drift apart.
 
+        Not under ``torch.amp.GradScaler``: it unscales and checks the
+        gradients for infs before it steps, so a step it makes with the
+        gradients not yet averaged raises :class:`ColltuneValueError` on
+        every rank (a rank that overflows alone would skip its step and its
+        synchronization). Average first: :meth:`attach_to_backward`, or
+        :meth:`synchronize` right after backward.
+
         Returns:
             A handle whose ``remove()`` detaches the synchronizer from these optimizers.
         """
@@ -781,6 +793,8 @@ class SparseGradSync(Joinable):
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         if not self._synced:
+            if _under_grad_scaler():
+                self._misused = ColltuneValueError(_SCALED_FIRST, argument="optimizers")
             self.synchronize()
         self.wait()
 
@@ -975,6 +989,35 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+#: Why a step under ``GradScaler`` is refused when the synchronizer averages at the optimizer's step (``attach``).
+_SCALED_FIRST = (
+    "optimizer.step() was called by GradScaler.step(), which had unscaled this rank's own gradients and checked "
+    "them for infs before SparseGradSync averaged them: a rank whose gradients overflow skips its step (and its "
+    "synchronization) while the others step, and the ranks go apart. Average first: sync.attach_to_backward() "
+    "in place of sync.attach(optimizer), or sync.synchronize() right after backward, before scaler.unscale_() "
+    "and scaler.step().")
+#: ... and when an asynchronous synchronization was still reducing them.
+_SCALED_IN_FLIGHT = (
+    "GradScaler.step() unscaled and checked the gradients while an asynchronous synchronization "
+    "(async_op=True) was still reducing them, so it read this rank's own, and the averaged gradients it "
+    "stepped on were never unscaled. Call sync.wait() before scaler.unscale_() and scaler.step(), or "
+    "synchronize with async_op=False.")
+
+
+def _under_grad_scaler(depth: int = 16) -> bool:
+    """Whether a ``GradScaler`` (``torch.amp``'s, or a subclass's module named ``*grad_scaler``) is stepping the
+    optimizer: its ``step`` (or ``_maybe_opt_step``) is among the callers of the optimizer's step hooks."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in ("step", "_maybe_opt_step") and \
+                str(frame.f_globals.get("__name__", "")).endswith("grad_scaler"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _remove_hooks(handles: list[Any]) -> None:
     """Remove every hook in ``handles`` and empty it (removing a removed hook does nothing)."""
     for h in handles:
@@ -989,6 +1032,8 @@ def _install_guard(sync: SparseGradSync) -> Any:
     def guard(opt: Any, args: Any, kwargs: Any) -> None:
         target = ref()
         if target is not None:
+            if target._pending is not None and _under_grad_scaler():  # it read them in flight: raised at the next step
+                target._misused = ColltuneValueError(_SCALED_IN_FLIGHT, argument="optimizers")
             target.wait()  # an asynchronous synchronization lands before any optimizer reads the gradients
             target._check_unattached(opt)
 
