@@ -118,7 +118,7 @@ class Dense(Algorithm):
     #: The record (the coalesce's count rides in it), the union's size (none when every row is present);
     #: top-k: the record.
     HOST_SYNCS = {"exact": 2, "topk": 1}
-    HOST_KERNELS = {"exact": 21, "topk": 5}
+    HOST_KERNELS = {"exact": 21, "topk": 8}
     topk_priced_on = "tensor"  # top-k mode all-reduces the whole accumulated tensor
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

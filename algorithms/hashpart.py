@@ -335,7 +335,7 @@ class HashPart(Algorithm):
     #: sizes (the merge's unique count travels in their gather); top-k: the record (carrying the local
     #: selection's counts per owner; the selection reads nothing) and the sizes.
     HOST_SYNCS = {"exact": 2, "topk": 2}
-    HOST_KERNELS = {"exact": 67, "topk": 72}
+    HOST_KERNELS = {"exact": 67, "topk": 77}
     applies_avg = True  # each owner divides its own sums, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -748,7 +748,7 @@ class OkTopk(Algorithm):
     #: pad). 3 when a nudged global threshold fits; 4 when none does (the exact one is found on the device
     #: and its counts read); 2 on refreshes of both thresholds.
     HOST_SYNCS = {"exact": 2, "topk": 4}
-    HOST_KERNELS = {"exact": 42, "topk": 56}
+    HOST_KERNELS = {"exact": 42, "topk": 60}
     applies_avg = True  # each owner divides its own region, a P-th of the rows
 
     def schedule(self, pricing: Pricing, knobs: dict[str, Any]) -> list[Step]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import operator
 import os
 import threading
@@ -1518,7 +1519,8 @@ def _run_topk(
     acc: torch.Tensor, state: TopkState, comm: Comm, algorithm: str, knobs: dict[str, Any],
     prepared: Prepared | None = None,
 ) -> TopkOutput:
-    """Run the algorithm on ``acc = residual + tensor`` and keep what it did not deliver as the new residual.
+    """Run the algorithm on ``acc = residual + tensor`` and keep what it did not deliver as the new residual
+    (the old one where the result holds a non-finite value; a rank's own non-finite entries dropped).
 
     ``prepared``: what the algorithm's own :meth:`~colltune.algorithms.base.Algorithm.topk_prepare`
     returned before the exchange (with every rank's payload), if anything.
@@ -1528,15 +1530,23 @@ def _run_topk(
         out = algo.topk_allreduce(acc, state, comm, knobs)
     else:
         out = algo.topk_allreduce(acc, state, comm, knobs, prepared=prepared)
-    if out.sent is None:
-        state.residual = torch.zeros_like(acc)
-    elif isinstance(out.sent, Delivered):
+    # An overflow (a non-finite value in the result: the same bits on every rank) is a step an AMP scaler skips,
+    # so the residual keeps what it held, not this step's gradient. Otherwise a rank's own non-finite entries
+    # that were not sent are dropped: kept, they would make every later step's sum non-finite. No host sync.
+    old = state.residual
+    # NaN < inf is False, as inf < inf is: one reduction and a comparison (isfinite takes three kernels more).
+    ok = out.values.abs().amax() < math.inf if out.values.numel() else True
+    if out.sent is None:  # everything was sent
+        state.residual = torch.zeros_like(acc) if old is None or ok is True else old.masked_fill(ok, 0.0)
+        return out
+    if isinstance(out.sent, Delivered):
         out.sent.clear(acc)
-        state.residual = acc
     else:
-        residual = acc
-        residual[out.sent] = 0
-        state.residual = residual
+        acc[out.sent] = 0
+    acc.nan_to_num_(0.0, 0.0, 0.0)
+    if ok is not True:
+        acc = acc.mul_(ok) if old is None else torch.where(ok, acc, old)
+    state.residual = acc
     return out
 
 

@@ -553,3 +553,43 @@ def test_topk_on_random_configurations(world_size):
     for seed in range(100 * world_size, 100 * world_size + 12):
         c = random_topk_cfg(seed)
         check_topk(c, world_size, pool(world_size).run(_run_topk, c, timeout=120))
+
+
+def _overflowing_topk(rank: int, world_size: int, algorithm: str, device_path: bool) -> dict:
+    """Four top-k calls of 1000 values: in the second rank 1's gradient overflows (every entry inf, -inf or NaN),
+    in the fourth it holds three NaN among small values (where a threshold selects none of them)."""
+    import contextlib
+
+    import colltune
+    from colltune.algorithms.sparse import device_path as device
+    from colltune.algorithms.state import TopkState
+
+    state, out = TopkState(density=0.01), {"residual": [], "result_finite": []}
+    with device() if device_path else contextlib.nullcontext():
+        for step in range(4):
+            grad = torch.randn(1000, generator=torch.Generator().manual_seed(10 * rank + step))
+            if rank == 1 and step == 1:
+                grad = grad * math.inf
+                grad[::7] = math.nan
+            if rank == 1 and step == 3:
+                grad[[3, 500, 999]] = math.nan
+            res = colltune.topk_allreduce(grad, state, algorithm=algorithm)
+            out["result_finite"].append(bool(torch.isfinite(res.values).all()))
+            out["residual"].append(state.residual.clone())
+    return out
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("algorithm", names())
+def test_an_overflowing_step_leaves_every_residual_as_it_was(algorithm, device_path):
+    """One rank's overflow (as under an AMP GradScaler) reaches every rank's result, as a dense allreduce's
+    would, so a scaler skips that step on every rank; and no rank's error feedback takes it in: each residual
+    stays as it was, where kept it would stay non-finite for about n / k steps, each one skipped. A rank's own
+    non-finite entries are sent (and then the step is skipped alike) or, where no threshold selects them, dropped
+    from its residual, not kept forever."""
+    for o in pool(2).run(_overflowing_topk, algorithm, device_path):
+        assert o["result_finite"][:3] == [True, False, True], o["result_finite"]
+        for step in (1, 3):  # a step whose result is not finite is taken in by no residual
+            if not o["result_finite"][step]:
+                assert torch.equal(o["residual"][step], o["residual"][step - 1]), step
+        assert all(bool(torch.isfinite(r).all()) for r in o["residual"])
