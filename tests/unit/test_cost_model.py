@@ -526,11 +526,11 @@ def test_an_nccl_profile_prices_the_hosts_cost_of_a_call():
         assert t["host"] == 423.0 + 63.0 * get(alg).HOST_SYNCS["exact"], alg
     # With a per-kernel figure (the H200 file's fit): allgather's declared kernels (the device-path audit's
     # count, which tests/cli/test_audit_tools.py holds) and 2 reads, so 343 + 16 k + 67 * 2 us (957 at k = 30);
-    # top-k dense, its all_reduce of the accumulator, 5 kernels and 1 read.
+    # top-k dense, its all_reduce of the accumulator, its declared kernels and 1 read.
     fitted = Network.of({**prof.meta, "host_call_us": 343, "host_kernel_us": 16, "host_sync_us": 67})
     k = get("allgather").HOST_KERNELS["exact"]
     assert AnalyticModel(prof.primitives, network=fitted).terms(feats)["allgather"]["host"] == 343.0 + 16.0 * k + 134.0
-    assert fitted.host_us("dense", "topk") == 343.0 + 16.0 * 5 + 67.0
+    assert fitted.host_us("dense", "topk") == 343.0 + 16.0 * get("dense").HOST_KERNELS["topk"] + 67.0
     # Without a network (gloo profiles) or without the figures, no host term.
     assert "host" not in AnalyticModel(prof.primitives).terms(feats)["dense"]
     bare = Network.of({**prof.meta, "host_call_us": None, "host_sync_us": None, "host_kernel_us": None})
