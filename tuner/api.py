@@ -1355,7 +1355,10 @@ def topk_allreduce(
 
     The selection is taken from ``state.residual + tensor``; what is not
     delivered stays in ``state.residual`` for the next call (error feedback),
-    so nothing is lost, only delayed.
+    so nothing is lost, only delayed; except that a call whose result holds
+    a non-finite value (an overflow, which an AMP scaler skips) leaves the
+    residual as it was, and a rank's own non-finite entries not sent are
+    dropped from it.
 
     Args:
         tensor: a dense floating tensor (e.g. a gradient), same shape on every rank.
@@ -1533,7 +1536,7 @@ def _run_topk(
     # An overflow (a non-finite value in the result: the same bits on every rank) is a step an AMP scaler skips,
     # so the residual keeps what it held, not this step's gradient. Otherwise a rank's own non-finite entries
     # that were not sent are dropped: kept, they would make every later step's sum non-finite. No host sync.
-    old = state.residual
+    old = None if state.residual is None else state.residual.to(acc.device)
     # NaN < inf is False, as inf < inf is: one reduction and a comparison (isfinite takes three kernels more).
     ok = out.values.abs().amax() < math.inf if out.values.numel() else True
     if out.sent is None:  # everything was sent

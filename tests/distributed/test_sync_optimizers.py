@@ -198,13 +198,14 @@ def _rank_scaled(rank: int, world_size: int, mode: str) -> dict:
         sync.attach_to_backward(async_op=True)
     else:  # "synchronize" after backward, or "attach" alone: the scaler reads the gradients before the average
         sync.attach(*opts)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, enabled=mode != "attach, scaler disabled")
 
     def train() -> dict:
         skipped, scales = [], []
         for step in range(4):
             ids, y = _batch(rank, step)
-            loss = nn.functional.mse_loss(model(ids), y) * (1e38 if (step, rank) == (1, 1) else 1.0)
+            overflow = (step, rank) == (1, 1) and scaler.is_enabled()
+            loss = nn.functional.mse_loss(model(ids), y) * (1e38 if overflow else 1.0)
             before = _flat(model)
             scaler.scale(loss).backward()
             if mode == "synchronize":
@@ -232,6 +233,13 @@ def test_grad_scaler_skips_an_overflowing_step_on_every_rank(mode: str) -> None:
         assert isinstance(o, dict), o
         assert o["skipped"] == [False, True, False, False] and o["scales"] == [2.0**20, 2.0**19, 2.0**19, 2.0**19]
         assert torch.equal(o["params"], out[0]["params"])
+
+
+def test_a_disabled_grad_scaler_steps_as_if_absent() -> None:
+    """``GradScaler(enabled=False)`` (amp switched off by a flag) unscales nothing: ``attach`` is fine there."""
+    out = [o["out"] for o in pool(2).run(_rank_scaled, "attach, scaler disabled")]
+    for o in out:
+        assert o["skipped"] == [False] * 4 and torch.equal(o["params"], out[0]["params"]), o
 
 
 @pytest.mark.parametrize("mode, says", [("attach", "sync.attach_to_backward()"), ("async", "sync.wait()")])

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from typing import Any, Mapping
@@ -651,14 +652,17 @@ class _TopkPart:
         self.before = [(p.grad, None if p.grad is None else p.grad._version) for p in params]
 
     def give_back(self) -> None:
-        """Add to the residual what this part delivered for each parameter whose gradient DDP left untouched."""
-        at = 0
+        """Add to the residual what this part delivered for each parameter whose gradient DDP left untouched
+        (nothing after an overflow: the residual is then the one before the call, which still holds it)."""
+        at, ok = 0, None
         for (a, b), param, (grad, version) in zip(self.slices, self.params, self.before):
             now = param.grad
             if self.state.residual is not None and (now is None or (now is grad and now._version == version)):
                 # Every rank delivered the same average here and gives it back: their residuals' sum regains
                 # P times it, what the ranks' selections sent (to the bucket dtype's rounding of the average).
-                self.state.residual[at : at + b - a] += self.out[a:b].to(self.state.residual.dtype)
+                ok = self.out.abs().amax() < math.inf if ok is None and self.out.numel() else ok
+                part = self.out[a:b].to(self.state.residual.dtype)
+                self.state.residual[at : at + b - a] += part if ok is None else torch.where(ok, part, 0.0)
             at += b - a
 
 

@@ -333,7 +333,7 @@ class SparseGradSync(Joinable):
         self._guard: Any = None
         self._pending: tuple | None = None  # an asynchronous synchronize()'s calls, until wait()
         self._async_op = False  # the last synchronization's mode: a rank that joined shadows the next ones so
-        self._misused: ColltuneValueError | None = None  # found by a hook: the next step's check carries it
+        self._misused: ColltuneValueError | None = None  # found by the optimizer guard: the next check carries it
 
     # -- routing
     @property
@@ -761,10 +761,11 @@ class SparseGradSync(Joinable):
 
         Not under ``torch.amp.GradScaler``: it unscales and checks the
         gradients for infs before it steps, so a step it makes with the
-        gradients not yet averaged raises :class:`ColltuneValueError` on
-        every rank (a rank that overflows alone would skip its step and its
-        synchronization). Average first: :meth:`attach_to_backward`, or
-        :meth:`synchronize` right after backward.
+        gradients not yet averaged raises :class:`ColltuneValueError`, with
+        no collective, on every rank that steps (a rank that overflows alone
+        skips its step and its synchronization, and raises at its next).
+        Average first: :meth:`attach_to_backward`, or :meth:`synchronize`
+        right after backward.
 
         Returns:
             A handle whose ``remove()`` detaches the synchronizer from these optimizers.
@@ -793,8 +794,9 @@ class SparseGradSync(Joinable):
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         if not self._synced:
-            if _under_grad_scaler():
-                self._misused = ColltuneValueError(_SCALED_FIRST, argument="optimizers")
+            if _under_grad_scaler():  # raised here, with no collective: a rank whose gradients overflowed
+                # skipped this step and is not here to exchange a check (it raises at its next step)
+                raise ColltuneValueError(_SCALED_FIRST, argument="optimizers")
             self.synchronize()
         self.wait()
 
@@ -809,6 +811,11 @@ class SparseGradSync(Joinable):
         if self._synced:  # a new backward: its gradients are not synchronized yet
             self._synced = False
             self._stepped.clear()
+
+    def _steps_tracked(self, opt: Any) -> bool:
+        """Whether ``opt`` steps one of the synchronizer's parameters."""
+        tracked = {id(param) for _, param, _ in self._params}
+        return any(id(p) in tracked for group in opt.param_groups for p in group["params"])
 
     def _forget(self, optimizers: tuple[Any, ...]) -> None:
         self._attached = [o for o in self._attached if all(o is not x for x in optimizers)]
@@ -881,7 +888,7 @@ class SparseGradSync(Joinable):
         """Remove every hook :meth:`attach` and :meth:`attach_to_backward` installed."""
         self.wait()  # a pending asynchronous synchronization lands first
         _remove_hooks(self._handles)
-        self._grad_hooks, self._guard, self._attached = [], None, []
+        self._grad_hooks, self._guard, self._attached, self._misused = [], None, [], None
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -1005,15 +1012,20 @@ _SCALED_IN_FLIGHT = (
 
 
 def _under_grad_scaler(depth: int = 16) -> bool:
-    """Whether a ``GradScaler`` (``torch.amp``'s, or a subclass's module named ``*grad_scaler``) is stepping the
-    optimizer: its ``step`` (or ``_maybe_opt_step``) is among the callers of the optimizer's step hooks."""
+    """Whether an enabled ``torch.amp.GradScaler`` (or a subclass) is stepping the optimizer: its ``step`` (or
+    ``_maybe_opt_step``) is among the callers of the optimizer's step hooks.
+
+    Not FSDP's ``ShardedGradScaler``: it all-reduces its inf checks, so every rank skips alike. Not a
+    scaler built with ``enabled=False`` (or for CUDA where there is none): it steps as if absent.
+    """
     frame = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_code.co_name in ("step", "_maybe_opt_step") and \
-                str(frame.f_globals.get("__name__", "")).endswith("grad_scaler"):
-            return True
+        if frame.f_code.co_name in ("step", "_maybe_opt_step"):
+            scaler = frame.f_locals.get("self")
+            if isinstance(scaler, torch.amp.GradScaler):
+                return scaler.is_enabled() and type(scaler).__name__ != "ShardedGradScaler"
         frame = frame.f_back
     return False
 
@@ -1032,7 +1044,9 @@ def _install_guard(sync: SparseGradSync) -> Any:
     def guard(opt: Any, args: Any, kwargs: Any) -> None:
         target = ref()
         if target is not None:
-            if target._pending is not None and _under_grad_scaler():  # it read them in flight: raised at the next step
+            if target._pending is not None and target._steps_tracked(opt) and _under_grad_scaler():
+                # It read them in flight: every rank raises at the next step, in its check (a rank that
+                # overflowed skipped this optimizer step, but not the next synchronization).
                 target._misused = ColltuneValueError(_SCALED_IN_FLIGHT, argument="optimizers")
             target.wait()  # an asynchronous synchronization lands before any optimizer reads the gradients
             target._check_unattached(opt)
